@@ -1,0 +1,68 @@
+"""Building blocks shared by the target models and the DFlash draft: RMSNorm, RoPE, SwiGLU."""
+import math
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[Tensor, float]:
+    """Inverse frequencies and the attention scaling factor, as HF's rope initialisers compute them."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind in ("default", None):
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"]), 1.0
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled), 1.0
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+
+
+def rope_table(head_dim: int, theta: float, scaling: dict | None, max_len: int) -> Tensor:
+    """[max_len, 2, head_dim] float32 table of (cos, sin) per position."""
+    inv_freq, attention_scaling = rope_inv_freq(head_dim, theta, scaling)
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return torch.stack([emb.cos(), emb.sin()], dim=1) * attention_scaling
+
+
+def apply_rope(x: Tensor, cos_sin: Tensor) -> Tensor:
+    """x: [..., T, heads, head_dim]; cos_sin: [T, 2, head_dim] (rotate-half / NEOX layout, as HF)."""
+    cos = cos_sin[:, 0, None, :].to(x.dtype)
+    sin = cos_sin[:, 1, None, :].to(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,126 @@
+"""Decoder-only target model (llama, qwen2, qwen3, mistral) with a static KV cache.
+
+Module names mirror HF's so that an HF state dict loads as is. The KV cache is indexed by position:
+a forward writes K/V at the rows of its positions and attends to rows at positions <= its own, so rows
+beyond the committed length are stale and harmless, and rolling back is just resetting a length.
+"""
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from flashdraft.models.config import ModelConfig
+from flashdraft.models.layers import RMSNorm, SwiGLU, apply_rope, rope_table
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+
+    def forward(self, x: Tensor, cos_sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+                rows: Tensor, mask: Tensor, attn_len: int) -> Tensor:
+        # x: [T, H]; k_cache/v_cache: [kv_heads, max_len, head_dim]; mask: [T, attn_len] bool
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos_sin), apply_rope(k, cos_sin)
+        k_cache.index_copy_(1, rows, k.transpose(0, 1).to(k_cache.dtype))
+        v_cache.index_copy_(1, rows, v.transpose(0, 1).to(v_cache.dtype))
+        keys, values = k_cache[:, :attn_len].to(q.dtype), v_cache[:, :attn_len].to(q.dtype)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(out.transpose(0, 1).reshape(T, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos_sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+                rows: Tensor, mask: Tensor, attn_len: int) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, k_cache, v_cache, rows, mask, attn_len)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.k_cache: Tensor | None = None
+        self.v_cache: Tensor | None = None
+        self.rope: Tensor | None = None
+
+    @property
+    def max_len(self) -> int:
+        return 0 if self.k_cache is None else self.k_cache.shape[3]
+
+    def setup_cache(self, max_len: int, n_slots: int = 1, dtype: torch.dtype | None = None) -> None:
+        cfg, weight = self.cfg, self.model.embed_tokens.weight
+        shape = (n_slots, cfg.num_layers, cfg.num_kv_heads, max_len, cfg.head_dim)
+        self.k_cache = torch.zeros(shape, device=weight.device, dtype=dtype or weight.dtype)
+        self.v_cache = torch.zeros_like(self.k_cache)
+        self.rope = rope_table(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_len).to(weight.device)
+
+    def embed(self, ids: Tensor) -> Tensor:
+        return self.model.embed_tokens(ids)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(hidden)
+
+    def attention_mask(self, positions: Tensor, attn_len: int) -> Tensor:
+        key_pos = torch.arange(attn_len, device=positions.device)
+        mask = key_pos[None, :] <= positions[:, None]
+        if self.cfg.sliding_window is not None:
+            mask &= positions[:, None] - key_pos[None, :] < self.cfg.sliding_window
+        return mask
+
+    def forward(self, input_ids: Tensor, positions: Tensor, slot: int = 0, capture: list[int] | None = None,
+                attn_len: int | None = None, all_logits: bool = True) -> tuple[Tensor, Tensor | None]:
+        """input_ids, positions: [T]. Returns logits [T or 1, V] and the captured layer outputs [T, L*H]."""
+        if attn_len is None:
+            attn_len = int(positions.max()) + 1
+        if attn_len > self.max_len:
+            raise ValueError(f"position {attn_len - 1} is past the context size {self.max_len}")
+        x = self.embed(input_ids)
+        cos_sin = self.rope[positions]
+        mask = self.attention_mask(positions, attn_len)
+        captured = []
+        want = set(capture or ())
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos_sin, self.k_cache[slot, i], self.v_cache[slot, i], positions, mask, attn_len)
+            if i in want:
+                captured.append(x)
+        if capture:
+            by_layer = dict(zip(sorted(want), captured))
+            features = torch.cat([by_layer[i] for i in capture], dim=-1)
+        else:
+            features = None
+        x = self.model.norm(x if all_logits else x[-1:])
+        return self.logits(x), features
