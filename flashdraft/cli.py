@@ -1,0 +1,128 @@
+"""`flashdraft` command line: generate, serve, bench, pull, train-draft, make-data."""
+import argparse
+import json
+import sys
+
+SUBCOMMANDS = {
+    "serve": "flashdraft.server.main",
+    "bench": "flashdraft.bench.main",
+    "train-draft": "flashdraft.train.main",
+    "make-data": "flashdraft.train.data",
+}
+
+
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("-m", "--model", required=True, help="target: GGUF file, HF folder, or a named model")
+    ap.add_argument("-md", "--draft", help="DFlash draft (z-lab HF folder)")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    ap.add_argument("--ctx-size", type=int, default=4096)
+    ap.add_argument("--block-size", type=int, default=None, help="verify block (at most the draft's)")
+    ap.add_argument("--draft-window", type=int, default=None, help="draft sees the last N positions")
+
+
+def default_device(device: str | None) -> str:
+    import torch
+    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+
+
+def generate_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="flashdraft generate", description="Generate text from a prompt.")
+    add_model_args(ap)
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt")
+    src.add_argument("--prompt-ids", help="comma-separated token ids (skips tokenizer and template)")
+    ap.add_argument("--chat", action="store_true", help="wrap --prompt in the chat template")
+    ap.add_argument("--system", help="system message (with --chat)")
+    ap.add_argument("-n", "--max-tokens", type=int, default=256)
+    ap.add_argument("--temp", type=float, default=0.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--min-p", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--no-spec", action="store_true", help="plain decoding even with a draft")
+    ap.add_argument("--reasoning", choices=["on", "off"], default=None, help="enable_thinking in the template")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    args = ap.parse_args(argv)
+
+    from flashdraft.engine.engine import Engine, Request
+    from flashdraft.engine.sampling import SamplingParams
+    from flashdraft.formats.chat import render_prompt
+
+    prompt_ids = parse_ids(args.prompt_ids) if args.prompt_ids else None
+    params = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                            seed=args.seed, max_tokens=args.max_tokens)
+    params.validate()
+    engine = Engine.load(args.model, args.draft, device=default_device(args.device), dtype=args.dtype,
+                         ctx_size=args.ctx_size, draft_window=args.draft_window, block_size=args.block_size,
+                         progress=not args.json)
+    if prompt_ids is None:
+        prompt_ids = render_prompt(engine.tokenizer, args.prompt, chat=args.chat, system=args.system,
+                                   reasoning=args.reasoning)
+    bad = [t for t in prompt_ids if not 0 <= t < engine.target.cfg.vocab_size]
+    if bad:
+        raise ValueError(f"token ids out of the vocabulary (size {engine.target.cfg.vocab_size}): {bad[:5]}")
+    req = Request(prompt_ids=prompt_ids, params=params, speculative=not args.no_spec)
+    result = None
+    for event in engine.stream(req):
+        if hasattr(event, "finish_reason"):
+            result = event
+        elif not args.json:
+            print(event.text, end="", flush=True)
+    if args.json:
+        print(json.dumps(dict(
+            text=result.text, token_ids=result.token_ids, prompt_ids=result.prompt_ids,
+            finish_reason=result.finish_reason, timings=result.timings.to_dict(),
+            acceptance_lengths=result.spec.acceptance_lengths, draft_steps=result.spec.draft_steps,
+            speculative=result.speculative_summary() if result.spec.draft_steps else None)))
+    else:
+        t = result.timings.to_dict()
+        line = (f"\n\n[prompt {t['prompt_n']} tok, {t['prompt_per_second']:.1f} tok/s | "
+                f"generated {t['predicted_n']} tok, {t['predicted_per_second']:.1f} tok/s")
+        if result.spec.draft_steps:
+            s = result.speculative_summary()
+            line += (f" | mean acceptance length {s['mean_acceptance_length']:.2f}, "
+                     f"acceptance rate {s['acceptance_rate']:.1%}")
+        print(line + "]", file=sys.stderr)
+    return 0
+
+
+def pull_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="flashdraft pull", description="Fetch a named model into the cache.")
+    ap.add_argument("name")
+    args = ap.parse_args(argv)
+    from flashdraft.formats.named import pull
+    print(pull(args.name))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    commands = ["generate", "pull", *SUBCOMMANDS]
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        print(f"usage: flashdraft {{{','.join(commands)}}} ...", file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    cmd, rest = argv[0], argv[1:]
+    try:
+        if cmd == "generate":
+            return generate_main(rest)
+        if cmd == "pull":
+            return pull_main(rest)
+        import importlib
+        return importlib.import_module(SUBCOMMANDS[cmd]).main(rest) or 0
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"flashdraft {cmd}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""Engine: the one interface the CLI, the server and the bench use."""
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from flashdraft.engine.generate import SpecStats, decode
+from flashdraft.engine.sampling import SamplingParams
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    speculative: bool = True
+    block_size: int | None = None
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class Timings:
+    prompt_n: int = 0
+    prompt_ms: float = 0.0
+    predicted_n: int = 0
+    predicted_ms: float = 0.0
+    cache_n: int = 0
+    draft_n: int = 0
+    draft_n_accepted: int = 0
+
+    def to_dict(self) -> dict:
+        d = dict(cache_n=self.cache_n, prompt_n=self.prompt_n, prompt_ms=self.prompt_ms,
+                 prompt_per_token_ms=self.prompt_ms / max(self.prompt_n, 1),
+                 prompt_per_second=1e3 * self.prompt_n / self.prompt_ms if self.prompt_ms > 0 else 0.0,
+                 predicted_n=self.predicted_n, predicted_ms=self.predicted_ms,
+                 predicted_per_token_ms=self.predicted_ms / max(self.predicted_n, 1),
+                 predicted_per_second=1e3 * self.predicted_n / self.predicted_ms if self.predicted_ms > 0 else 0.0)
+        if self.draft_n > 0:
+            d.update(draft_n=self.draft_n, draft_n_accepted=self.draft_n_accepted)
+        return d
+
+
+@dataclass
+class Delta:
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    prompt_ids: list[int]
+    finish_reason: str  # "stop" (EOS or stop string), "length", or "cancelled"
+    stop_word: str | None
+    timings: Timings
+    spec: SpecStats
+
+    def speculative_summary(self) -> dict:
+        """Per-request acceptance statistics (acceptance length includes the bonus token)."""
+        s = self.spec
+        steps = len(s.acceptance_lengths)
+        histogram = [0] * (s.block_size + 1)
+        for a in s.acceptance_lengths:
+            histogram[a] += 1
+        return dict(
+            block_size=s.block_size, verify_steps=steps, draft_n=s.draft_n, draft_n_accepted=s.draft_n_accepted,
+            mean_acceptance_length=sum(s.acceptance_lengths) / steps if steps else 0.0,
+            acceptance_rate=s.draft_n_accepted / s.draft_n if s.draft_n else 0.0,
+            acceptance_histogram=histogram,
+            per_position_acceptance=[c / steps for c in s.accepted_per_position] if steps else [],
+        )
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+             "f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"unknown dtype {dtype!r} (choose auto, float32, bfloat16, float16)")
+    return names[dtype]
+
+
+def _stop_hit(text: str, stops: list[str]) -> tuple[int, str] | None:
+    hits = [(text.find(s), s) for s in stops if s and s in text]
+    return min(hits) if hits else None
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """Length of the longest text suffix that is a proper prefix of a stop string (not yet safe to emit)."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                best = max(best, k)
+                break
+    return best
+
+
+class Engine:
+    def __init__(self, target, tokenizer, draft=None, device: str = "cpu", ctx_size: int = 4096,
+                 n_slots: int = 1, draft_window: int | None = None, block_size: int | None = None,
+                 model_path: str = "", draft_path: str | None = None):
+        self.target, self.tokenizer, self.draft = target, tokenizer, draft
+        self.device, self.ctx_size, self.n_slots = device, ctx_size, n_slots
+        self.block_size = block_size
+        self.draft_window = draft_window
+        self.model_path, self.draft_path = model_path, draft_path
+        if block_size is not None and draft is not None and not 1 <= block_size <= draft.cfg.block_size:
+            raise ValueError(f"--block-size must be between 1 and the draft's block size {draft.cfg.block_size}")
+        if draft_window is not None and draft_window < 1:
+            raise ValueError("--draft-window must be at least 1")
+        target.setup_cache(ctx_size, n_slots)
+        if draft is not None:
+            draft.setup_cache(min(draft_window or ctx_size, ctx_size), n_slots)
+        self.free_slots: queue.Queue[int] = queue.Queue()
+        for s in range(n_slots):
+            self.free_slots.put(s)
+
+    @staticmethod
+    def load(model: str, draft: str | None = None, device: str = "cpu", dtype: str = "auto",
+             ctx_size: int = 4096, n_slots: int = 1, draft_window: int | None = None,
+             block_size: int | None = None, progress: bool = False) -> "Engine":
+        from flashdraft.formats.loader import load_draft, load_target
+        torch_dtype = resolve_dtype(dtype, device)
+        target, tokenizer, model_path = load_target(model, device, torch_dtype, progress=progress)
+        draft_model = load_draft(draft, target, device, torch_dtype) if draft else None
+        return Engine(target, tokenizer, draft_model, device, ctx_size, n_slots, draft_window, block_size,
+                      model_path=str(model_path), draft_path=draft)
+
+    @property
+    def free_slot_count(self) -> int:
+        return self.free_slots.qsize()
+
+    def stream(self, req: Request) -> Iterator[Delta | Completion]:
+        """Yield text deltas, then the Completion. Closing the iterator early frees the slot."""
+        req.params.validate()
+        if len(req.prompt_ids) >= self.ctx_size:
+            raise ValueError(f"the prompt has {len(req.prompt_ids)} tokens, which does not fit the "
+                             f"context of {self.ctx_size} tokens")
+        slot = self.free_slots.get()
+        try:
+            yield from self._run(req, slot)
+        finally:
+            self.free_slots.put(slot)
+
+    def generate(self, req: Request) -> Completion:
+        for event in self.stream(req):
+            if isinstance(event, Completion):
+                return event
+        raise RuntimeError("generation ended without a result")
+
+    def _run(self, req: Request, slot: int) -> Iterator[Delta | Completion]:
+        from flashdraft.formats.tokenizer import IncrementalDetokenizer
+        p = req.params
+        draft = self.draft if req.speculative else None
+        gen = None
+        if not p.greedy:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(p.seed if p.seed is not None and p.seed >= 0 else int(torch.seed() % (2 ** 63)))
+        stats = SpecStats()
+        eos = set() if p.ignore_eos else set(self.tokenizer.eos_ids)
+        detok = IncrementalDetokenizer(self.tokenizer)
+        prompt = torch.tensor(req.prompt_ids, dtype=torch.long, device=self.device)
+        tokens: list[int] = []
+        text, emitted, stop_word, finish = "", 0, None, "length"
+        t0 = time.perf_counter()
+        t_first = None
+        steps = decode(self.target, prompt, p, slot=slot, draft=draft, block_size=req.block_size or self.block_size,
+                       stats=stats, max_len=self.ctx_size, generator=gen)
+        try:
+            for new in steps:
+                if t_first is None:
+                    self._sync()
+                    t_first = time.perf_counter()
+                for i, t in enumerate(new):
+                    if t in eos:
+                        tokens += new[:i + 1]
+                        finish = "stop"
+                        break
+                else:
+                    tokens += new
+                if finish != "stop":
+                    text += detok.push([t for t in new])
+                else:
+                    text += detok.push([t for t in new[:i]])
+                hit = _stop_hit(text, p.stop)
+                if hit is not None:
+                    text, stop_word, finish = text[:hit[0]], hit[1], "stop"
+                safe = len(text) if finish == "stop" else len(text) - _held_back(text, p.stop)
+                if safe > emitted:
+                    yield Delta(text[emitted:safe], new)
+                    emitted = safe
+                if finish == "stop":
+                    break
+                if req.cancel.is_set():
+                    finish = "cancelled"
+                    break
+        finally:
+            steps.close()
+        self._sync()
+        t_end = time.perf_counter()
+        t_first = t_first or t_end
+        timings = Timings(prompt_n=len(req.prompt_ids), prompt_ms=1e3 * (t_first - t0), predicted_n=len(tokens),
+                          predicted_ms=1e3 * (t_end - t_first), draft_n=stats.draft_n,
+                          draft_n_accepted=stats.draft_n_accepted)
+        if emitted < len(text):
+            yield Delta(text[emitted:], [])
+        yield Completion(text=text, token_ids=tokens, prompt_ids=list(req.prompt_ids), finish_reason=finish,
+                         stop_word=stop_word, timings=timings, spec=stats)
+
+    def _sync(self) -> None:
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()

@@ -1,0 +1,121 @@
+"""Plain and DFlash speculative decode loops on one cache slot.
+
+Both loops yield the tokens each step commits. Target K/V beyond the committed length are stale and
+ignored (the cache is indexed by position), so rejected draft tokens roll back by length alone. The draft
+only ever receives features of committed positions, so it never rolls back.
+"""
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from flashdraft.engine.sampling import SamplingParams, sample
+
+PREFILL_CHUNK = 1024
+
+
+@dataclass
+class SpecStats:
+    block_size: int = 0
+    acceptance_lengths: list[int] = field(default_factory=list)  # a + 1 per verify step (bonus included)
+    draft_steps: list[list[int]] = field(default_factory=list)  # tokens proposed at each verify step
+    accepted_per_position: list[int] = field(default_factory=list)  # [k] = steps whose draft token k+1 was accepted
+
+    @property
+    def draft_n(self) -> int:
+        return sum(len(d) for d in self.draft_steps)
+
+    @property
+    def draft_n_accepted(self) -> int:
+        return sum(a - 1 for a in self.acceptance_lengths)
+
+    def record(self, proposed: list[int], accepted: int) -> None:
+        self.draft_steps.append(proposed)
+        self.acceptance_lengths.append(accepted + 1)
+        if len(self.accepted_per_position) < len(proposed):
+            self.accepted_per_position += [0] * (len(proposed) - len(self.accepted_per_position))
+        for k in range(accepted):
+            self.accepted_per_position[k] += 1
+
+
+# An acceptance rule maps (drafted tokens [n], target logits [n+1, V]) to (number accepted, next token).
+AcceptRule = Callable[[Tensor, Tensor, SamplingParams, torch.Generator | None], tuple[int, int]]
+
+
+def accept_matching_samples(drafted: Tensor, logits: Tensor, params: SamplingParams,
+                            generator: torch.Generator | None) -> tuple[int, int]:
+    """Sample the target's own token at every block position and accept drafts while they equal it.
+    Each emitted token is then a sample of the target's filtered distribution given the committed
+    prefix, whatever the draft proposed: lossless for greedy and for sampling."""
+    posterior = sample(logits, params, generator)
+    matches = (drafted == posterior[:-1]).int().cumprod(0)
+    accepted = int(matches.sum())
+    return accepted, int(posterior[accepted])
+
+
+def prefill(target, prompt_ids: Tensor, slot: int, capture: list[int] | None) -> tuple[Tensor, Tensor | None]:
+    """Run the prompt through the target in chunks; returns the last logits and all captured features."""
+    features = []
+    for start in range(0, len(prompt_ids), PREFILL_CHUNK):
+        chunk = prompt_ids[start:start + PREFILL_CHUNK]
+        positions = torch.arange(start, start + len(chunk), device=prompt_ids.device)
+        logits, feats = target(chunk, positions, slot=slot, capture=capture,
+                               attn_len=start + len(chunk), all_logits=False)
+        if feats is not None:
+            features.append(feats)
+    return logits[-1:], (torch.cat(features) if features else None)
+
+
+@torch.inference_mode()
+def decode(target, prompt_ids: Tensor, params: SamplingParams, slot: int = 0, draft=None,
+           block_size: int | None = None, stats: SpecStats | None = None, max_len: int | None = None,
+           generator: torch.Generator | None = None,
+           accept_rule: AcceptRule = accept_matching_samples) -> Iterator[list[int]]:
+    """Yield the committed tokens of each step until `params.max_tokens` are out (the caller stops
+    earlier on EOS or stop strings by closing the generator)."""
+    device = prompt_ids.device
+    max_len = max_len or target.max_len
+    n = len(prompt_ids)
+    if n >= max_len:
+        raise ValueError(f"the prompt has {n} tokens, which does not fit the context of {max_len} tokens")
+    budget = min(params.max_tokens, max_len - n)
+    if budget <= 0:
+        return
+    capture = draft.cfg.target_layer_ids if draft is not None else None
+    logits, features = prefill(target, prompt_ids, slot, capture)
+    token = int(sample(logits, params, generator)[0])
+    if draft is not None:
+        draft.reset(slot)
+        draft.append_context(features, torch.arange(n, device=device), slot)
+    yield [token]
+    produced, pos = 1, n  # pos: position of `token`, committed but not yet in the target cache
+    block = (block_size or draft.cfg.block_size) if draft is not None else 1
+    if stats is not None:
+        stats.block_size = block
+    while produced < budget:
+        width = min(block, budget - produced + 1, max_len - pos)
+        if width <= 1:
+            logits, _ = target(torch.tensor([token], device=device), torch.tensor([pos], device=device), slot=slot)
+            new = [int(sample(logits, params, generator)[0])]
+            pos += 1
+        else:
+            block_ids = torch.full((width,), draft.cfg.mask_token_id, dtype=torch.long, device=device)
+            block_ids[0] = token
+            positions = torch.arange(pos, pos + width, device=device)
+            noise = target.embed(block_ids) * draft.cfg.input_embedding_scale
+            hidden = draft(noise, positions, slot)
+            drafted = draft.compute_logits(hidden[1:], target.logits).argmax(-1)
+            block_ids[1:] = drafted
+            logits, feats = target(block_ids, positions, slot=slot, capture=capture)
+            accepted, bonus = accept_rule(drafted, logits, params, generator)
+            proposed = drafted.tolist()
+            if stats is not None:
+                stats.record(proposed, accepted)
+            draft.append_context(feats[:accepted + 1], positions[:accepted + 1], slot)
+            new = proposed[:accepted] + [bonus]
+            pos += accepted + 1
+        new = new[:budget - produced]
+        produced += len(new)
+        token = new[-1]
+        yield new

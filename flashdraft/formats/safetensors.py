@@ -1,0 +1,44 @@
+"""HF model folders: config.json plus one or several *.safetensors files."""
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+
+def read_config(folder: Path) -> dict:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{folder}: no config.json (expected an HF model folder or a .gguf file)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON ({e})") from None
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [folder / n for n in names]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    missing = [f.name for f in files if not f.is_file()]
+    if not files or missing:
+        raise ValueError(f"{folder}: missing safetensors weights {missing or '(none found)'}")
+    return files
+
+
+def iter_tensors(folder: Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors one at a time, converted to dtype on device, so only one extra tensor is alive at once."""
+    for path in safetensors_files(folder):
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name).to(device=device, dtype=dtype)
+        except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
+            if isinstance(e, ValueError) and str(path) in str(e):
+                raise
+            raise ValueError(f"{path}: cannot read safetensors file ({e})") from None

@@ -1,0 +1,66 @@
+"""Tiny random models written to disk in the real formats, for tests."""
+import json
+from pathlib import Path
+
+import torch
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TEXT = ("def add(a, b):\n    return a + b\n\nThe quick brown fox jumps over the lazy dog. "
+        "Speculative decoding drafts tokens and verifies them in one pass. 0123456789 ") * 20
+
+
+def write_tokenizer(folder: Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([TEXT], trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(dict(
+        bos_token=None, eos_token="<|im_end|>", chat_template=CHATML, add_bos_token=False)))
+
+
+def make_target(folder: Path, arch: str = "llama", vocab_size: int = 320, layers: int = 4, seed: int = 0,
+                std: float = 0.15) -> Path:
+    import transformers
+    folder.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(folder, vocab_size)
+    eos = 2  # <|im_end|>
+    cfg = transformers.AutoConfig.for_model(
+        model_type=arch, vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5,
+        tie_word_embeddings=arch == "llama", eos_token_id=eos, bos_token_id=None)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, std)
+    model.save_pretrained(folder)
+    return folder
+
+
+def make_draft(folder: Path, target: Path, layers: int = 2, block_size: int = 8, seed: int = 1,
+               std: float = 0.15, **dflash) -> Path:
+    from safetensors.torch import save_file
+    from flashdraft.draft.model import DFlashDraft, DraftConfig
+    tcfg = json.loads((target / "config.json").read_text())
+    n_target = tcfg["num_hidden_layers"]
+    hf = dict(architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=tcfg["hidden_size"],
+              intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=tcfg["vocab_size"],
+              max_position_embeddings=2048, num_target_layers=n_target, block_size=block_size,
+              dflash_config=dict(dict(mask_token_id=tcfg["vocab_size"] - 1,
+                                      target_layer_ids=[1, n_target - 2]), **dflash))
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    draft = DFlashDraft(DraftConfig.from_hf(hf))
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, std)
+    (folder / "config.json").write_text(json.dumps(hf))
+    save_file({k: v.contiguous() for k, v in draft.state_dict().items()}, str(folder / "model.safetensors"))
+    return folder
