@@ -1,0 +1,419 @@
+"""GGUF files: metadata -> HF-style config dict, vectorised dequantisation in torch, HF tensor names and layouts.
+
+    g = read_gguf("model.gguf")
+    config = gguf_to_hf_config(g)                      # like an HF config.json
+    for name, tensor in iter_gguf_tensors(g, torch.bfloat16, "cuda"):
+        ...                                            # HF names, dequantised one tensor at a time
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+
+QK_K = 256
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# Bound on the float32 temporaries of one dequantisation step (elements), so a large embedding on a GPU
+# does not need several full-size intermediates at once.
+CHUNK_ELEMENTS = 1 << 24
+
+
+@dataclass
+class GGUFTensor:
+    name: str
+    qtype: GGMLQuantizationType
+    shape: tuple[int, ...]  # logical shape in torch order (out_features first)
+    data: np.ndarray  # the stored bytes, memory-mapped (typed for F32/F16, uint8 otherwise)
+
+
+@dataclass
+class GGUFFile:
+    path: Path
+    metadata: dict[str, Any]
+    tensors: dict[str, GGUFTensor]
+
+    @property
+    def architecture(self) -> str:
+        return self.metadata.get("general.architecture", "")
+
+
+class _Reader(GGUFReader):
+    # GGUFReader walks string arrays element by element through np.memmap slices; a plain ndarray view of
+    # the same mapping skips memmap's per-slice bookkeeping and reads the vocabulary ~3x faster.
+    @property
+    def data(self) -> np.ndarray:
+        return self._plain_data
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._plain_data = value.view(np.ndarray)
+
+
+def read_gguf(path: str | Path) -> GGUFFile:
+    """Parse a GGUF file's metadata and tensor table; tensor data stays memory-mapped."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ValueError(f"{path.name}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+    size = path.stat().st_size
+    try:
+        reader = _Reader(path)
+        metadata = {name: field.contents() for name, field in reader.fields.items()}
+    except Exception as e:  # the reader fails in many ways on a damaged file; all of them mean the same
+        raise ValueError(f"{path.name}: truncated or corrupt GGUF file (its {size:,} bytes do not parse)") from e
+    tensors = {}
+    for t in reader.tensors:
+        if t.data_offset + int(t.n_bytes) > size:
+            raise ValueError(f"{path.name}: truncated GGUF file (tensor {t.name} ends past the end of the file)")
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        tensors[t.name] = GGUFTensor(t.name, GGMLQuantizationType(t.tensor_type), shape, t.data)
+    return GGUFFile(path, metadata, tensors)
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+def gguf_to_hf_config(gguf: GGUFFile | Mapping[str, Any], tensors: Mapping[str, GGUFTensor] | None = None) -> dict:
+    """An HF config.json-style dict for a GGUF file (pass the GGUFFile, or its metadata and tensors)."""
+    if isinstance(gguf, GGUFFile):
+        metadata, tensors = gguf.metadata, gguf.tensors
+    else:
+        metadata = gguf
+        if tensors is None:
+            raise TypeError("gguf_to_hf_config needs the tensor table too: pass read_gguf(path), or (metadata, tensors)")
+    arch = metadata.get("general.architecture")
+    model_type = _model_type(metadata)
+
+    def get(key: str, default: Any = None) -> Any:
+        return metadata.get(f"{arch}.{key}", default)
+
+    hidden = int(get("embedding_length"))
+    heads = int(get("attention.head_count"))
+    kv_heads = get("attention.head_count_kv", heads)
+    kv_heads = int(max(kv_heads) if isinstance(kv_heads, list) else kv_heads)
+    head_dim = int(get("attention.key_length") or get("rope.dimension_count") or hidden // heads)
+    rope_theta = float(get("rope.freq_base", 10000.0))
+    context = int(get("context_length", 4096))
+    vocab = get("vocab_size") or len(metadata.get("tokenizer.ggml.tokens") or ()) or tensors["token_embd.weight"].shape[0]
+    eos_ids = _unique(metadata.get(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom"))
+    return {
+        "architectures": [ARCHITECTURES[model_type]],
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": rope_theta,
+        "rope_scaling": _rope_scaling(metadata, arch, tensors, rope_theta, head_dim),
+        "max_position_embeddings": context,
+        "vocab_size": int(vocab),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": model_type != "qwen2" and "blk.0.attn_q.bias" in tensors,
+        "mlp_bias": "blk.0.ffn_up.bias" in tensors,
+        "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None),
+        "sliding_window": get("attention.sliding_window"),
+    }
+
+
+def _model_type(metadata: Mapping[str, Any]) -> str:
+    arch = metadata.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(ARCHITECTURES)})")
+    names = f"{metadata.get('general.name', '')} {metadata.get('general.basename', '')}".lower()
+    if arch == "llama" and "mistral" in names:  # llama.cpp writes Mistral models as `llama`
+        return "mistral"
+    return arch
+
+
+def _unique(values) -> list[int]:
+    out: list[int] = []
+    for v in values:
+        if v is not None and int(v) not in out:
+            out.append(int(v))
+    return out
+
+
+def _rope_scaling(metadata: Mapping[str, Any], arch: str, tensors: Mapping[str, GGUFTensor],
+                  theta: float, head_dim: int) -> dict | None:
+    original = metadata.get(f"{arch}.rope.scaling.original_context_length")
+    if "rope_freqs.weight" in tensors:  # llama3-style: the converter stores the per-frequency factors
+        factors = _to_float_array(tensors["rope_freqs.weight"])
+        return _llama3_rope_scaling(factors, theta, head_dim, original)
+    kind = metadata.get(f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    factor = float(metadata.get(f"{arch}.rope.scaling.factor", 1.0))
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if kind == "yarn":
+        scaling = {"rope_type": "yarn", "factor": factor}
+        if original:
+            scaling["original_max_position_embeddings"] = int(original)
+        return scaling
+    raise ValueError(f"unsupported GGUF rope scaling type {kind!r}")
+
+
+def llama3_rope_factors(theta: float, head_dim: int, factor: float, low_freq_factor: float,
+                        high_freq_factor: float, original_context: int) -> np.ndarray:
+    """The per-frequency divisors llama.cpp stores as `rope_freqs` for HF's llama3 rope scaling."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    out = 1.0 / ((1 - smooth) / factor + smooth)
+    out = np.where(wavelen < original_context / high_freq_factor, 1.0, out)
+    return np.where(wavelen > original_context / low_freq_factor, factor, out)
+
+
+def _llama3_rope_scaling(factors: np.ndarray, theta: float, head_dim: int, original: int | None) -> dict:
+    factor = float(factors.max())
+    # Only the ratios low/original and high/original are observable, so any original context works.
+    original = int(original or 8192)
+    low, high = 1.0, 4.0
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    medium = (factors > 1 + 1e-4) & (factors < factor * (1 - 1e-4))
+    if medium.sum() >= 2 and factor > 1:
+        # In the smooth band 1/f = (1-s)/factor + s with s linear in original/wavelen: fit that line.
+        s = (1 / factors[medium] - 1 / factor) / (1 - 1 / factor)
+        x = original * inv_freq[medium] / (2 * math.pi)
+        slope, low = np.polyfit(s, x, 1)
+        high = low + slope
+        low, high = round(float(low), 4), round(float(high), 4)
+    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+               "original_max_position_embeddings": original}
+    expected = llama3_rope_factors(theta, head_dim, factor, low, high, original)
+    if expected.shape != factors.shape or not np.allclose(expected, factors, rtol=1e-3, atol=1e-4):
+        raise ValueError("GGUF rope_freqs tensor does not match llama3 rope scaling; cannot express it as an HF config")
+    return scaling
+
+
+# ------------------------------------------------------------------------------------- dequantisation
+
+def _f16(cols: torch.Tensor) -> torch.Tensor:
+    """Little-endian fp16 values stored as byte columns [n, 2k] -> float32 [n, k]."""
+    return cols.contiguous().view(torch.float16).float()
+
+
+def _bits(x: torch.Tensor, shifts: range | list[int], mask: int) -> torch.Tensor:
+    """Bit fields of the bytes [..., B] at each shift -> [..., len(shifts), B] (shift-major)."""
+    return torch.stack([(x >> s) & mask for s in shifts], dim=-2)
+
+
+def _low_bits_le(x: torch.Tensor) -> torch.Tensor:
+    """Bytes [n, B] read as one little-endian bit string -> [n, 8B] of 0/1 (bit j = byte j//8, bit j%8)."""
+    return torch.stack([(x >> s) & 1 for s in range(8)], dim=-1).reshape(x.shape[0], -1)
+
+
+def _q8_0(b: torch.Tensor) -> torch.Tensor:
+    d = _f16(b[:, :2])
+    return b[:, 2:].contiguous().view(torch.int8).float() * d
+
+
+def _q4_0(b: torch.Tensor) -> torch.Tensor:
+    d = _f16(b[:, :2])
+    q = _bits(b[:, 2:], [0, 4], 0xF).reshape(len(b), 32).to(torch.int8) - 8
+    return d * q.float()
+
+
+def _q4_1(b: torch.Tensor) -> torch.Tensor:
+    d, m = _f16(b[:, :2]), _f16(b[:, 2:4])
+    q = _bits(b[:, 4:], [0, 4], 0xF).reshape(len(b), 32).float()
+    return d * q + m
+
+
+def _q5(b: torch.Tensor) -> torch.Tensor:
+    """The 5-bit values of a Q5_0/Q5_1 block tail: qh[4] then qs[16]."""
+    ql = _bits(b[:, 4:], [0, 4], 0xF).reshape(len(b), 32)
+    return ql | (_low_bits_le(b[:, :4]) << 4)
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:
+    d = _f16(b[:, :2])
+    return d * (_q5(b[:, 2:]).to(torch.int8) - 16).float()
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:
+    d, m = _f16(b[:, :2]), _f16(b[:, 2:4])
+    return d * _q5(b[:, 4:]).float() + m
+
+
+def _q2_k(b: torch.Tensor) -> torch.Tensor:
+    n = len(b)
+    scales, qs = b[:, :16], b[:, 16:80]
+    d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])
+    dl = (d * (scales & 0xF).float()).reshape(n, 16, 1)
+    ml = (dmin * (scales >> 4).float()).reshape(n, 16, 1)
+    q = _bits(qs.reshape(n, 2, 32), [0, 2, 4, 6], 3).reshape(n, 16, 16).float()
+    return (dl * q - ml).reshape(n, QK_K)
+
+
+def _q3_k(b: torch.Tensor) -> torch.Tensor:
+    n = len(b)
+    hmask, qs, scales = b[:, :32], b[:, 32:96], b[:, 96:108]
+    d = _f16(b[:, 108:110])
+    low = _bits(scales[:, :8], [0, 4], 0xF).reshape(n, 16)
+    high = _bits(scales[:, 8:], [0, 2, 4, 6], 3).reshape(n, 16)
+    sc = ((low | (high << 4)).to(torch.int8) - 32).float()
+    dl = (d * sc).reshape(n, 16, 1)
+    ql = _bits(qs.reshape(n, 2, 32), [0, 2, 4, 6], 3).reshape(n, 16, 16)
+    qh = _bits(hmask.reshape(n, 1, 32), range(8), 1).reshape(n, 16, 16) ^ 1  # a set bit means no -4 offset
+    q = (ql.to(torch.int8) - (qh << 2).to(torch.int8)).float()
+    return (dl * q).reshape(n, QK_K)
+
+
+def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eight 6-bit scales and mins packed into 12 bytes (Q4_K, Q5_K)."""
+    s = scales.reshape(-1, 3, 4)
+    d, m, md = s[:, 0], s[:, 1], s[:, 2]
+    sc = torch.cat([d & 63, (md & 0xF) | ((d >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([m & 63, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return sc.float(), mn.float()
+
+
+def _q4_k(b: torch.Tensor) -> torch.Tensor:
+    n = len(b)
+    d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
+    sc, mn = _k_scale_min(b[:, 4:16])
+    q = _bits(b[:, 16:].reshape(n, 4, 32), [0, 4], 0xF).reshape(n, 8, 32).float()
+    return ((d * sc).reshape(n, 8, 1) * q - (dmin * mn).reshape(n, 8, 1)).reshape(n, QK_K)
+
+
+def _q5_k(b: torch.Tensor) -> torch.Tensor:
+    n = len(b)
+    d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
+    sc, mn = _k_scale_min(b[:, 4:16])
+    qh = _bits(b[:, 16:48].reshape(n, 1, 32), range(8), 1).reshape(n, 8, 32)
+    ql = _bits(b[:, 48:].reshape(n, 4, 32), [0, 4], 0xF).reshape(n, 8, 32)
+    q = (ql | (qh << 4)).float()
+    return ((d * sc).reshape(n, 8, 1) * q - (dmin * mn).reshape(n, 8, 1)).reshape(n, QK_K)
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    n = len(b)
+    sc = b[:, 192:208].contiguous().view(torch.int8).float()
+    d = _f16(b[:, 208:210])
+    ql = _bits(b[:, :128].reshape(n, 2, 64), [0, 4], 0xF).reshape(n, 8, 32)
+    qh = _bits(b[:, 128:192].reshape(n, 2, 32), [0, 2, 4, 6], 3).reshape(n, 8, 32)
+    q = ((ql | (qh << 4)).to(torch.int8) - 32).reshape(n, 16, 16).float()
+    return ((d * sc).reshape(n, 16, 1) * q).reshape(n, QK_K)
+
+
+Q = GGMLQuantizationType
+BLOCK_DEQUANTISERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
+    Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1,
+    Q.Q2_K: _q2_k, Q.Q3_K: _q3_k, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k,
+}
+FLOAT_TYPES = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
+SUPPORTED_TYPES = tuple(FLOAT_TYPES) + tuple(BLOCK_DEQUANTISERS)
+
+
+def dequantize(raw: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int, ...],
+               dtype: torch.dtype = torch.float32, device: str | torch.device | None = None) -> torch.Tensor:
+    """Stored bytes of one tensor (uint8, any shape) -> float tensor of `shape` in `dtype` on `device`."""
+    qtype = GGMLQuantizationType(qtype)
+    if qtype not in FLOAT_TYPES and qtype not in BLOCK_DEQUANTISERS:
+        raise ValueError(f"unsupported GGUF tensor type {qtype.name} "
+                         f"(supported: {', '.join(t.name for t in SUPPORTED_TYPES)})")
+    raw = raw.reshape(-1).to(device=device if device is not None else raw.device)
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    numel = math.prod(shape)
+    if raw.numel() != numel // block_size * type_size or numel % block_size:
+        raise ValueError(f"{qtype.name} data of {raw.numel()} bytes does not hold a tensor of shape {tuple(shape)}")
+    if qtype in FLOAT_TYPES:
+        return raw.view(FLOAT_TYPES[qtype]).to(dtype).reshape(shape)
+    blocks = raw.reshape(-1, type_size)
+    out = torch.empty(numel, dtype=dtype, device=raw.device)
+    step = max(1, CHUNK_ELEMENTS // block_size)
+    fn = BLOCK_DEQUANTISERS[qtype]
+    for start in range(0, len(blocks), step):
+        out[start * block_size:(start + step) * block_size] = fn(blocks[start:start + step]).reshape(-1)
+    return out.reshape(shape)
+
+
+def tensor_bytes(t: GGUFTensor) -> torch.Tensor:
+    """A tensor's stored bytes as a fresh uint8 torch tensor (a copy: the mapping is read-only)."""
+    return torch.from_numpy(np.ascontiguousarray(t.data).view(np.uint8).reshape(-1).copy())
+
+
+def _to_float_array(t: GGUFTensor) -> np.ndarray:
+    return dequantize(tensor_bytes(t), t.qtype, t.shape, torch.float32).numpy()
+
+
+# ------------------------------------------------------------------------------------- tensor names
+
+GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+IGNORED = {"rope_freqs.weight"}  # folded into the config's rope_scaling
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF state-dict name of a GGUF tensor (None for tensors the model does not need)."""
+    if gguf_name in IGNORED:
+        return None
+    if m := _LAYER_TENSOR.fullmatch(gguf_name):
+        layer, part, kind = m.groups()
+        if part in LAYER_NAMES:
+            return f"model.layers.{layer}.{LAYER_NAMES[part]}.{kind}"
+    else:
+        base, _, kind = gguf_name.rpartition(".")
+        if base in GLOBAL_NAMES and kind in ("weight", "bias"):
+            return f"{GLOBAL_NAMES[base]}.{kind}"
+    raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
+
+
+def iter_gguf_tensors(gguf: GGUFFile | str | Path, dtype: torch.dtype = torch.float32,
+                      device: str | torch.device = "cpu", progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs in HF layout, dequantised one at a time straight into `dtype` on `device`."""
+    if not isinstance(gguf, GGUFFile):
+        gguf = read_gguf(gguf)
+    config = gguf_to_hf_config(gguf)
+    permute_heads = {}
+    if gguf.architecture == "llama":  # the converter permutes q/k for `llama` (and so Mistral) only
+        permute_heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    items = list(gguf.tensors.values())
+    if progress:
+        from tqdm import tqdm
+        items = tqdm(items, desc=f"loading {gguf.path.name}", unit="tensor")
+    for t in items:
+        name = hf_name(t.name)
+        if name is None:
+            continue
+        raw = tensor_bytes(t)
+        part = t.name.split(".")[2] if t.name.startswith("blk.") else ""
+        if part in permute_heads:
+            raw = _unpermute(raw, t.shape[0], permute_heads[part])
+        yield name, dequantize(raw, t.qtype, t.shape, dtype, device)
+
+
+def _unpermute(raw: torch.Tensor, rows: int, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (made for its interleaved RoPE).
+
+    Each head's rows are stored as (head_dim/2, 2) pairs instead of HF's (2, head_dim/2) halves.
+    Quantisation blocks never span rows, so reordering the stored rows equals reordering the weight's rows."""
+    per_row = raw.numel() // rows
+    return raw.reshape(n_heads, rows // n_heads // 2, 2, per_row).transpose(1, 2).reshape(-1)
+
+
+def load_gguf_state_dict(path: str | Path | GGUFFile, dtype: torch.dtype = torch.float32,
+                         device: str | torch.device = "cpu", progress: bool = False) -> dict[str, torch.Tensor]:
+    """The whole model as an HF-named state dict (tied models have no `lm_head.weight`)."""
+    return dict(iter_gguf_tensors(path, dtype, device, progress))

