@@ -1,0 +1,635 @@
+"""DFlash draft: target features fused into one context vector per token, injected as extra K/V into every
+layer of a small Qwen3-style stack that denoises a block [anchor, MASK, ...] in one non-causal pass.
+
+State dict names are z-lab's (`fc.weight`, `layers.{i}.self_attn.q_proj.weight`, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+DRAFT_ARCHITECTURE = "DFlashDraftModel"
+SUPPORTED_ROPE_TYPES = ("linear", "llama3", "yarn")
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Default feature layers: the middle one for a one-layer draft, else evenly spaced over [1, N-3]."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    first, last = 1, num_target_layers - 3
+    return [round(first + (i * (last - first)) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DraftConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    num_target_layers: int
+    target_layer_ids: list[int]
+    mask_token_id: int | None
+    layer_types: list[str]
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "linear" | "llama3" | "yarn", ...}
+    max_position_embeddings: int = 32768
+    attention_bias: bool = False
+    sliding_window: int | None = None
+    is_causal: bool | None = None  # None: sliding layers causal, full layers bidirectional
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+
+    @property
+    def context_width(self) -> int:
+        return len(self.target_layer_ids) * self.hidden_size
+
+    def layer_attention(self, layer_id: int) -> tuple[bool, int | None]:
+        """(is_causal, sliding_window) of one layer, with the reference's rule for the `is_causal` override."""
+        sliding = self.layer_types[layer_id] == SLIDING_ATTENTION
+        causal = sliding if self.is_causal is None else self.is_causal
+        return causal, self.sliding_window if sliding else None
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any]) -> DraftConfig:
+        """Read z-lab's HF `config.json` dict; a key in `dflash_config` wins over the same key at top level."""
+        dflash = config.get("dflash_config") or {}
+
+        def value(name: str, default: Any = None) -> Any:
+            return dflash[name] if name in dflash else config.get(name, default)
+
+        def required(name: str) -> Any:
+            found = value(name)
+            if found is None:
+                raise ValueError(f"draft config lacks `{name}`")
+            return found
+
+        hidden_act = value("hidden_act", "silu")
+        if hidden_act != "silu":
+            raise ValueError(f"draft config: hidden_act {hidden_act!r} is not supported (only silu)")
+        hidden_size = int(required("hidden_size"))
+        num_hidden_layers = int(required("num_hidden_layers"))
+        num_attention_heads = int(required("num_attention_heads"))
+
+        target_layer_ids = value("target_layer_ids")
+        num_target_layers = value("num_target_layers")
+        if target_layer_ids is None:
+            if num_target_layers is None:
+                raise ValueError("draft config has neither `target_layer_ids` nor `num_target_layers`")
+            target_layer_ids = build_target_layer_ids(int(num_target_layers), num_hidden_layers)
+        target_layer_ids = [int(i) for i in target_layer_ids]
+        if num_target_layers is None:
+            num_target_layers = max(target_layer_ids) + 1
+
+        # Qwen3Config drops the window when `use_sliding_window` is false; an absent flag keeps it.
+        sliding_window = value("sliding_window")
+        if value("use_sliding_window") is False:
+            sliding_window = None
+        layer_types = value("layer_types")
+        if layer_types is None:
+            first_sliding = int(value("max_window_layers", num_hidden_layers))
+            layer_types = [
+                SLIDING_ATTENTION if sliding_window is not None and i >= first_sliding else FULL_ATTENTION
+                for i in range(num_hidden_layers)
+            ]
+        layer_types = list(layer_types)
+        if len(layer_types) != num_hidden_layers:
+            raise ValueError(f"draft config: {len(layer_types)} layer_types for {num_hidden_layers} layers")
+        unknown = sorted(set(layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION})
+        if unknown:
+            raise ValueError(f"draft config: unsupported layer_types {unknown}")
+
+        is_causal = None
+        for source in (dflash, config):
+            for name in ("is_causal", "causal"):
+                if is_causal is None and source.get(name) is not None:
+                    is_causal = bool(source[name])
+
+        rope_theta, rope_scaling = _read_rope(value)
+        softcap = value("final_logit_softcapping")
+        mask_token_id = value("mask_token_id")
+        return cls(
+            hidden_size=hidden_size,
+            intermediate_size=int(required("intermediate_size")),
+            num_hidden_layers=num_hidden_layers,
+            num_attention_heads=num_attention_heads,
+            num_key_value_heads=int(value("num_key_value_heads") or num_attention_heads),
+            head_dim=int(value("head_dim") or hidden_size // num_attention_heads),
+            vocab_size=int(required("vocab_size")),
+            num_target_layers=int(num_target_layers),
+            target_layer_ids=target_layer_ids,
+            mask_token_id=None if mask_token_id is None else int(mask_token_id),
+            layer_types=layer_types,
+            block_size=int(value("block_size") or 16),
+            rms_norm_eps=float(value("rms_norm_eps") or 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(value("max_position_embeddings") or 32768),
+            attention_bias=bool(value("attention_bias", False)),
+            sliding_window=None if sliding_window is None else int(sliding_window),
+            is_causal=is_causal,
+            input_embedding_scale=float(value("input_embedding_scale") or 1.0),
+            output_multiplier=float(value("output_multiplier") or 1.0),
+            final_logit_softcapping=float(softcap) if softcap is not None and float(softcap) > 0 else None,
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """z-lab's `config.json` format; loads with `Qwen3Config(**d)` into `DFlashDraftModel`."""
+        dflash: dict[str, Any] = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
+        if self.input_embedding_scale != 1.0:
+            dflash["input_embedding_scale"] = self.input_embedding_scale
+        if self.output_multiplier != 1.0:
+            dflash["output_multiplier"] = self.output_multiplier
+        if self.final_logit_softcapping is not None:
+            dflash["final_logit_softcapping"] = self.final_logit_softcapping
+        config: dict[str, Any] = {
+            "architectures": [DRAFT_ARCHITECTURE],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None if self.rope_scaling is None else dict(self.rope_scaling),
+            "max_position_embeddings": self.max_position_embeddings,
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "vocab_size": self.vocab_size,
+            "tie_word_embeddings": False,
+            "layer_types": list(self.layer_types),
+            # Qwen3Config ignores `sliding_window` unless this flag is set.
+            "use_sliding_window": self.sliding_window is not None and SLIDING_ATTENTION in self.layer_types,
+            "sliding_window": self.sliding_window,
+            "num_target_layers": self.num_target_layers,
+            "block_size": self.block_size,
+            "dflash_config": dflash,
+        }
+        if self.is_causal is not None:
+            config["is_causal"] = self.is_causal  # the reference reads it from the top level only
+        return config
+
+
+def _read_rope(value: Callable[..., Any]) -> tuple[float, dict[str, Any] | None]:
+    """RoPE base and scaling from either the transformers-4 keys or transformers-5 `rope_parameters`."""
+    parameters = value("rope_parameters")
+    if parameters is not None and not {"rope_type", "type", "rope_theta"} & set(parameters):
+        raise ValueError("draft config: per-layer-type rope_parameters are not supported")
+    scaling = dict(parameters if parameters is not None else value("rope_scaling") or {})
+    theta = scaling.pop("rope_theta", None)
+    theta = value("rope_theta") if theta is None else theta
+    rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
+    if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("draft config: partial_rotary_factor is not supported")
+    theta = float(theta if theta is not None else 10000.0)
+    if rope_type == "default":
+        return theta, None
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"draft config: rope type {rope_type!r} is not supported ({', '.join(SUPPORTED_ROPE_TYPES)})")
+    return theta, {"rope_type": rope_type, **scaling}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Building blocks
+# ---------------------------------------------------------------------------------------------------------
+
+
+def rope_frequencies(cfg: DraftConfig, device: torch.device | str | None = None) -> tuple[torch.Tensor, float]:
+    """float32 inverse frequencies [head_dim // 2] and the cos/sin scale, as transformers computes them."""
+    dim = cfg.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    inv_freq = 1.0 / (cfg.rope_theta**exponents)
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq, 1.0
+    rope_type = scaling["rope_type"]
+    original_max = scaling.get("original_max_position_embeddings") or cfg.max_position_embeddings
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"]), 1.0
+    if rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low_freq_wavelen = original_max / float(scaling["low_freq_factor"])
+        high_freq_wavelen = original_max / float(scaling["high_freq_factor"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (original_max / wavelen - float(scaling["low_freq_factor"])) / (
+            float(scaling["high_freq_factor"]) - float(scaling["low_freq_factor"])
+        )
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled), 1.0
+    return _yarn_frequencies(cfg, scaling, original_max, device)
+
+
+def _yarn_frequencies(
+    cfg: DraftConfig, scaling: dict[str, Any], original_max: int, device: torch.device | str | None
+) -> tuple[torch.Tensor, float]:
+    dim, base = cfg.head_dim, cfg.rope_theta
+    factor = scaling.get("factor")
+    factor = cfg.max_position_embeddings / original_max if factor is None else float(factor)
+
+    def mscale(scale: float, multiplier: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * multiplier * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original_max / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+    extrapolation_weight = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2, device=device).float() / dim)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_weight) + (1.0 / pos_freqs) * extrapolation_weight
+    return inv_freq, float(attention_factor)
+
+
+class Rotary(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.cfg = cfg
+        inv_freq, self.attention_scaling = rope_frequencies(cfg)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> Rotary:
+        # Casting the model to bf16 must not round the frequencies: recompute them in float32 on the new device.
+        super()._apply(fn, recurse)
+        self.inv_freq = rope_frequencies(self.cfg, self.inv_freq.device)[0]
+        return self
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        angles = torch.cat([freqs, freqs], dim=-1)
+        return (angles.cos() * self.attention_scaling).to(dtype), (angles.sin() * self.attention_scaling).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., T, head_dim], cos/sin [T, head_dim]."""
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-second, first], dim=-1) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def attention_mask(
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    key_valid: torch.Tensor | None,
+    is_causal: bool,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Boolean [Q, K] (True = attend) from absolute positions, with the reference's causal/window rules."""
+    offset = query_positions[:, None] - key_positions[None, :]
+    visible = torch.ones_like(offset, dtype=torch.bool) if key_valid is None else key_valid[None, :].expand_as(offset)
+    if is_causal:
+        visible = visible & (offset >= 0)
+    if sliding_window is not None:
+        visible = visible & (offset < sliding_window)
+        if not is_causal:
+            visible = visible & (offset > -sliding_window)
+    return visible
+
+
+def draft_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """q [..., Hq, Q, D], k/v [..., Hkv, K, D], mask bool [..., Q, K] -> [..., Q, Hq * D].
+
+    GQA by folding each KV head's query group into the query length, so K/V are never repeated and any SDPA
+    kernel that takes a mask can run it.
+    """
+    num_heads, q_len, head_dim = q.shape[-3:]
+    num_kv_heads, k_len = k.shape[-3], k.shape[-2]
+    groups = num_heads // num_kv_heads
+    unbatched = q.dim() == 3
+    if unbatched:  # the fused CUDA kernels only take 4-D inputs; 3-D falls back to the math path
+        q, k, v = q[None], k[None], v[None]
+        mask = None if mask is None else mask[None]
+    q = q.unflatten(-3, (num_kv_heads, groups)).flatten(-3, -2)
+    if mask is not None:
+        mask = mask.unsqueeze(-3).expand(*mask.shape[:-2], groups, q_len, k_len).flatten(-3, -2).unsqueeze(-3)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=head_dim**-0.5)
+    out = out.unflatten(-2, (groups, q_len)).flatten(-4, -3)  # [..., Hq, Q, D]
+    out = out.transpose(-3, -2).flatten(-2)
+    return out[0] if unbatched else out
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DraftConfig, layer_id: int):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.is_causal, self.sliding_window = cfg.layer_attention(layer_id)
+
+    def project_kv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [..., T, H] -> K = RoPE(k_norm(Wk x)), V = Wv x, both [..., Hkv, T, D]. Used for context and block."""
+        k = self.k_norm(self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))).transpose(-3, -2)
+        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(-3, -2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """x [..., B, H] (normed block states). keys/values [..., Hkv, R + B, D]: context K/V in the first R rows;
+        the block's own K/V are written into the last B rows here, so the caller owns that scratch space."""
+        block_len = x.shape[-2]
+        q = self.q_norm(self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))).transpose(-3, -2)
+        q = apply_rope(q, cos, sin)
+        block_k, block_v = self.project_kv(x, cos, sin)
+        keys[..., -block_len:, :].copy_(block_k)
+        values[..., -block_len:, :].copy_(block_v)
+        return self.o_proj(draft_attention(q, keys, values, mask))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig, layer_id: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DraftAttention(cfg, layer_id)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, keys, values, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Draft model
+# ---------------------------------------------------------------------------------------------------------
+
+
+class DFlashDraft(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.fc = nn.Linear(cfg.context_width, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg)
+        self.layer_attention = [cfg.layer_attention(i) for i in range(cfg.num_hidden_layers)]
+        self.attention_kinds = list(dict.fromkeys(self.layer_attention))  # one mask per distinct kind
+        self.window = 0
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+        self.row_positions: torch.Tensor | None = None
+
+    def setup_cache(
+        self,
+        window: int,
+        n_slots: int = 1,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        max_block_size: int | None = None,
+    ) -> None:
+        """Context K/V ring of `window` rows per slot and layer, plus `max_block_size` scratch rows after it
+        where each forward writes the block's transient K/V (so attention reads one contiguous view)."""
+        device = self.fc.weight.device if device is None else device
+        dtype = self.fc.weight.dtype if dtype is None else dtype
+        max_block_size = self.cfg.block_size if max_block_size is None else max_block_size
+        cfg = self.cfg
+        shape = (n_slots, cfg.num_hidden_layers, cfg.num_key_value_heads, window + max_block_size, cfg.head_dim)
+        # Zeros, not empty: masked rows still meet V in the softmax-weighted sum, and 0 * NaN would be NaN.
+        self.k_cache = torch.zeros(shape, device=device, dtype=dtype)
+        self.v_cache = torch.zeros(shape, device=device, dtype=dtype)
+        self.row_positions = torch.full((n_slots, window), -1, device=device, dtype=torch.long)
+        self.window = window
+
+    def reset(self, slot: int = 0) -> None:
+        self.row_positions[slot] = -1
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features [..., L*H] -> context vectors [..., H]."""
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+
+    def append_context(self, features: torch.Tensor, positions: torch.Tensor, slot: int = 0) -> None:
+        """Write the context K/V of committed positions (increasing) into the slot's ring at rows p % window.
+        `slot` is a Python int (a fixed index, so the writes stay static for CUDA graphs)."""
+        if features.shape[0] > self.window:  # earlier rows would be overwritten anyway
+            features, positions = features[-self.window :], positions[-self.window :]
+        context = self.fuse(features)
+        cos, sin = self.rotary(positions, context.dtype)
+        rows = positions % self.window
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.project_kv(context, cos, sin)
+            self.k_cache[slot, i, :, rows] = k.to(self.k_cache.dtype)
+            self.v_cache[slot, i, :, rows] = v.to(self.v_cache.dtype)
+        self.row_positions[slot, rows] = positions
+
+    def forward(self, noise_embedding: torch.Tensor, positions: torch.Tensor, slot: int = 0) -> torch.Tensor:
+        """noise_embedding [B, H] (block embeddings, already scaled), positions [B] (anchor first) -> hidden
+        [B, H] after the final norm. Sees the ring rows holding positions before the anchor."""
+        block_len = noise_embedding.shape[0]
+        if block_len > self.k_cache.shape[-2] - self.window:
+            raise ValueError(f"block of {block_len} exceeds the cache's scratch rows; raise setup_cache max_block_size")
+        x = noise_embedding.to(self.fc.weight.dtype)
+        cos, sin = self.rotary(positions, x.dtype)
+        row_positions = self.row_positions[slot]
+        context_valid = (row_positions >= 0) & (row_positions < positions[:1])
+        key_positions = torch.cat([row_positions, positions])
+        key_valid = torch.cat([context_valid, torch.ones_like(positions, dtype=torch.bool)])
+        masks = {kind: attention_mask(positions, key_positions, key_valid, *kind) for kind in self.attention_kinds}
+        keys = self.k_cache[slot, :, :, : self.window + block_len]
+        values = self.v_cache[slot, :, :, : self.window + block_len]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, keys[i], values[i], masks[self.layer_attention[i]])
+        return self.norm(x)
+
+    def forward_with_context(
+        self,
+        noise_embedding: torch.Tensor,
+        positions: torch.Tensor,
+        context_features: torch.Tensor,
+        context_positions: torch.Tensor,
+    ) -> torch.Tensor:
+        """Stateless forward: the block attends to the given context rows (subject to each layer's causal and
+        window rules by position), without touching the ring. Same result as append_context + forward."""
+        x = noise_embedding.to(self.fc.weight.dtype)
+        context = self.fuse(context_features)
+        cos, sin = self.rotary(positions, x.dtype)
+        context_cos, context_sin = self.rotary(context_positions, x.dtype)
+        key_positions = torch.cat([context_positions, positions])
+        masks = {kind: attention_mask(positions, key_positions, None, *kind) for kind in self.attention_kinds}
+        for i, layer in enumerate(self.layers):
+            context_k, context_v = layer.self_attn.project_kv(context, context_cos, context_sin)
+            scratch = context_k.new_empty(*context_k.shape[:-2], x.shape[-2], context_k.shape[-1])
+            keys, values = torch.cat([context_k, scratch], dim=-2), torch.cat([context_v, scratch], dim=-2)
+            x = layer(x, cos, sin, keys, values, masks[self.layer_attention[i]])
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        logits = lm_head(hidden)
+        if self.cfg.output_multiplier != 1.0:
+            logits = logits * self.cfg.output_multiplier
+        softcap = self.cfg.final_logit_softcapping
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        return logits
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Checks and loading
+# ---------------------------------------------------------------------------------------------------------
+
+
+def check_compatible(
+    cfg: DraftConfig, target_hidden_size: int, target_vocab_size: int, target_num_layers: int
+) -> None:
+    """Raise ValueError naming what does not fit between a draft and a target."""
+    if cfg.hidden_size != target_hidden_size:
+        raise ValueError(
+            f"draft hidden size {cfg.hidden_size} does not match the target's hidden size {target_hidden_size}"
+        )
+    if cfg.mask_token_id is None:
+        raise ValueError("draft config has no mask token id (dflash_config.mask_token_id)")
+    if not 0 <= cfg.mask_token_id < target_vocab_size:
+        raise ValueError(
+            f"draft mask token id {cfg.mask_token_id} is outside the target's vocabulary (size {target_vocab_size})"
+        )
+    outside = [i for i in cfg.target_layer_ids if not 0 <= i < target_num_layers]
+    if outside:
+        raise ValueError(
+            f"draft target layer ids {outside} are out of range for a target with {target_num_layers} layers"
+        )
+
+
+def _name_list(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _read_safetensors(folder: Path, device: torch.device | str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise ValueError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        if not (folder / name).is_file():
+            raise ValueError(f"{folder}: shard {name} listed in the index is missing")
+        tensors.update(load_file(folder / name, device=str(device)))
+    return tensors
+
+
+def load_draft_folder(
+    path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+) -> DFlashDraft:
+    """Load a z-lab HF draft folder (config.json + safetensors, sharded or not). dtype None keeps the file's."""
+    folder = Path(path)
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{folder}: no config.json, not a DFlash draft folder")
+    config = json.loads(config_file.read_text())
+    architectures = config.get("architectures") or []
+    if DRAFT_ARCHITECTURE not in architectures:
+        raise ValueError(f"{folder}: architectures {architectures} is not {DRAFT_ARCHITECTURE!r}")
+    cfg = DraftConfig.from_hf(config)
+
+    # BeeLlama's converter strips a `model.` prefix when present; accept checkpoints that have one.
+    tensors = {name.removeprefix("model."): t for name, t in _read_safetensors(folder, device).items()}
+    with torch.device("meta"):
+        model = DFlashDraft(cfg)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        problems = []
+        if missing:
+            problems.append(f"missing tensors: {_name_list(missing)}")
+        if unexpected:
+            problems.append(f"unexpected tensors: {_name_list(unexpected)}")
+        raise ValueError(f"{folder}: checkpoint does not match its config; " + "; ".join(problems))
+    wrong_shapes = [
+        f"{name} {tuple(tensors[name].shape)} (expected {tuple(t.shape)})"
+        for name, t in expected.items()
+        if tensors[name].shape != t.shape
+    ]
+    if wrong_shapes:
+        raise ValueError(f"{folder}: tensors with wrong shapes: {_name_list(wrong_shapes)}")
+    if dtype is not None:
+        tensors = {name: t.to(dtype) for name, t in tensors.items()}
+    model.load_state_dict(tensors, assign=True)
+    model.rotary.to_empty(device=device)  # the frequencies are recomputed on the real device in Rotary._apply
+    return model.eval()
