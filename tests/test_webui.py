@@ -268,7 +268,8 @@ def canned_stream() -> str:
                 acceptance_rate=0.5, acceptance_histogram=[0, 1, 1, 2, 2, 2, 1, 1, 0],
                 per_position_acceptance=[0.9, 0.8, 0.6, 0.4, 0.3, 0.2, 0.1])
     final = {"object": "chat.completion.chunk", "choices": [], "timings": timings, "speculative": spec}
-    return (chunk({"role": "assistant", "content": ""}) + "".join(chunk({"content": p}) for p in pieces) +
+    return (chunk({"role": "assistant", "content": ""}) + chunk({"reasoning_content": "Think <i>first</i>"}) +
+            "".join(chunk({"content": p}) for p in pieces) +
             chunk({}, "stop") + "data: " + json.dumps(final) + "\n\ndata: [DONE]\n\n")
 
 
@@ -282,7 +283,9 @@ PROPS = {"default_generation_settings": {"n_ctx": 4096, "params": {
 @pytest.fixture
 def offline_page(browser):
     """The page's files and canned API answers served by the browser itself: no server. localhost keeps the
-    page a secure context (clipboard)."""
+    page a secure context (clipboard). Chat request bodies are kept in page.requests."""
+    requests = []
+
     def serve(route):
         path = route.request.url.split("//", 1)[1].split("/", 1)[1].split("?")[0]
         if path in ("", "index.html") or path.startswith("webui/"):
@@ -294,6 +297,7 @@ def offline_page(browser):
         elif path == "health":
             route.fulfill(status=200, json={"status": "ok"})
         elif path == "v1/chat/completions":
+            requests.append(json.loads(route.request.post_data))
             route.fulfill(status=200, body=canned_stream(), headers={"Content-Type": "text/event-stream"})
         else:
             route.fulfill(status=404, json={"error": {"code": 404, "message": "File Not Found"}})
@@ -302,6 +306,7 @@ def offline_page(browser):
         ctx.route("http://localhost:9/**", serve)
         ctx.grant_permissions(["clipboard-read", "clipboard-write"], origin="http://localhost:9")
     pg = open_page(browser, "http://localhost:9", setup)
+    pg.requests = requests
     yield pg
     assert pg.errors == [], pg.errors
     pg.context.close()
@@ -310,6 +315,10 @@ def offline_page(browser):
 def test_markdown_code_copy_and_no_html_injection(offline_page):
     """Model output is Markdown, highlighted and copyable, and never HTML; the server's statistics show under it."""
     page = offline_page
+    page.click("#open-settings")
+    page.fill("#set-system", "Be brief.")
+    page.select_option("#set-reasoning", "off")
+    page.click("#close-settings")
     send(page, "<b>not bold</b> <img src=x onerror=\"window.__xss=1\">")
     wait_answer(page, 1)
     answer = page.locator(".msg.assistant .content.answer")
@@ -330,3 +339,12 @@ def test_markdown_code_copy_and_no_html_injection(offline_page):
     stats = page.inner_text(".msg.assistant .stats")
     assert "accept len 4.50" in stats and "accepted 50.0%" in stats
     assert page.locator(".msg.assistant .stat-hist rect.bar").count() == 8
+    thinking = page.locator(".msg.assistant details.thinking")
+    thinking.locator("summary").click()  # reasoning is folded away under its summary
+    assert thinking.locator(".content").inner_text() == "Think <i>first</i>"
+    body, = page.requests
+    assert body["messages"] == [{"role": "system", "content": "Be brief."},
+                                {"role": "user", "content": "<b>not bold</b> <img src=x onerror=\"window.__xss=1\">"}]
+    assert body["chat_template_kwargs"] == {"enable_thinking": False} and body["stream"]
+    assert (body["temperature"], body["top_k"], body["top_p"], body["min_p"]) == (0.8, 40, 0.95, 0.05)
+    assert "max_tokens" not in body  # n_predict -1: until the model stops

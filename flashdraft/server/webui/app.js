@@ -436,7 +436,7 @@
 
   // Parse one SSE event block into the message; returns true on [DONE].
   function handleEvent(block, msg, live) {
-    const data = block.split("\n").filter((l) => l.startsWith("data:")).map((l) => l.slice(l[5] === " " ? 6 : 5)).join("\n");
+    const data = block.split(/\r\n|\n|\r/).filter((l) => l.startsWith("data:")).map((l) => l.slice(l[5] === " " ? 6 : 5)).join("\n");
     if (!data) return false; // comment / keep-alive ping
     if (data.trim() === "[DONE]") return true;
     let obj;
@@ -536,11 +536,11 @@
       while (!done) {
         const r = await reader.read();
         if (r.done) break;
-        buf += dec.decode(r.value, { stream: true }).replace(/\r\n?/g, "\n");
-        let idx;
-        while (!done && (idx = buf.indexOf("\n\n")) >= 0) {
-          const block = buf.slice(0, idx);
-          buf = buf.slice(idx + 2);
+        buf += dec.decode(r.value, { stream: true });
+        let sep;
+        while (!done && (sep = /\r\n\r\n|\n\n|\r\r/.exec(buf))) { // events end with a blank line
+          const block = buf.slice(0, sep.index);
+          buf = buf.slice(sep.index + sep[0].length);
           done = handleEvent(block, msg, live);
         }
         saveSoon();

@@ -369,5 +369,5 @@
     return blocks(src.split("\n"), false);
   }
 
-  global.FDMarkdown = { render, highlight, escapeHtml, inline };
+  global.FDMarkdown = { render, highlight, escapeHtml };
 })(window);
