@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flashdraft.engine.generate import SpecStats, decode
+from flashdraft.engine.graphs import GraphCache
 from flashdraft.engine.sampling import SamplingParams
 
 
@@ -118,6 +119,8 @@ class Engine:
         target.setup_cache(ctx_size, n_slots)
         if draft is not None:
             draft.setup_cache(min(draft_window or ctx_size, ctx_size), n_slots)
+        self.graphs = GraphCache(device) if device.startswith("cuda") else None
+        self.startup_s = {}
         self.free_slots: queue.Queue[int] = queue.Queue()
         for s in range(n_slots):
             self.free_slots.put(s)
@@ -130,8 +133,41 @@ class Engine:
         torch_dtype = resolve_dtype(dtype, device)
         target, tokenizer, model_path = load_target(model, device, torch_dtype, progress=progress)
         draft_model = load_draft(draft, target, device, torch_dtype) if draft else None
-        return Engine(target, tokenizer, draft_model, device, ctx_size, n_slots, draft_window, block_size,
-                      model_path=str(model_path), draft_path=draft)
+        engine = Engine(target, tokenizer, draft_model, device, ctx_size, n_slots, draft_window, block_size,
+                        model_path=str(model_path), draft_path=draft)
+        if engine.graphs is not None:
+            engine.warmup()
+        return engine
+
+    def warmup(self, max_tokens: int = 8) -> float:
+        """Run a short generation per slot and mode, and on CUDA capture the step graphs of every context
+        bucket, so that no request pays for graph capture. Returns the seconds it took."""
+        from flashdraft.engine.graphs import MIN_BUCKET, bucket_for, plain_step, speculative_step
+        t = time.perf_counter()
+        with torch.inference_mode():
+            if self.graphs is not None:
+                block = self.draft.cfg.block_size if self.draft is not None else 1
+                block = self.block_size or block
+                buckets = sorted({bucket_for(b, self.ctx_size) for b in
+                                  [MIN_BUCKET * 2 ** i for i in range(32) if MIN_BUCKET * 2 ** i < self.ctx_size * 2]})
+                dev = self.device
+                for slot in range(self.n_slots):
+                    for b in buckets:
+                        tok, pos = torch.zeros(1, dtype=torch.long, device=dev), torch.zeros(1, dtype=torch.long, device=dev)
+                        self.graphs.run(("plain", slot, b), lambda x, p, s=slot, b=b: plain_step(self.target, x, p, s, b),
+                                        [tok, pos])
+                        if self.draft is not None and block > 1 and b >= block:
+                            ids = torch.zeros(block, dtype=torch.long, device=dev)
+                            positions = torch.arange(block, device=dev)
+                            self.graphs.run(("spec", slot, b, block),
+                                            lambda x, p, s=slot, b=b: speculative_step(self.target, self.draft, x, p, s, b),
+                                            [ids, positions])
+            for speculative in ([False, True] if self.draft is not None else [False]):
+                self.generate(Request(prompt_ids=[0, 1, 2, 3], params=SamplingParams(max_tokens=max_tokens),
+                                      speculative=speculative))
+        self._sync()
+        self.startup_s["warmup"] = time.perf_counter() - t
+        return self.startup_s["warmup"]
 
     @property
     def free_slot_count(self) -> int:
@@ -172,7 +208,7 @@ class Engine:
         t0 = time.perf_counter()
         t_first = None
         steps = decode(self.target, prompt, p, slot=slot, draft=draft, block_size=req.block_size or self.block_size,
-                       stats=stats, max_len=self.ctx_size, generator=gen)
+                       stats=stats, max_len=self.ctx_size, generator=gen, graphs=self.graphs)
         try:
             for new in steps:
                 if t_first is None:

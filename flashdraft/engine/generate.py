@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from flashdraft.engine.graphs import GraphCache, bucket_for, plain_step, speculative_step
 from flashdraft.engine.sampling import SamplingParams, sample
 
 PREFILL_CHUNK = 1024
@@ -61,7 +62,7 @@ def prefill(target, prompt_ids: Tensor, slot: int, capture: list[int] | None) ->
         chunk = prompt_ids[start:start + PREFILL_CHUNK]
         positions = torch.arange(start, start + len(chunk), device=prompt_ids.device)
         logits, feats = target(chunk, positions, slot=slot, capture=capture,
-                               attn_len=start + len(chunk), all_logits=False)
+                               attn_len=start + len(chunk), all_logits=False, fresh=start == 0)
         if feats is not None:
             features.append(feats)
     return logits[-1:], (torch.cat(features) if features else None)
@@ -70,8 +71,8 @@ def prefill(target, prompt_ids: Tensor, slot: int, capture: list[int] | None) ->
 @torch.inference_mode()
 def decode(target, prompt_ids: Tensor, params: SamplingParams, slot: int = 0, draft=None,
            block_size: int | None = None, stats: SpecStats | None = None, max_len: int | None = None,
-           generator: torch.Generator | None = None,
-           accept_rule: AcceptRule = accept_matching_samples) -> Iterator[list[int]]:
+           generator: torch.Generator | None = None, accept_rule: AcceptRule = accept_matching_samples,
+           graphs: GraphCache | None = None) -> Iterator[list[int]]:
     """Yield the committed tokens of each step until `params.max_tokens` are out (the caller stops
     earlier on EOS or stop strings by closing the generator)."""
     device = prompt_ids.device
@@ -95,19 +96,27 @@ def decode(target, prompt_ids: Tensor, params: SamplingParams, slot: int = 0, dr
         stats.block_size = block
     while produced < budget:
         width = min(block, budget - produced + 1, max_len - pos)
+        attn_len = pos + width
+        if graphs is not None:  # static shapes: attend over the whole bucket, masked by position
+            attn_len = bucket_for(attn_len, max_len)
         if width <= 1:
-            logits, _ = target(torch.tensor([token], device=device), torch.tensor([pos], device=device), slot=slot)
+            inputs = [torch.tensor([token], device=device), torch.tensor([pos], device=device)]
+            if graphs is not None:
+                (logits,) = graphs.run(("plain", slot, attn_len), lambda t, p: plain_step(target, t, p, slot, attn_len), inputs)
+            else:
+                (logits,) = plain_step(target, *inputs, slot, attn_len)
             new = [int(sample(logits, params, generator)[0])]
             pos += 1
         else:
             block_ids = torch.full((width,), draft.cfg.mask_token_id, dtype=torch.long, device=device)
             block_ids[0] = token
             positions = torch.arange(pos, pos + width, device=device)
-            noise = target.embed(block_ids) * draft.cfg.input_embedding_scale
-            hidden = draft(noise, positions, slot)
-            drafted = draft.compute_logits(hidden[1:], target.logits).argmax(-1)
-            block_ids[1:] = drafted
-            logits, feats = target(block_ids, positions, slot=slot, capture=capture)
+            if graphs is not None and width == block:
+                drafted, logits, feats = graphs.run(
+                    ("spec", slot, attn_len, width),
+                    lambda b, p: speculative_step(target, draft, b, p, slot, attn_len), [block_ids, positions])
+            else:
+                drafted, logits, feats = speculative_step(target, draft, block_ids, positions, slot, attn_len)
             accepted, bonus = accept_rule(drafted, logits, params, generator)
             proposed = drafted.tolist()
             if stats is not None:

@@ -26,8 +26,8 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
 
     def forward(self, x: Tensor, cos_sin: Tensor, k_cache: Tensor, v_cache: Tensor,
-                rows: Tensor, mask: Tensor, attn_len: int) -> Tensor:
-        # x: [T, H]; k_cache/v_cache: [kv_heads, max_len, head_dim]; mask: [T, attn_len] bool
+                rows: Tensor, mask: Tensor | None, attn_len: int) -> Tensor:
+        # x: [T, H]; k_cache/v_cache: [kv_heads, max_len, head_dim]; mask: [T, attn_len] bool or None
         T = x.shape[0]
         q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
@@ -37,8 +37,11 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos_sin), apply_rope(k, cos_sin)
         k_cache.index_copy_(1, rows, k.transpose(0, 1).to(k_cache.dtype))
         v_cache.index_copy_(1, rows, v.transpose(0, 1).to(v_cache.dtype))
-        keys, values = k_cache[:, :attn_len].to(q.dtype), v_cache[:, :attn_len].to(q.dtype)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask,
+        if mask is None:  # a fresh prefill from position 0: plain causal attention (flash kernels)
+            keys, values = k.transpose(0, 1), v.transpose(0, 1)
+        else:
+            keys, values = k_cache[:, :attn_len].to(q.dtype), v_cache[:, :attn_len].to(q.dtype)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, is_causal=mask is None,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(0, 1).reshape(T, -1))
 
@@ -52,7 +55,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: Tensor, cos_sin: Tensor, k_cache: Tensor, v_cache: Tensor,
-                rows: Tensor, mask: Tensor, attn_len: int) -> Tensor:
+                rows: Tensor, mask: Tensor | None, attn_len: int) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, k_cache, v_cache, rows, mask, attn_len)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -94,7 +97,9 @@ class Transformer(nn.Module):
     def logits(self, hidden: Tensor) -> Tensor:
         return self.lm_head(hidden)
 
-    def attention_mask(self, positions: Tensor, attn_len: int) -> Tensor:
+    def attention_mask(self, positions: Tensor, attn_len: int, fresh: bool = False) -> Tensor | None:
+        if fresh and self.cfg.sliding_window is None:
+            return None
         key_pos = torch.arange(attn_len, device=positions.device)
         mask = key_pos[None, :] <= positions[:, None]
         if self.cfg.sliding_window is not None:
@@ -102,7 +107,7 @@ class Transformer(nn.Module):
         return mask
 
     def forward(self, input_ids: Tensor, positions: Tensor, slot: int = 0, capture: list[int] | None = None,
-                attn_len: int | None = None, all_logits: bool = True) -> tuple[Tensor, Tensor | None]:
+                attn_len: int | None = None, all_logits: bool = True, fresh: bool = False) -> tuple[Tensor, Tensor | None]:
         """input_ids, positions: [T]. Returns logits [T or 1, V] and the captured layer outputs [T, L*H]."""
         if attn_len is None:
             attn_len = int(positions.max()) + 1
@@ -110,7 +115,8 @@ class Transformer(nn.Module):
             raise ValueError(f"position {attn_len - 1} is past the context size {self.max_len}")
         x = self.embed(input_ids)
         cos_sin = self.rope[positions]
-        mask = self.attention_mask(positions, attn_len)
+        # fresh: the caller promises positions == arange(attn_len), e.g. the first prefill chunk
+        mask = self.attention_mask(positions, attn_len, fresh)
         captured = []
         want = set(capture or ())
         for i, layer in enumerate(self.model.layers):

@@ -1,0 +1,243 @@
+"""Speculative decoding is lossless: greedy token-identical, sampling identical in distribution,
+and the draft's proposals are exactly z-lab's reference loop's."""
+import itertools
+import time
+
+import pytest
+import torch
+
+from flashdraft.draft.model import DFlashDraft, DraftConfig
+from flashdraft.engine.generate import SpecStats, accept_matching_samples, decode
+from flashdraft.engine.sampling import SamplingParams, filtered_probs, sample
+from flashdraft.models.config import ModelConfig
+from flashdraft.models.transformer import Transformer
+
+
+def random_target(vocab=96, layers=4, hidden=64, seed=0, std=0.2, max_len=512) -> Transformer:
+    cfg = ModelConfig(arch="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=hidden // 4, rms_norm_eps=1e-5)
+    torch.manual_seed(seed)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else torch.randn_like(p) * std)
+    model.setup_cache(max_len)
+    return model.eval()
+
+
+def random_draft(target: Transformer, block_size=8, seed=1, std=0.2, **extra) -> DFlashDraft:
+    t = target.cfg
+    hf = dict(architectures=["DFlashDraftModel"], hidden_size=t.hidden_size, intermediate_size=96,
+              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              vocab_size=t.vocab_size, num_target_layers=t.num_layers, block_size=block_size,
+              dflash_config=dict(mask_token_id=t.vocab_size - 1, target_layer_ids=[1, t.num_layers - 2]), **extra)
+    torch.manual_seed(seed)
+    draft = DFlashDraft(DraftConfig.from_hf(hf))
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else torch.randn_like(p) * std)
+    return draft.eval()
+
+
+def run(target, prompt, params, draft=None, **kw) -> list[int]:
+    return list(itertools.chain.from_iterable(decode(target, prompt, params, draft=draft, **kw)))
+
+
+def oracle_proposals(monkeypatch, draft, truth: list[int], prompt_len: int, corrupt_every: int):
+    """Make the draft propose the true continuation, corrupted at some positions, so that verify steps
+    accept varying numbers of tokens and the rollback path is exercised."""
+    vocab = draft.cfg.vocab_size
+
+    def forward(noise, positions, slot=0):
+        return positions.float()[:, None].expand(-1, 4)
+
+    def compute_logits(hidden, lm_head):
+        positions = hidden[:, 0].long()  # position of each drafted token
+        ids = []
+        for p in positions.tolist():
+            i = p - prompt_len
+            tok = truth[i] if i < len(truth) else 0
+            ids.append((tok + 1) % vocab if (p * 2654435761 >> 7) % corrupt_every == 0 else tok)
+        return torch.nn.functional.one_hot(torch.tensor(ids), vocab).float()
+
+    monkeypatch.setattr(draft, "forward", forward)
+    monkeypatch.setattr(draft, "compute_logits", compute_logits)
+
+
+@pytest.mark.parametrize("block_size,window", [(2, None), (4, 5), (8, None), (8, 16), (16, 3)])
+def test_greedy_speculative_is_token_identical(block_size, window):
+    target = random_target()
+    draft = random_draft(target, block_size=16)
+    draft.setup_cache(window or target.max_len)
+    prompt = torch.randint(0, 90, (20,))
+    params = SamplingParams(max_tokens=80)
+    plain = run(target, prompt, params)
+    stats = SpecStats()
+    spec = run(target, prompt, params, draft=draft, block_size=block_size, stats=stats)
+    assert spec == plain
+    assert stats.draft_steps and all(len(d) <= block_size - 1 for d in stats.draft_steps)
+
+
+@pytest.mark.parametrize("corrupt_every", [3, 5, 11])
+def test_greedy_rollback_with_partial_acceptance(monkeypatch, corrupt_every):
+    target = random_target()
+    draft = random_draft(target)
+    draft.setup_cache(target.max_len)
+    prompt = torch.randint(0, 90, (12,))
+    params = SamplingParams(max_tokens=70)
+    plain = run(target, prompt, params)
+    oracle_proposals(monkeypatch, draft, plain, len(prompt), corrupt_every)
+    stats = SpecStats()
+    spec = run(target, prompt, params, draft=draft, stats=stats)
+    assert spec == plain
+    lengths = set(stats.acceptance_lengths)
+    assert len(lengths) > 2 and max(lengths) > 2, lengths  # acceptance really varied
+
+
+def test_max_tokens_and_context_limits():
+    target = random_target(max_len=64)
+    draft = random_draft(target)
+    draft.setup_cache(64)
+    prompt = torch.randint(0, 90, (50,))
+    out = run(target, prompt, SamplingParams(max_tokens=1000), draft=draft)
+    assert len(out) == 64 - 50
+    assert len(run(target, prompt, SamplingParams(max_tokens=5), draft=draft)) == 5
+    with pytest.raises(ValueError, match="does not fit the context"):
+        run(target, torch.randint(0, 90, (64,)), SamplingParams())
+
+
+# ---- z-lab's reference loop as the oracle for the draft's proposals ----
+
+def test_proposals_identical_to_zlab_reference(monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    dflash_model = pytest.importorskip("dflash.model")
+    monkeypatch.setattr(dflash_model, "_cuda_time", time.perf_counter)
+    ours_target = random_target(vocab=128, layers=5, std=0.25)
+    t = ours_target.cfg
+    hf_cfg = transformers.LlamaConfig(vocab_size=t.vocab_size, hidden_size=t.hidden_size,
+                                      intermediate_size=t.intermediate_size, num_hidden_layers=t.num_layers,
+                                      num_attention_heads=t.num_heads, num_key_value_heads=t.num_kv_heads,
+                                      rms_norm_eps=t.rms_norm_eps, max_position_embeddings=512)
+    hf_cfg._attn_implementation = "sdpa"
+    hf_target = transformers.LlamaForCausalLM(hf_cfg).eval()
+    hf_target.load_state_dict(ours_target.state_dict(), strict=False)
+    draft = random_draft(ours_target, block_size=8, std=0.3)
+    zcfg = transformers.Qwen3Config(**draft.cfg.to_hf())
+    zcfg._attn_implementation = "sdpa"
+    ref_draft = dflash_model.DFlashDraftModel(zcfg).eval()
+    ref_draft.load_state_dict(draft.state_dict())
+    proposals = []
+    original = ref_draft.compute_logits
+
+    def recording(hidden, head):
+        logits = original(hidden, head)
+        proposals.append(logits.argmax(-1)[0].tolist())
+        return logits
+
+    ref_draft.compute_logits = recording
+    prompt = torch.randint(0, 120, (17,))
+    ref = dflash_model.dflash_generate(ref_draft, hf_target, prompt[None], max_new_tokens=60, stop_token_ids=None,
+                                       return_stats=True)
+    draft.setup_cache(ours_target.max_len)
+    stats = SpecStats()
+    ours = run(ours_target, prompt, SamplingParams(max_tokens=60), draft=draft, stats=stats)
+    assert ours == ref.output_ids[0, 17:].tolist()
+    assert stats.draft_steps == proposals
+    assert max(stats.acceptance_lengths) > 1  # the comparison covered accepted drafts too
+
+
+# ---- sampling: lossless in distribution ----
+
+def beellama_rule(drafted, logits, params, generator):
+    """The approximate rule the spec warns about: on mismatch it still accepts the draft with prob p(d)."""
+    probs = filtered_probs(logits, params)
+    posterior = sample(logits, params, generator)
+    for i, d in enumerate(drafted.tolist()):
+        if d == int(posterior[i]):
+            continue
+        if torch.rand((), generator=generator) < probs[i, d]:
+            continue
+        return i, int(posterior[i])
+    return len(drafted), int(posterior[-1])
+
+
+def exact_first_tokens(target, prompt, params, n) -> dict[tuple, float]:
+    """Exact probability of every n-token continuation without speculation."""
+    out = {}
+    for seq in itertools.product(range(target.cfg.vocab_size), repeat=n):
+        ids = torch.cat([prompt, torch.tensor(seq[:-1], dtype=torch.long)])
+        with torch.no_grad():
+            logits, _ = target(ids, torch.arange(len(ids)))
+        probs = filtered_probs(logits[len(prompt) - 1:], params)
+        out[seq] = float(torch.prod(probs[torch.arange(n), torch.tensor(seq)]))
+    return out
+
+
+def chi_square_pvalue(counts: dict, expected: dict, total: int) -> float:
+    from scipy.stats import chisquare
+    keys = [k for k in expected if expected[k] * total >= 5]
+    obs = [counts.get(k, 0) for k in keys]
+    exp = [expected[k] * total for k in keys]
+    scale = sum(obs) / sum(exp)
+    return float(chisquare(obs, [e * scale for e in exp]).pvalue)
+
+
+def sample_first_tokens(target, draft, prompt, params, n, samples, rule) -> dict[tuple, int]:
+    counts: dict[tuple, int] = {}
+    gen = torch.Generator().manual_seed(1234)
+    p = SamplingParams(**{**params.__dict__, "max_tokens": n})
+    for _ in range(samples):
+        seq = tuple(run(target, prompt, p, draft=draft, generator=gen, accept_rule=rule))
+        counts[seq] = counts.get(seq, 0) + 1
+    return counts
+
+
+@pytest.fixture(scope="module")
+def small_vocab_pair():
+    pytest.importorskip("scipy")
+    target = random_target(vocab=4, layers=3, hidden=32, seed=3, std=0.6, max_len=16)
+    draft = random_draft(target, block_size=4, seed=4, std=0.6)
+    draft.setup_cache(target.max_len)
+    return target, draft
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
+                                    SamplingParams(temperature=0.7, top_k=3, top_p=0.9, min_p=0.05)])
+def test_sampling_distribution_is_lossless(small_vocab_pair, params):
+    target, draft = small_vocab_pair
+    prompt = torch.tensor([0, 1, 2, 3, 1])
+    expected = exact_first_tokens(target, prompt, params, 3)
+    counts = sample_first_tokens(target, draft, prompt, params, 3, 4000, accept_matching_samples)
+    assert chi_square_pvalue(counts, expected, 4000) > 1e-3
+
+
+def test_chi_square_catches_a_biased_rule(small_vocab_pair):
+    target, draft = small_vocab_pair
+    prompt = torch.tensor([0, 1, 2, 3, 1])
+    params = SamplingParams(temperature=1.0)
+    expected = exact_first_tokens(target, prompt, params, 3)
+    counts = sample_first_tokens(target, draft, prompt, params, 3, 2000, beellama_rule)
+    assert chi_square_pvalue(counts, expected, 2000) < 1e-6
+
+
+def test_filtered_probs_filters():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    p = filtered_probs(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert (p[0, 2:] == 0).all() and torch.isclose(p.sum(), torch.tensor(1.0))
+    p = filtered_probs(logits, SamplingParams(temperature=1.0, min_p=0.3))
+    assert (p[0] > 0).tolist() == [True, True, False, False, False]
+    p = filtered_probs(logits, SamplingParams(temperature=1.0, top_p=0.5))
+    assert (p[0] > 0).tolist() == [True, False, False, False, False]
+
+
+def test_static_shape_graph_path_matches_eager():
+    from flashdraft.engine.graphs import GraphCache
+    target = random_target(max_len=600)
+    draft = random_draft(target)
+    draft.setup_cache(600)
+    prompt = torch.randint(0, 90, (240,))  # crosses the first bucket boundary (256) while decoding
+    params = SamplingParams(max_tokens=40)
+    eager = run(target, prompt, params, draft=draft)
+    static = run(target, prompt, params, draft=draft, graphs=GraphCache("cpu"))
+    plain_static = run(target, prompt, params, graphs=GraphCache("cpu"))
+    assert eager == static == plain_static
