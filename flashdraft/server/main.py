@@ -1,0 +1,214 @@
+"""`flashdraft serve`: llama-server's command line over the flashdraft engine."""
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from flashdraft.server.settings import Settings
+
+log = logging.getLogger("flashdraft.server")
+
+KV_CACHE_TYPES = ("f32", "f16", "bf16")
+API_KEY_VARIABLES = ("FLASHDRAFT_API_KEY", "LLAMA_API_KEY", "LLAMA_ARG_API_KEY")
+
+# llama-server flags that mean nothing here: (option strings, takes a value, why it is ignored)
+IGNORED_FLAGS = [
+    (("-ngl", "--gpu-layers", "--n-gpu-layers"), True, "the whole model always runs on --device"),
+    (("-ngld", "--spec-draft-ngl", "--gpu-layers-draft", "--n-gpu-layers-draft"), True,
+     "the draft always runs on --device with the target"),
+    (("-b", "--batch-size"), True, "prompts are processed in the engine's own fixed-size chunks"),
+    (("-ub", "--ubatch-size"), True, "prompts are processed in the engine's own fixed-size chunks"),
+    (("-fa", "--flash-attn"), "?", "attention uses PyTorch's scaled_dot_product_attention, which picks its "
+                                   "fused kernel itself"),
+    (("--no-mmap",), False, "weights are read into PyTorch tensors, never memory-mapped"),
+    (("--mlock",), False, "weights are read into PyTorch tensors, never memory-mapped"),
+    (("--no-host",), False, "there are no host-side weight buffers to place"),
+    (("-kvu", "--kv-unified"), False, "each slot has its own KV cache of ctx-size / parallel tokens"),
+    (("-cram", "--cache-ram"), True, "there is no host-RAM prompt cache"),
+]
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> Parser:
+    ap = Parser(prog="flashdraft serve", allow_abbrev=False,
+                description="OpenAI- and llama.cpp-compatible HTTP server (a drop-in for llama-server).")
+    d = Settings()
+    ap.add_argument("-m", "--model", required=True, help="target: GGUF file, HF folder, or a named model")
+    ap.add_argument("-md", "--spec-draft-model", "--model-draft", "--draft", dest="draft", metavar="PATH",
+                    help="DFlash draft (z-lab HF folder); turns on DFlash speculative decoding")
+    ap.add_argument("--spec-type", choices=["dflash", "draft-dflash", "none"], default=None,
+                    help="dflash (implied by a draft) or none (plain decoding, the draft is not loaded)")
+    ap.add_argument("--spec-dflash-cross-ctx", "--draft-window", dest="draft_window", type=int, default=None, metavar="N",
+                    help="the draft sees the last N positions of context (default: all)")
+    ap.add_argument("--block-size", type=int, default=None, help="verify block size (at most the draft's)")
+    ap.add_argument("--host", default=d.host, help=f"address to listen on (default {d.host})")
+    ap.add_argument("--port", type=int, default=d.port, help=f"port to listen on (default {d.port})")
+    ap.add_argument("-np", "--parallel", dest="n_slots", type=int, default=d.n_slots, metavar="N",
+                    help="number of slots: requests served at once, the rest wait in a queue (default 1)")
+    ap.add_argument("-c", "--ctx-size", type=int, default=d.ctx_size, metavar="N",
+                    help=f"total context over all slots; each slot gets ctx-size / parallel tokens, as in "
+                         f"llama-server (default {d.ctx_size}; 0 = the model's trained context)")
+    ap.add_argument("-n", "--n-predict", "--predict", dest="n_predict", type=int, default=d.n_predict, metavar="N",
+                    help="default tokens to generate per request (-1 = up to the end of the context)")
+    ap.add_argument("--temp", dest="temperature", type=float, default=d.temperature, metavar="T",
+                    help=f"default temperature (default {d.temperature}; 0 = greedy)")
+    ap.add_argument("--top-k", type=int, default=d.top_k, help=f"default top-k (default {d.top_k}; 0 = off)")
+    ap.add_argument("--top-p", type=float, default=d.top_p, help=f"default top-p (default {d.top_p})")
+    ap.add_argument("--min-p", type=float, default=d.min_p, help=f"default min-p (default {d.min_p})")
+    ap.add_argument("-s", "--seed", type=int, default=d.seed, help="default seed (-1 = random per request)")
+    ap.add_argument("--jinja", action="store_true", help="accepted; chat templates always run through jinja")
+    ap.add_argument("--chat-template-file", help="jinja chat template to use instead of the model's")
+    ap.add_argument("--reasoning", choices=["on", "off", "auto"], default=d.reasoning,
+                    help="enable_thinking for the chat template, unless a request's chat_template_kwargs "
+                         "sets it (auto = leave it to the template)")
+    ap.add_argument("-ctk", "--cache-type-k", default=None, help=f"KV cache type for K: {', '.join(KV_CACHE_TYPES)}")
+    ap.add_argument("-ctv", "--cache-type-v", default=None, help=f"KV cache type for V: {', '.join(KV_CACHE_TYPES)}")
+    ap.add_argument("--metrics", action="store_true", help="serve Prometheus metrics at /metrics")
+    ap.add_argument("--api-key", default=None,
+                    help=f"require this key (Authorization: Bearer KEY); also read from {', '.join(API_KEY_VARIABLES)}")
+    ap.add_argument("-a", "--alias", default=None, help="model name in responses and /v1/models")
+    ap.add_argument("--log-timestamps", action="store_true", help="time since start on every log line")
+    ap.add_argument("--log-prefix", action="store_true", help="level letter (I, W, E) on every log line")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    ap.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    ap.add_argument("--no-webui", "--no-ui", dest="webui", action="store_false", help="do not serve the web page")
+    ap.add_argument("--version", action="version", version="flashdraft 0.1.0")
+    ignored = ap.add_argument_group("accepted and ignored (llama-server placement and memory flags)")
+    for names, value, why in IGNORED_FLAGS:
+        dest = "ignored_" + names[-1].lstrip("-").replace("-", "_")
+        if value is True:
+            ignored.add_argument(*names, dest=dest, default=None, metavar="X", help=why)
+        elif value == "?":
+            ignored.add_argument(*names, dest=dest, nargs="?", const="on", default=None, metavar="X", help=why)
+        else:
+            ignored.add_argument(*names, dest=dest, action="store_const", const=True, default=None, help=why)
+    return ap
+
+
+def typed_name(argv: list[str], names: tuple[str, ...]) -> str:
+    return next((a.split("=")[0] for a in argv if a.split("=")[0] in names), names[0])
+
+
+def parse_settings(argv: list[str]) -> tuple[Settings, list[str]]:
+    """Settings, and notes about flags accepted but ignored. Exits (code 2) on a bad command line."""
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    for flag, value in (("--cache-type-k", args.cache_type_k), ("--cache-type-v", args.cache_type_v)):
+        if value is not None and value not in KV_CACHE_TYPES:
+            ap.error(f"{flag} {value} is not supported: the KV cache can be {', '.join(KV_CACHE_TYPES)} "
+                     f"(quantized KV cache types come later)")
+    for name, value, ok in (("-np", args.n_slots, args.n_slots >= 1), ("--ctx-size", args.ctx_size, args.ctx_size >= 0),
+                            ("--port", args.port, 0 <= args.port < 65536)):
+        if not ok:
+            ap.error(f"{name} {value} is out of range")
+    if args.ctx_size and args.ctx_size // args.n_slots < 2:
+        ap.error(f"--ctx-size {args.ctx_size} leaves no room in each of the {args.n_slots} slots")
+    notes = []
+    for names, _, why in IGNORED_FLAGS:
+        value = getattr(args, "ignored_" + names[-1].lstrip("-").replace("-", "_"))
+        if value is not None:
+            name = typed_name(argv, names)
+            shown = name if value is True else f"{name} {value}"
+            notes.append(f"ignoring {shown}: {why}")
+    kv = [v for v in (args.cache_type_k, args.cache_type_v) if v is not None]
+    if kv:
+        notes.append(f"--cache-type {'/'.join(kv)}: the KV cache is kept in the model's dtype (--dtype {args.dtype})")
+    api_key = args.api_key or next((os.environ[v] for v in API_KEY_VARIABLES if os.environ.get(v)), None)
+    settings = Settings(
+        model=args.model, draft=args.draft, speculative=args.spec_type != "none",
+        draft_window=args.draft_window, block_size=args.block_size, host=args.host, port=args.port,
+        n_slots=args.n_slots, ctx_size=args.ctx_size, device=args.device, dtype=args.dtype,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        n_predict=args.n_predict, seed=args.seed, chat_template_file=args.chat_template_file,
+        reasoning=args.reasoning, metrics=args.metrics, api_key=api_key, alias=args.alias, webui=args.webui,
+        log_timestamps=args.log_timestamps, log_prefix=args.log_prefix)
+    if args.spec_type in ("dflash", "draft-dflash") and not args.draft:
+        ap.error(f"--spec-type {args.spec_type} needs a draft model (--spec-draft-model)")
+    if args.spec_type == "none" and args.draft:
+        notes.append("--spec-type none: the draft is not loaded, decoding is plain")
+    return settings, notes
+
+
+class LogFormatter(logging.Formatter):
+    """llama.cpp's log look: optional time since start (m.ss.mmm.uuu) and level letter."""
+
+    def __init__(self, timestamps: bool, prefix: bool):
+        super().__init__()
+        self.timestamps, self.prefix, self.start = timestamps, prefix, time.time()
+
+    def format(self, record: logging.LogRecord) -> str:
+        head = ""
+        if self.timestamps:
+            us = int((record.created - self.start) * 1e6)
+            head += f"{us // 60_000_000}.{us // 1_000_000 % 60:02d}.{us // 1000 % 1000:03d}.{us % 1000:03d} "
+        if self.prefix:
+            head += record.levelname[0] + " "
+        return head + super().format(record)
+
+
+def setup_logging(timestamps: bool, prefix: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(LogFormatter(timestamps, prefix))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+
+
+def load_engine(s: Settings):
+    from flashdraft.cli import default_device
+    from flashdraft.engine.engine import Engine
+    device = default_device(s.device)
+    draft = s.draft if s.speculative else None
+    t0 = time.perf_counter()
+    log.info("loading model %s%s on %s (%s)", s.model, f" with DFlash draft {draft}" if draft else "", device, s.dtype)
+    # -c 0: the trained context, known only once the model is read, so the caches are set up twice
+    ctx = s.slot_ctx if s.ctx_size > 0 else 2
+    engine = Engine.load(s.model, draft, device=device, dtype=s.dtype, ctx_size=ctx, n_slots=s.n_slots,
+                         draft_window=s.draft_window, block_size=s.block_size, progress=True)
+    if s.ctx_size <= 0:
+        s.ctx_size = engine.target.cfg.max_position_embeddings
+        engine = Engine(engine.target, engine.tokenizer, engine.draft, device, s.slot_ctx, s.n_slots,
+                        s.draft_window, s.block_size, model_path=engine.model_path, draft_path=engine.draft_path)
+    if s.chat_template_file:
+        engine.tokenizer.chat_template = Path(s.chat_template_file).read_text()
+    log.info("loaded in %.1f s: %d slot(s) of %d tokens%s", time.perf_counter() - t0, engine.n_slots,
+             engine.ctx_size, f", DFlash block size {engine.block_size or engine.draft.cfg.block_size}"
+             if engine.draft is not None else "")
+    return engine
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings, notes = parse_settings(sys.argv[1:] if argv is None else argv)
+    setup_logging(settings.log_timestamps, settings.log_prefix)
+    for note in notes:
+        log.warning(note)
+    if settings.chat_template_file and not Path(settings.chat_template_file).is_file():
+        log.error("--chat-template-file %s: no such file", settings.chat_template_file)
+        return 1
+
+    import uvicorn
+    from flashdraft.server.app import create_app
+
+    failed: list[str] = []
+
+    def loader():
+        try:
+            return load_engine(settings)
+        except Exception as e:
+            failed.append(str(e))
+            server.should_exit = True
+            raise
+
+    app = create_app(loader, settings)
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
+                                           access_log=False, timeout_graceful_shutdown=5))
+    log.info("listening on http://%s:%d (the model loads in the background; /health says when it is ready)",
+             settings.host, settings.port)
+    server.run()
+    return 1 if failed else 0

@@ -1,0 +1,271 @@
+"""Request validation and response shapes for the OpenAI and llama.cpp APIs."""
+import secrets
+import string
+import time
+from typing import Any
+
+from flashdraft.engine.engine import Completion
+from flashdraft.engine.sampling import SamplingParams
+from flashdraft.server.settings import Settings
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+               500: "server_error", 501: "not_supported_error", 503: "unavailable_error"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type: str | None = None, **extra: Any):
+        super().__init__(message)
+        self.status, self.message = status, message
+        self.type = type or ERROR_TYPES.get(status, "server_error")
+        self.extra = extra
+
+    def body(self) -> dict:
+        return {"error": {"code": self.status, "message": self.message, "type": self.type, **self.extra}}
+
+
+def _type_name(value: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+            dict: "an object"}.get(type(value), type(value).__name__)
+
+
+def require_object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {_type_name(body)}")
+    return body
+
+
+def get_number(body: dict, name: str, default: float, lo: float | None = None, hi: float | None = None) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ApiError(400, f"'{name}' must be a number, got {_type_name(value)}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        bounds = f"between {lo} and {hi}" if lo is not None and hi is not None else f">= {lo}" if lo is not None \
+            else f"<= {hi}"
+        raise ApiError(400, f"'{name}' must be {bounds}, got {value}")
+    return float(value)
+
+
+def get_int(body: dict, name: str, default: int | None, lo: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ApiError(400, f"'{name}' must be an integer, got {_type_name(value)}")
+    if lo is not None and value < lo:
+        raise ApiError(400, f"'{name}' must be >= {lo}, got {value}")
+    return value
+
+
+def get_bool(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ApiError(400, f"'{name}' must be a boolean, got {_type_name(value)}")
+    return value
+
+
+def get_object(body: dict, name: str) -> dict:
+    value = body.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ApiError(400, f"'{name}' must be an object, got {_type_name(value)}")
+    return value
+
+
+def get_stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop] if stop else []
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return [s for s in stop if s]
+    raise ApiError(400, "'stop' must be a string or an array of strings")
+
+
+def max_tokens(body: dict, names: tuple[str, ...], settings: Settings) -> int:
+    """The first of `names` present; -1 (llama.cpp's n_predict) means up to the end of the context."""
+    for name in names:
+        if body.get(name) is not None:
+            value = get_int(body, name, None, lo=-1)
+            return settings.slot_ctx if value == -1 else value
+    return settings.slot_ctx if settings.n_predict < 0 else settings.n_predict
+
+
+def sampling_params(body: dict, settings: Settings, token_limit_names: tuple[str, ...]) -> SamplingParams:
+    if get_int(body, "n", 1) != 1:
+        raise ApiError(400, "only n=1 is supported")
+    top_k = get_int(body, "top_k", settings.top_k)
+    top_p = get_number(body, "top_p", settings.top_p, 0.0, 1.0)
+    seed = get_int(body, "seed", settings.seed)
+    params = SamplingParams(
+        temperature=get_number(body, "temperature", settings.temperature, lo=0.0),
+        # top_k <= 0 disables it (llama.cpp; vLLM clients send -1)
+        top_k=max(top_k, 0),
+        top_p=top_p if top_p > 0 else 1.0,
+        min_p=get_number(body, "min_p", settings.min_p, 0.0, 1.0),
+        seed=seed if seed is not None and seed >= 0 else None,
+        max_tokens=max_tokens(body, token_limit_names, settings),
+        stop=get_stop(body),
+        ignore_eos=get_bool(body, "ignore_eos", False),
+    )
+    if top_p == 0:  # only the most likely token survives
+        params.top_k = 1
+    return params
+
+
+def message_text(content: Any, index: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, str):
+                parts.append(part)
+            elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            else:
+                kind = part.get("type") if isinstance(part, dict) else _type_name(part)
+                raise ApiError(400, f"messages[{index}]: only text content is supported, got a {kind!r} part")
+        return "\n".join(parts)
+    raise ApiError(400, f"messages[{index}].content must be a string or an array of content parts")
+
+
+def parse_messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if messages is None:
+        raise ApiError(400, "'messages' is required")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty array")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ApiError(400, f"messages[{i}] must be an object, got {_type_name(m)}")
+        if not isinstance(m.get("role"), str):
+            raise ApiError(400, f"messages[{i}].role must be a string")
+        out.append({**m, "content": message_text(m.get("content"), i)})
+    return out
+
+
+def is_token_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def prompt_ids(body: dict, tokenizer, vocab_size: int) -> list[int]:
+    """`prompt` as a string, token ids, or an array holding one of those (one prompt per request)."""
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise ApiError(400, "'prompt' is required")
+    if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or is_token_list(prompt[0])):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt, add_special=True)
+    elif is_token_list(prompt):
+        ids = list(prompt)
+    elif isinstance(prompt, list):
+        raise ApiError(400, "only one prompt per request is supported ('prompt' must be a string or token ids)")
+    else:
+        raise ApiError(400, f"'prompt' must be a string or an array of token ids, got {_type_name(prompt)}")
+    check_token_ids(ids, vocab_size, "prompt")
+    return ids
+
+
+def check_token_ids(ids: list[int], vocab_size: int, what: str) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ApiError(400, f"{what} has token ids outside the vocabulary (size {vocab_size}): {bad[:5]}")
+
+
+def check_fits(ids: list[int], slot_ctx: int) -> None:
+    if not ids:
+        raise ApiError(400, "the prompt is empty")
+    if len(ids) >= slot_ctx:
+        raise ApiError(400, f"the request exceeds the available context size: the prompt has {len(ids)} tokens "
+                            f"and a slot holds {slot_ctx}, try increasing it (--ctx-size)",
+                       "exceed_context_size_error", n_prompt_tokens=len(ids), n_ctx=slot_ctx)
+
+
+def new_id(prefix: str) -> str:
+    alphabet = string.ascii_letters + string.digits
+    return prefix + "".join(secrets.choice(alphabet) for _ in range(32))
+
+
+def usage(c: Completion) -> dict:
+    return {"completion_tokens": len(c.token_ids), "prompt_tokens": len(c.prompt_ids),
+            "total_tokens": len(c.token_ids) + len(c.prompt_ids),
+            "prompt_tokens_details": {"cached_tokens": c.timings.cache_n}}
+
+
+def add_stats(obj: dict, c: Completion) -> dict:
+    """llama.cpp's `timings`, and our per-request `speculative` summary when drafting ran."""
+    obj["timings"] = c.timings.to_dict()
+    if c.spec.draft_steps:
+        obj["speculative"] = c.speculative_summary()
+    return obj
+
+
+class Envelope:
+    """The fields every OpenAI response and chunk of one request share."""
+
+    def __init__(self, prefix: str, obj: str, model: str, fingerprint: str):
+        self.id, self.object, self.model, self.fingerprint = new_id(prefix), obj, model, fingerprint
+        self.created = int(time.time())
+
+    def make(self, choices: list[dict], obj: str | None = None, **extra: Any) -> dict:
+        return {"choices": choices, "created": self.created, "id": self.id, "model": self.model,
+                "system_fingerprint": self.fingerprint, "object": obj or self.object, **extra}
+
+
+def chat_response(env: Envelope, c: Completion) -> dict:
+    choice = {"finish_reason": c.finish_reason, "index": 0,
+              "message": {"role": "assistant", "content": c.text}}
+    return add_stats(env.make([choice], "chat.completion", usage=usage(c)), c)
+
+
+def chat_chunk(env: Envelope, delta: dict, finish_reason: str | None = None) -> dict:
+    return env.make([{"finish_reason": finish_reason, "index": 0, "delta": delta}])
+
+
+def text_response(env: Envelope, c: Completion) -> dict:
+    choice = {"text": c.text, "index": 0, "logprobs": None, "finish_reason": c.finish_reason}
+    return add_stats(env.make([choice], "text_completion", usage=usage(c)), c)
+
+
+def text_chunk(env: Envelope, text: str, finish_reason: str | None = None) -> dict:
+    return env.make([{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}])
+
+
+def stop_type(c: Completion) -> str:
+    if c.finish_reason == "length":
+        return "limit"
+    if c.finish_reason == "stop":
+        return "word" if c.stop_word is not None else "eos"
+    return "none"
+
+
+def native_chunk(text: str, tokens: list[int], slot: int, n_predicted: int, n_prompt: int) -> dict:
+    return {"index": 0, "content": text, "tokens": tokens, "stop": False, "id_slot": slot,
+            "tokens_predicted": n_predicted, "tokens_evaluated": n_prompt}
+
+
+def native_final(c: Completion, slot: int, model: str, settings: dict, prompt: str, with_text: bool,
+                 return_tokens: bool) -> dict:
+    obj = {"index": 0, "content": c.text if with_text else "", "tokens": c.token_ids if return_tokens else [],
+           "id_slot": slot, "stop": True, "model": model, "tokens_predicted": len(c.token_ids),
+           "tokens_evaluated": len(c.prompt_ids), "generation_settings": settings, "prompt": prompt,
+           "has_new_line": "\n" in c.text, "truncated": False, "stop_type": stop_type(c),
+           "stopping_word": c.stop_word or "", "tokens_cached": len(c.prompt_ids) + len(c.token_ids)}
+    return add_stats(obj, c)
+
+
+def generation_settings(p: SamplingParams, slot_ctx: int, speculative: bool) -> dict:
+    return {"n_ctx": slot_ctx, "temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
+            "min_p": p.min_p, "seed": -1 if p.seed is None else p.seed, "n_predict": p.max_tokens,
+            "stop": p.stop, "ignore_eos": p.ignore_eos, "speculative": speculative}

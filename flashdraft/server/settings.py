@@ -1,0 +1,37 @@
+"""What `flashdraft serve` was asked to do, independent of how it was asked (flags, tests)."""
+from dataclasses import dataclass
+
+
+@dataclass
+class Settings:
+    model: str = ""
+    draft: str | None = None
+    speculative: bool = True
+    draft_window: int | None = None
+    block_size: int | None = None
+    host: str = "127.0.0.1"
+    port: int = 8080
+    n_slots: int = 1
+    ctx_size: int = 4096  # total over all slots, as llama-server's -c; each slot gets ctx_size // n_slots
+    device: str | None = None
+    dtype: str = "auto"
+    # request defaults (llama-server's), overridden per request
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    n_predict: int = -1
+    seed: int = -1
+    chat_template_file: str | None = None
+    reasoning: str = "auto"
+    metrics: bool = False
+    api_key: str | None = None
+    alias: str | None = None
+    webui: bool = True
+    log_timestamps: bool = False
+    log_prefix: bool = False
+    max_body_bytes: int = 16 * 1024 * 1024
+
+    @property
+    def slot_ctx(self) -> int:
+        return self.ctx_size // max(self.n_slots, 1)
