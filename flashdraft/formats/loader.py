@@ -8,30 +8,28 @@ from flashdraft.models.transformer import Transformer
 
 
 def build_target(cfg: ModelConfig, tensors, device: str, dtype: torch.dtype) -> Transformer:
-    """Assemble a Transformer from (name, tensor) pairs without allocating a second copy of the weights."""
+    """Assemble a Transformer from (HF name, tensor) pairs; each tensor is converted once and kept."""
     with torch.device("meta"):
         model = Transformer(cfg)
-    expected = set(model.state_dict())
-    if cfg.tie_word_embeddings:
-        expected.discard("lm_head.weight")
-    seen = set()
+    state = {}
     for name, tensor in tensors:
-        if name not in expected:
-            if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
-                continue
-            raise ValueError(f"unexpected tensor {name!r} for a {cfg.arch} model")
-        module_name, _, attr = name.rpartition(".")
-        module = model.get_submodule(module_name)
-        want = getattr(module, attr).shape
-        if tensor.shape != want:
-            raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(want)}")
-        setattr(module, attr, torch.nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False))
-        seen.add(name)
-    missing = sorted(expected - seen)
+        if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue
+        state[name] = tensor.to(device=device, dtype=dtype)
+    if cfg.tie_word_embeddings:
+        state["lm_head.weight"] = state.get("model.embed_tokens.weight")
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    except RuntimeError as e:  # size mismatches
+        raise ValueError(str(e).splitlines()[-1].strip()) from None
+    if unexpected:
+        raise ValueError(f"unexpected tensors for a {cfg.arch} model: {', '.join(sorted(unexpected)[:5])}")
     if missing:
-        raise ValueError(f"missing tensors: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+        raise ValueError(f"missing tensors: {', '.join(sorted(missing)[:5])}{' ...' if len(missing) > 5 else ''}")
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    for p in model.parameters():
+        p.requires_grad_(False)
     return model.eval()
 
 

@@ -13,21 +13,43 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+def fuse_linears_on_load(module: nn.Module, fused: str, parts: list[str]) -> None:
+    """Keep HF's separate projections in state dicts (load and save) while computing with one fused
+    matrix `fused` (one GEMM instead of len(parts) at decode time)."""
+    sizes = [getattr(module, fused).out_features // len(parts)] * len(parts)
+
+    def load_hook(state_dict, prefix, *args):
+        for kind in ("weight", "bias"):
+            names = [f"{prefix}{p}.{kind}" for p in parts]
+            if all(n in state_dict for n in names):
+                state_dict[f"{prefix}{fused}.{kind}"] = torch.cat([state_dict.pop(n) for n in names])
+
+    def save_hook(mod, state_dict, prefix, local_metadata):
+        for kind in ("weight", "bias"):
+            key = f"{prefix}{fused}.{kind}"
+            if key in state_dict:
+                for p, chunk in zip(parts, state_dict.pop(key).split(mod.split_sizes[fused])):
+                    state_dict[f"{prefix}{p}.{kind}"] = chunk
+
+    module.split_sizes = getattr(module, "split_sizes", {})
+    module.split_sizes.setdefault(fused, sizes)
+    module._register_load_state_dict_pre_hook(load_hook)
+    module._register_state_dict_hook(save_hook)
 
 
 class SwiGLU(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        fuse_linears_on_load(self, "gate_up_proj", ["gate_proj", "up_proj"])
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[Tensor, float]:

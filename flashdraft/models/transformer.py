@@ -9,16 +9,33 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from flashdraft.models.config import ModelConfig
-from flashdraft.models.layers import RMSNorm, SwiGLU, apply_rope, rope_table
+from flashdraft.models.layers import RMSNorm, SwiGLU, apply_rope, fuse_linears_on_load, rope_table
+
+SMALL_QUERY = 64  # verify blocks and decode steps: grouped matmul attention instead of SDPA
+
+
+def grouped_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+    """Attention for a few query tokens over the cache, reading each K/V row once: the query heads that
+    share a KV head are stacked into one matrix product (no K/V repetition for GQA).
+    q: [T, H, D]; keys/values: [KV, L, D]; mask: [T, L] bool. Returns [T, H*D]."""
+    T, H, D = q.shape
+    KV, L = keys.shape[0], keys.shape[1]
+    G = H // KV
+    qg = (q * D ** -0.5).view(T, KV, G, D).permute(1, 2, 0, 3).reshape(KV, G * T, D)
+    scores = torch.bmm(qg, keys.transpose(1, 2)).view(KV, G, T, L).float()
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(values.dtype)
+    out = torch.bmm(probs.view(KV, G * T, L), values)
+    return out.view(KV, G, T, D).permute(2, 0, 1, 3).reshape(T, H * D)
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
+        self.split_sizes = {"qkv_proj": [q_size, kv_size, kv_size]}
+        fuse_linears_on_load(self, "qkv_proj", ["q_proj", "k_proj", "v_proj"])
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -28,21 +45,24 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos_sin: Tensor, k_cache: Tensor, v_cache: Tensor,
                 rows: Tensor, mask: Tensor | None, attn_len: int) -> Tensor:
         # x: [T, H]; k_cache/v_cache: [kv_heads, max_len, head_dim]; mask: [T, attn_len] bool or None
-        T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        T, H, KV, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x).view(T, H + 2 * KV, D)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos_sin), apply_rope(k, cos_sin)
+            q, k = apply_rope(self.q_norm(qkv[:, :H]), cos_sin), apply_rope(self.k_norm(qkv[:, H:H + KV]), cos_sin)
+        else:  # one rotation for q and k together
+            qk = apply_rope(qkv[:, :H + KV], cos_sin)
+            q, k = qk[:, :H], qk[:, H:]
+        v = qkv[:, H + KV:]
         k_cache.index_copy_(1, rows, k.transpose(0, 1).to(k_cache.dtype))
         v_cache.index_copy_(1, rows, v.transpose(0, 1).to(v_cache.dtype))
         if mask is None:  # a fresh prefill from position 0: plain causal attention (flash kernels)
             keys, values = k.transpose(0, 1), v.transpose(0, 1)
         else:
             keys, values = k_cache[:, :attn_len].to(q.dtype), v_cache[:, :attn_len].to(q.dtype)
+        if mask is not None and T <= SMALL_QUERY:
+            return self.o_proj(grouped_attention(q, keys, values, mask))
         out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, is_causal=mask is None,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)
+                                             enable_gqa=H != KV)
         return self.o_proj(out.transpose(0, 1).reshape(T, -1))
 
 
