@@ -169,8 +169,8 @@ def tiny(tmp_path_factory):
 
 def run_bench(capsys, tiny, *extra):
     target, draft, prompts = tiny
-    rc = main(["-m", str(target), "-md", str(draft), "--prompts", str(prompts), "--max-tokens", "12",
-               "--device", "cpu", "--ctx-size", "256", *extra])
+    rc = main(["-m", str(target), "-md", str(draft), "--prompts", str(prompts), "--max-tokens", "8",
+               "--device", "cpu", "--ctx-size", "128", *extra])
     out = capsys.readouterr()
     return rc, out.out, out.err
 

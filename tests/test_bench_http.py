@@ -171,3 +171,13 @@ def test_server_error_status(servers, tmp_path, capsys):
     rc, out, err = bench(capsys, "--url", base.url, "--url", bad.url, "--warmup", "0", "--out", str(tmp_path))
     assert rc == 1 and "HTTP 500: boom" in err
     assert len((tmp_path / "responses.jsonl").read_text().splitlines()) == 1
+
+
+def test_three_servers_two_comparisons(servers, capsys):
+    a, b, c = servers(), servers(draft=True), servers(draft=True)
+    rc, out, err = bench(capsys, "--url", a.url, "--url", b.url, "--url", c.url, "--warmup", "0", "--json",
+                         "--num-prompts", "1")
+    assert rc == 0, err
+    s = json.loads(out)
+    assert [x["system"] for x in s["comparisons"]] == s["systems"][1:] and len(s["systems"]) == 3
+    assert all(x["baseline"] == s["systems"][0] for x in s["comparisons"])

@@ -197,8 +197,10 @@ def format_table(summary: dict) -> str:
             lines.append("(no prompt was answered by both)")
         hist = comp["acceptance_histogram"]
         if sum(hist):
-            lines.append("acceptance length histogram (tokens per verify step: share of steps): " + ", ".join(
-                f"{k}: {100 * c / sum(hist):.1f}%" for k, c in enumerate(hist) if k > 0))
+            top = max(k for k, c in enumerate(hist) if c)
+            lines.append(f"acceptance length histogram (tokens per verify step: share of steps; block size "
+                         f"{len(hist) - 1}): " + ", ".join(f"{k}: {100 * c / sum(hist):.1f}%"
+                                                            for k, c in enumerate(hist[:top + 1]) if k > 0))
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
 
