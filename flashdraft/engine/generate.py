@@ -50,9 +50,10 @@ def accept_matching_samples(drafted: Tensor, logits: Tensor, params: SamplingPar
     Each emitted token is then a sample of the target's filtered distribution given the committed
     prefix, whatever the draft proposed: lossless for greedy and for sampling."""
     posterior = sample(logits, params, generator)
-    matches = (drafted == posterior[:-1]).int().cumprod(0)
-    accepted = int(matches.sum())
-    return accepted, int(posterior[accepted])
+    both = torch.cat([drafted, posterior]).tolist()  # the one host synchronisation of a verify step
+    proposed, target_tokens = both[:len(drafted)], both[len(drafted):]
+    accepted = next((i for i, (d, t) in enumerate(zip(proposed, target_tokens)) if d != t), len(proposed))
+    return accepted, target_tokens[accepted]
 
 
 def prefill(target, prompt_ids: Tensor, slot: int, capture: list[int] | None) -> tuple[Tensor, Tensor | None]:
@@ -121,7 +122,12 @@ def decode(target, prompt_ids: Tensor, params: SamplingParams, slot: int = 0, dr
             proposed = drafted.tolist()
             if stats is not None:
                 stats.record(proposed, accepted)
-            draft.append_context(feats[:accepted + 1], positions[:accepted + 1], slot)
+            n_new = accepted + 1
+            if graphs is not None:
+                graphs.run(("context", slot, n_new), lambda f, p: (draft.append_context(f, p, slot),),
+                           [feats[:n_new], positions[:n_new]])
+            else:
+                draft.append_context(feats[:n_new], positions[:n_new], slot)
             new = proposed[:accepted] + [bonus]
             pos += accepted + 1
         new = new[:budget - produced]
