@@ -19,6 +19,7 @@ import uvicorn
 
 from flashdraft.engine.engine import Engine
 from flashdraft.server.app import create_app
+from flashdraft.server.reasoning import ThinkSplitter, split_reasoning
 from flashdraft.server.settings import Settings
 from tiny import CHATML, make_draft, make_target
 
@@ -154,8 +155,10 @@ def test_openai_sdk_chat_and_completions(spec):
     assert all("timings" not in (c.model_extra or {}) for c in chunks[:-1])
 
     c = client.completions.create(model="x", prompt="The quick brown fox", temperature=0, max_tokens=16)
-    assert c.object == "text_completion" and c.id.startswith("cmpl-") and c.choices[0].finish_reason in ("stop", "length")
-    check_stats(c.model_extra, c.usage.completion_tokens, c.usage.prompt_tokens, speculative=c.usage.completion_tokens > 1)
+    assert c.object == "text_completion" and c.id.startswith("cmpl-")
+    assert c.choices[0].finish_reason in ("stop", "length")
+    check_stats(c.model_extra, c.usage.completion_tokens, c.usage.prompt_tokens,
+                speculative=c.usage.completion_tokens > 1)
     parts = list(client.completions.create(model="x", prompt="The quick brown fox", temperature=0, max_tokens=16,
                                            stream=True))
     assert "".join(p.choices[0].text for p in parts) == c.choices[0].text
@@ -284,7 +287,8 @@ def test_metrics(spec, plain):
         assert f"llamacpp:{name}" in values, name
     assert values["llamacpp:tokens_predicted_total"] >= 30 and values["llamacpp:spec_decode_num_drafts_total"] > 0
     assert values["llamacpp:spec_decode_num_draft_tokens_total"] <= 7 * values["llamacpp:spec_decode_num_drafts_total"]
-    per_pos = {k: v for k, v in values.items() if k.startswith("llamacpp:spec_decode_num_accepted_tokens_per_pos_total")}
+    per_pos = {k: v for k, v in values.items()
+               if k.startswith("llamacpp:spec_decode_num_accepted_tokens_per_pos_total")}
     assert len(per_pos) == 7 and 'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="0"}' in per_pos
     assert sum(per_pos.values()) == values["llamacpp:spec_decode_num_accepted_tokens_total"]
     assert values["llamacpp:requests_processing"] == 0 and values["llamacpp:requests_deferred"] == 0
@@ -303,7 +307,8 @@ def test_metrics_off_and_webui(models):
 
 def test_reasoning_flag_reaches_the_template(models):
     engine = load(models)
-    engine.tokenizer.chat_template = CHATML + "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"
+    engine.tokenizer.chat_template = (CHATML + "{% if enable_thinking is defined and not enable_thinking %}"
+                                      "<think>\n\n</think>\n\n{% endif %}")
     with serving(create_app(engine, settings(reasoning="off"))) as url:
         def prompt(**kw) -> str:
             body = {"messages": [{"role": "user", "content": "hi"}], **kw}
@@ -312,6 +317,39 @@ def test_reasoning_flag_reaches_the_template(models):
         assert not prompt(chat_template_kwargs={"enable_thinking": True}).endswith("</think>\n\n")
         r = httpx.post(url + "/v1/chat/completions", json=chat_body("hi", max_tokens=2)).json()
         assert r["usage"]["prompt_tokens"] == len(engine.tokenizer.encode(prompt(), add_special=False))
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7, 100])
+def test_think_splitter(chunk):
+    text = "<think>\nLet me see: 2 + 2.</think>\n\nIt is 4."
+    splitter, reasoning, content = ThinkSplitter(), "", ""
+    for i in range(0, len(text), chunk):
+        r, c = splitter.push(text[i:i + chunk])
+        reasoning, content = reasoning + r, content + c
+    r, c = splitter.flush()
+    assert (reasoning + r, content + c) == ("Let me see: 2 + 2.", "It is 4.")
+    assert split_reasoning("No <think> here</think>") == ("", "No <think> here</think>")
+    assert split_reasoning("<thi") == ("", "<thi")
+    assert split_reasoning("still thinking", thinking_open=True) == ("still thinking", "")
+
+
+def test_reasoning_content_and_timings_per_token(models):
+    engine = load(models)
+    engine.tokenizer.chat_template = CHATML + "<think>\n"  # a template that opens the thinking block itself
+    with serving(create_app(engine, settings())) as url:
+        body = chat_body("fox", max_tokens=12, ignore_eos=True)
+        plain = httpx.post(url + "/v1/chat/completions", json={**body, "reasoning_format": "none"}).json()
+        text = plain["choices"][0]["message"]["content"]
+        split = httpx.post(url + "/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        assert split == {"role": "assistant", "content": "", "reasoning_content": text.lstrip()}
+        events = post_stream(url + "/v1/chat/completions", {**body, "stream": True, "timings_per_token": True})
+        deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == text.lstrip()
+        assert not any(d.get("content") for d in deltas)
+        running = [e["timings"]["predicted_n"] for e in events[1:-2]]
+        assert running and running == sorted(running) and events[-2]["timings"]["predicted_n"] == 12
+        assert_error(httpx.post(url + "/v1/chat/completions", json={**body, "reasoning_format": "yes"}), 400,
+                     "invalid_request_error")
 
 
 # ---- errors: each one answered in OpenAI's envelope, then the server serves a good request

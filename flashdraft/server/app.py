@@ -6,7 +6,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +19,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from flashdraft.engine.engine import Completion, Delta, Engine
 from flashdraft.engine.engine import Request as EngineRequest
-from flashdraft.formats.chat import chat_ids, template_kwargs
+from flashdraft.formats.chat import chat_ids
 from flashdraft.server import protocol as P
 from flashdraft.server.protocol import ApiError
-from flashdraft.server.scheduler import Scheduler, Job
+from flashdraft.server.reasoning import ThinkSplitter, prompt_opens_thinking, split_reasoning
+from flashdraft.server.scheduler import Job, Scheduler
 from flashdraft.server.settings import Settings
 
 log = logging.getLogger("flashdraft.server")
@@ -386,28 +387,25 @@ def create_app(engine_or_loader: Engine | Callable[[], Engine], settings: Settin
         return EngineRequest(prompt_ids=ids, params=params, speculative=state.settings.speculative)
 
     async def generate(request: Request, req: EngineRequest) -> tuple[Job, Completion] | None:
-        _, scheduler = state.require()
-
         async def run() -> tuple[Job, Completion]:
-            async with contextlib.aclosing(scheduler.run(req)) as events:
+            async with contextlib.aclosing(stream_events(request, req)) as events:
                 async for job, event in events:
                     if isinstance(event, Completion):
-                        finished(request.url.path, job, event)
                         return job, event
             raise RuntimeError("generation ended without a result")
         return await until_disconnect(request, run())
 
-    def finished(path: str, job: Job, c: Completion) -> None:
-        state.scheduler.record(c)
-        log_completion(path, job, c)
-
     async def stream_events(request: Request, req: EngineRequest) -> AsyncIterator[tuple[Job, Delta | Completion]]:
         _, scheduler = state.require()
-        async with contextlib.aclosing(scheduler.run(req)) as events:
-            async for job, event in events:
-                if isinstance(event, Completion):
-                    finished(request.url.path, job, event)
-                yield job, event
+        try:
+            async with contextlib.aclosing(scheduler.run(req)) as events:
+                async for job, event in events:
+                    if isinstance(event, Completion):
+                        log_completion(request.url.path, job, event)
+                    yield job, event
+        except (asyncio.CancelledError, GeneratorExit):
+            log.info("%s | cancelled: the client went away", request.url.path)
+            raise
 
     async def guarded(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         """An error after the response started can only be reported as one more event."""
@@ -424,21 +422,42 @@ def create_app(engine_or_loader: Engine | Callable[[], Engine], settings: Settin
     async def chat_completions(request: Request) -> Response:
         body = await read_json(request)
         engine, _ = state.require()
-        req = engine_request(chat_prompt_ids(engine, body), body, ("max_completion_tokens", "max_tokens", "n_predict"))
+        ids = chat_prompt_ids(engine, body)
+        req = engine_request(ids, body, ("max_completion_tokens", "max_tokens", "n_predict"))
         env = P.Envelope("chatcmpl-", "chat.completion.chunk", state.model_name, FINGERPRINT)
+        split = P.reasoning_format(body, state.settings.reasoning_format) != "none"
+        thinking_open = split and prompt_opens_thinking(engine.tokenizer.decode(ids[-16:], skip_special=False))
         if not P.get_bool(body, "stream", False):
             done = await generate(request, req)
-            return JSONResponse(P.chat_response(env, done[1])) if done else Response(status_code=499)
+            if done is None:
+                return Response(status_code=499)
+            reasoning, content = split_reasoning(done[1].text, thinking_open) if split else ("", done[1].text)
+            return JSONResponse(P.chat_response(env, done[1], content, reasoning))
         include_usage = P.get_bool(P.get_object(body, "stream_options"), "include_usage", False)
+        per_token = P.get_bool(body, "timings_per_token", False)
+        splitter = ThinkSplitter(thinking_open) if split else None
 
         async def chunks() -> AsyncIterator[bytes]:
             extra_fields = {"usage": None} if include_usage else {}
+
+            def deltas(text: str, job: Job | None, final: bool = False) -> Iterator[bytes]:
+                reasoning, content = ("", text) if splitter is None else splitter.push(text)
+                if final and splitter is not None:
+                    r, c = splitter.flush()
+                    reasoning, content = reasoning + r, content + c
+                for key, value in (("reasoning_content", reasoning), ("content", content)):
+                    if value:
+                        chunk = P.chat_chunk(env, {key: value}) | extra_fields
+                        yield sse(chunk | {"timings": P.running_timings(job)} if per_token and job else chunk)
+
             yield sse(P.chat_chunk(env, {"role": "assistant", "content": ""}) | extra_fields)
-            async for _, event in stream_events(request, req):
+            async for job, event in stream_events(request, req):
                 if isinstance(event, Delta):
-                    if event.text:
-                        yield sse(P.chat_chunk(env, {"content": event.text}) | extra_fields)
+                    for chunk in deltas(event.text, job):
+                        yield chunk
                     continue
+                for chunk in deltas("", None, final=True):
+                    yield chunk
                 last = P.chat_chunk(env, {}, event.finish_reason) | extra_fields
                 if include_usage:
                     yield sse(last)
@@ -483,6 +502,7 @@ def create_app(engine_or_loader: Engine | Callable[[], Engine], settings: Settin
         ids = P.prompt_ids(body, engine.tokenizer, engine.target.cfg.vocab_size)
         req = engine_request(ids, body, ("n_predict", "max_tokens"))
         return_tokens = P.get_bool(body, "return_tokens", False)
+        per_token = P.get_bool(body, "timings_per_token", False)
         settings = P.generation_settings(req.params, engine.ctx_size, req.speculative)
         prompt_text = engine.tokenizer.decode(ids, skip_special=False)
         if not P.get_bool(body, "stream", False):
@@ -497,8 +517,9 @@ def create_app(engine_or_loader: Engine | Callable[[], Engine], settings: Settin
             async for job, event in stream_events(request, req):
                 if isinstance(event, Delta):
                     if event.text:
-                        yield sse(P.native_chunk(event.text, event.token_ids if return_tokens else [], job.slot,
-                                                 job.n_decoded, len(ids)))
+                        chunk = P.native_chunk(event.text, event.token_ids if return_tokens else [], job.slot,
+                                               job.n_decoded, len(ids))
+                        yield sse(chunk | {"timings": P.running_timings(job)} if per_token else chunk)
                     continue
                 yield sse(P.native_final(event, job.slot, state.model_name, settings, prompt_text, False,
                                          return_tokens))

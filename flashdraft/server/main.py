@@ -44,7 +44,8 @@ def build_parser() -> Parser:
                     help="DFlash draft (z-lab HF folder); turns on DFlash speculative decoding")
     ap.add_argument("--spec-type", choices=["dflash", "draft-dflash", "none"], default=None,
                     help="dflash (implied by a draft) or none (plain decoding, the draft is not loaded)")
-    ap.add_argument("--spec-dflash-cross-ctx", "--draft-window", dest="draft_window", type=int, default=None, metavar="N",
+    ap.add_argument("--spec-dflash-cross-ctx", "--draft-window", dest="draft_window", type=int, default=None,
+                    metavar="N",
                     help="the draft sees the last N positions of context (default: all)")
     ap.add_argument("--block-size", type=int, default=None, help="verify block size (at most the draft's)")
     ap.add_argument("--host", default=d.host, help=f"address to listen on (default {d.host})")
@@ -67,6 +68,10 @@ def build_parser() -> Parser:
     ap.add_argument("--reasoning", choices=["on", "off", "auto"], default=d.reasoning,
                     help="enable_thinking for the chat template, unless a request's chat_template_kwargs "
                          "sets it (auto = leave it to the template)")
+    ap.add_argument("--reasoning-format", choices=["auto", "deepseek", "deepseek-legacy", "none"],
+                    default=d.reasoning_format,
+                    help="none: thinking stays in the content; otherwise a leading <think>...</think> is "
+                         "returned as reasoning_content (default auto)")
     ap.add_argument("-ctk", "--cache-type-k", default=None, help=f"KV cache type for K: {', '.join(KV_CACHE_TYPES)}")
     ap.add_argument("-ctv", "--cache-type-v", default=None, help=f"KV cache type for V: {', '.join(KV_CACHE_TYPES)}")
     ap.add_argument("--metrics", action="store_true", help="serve Prometheus metrics at /metrics")
@@ -126,8 +131,9 @@ def parse_settings(argv: list[str]) -> tuple[Settings, list[str]]:
         n_slots=args.n_slots, ctx_size=args.ctx_size, device=args.device, dtype=args.dtype,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         n_predict=args.n_predict, seed=args.seed, chat_template_file=args.chat_template_file,
-        reasoning=args.reasoning, metrics=args.metrics, api_key=api_key, alias=args.alias, webui=args.webui,
-        log_timestamps=args.log_timestamps, log_prefix=args.log_prefix)
+        reasoning=args.reasoning, reasoning_format=args.reasoning_format, metrics=args.metrics,
+        api_key=api_key, alias=args.alias, webui=args.webui, log_timestamps=args.log_timestamps,
+        log_prefix=args.log_prefix)
     if args.spec_type in ("dflash", "draft-dflash") and not args.draft:
         ap.error(f"--spec-type {args.spec_type} needs a draft model (--spec-draft-model)")
     if args.spec_type == "none" and args.draft:

@@ -4,10 +4,12 @@ import string
 import time
 from typing import Any
 
-from flashdraft.engine.engine import Completion
+from flashdraft.engine.engine import Completion, Timings
 from flashdraft.engine.sampling import SamplingParams
+from flashdraft.server.scheduler import Job
 from flashdraft.server.settings import Settings
 
+REASONING_FORMATS = ("auto", "deepseek", "deepseek-legacy", "none")
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
                500: "server_error", 501: "not_supported_error", 503: "unavailable_error"}
@@ -223,10 +225,27 @@ class Envelope:
                 "system_fingerprint": self.fingerprint, "object": obj or self.object, **extra}
 
 
-def chat_response(env: Envelope, c: Completion) -> dict:
-    choice = {"finish_reason": c.finish_reason, "index": 0,
-              "message": {"role": "assistant", "content": c.text}}
+def chat_response(env: Envelope, c: Completion, content: str, reasoning: str) -> dict:
+    message = {"role": "assistant", "content": content} | ({"reasoning_content": reasoning} if reasoning else {})
+    choice = {"finish_reason": c.finish_reason, "index": 0, "message": message}
     return add_stats(env.make([choice], "chat.completion", usage=usage(c)), c)
+
+
+def reasoning_format(body: dict, default: str) -> str:
+    value = body.get("reasoning_format")
+    if value is None:
+        return default
+    if value not in REASONING_FORMATS:
+        raise ApiError(400, f"'reasoning_format' must be one of {', '.join(REASONING_FORMATS)}, got {value!r}")
+    return value
+
+
+def running_timings(job: Job) -> dict:
+    """llama.cpp's `timings` so far (`timings_per_token`); the last chunk carries the engine's exact ones."""
+    now = time.perf_counter()
+    first = job.first_delta_at or now
+    return Timings(prompt_n=len(job.request.prompt_ids), prompt_ms=1e3 * (first - job.started_at),
+                   predicted_n=job.n_decoded, predicted_ms=1e3 * (now - first)).to_dict()
 
 
 def chat_chunk(env: Envelope, delta: dict, finish_reason: str | None = None) -> dict:

@@ -3,6 +3,7 @@ asyncio; the rest wait in a FIFO queue. Leaving the event iterator early cancels
 import asyncio
 import itertools
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -20,6 +21,8 @@ class Job:
     task: int
     n_decoded: int = 0
     has_new_line: bool = False
+    started_at: float = field(default_factory=time.perf_counter)
+    first_delta_at: float | None = None
 
 
 @dataclass
@@ -60,6 +63,8 @@ class Scheduler:
             stream = self.engine.stream(req)
             try:
                 for event in stream:
+                    if isinstance(event, Completion):  # counted even when nobody waits for it any more
+                        loop.call_soon_threadsafe(self.metrics.record, event)
                     post(event)
                     if req.cancel.is_set():
                         break
@@ -79,6 +84,7 @@ class Scheduler:
                 if isinstance(item, BaseException):
                     raise item
                 if isinstance(item, Delta):
+                    job.first_delta_at = job.first_delta_at or time.perf_counter()
                     job.n_decoded += len(item.token_ids)
                     job.has_new_line = job.has_new_line or "\n" in item.text
                 yield job, item
@@ -89,6 +95,3 @@ class Scheduler:
         self.slots[job.slot] = None
         self.metrics.requests_processing -= 1
         self._free.release()
-
-    def record(self, c: Completion) -> None:
-        self.metrics.record(c)

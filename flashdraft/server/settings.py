@@ -24,6 +24,7 @@ class Settings:
     seed: int = -1
     chat_template_file: str | None = None
     reasoning: str = "auto"
+    reasoning_format: str = "auto"  # a leading <think>...</think> goes to reasoning_content, unless "none"
     metrics: bool = False
     api_key: str | None = None
     alias: str | None = None
