@@ -1,6 +1,10 @@
 """Slots: at most n_slots generations run at once, each `Engine.stream` in its own thread, bridged to
-asyncio; the rest wait in a FIFO queue. Leaving the event iterator early cancels the generation."""
+asyncio; the rest wait in a FIFO queue. Leaving the event iterator early cancels the generation.
+
+On CUDA the slots take turns step by step: the engine's CUDA graphs give wrong tokens when two threads
+run steps at the same time (seen on an H200), and all of them queue on one stream anyway."""
 import asyncio
+import contextlib
 import itertools
 import threading
 import time
@@ -25,15 +29,37 @@ class Job:
     first_delta_at: float | None = None
 
 
+class TurnLock:
+    """A FIFO lock: a thread that releases it and asks again waits behind the others."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._next_ticket = self._serving = 0
+
+    def __enter__(self) -> None:
+        with self._cond:
+            ticket, self._next_ticket = self._next_ticket, self._next_ticket + 1
+            self._cond.wait_for(lambda: self._serving == ticket)
+
+    def __exit__(self, *exc) -> None:
+        with self._cond:
+            self._serving += 1
+            self._cond.notify_all()
+
+
 @dataclass
 class Scheduler:
     engine: Engine
     metrics: Metrics = field(default_factory=Metrics)
+    take_turns: bool | None = None  # one engine step at a time over all slots; default: on CUDA
 
     def __post_init__(self) -> None:
         self.slots: list[Job | None] = [None] * self.engine.n_slots
         self._free = asyncio.Semaphore(self.engine.n_slots)
         self._task_ids = itertools.count()
+        if self.take_turns is None:
+            self.take_turns = self.engine.device.startswith("cuda")
+        self._step_turns = TurnLock() if self.take_turns else contextlib.nullcontext()
 
     @property
     def free_slots(self) -> int:
@@ -62,16 +88,19 @@ class Scheduler:
         def work() -> None:
             stream = self.engine.stream(req)
             try:
-                for event in stream:
+                while True:
+                    with self._step_turns:
+                        event = next(stream, None)
+                    if event is None:
+                        break
                     if isinstance(event, Completion):  # counted even when nobody waits for it any more
                         loop.call_soon_threadsafe(self.metrics.record, event)
-                    post(event)
-                    if req.cancel.is_set():
-                        break
+                    post(event)  # after req.cancel the engine ends within a step, with its Completion
             except BaseException as e:  # handed to the request's coroutine
                 post(e)
             finally:
-                stream.close()  # returns the engine slot
+                with self._step_turns:
+                    stream.close()  # returns the engine slot
                 try:
                     loop.call_soon_threadsafe(self._release, job)
                 except RuntimeError:
