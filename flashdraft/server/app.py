@@ -397,14 +397,17 @@ def create_app(engine_or_loader: Engine | Callable[[], Engine], settings: Settin
 
     async def stream_events(request: Request, req: EngineRequest) -> AsyncIterator[tuple[Job, Delta | Completion]]:
         _, scheduler = state.require()
+        completed = False
         try:
             async with contextlib.aclosing(scheduler.run(req)) as events:
                 async for job, event in events:
                     if isinstance(event, Completion):
+                        completed = True
                         log_completion(request.url.path, job, event)
                     yield job, event
         except (asyncio.CancelledError, GeneratorExit):
-            log.info("%s | cancelled: the client went away", request.url.path)
+            if not completed:
+                log.info("%s | cancelled: the client went away", request.url.path)
             raise
 
     async def guarded(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

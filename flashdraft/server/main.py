@@ -170,7 +170,8 @@ def load_engine(s: Settings):
     from flashdraft.cli import default_device
     from flashdraft.engine.engine import Engine
     device = default_device(s.device)
-    draft = s.draft if s.speculative else None
+    from flashdraft.formats.named import default_draft
+    draft = (s.draft or default_draft(s.model)) if s.speculative else None
     t0 = time.perf_counter()
     log.info("loading model %s%s on %s (%s)", s.model, f" with DFlash draft {draft}" if draft else "", device, s.dtype)
     # -c 0: the trained context, known only once the model is read, so the caches are set up twice
