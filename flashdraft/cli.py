@@ -13,7 +13,7 @@ SUBCOMMANDS = {
 
 def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("-m", "--model", required=True, help="target: GGUF file, HF folder, or a named model")
-    ap.add_argument("-md", "--draft", help="DFlash draft (z-lab HF folder)")
+    ap.add_argument("-md", "--draft", help="DFlash draft (z-lab HF folder); a named model brings its own")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     ap.add_argument("--ctx-size", type=int, default=4096)
@@ -60,7 +60,9 @@ def generate_main(argv: list[str]) -> int:
     params = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             seed=args.seed, max_tokens=args.max_tokens)
     params.validate()
-    engine = Engine.load(args.model, args.draft, device=default_device(args.device), dtype=args.dtype,
+    from flashdraft.formats.named import default_draft
+    draft = None if args.no_spec else (args.draft or default_draft(args.model))
+    engine = Engine.load(args.model, draft, device=default_device(args.device), dtype=args.dtype,
                          ctx_size=args.ctx_size, draft_window=args.draft_window, block_size=args.block_size,
                          progress=not args.json)
     if prompt_ids is None:

@@ -58,19 +58,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def default_draft(model: str) -> str | None:
-    """The DFlash draft shipped for a named model, if there is one."""
-    from flashdraft.formats import named
-    fn = getattr(named, "default_draft", None)
-    if callable(fn):
-        draft = fn(model)
-    else:
-        draft = getattr(getattr(named, "NAMED_MODELS", {}).get(model), "default_draft", None)
-    return str(draft) if draft else None
-
-
 def resolve_pair(args: argparse.Namespace) -> tuple[str, str]:
     model = args.model or DEFAULT_MODEL
+    from flashdraft.formats.named import default_draft
     draft = args.draft or default_draft(model)
     if not draft:
         raise ValueError(f"no DFlash draft for {model}: no draft ships with flashdraft for it yet. Pass one with "

