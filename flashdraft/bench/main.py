@@ -9,6 +9,7 @@ from pathlib import Path
 from flashdraft.bench.prompts import BUILTIN, load_prompts
 from flashdraft.bench.report import format_table, summarize, warnings, write_outputs
 from flashdraft.bench.results import BenchAborted, Result, System, run_all
+from flashdraft.formats.named import default_draft
 
 DEFAULT_MODEL = "smollm2-135m"
 WARMUP_TOKENS = 16
@@ -60,7 +61,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def resolve_pair(args: argparse.Namespace) -> tuple[str, str]:
     model = args.model or DEFAULT_MODEL
-    from flashdraft.formats.named import default_draft
     draft = args.draft or default_draft(model)
     if not draft:
         raise ValueError(f"no DFlash draft for {model}: no draft ships with flashdraft for it yet. Pass one with "
