@@ -162,6 +162,13 @@ class Engine:
                             self.graphs.run(("spec", slot, b, block),
                                             lambda x, p, s=slot, b=b: speculative_step(self.target, self.draft, x, p, s, b),
                                             [ids, positions])
+                    if self.draft is not None and block > 1:  # the context appends of 1..block accepted rows
+                        width = self.draft.cfg.context_width
+                        for n in range(1, block + 1):
+                            feats = torch.zeros(n, width, dtype=self.target.lm_head.weight.dtype, device=dev)
+                            self.graphs.run(("context", slot, n),
+                                            lambda f, p, s=slot: (self.draft.append_context(f, p, s),),
+                                            [feats, torch.arange(n, device=dev)])
             for speculative in ([False, True] if self.draft is not None else [False]):
                 self.generate(Request(prompt_ids=[0, 1, 2, 3], params=SamplingParams(max_tokens=max_tokens),
                                       speculative=speculative))
