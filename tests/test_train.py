@@ -295,6 +295,16 @@ def test_training_lowers_loss_and_saves_a_draft_both_libraries_load(tiny_target_
     assert (got_logits - want_logits).abs().max() <= 1e-4 * want_logits.abs().max()
     # the float32 checkpoint is a loadable draft folder too
     assert load_draft_folder(out / "checkpoint").cfg.to_hf() == ours.cfg.to_hf()
+    # and so is a copy in shards (the GPU script exports that way to pass a file-size limit)
+    from flashdraft.train.checkpoint import copy_draft_sharded
+    files = copy_draft_sharded(out, tmp_path / "sharded", 60_000)
+    assert len([f for f in files if f.endswith(".safetensors")]) >= 3
+    sharded = load_draft_folder(tmp_path / "sharded")
+    ref_sharded = reference.DFlashDraftModel.from_pretrained(str(tmp_path / "sharded"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.equal(sharded.forward_with_context(noise[0], torch.arange(13, 21), ctx[0], torch.arange(13)), got)
+        again = ref_sharded(target_hidden=ctx, noise_embedding=noise, position_ids=torch.arange(21)[None])[0]
+        assert torch.equal(again, want)
 
 
 def test_resume_continues_where_it_stopped(tiny_target_folder, tiny_data, tmp_path):

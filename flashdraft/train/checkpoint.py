@@ -60,3 +60,32 @@ def read_checkpoint(out: Path) -> tuple[DraftConfig, dict, dict | None] | None:
     state["folder"] = str(folder)
     optim = folder / "optimizer.pt"
     return cfg, state, (torch.load(optim, map_location="cpu", weights_only=False) if optim.is_file() else None)
+
+
+def copy_draft_sharded(src: Path, dest: Path, max_shard_bytes: int) -> list[str]:
+    """Copy a draft folder as safetensors shards of at most `max_shard_bytes` (plus the HF index), e.g.
+    to pass a file-size limit; flashdraft and transformers load the sharded folder as they load the
+    original. Returns the files written."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(src / "model.safetensors"))
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes - (1 << 16):  # leave room for the header
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    dest.mkdir(parents=True, exist_ok=True)
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for name, shard in zip(names, shards):
+        save_file(shard, str(dest / name), metadata={"format": "pt"})
+        weight_map.update({t: name for t in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (dest / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    shutil.copy2(src / "config.json", dest / "config.json")
+    return ["config.json", "model.safetensors.index.json", *names]
