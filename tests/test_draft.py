@@ -248,8 +248,12 @@ def test_check_compatible():
     check_compatible(cfg, target_hidden_size=H, target_vocab_size=VOCAB, target_num_layers=4)
     with pytest.raises(ValueError, match="hidden size"):
         check_compatible(cfg, target_hidden_size=2 * H, target_vocab_size=VOCAB, target_num_layers=4)
+    with pytest.raises(ValueError, match="vocabulary size"):
+        check_compatible(cfg, target_hidden_size=H, target_vocab_size=99, target_num_layers=4)
+    cfg.vocab_size = 99
     with pytest.raises(ValueError, match="mask token id 99 is outside the target's vocabulary"):
         check_compatible(cfg, target_hidden_size=H, target_vocab_size=99, target_num_layers=4)
+    cfg.vocab_size = VOCAB
     with pytest.raises(ValueError, match=r"target layer ids \[3\]"):
         check_compatible(cfg, target_hidden_size=H, target_vocab_size=VOCAB, target_num_layers=3)
     cfg.mask_token_id = None

@@ -536,6 +536,9 @@ def check_compatible(
         raise ValueError(
             f"draft hidden size {cfg.hidden_size} does not match the target's hidden size {target_hidden_size}"
         )
+    if cfg.vocab_size != target_vocab_size:
+        raise ValueError(f"draft vocabulary size {cfg.vocab_size} does not match the target's vocabulary size "
+                         f"{target_vocab_size}")
     if cfg.mask_token_id is None:
         raise ValueError("draft config has no mask token id (dflash_config.mask_token_id)")
     if not 0 <= cfg.mask_token_id < target_vocab_size:

@@ -1,0 +1,78 @@
+"""`flashdraft generate` end to end: JSON output, and one clear line with a non-zero exit for bad input."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tiny import make_draft, make_target
+
+
+def generate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flashdraft.cli", "generate", *args], capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    target = make_target(root / "target")
+    return target, make_draft(root / "draft", target)
+
+
+def test_json_output_with_and_without_speculation(tiny_pair):
+    target, draft = tiny_pair
+    common = ["-m", str(target), "--prompt-ids", "5,6,7,8", "-n", "20", "--json", "--device", "cpu"]
+    spec = json.loads(generate(*common, "-md", str(draft)).stdout)
+    plain = json.loads(generate(*common, "-md", str(draft), "--no-spec").stdout)
+    assert spec["token_ids"] == plain["token_ids"] and len(spec["token_ids"]) == 20
+    assert spec["prompt_ids"] == [5, 6, 7, 8]
+    assert set(spec["timings"]) >= {"prompt_n", "prompt_ms", "prompt_per_token_ms", "prompt_per_second",
+                                    "predicted_n", "predicted_ms", "predicted_per_token_ms",
+                                    "predicted_per_second", "draft_n", "draft_n_accepted"}
+    assert "draft_n" not in plain["timings"]
+    assert len(spec["acceptance_lengths"]) == len(spec["draft_steps"]) > 0
+    assert spec["timings"]["draft_n"] == sum(len(d) for d in spec["draft_steps"])
+    assert spec["timings"]["draft_n_accepted"] == sum(a - 1 for a in spec["acceptance_lengths"])
+
+
+def one_line_error(result: subprocess.CompletedProcess, *words: str) -> None:
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+def test_truncated_gguf(tmp_path, smollm2_gguf):
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(Path(smollm2_gguf).read_bytes()[:5_000_000])
+    one_line_error(generate("-m", str(bad), "--prompt", "hi", "--json"), "cut.gguf")
+
+
+def test_folder_without_tokenizer(tmp_path, tiny_pair):
+    target, _ = tiny_pair
+    folder = tmp_path / "no-tokenizer"
+    folder.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        (folder / f).write_bytes((target / f).read_bytes())
+    one_line_error(generate("-m", str(folder), "--prompt", "hi", "--json"), "tokenizer.json")
+
+
+def test_mismatched_draft(tmp_path, tiny_pair):
+    target, _ = tiny_pair
+    other = make_target(tmp_path / "other", vocab_size=256)
+    draft = make_draft(tmp_path / "draft", other)
+    one_line_error(generate("-m", str(target), "-md", str(draft), "--prompt-ids", "1,2", "--json"), "vocab")
+
+
+def test_prompt_longer_than_context(tiny_pair):
+    target, _ = tiny_pair
+    ids = ",".join(["5"] * 40)
+    one_line_error(generate("-m", str(target), "--prompt-ids", ids, "--ctx-size", "32", "--json"), "context")
+
+
+def test_bad_prompt_ids(tiny_pair):
+    target, _ = tiny_pair
+    one_line_error(generate("-m", str(target), "--prompt-ids", "1,x", "--json"), "--prompt-ids")
