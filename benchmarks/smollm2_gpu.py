@@ -15,6 +15,7 @@ from flashdraft.bench.prompts import SEED_NAMES, SEED_PROMPTS, load_prompts
 from flashdraft.engine.engine import Engine, Request
 from flashdraft.engine.sampling import SamplingParams
 from flashdraft.formats.chat import chat_ids
+from gpu import hf_model_from  # benchmarks/gpu.py, beside this script
 
 
 def log(*a):
@@ -42,17 +43,7 @@ def zlab_check(engine, draft_dir: str, prompts: list[list[int]], max_tokens: int
     device, dtype = engine.device, engine.target.lm_head.weight.dtype
     if device != "cuda":
         zl._cuda_time = time.perf_counter
-    t = engine.target.cfg
-    cfg = transformers.LlamaConfig(vocab_size=t.vocab_size, hidden_size=t.hidden_size,
-                                   intermediate_size=t.intermediate_size, num_hidden_layers=t.num_layers,
-                                   num_attention_heads=t.num_heads, num_key_value_heads=t.num_kv_heads,
-                                   head_dim=t.head_dim, rms_norm_eps=t.rms_norm_eps, rope_theta=t.rope_theta,
-                                   max_position_embeddings=8192, tie_word_embeddings=t.tie_word_embeddings)
-    cfg._attn_implementation = "sdpa"
-    with torch.device(device):
-        hf = transformers.LlamaForCausalLM(cfg).to(dtype)
-    hf.load_state_dict(engine.target.state_dict(), strict=False)
-    hf.eval()
+    hf = hf_model_from(engine.target, device, dtype)
     dcfg = json.load(open(f"{draft_dir}/config.json"))
     zcfg = transformers.Qwen3Config(**dcfg)
     zcfg._attn_implementation = "sdpa"

@@ -221,17 +221,11 @@ class Engine:
                 if t_first is None:
                     self._sync()
                     t_first = time.perf_counter()
-                for i, t in enumerate(new):
-                    if t in eos:
-                        tokens += new[:i + 1]
-                        finish = "stop"
-                        break
-                else:
-                    tokens += new
-                if finish != "stop":
-                    text += detok.push([t for t in new])
-                else:
-                    text += detok.push([t for t in new[:i]])
+                end = next((i for i, t in enumerate(new) if t in eos), None)
+                if end is not None:  # keep the EOS token in the ids, not in the text
+                    new, finish = new[:end + 1], "stop"
+                tokens += new
+                text += detok.push(new if end is None else new[:end])
                 hit = _stop_hit(text, p.stop)
                 if hit is not None:
                     text, stop_word, finish = text[:hit[0]], hit[1], "stop"

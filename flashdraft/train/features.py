@@ -13,12 +13,9 @@ from flashdraft.models.layers import apply_rope, rope_table
 
 
 def project_qkv(attn, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """q [N, T, Hq, D], k and v [N, T, Hkv, D] from the target's attention, fused projection or not."""
+    """q [N, T, Hq, D], k and v [N, T, Hkv, D] from the target's fused q/k/v projection."""
     n, t, _ = x.shape
-    if hasattr(attn, "qkv_proj"):
-        q, k, v = attn.qkv_proj(x).split(attn.split_sizes["qkv_proj"], dim=-1)
-    else:
-        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    q, k, v = attn.qkv_proj(x).split(attn.split_sizes["qkv_proj"], dim=-1)
     return (q.reshape(n, t, attn.num_heads, attn.head_dim), k.reshape(n, t, attn.num_kv_heads, attn.head_dim),
             v.reshape(n, t, attn.num_kv_heads, attn.head_dim))
 
