@@ -186,3 +186,23 @@ def test_smollm2_records(smollm2_gguf, tmp_path):
         assert prompt.startswith("<|im_start|>system\n") and prompt.endswith("<|im_start|>user\n" + next(
             p.text for p in prompts if p.id == r["id"]) + "<|im_end|>\n<|im_start|>assistant\n")
         assert sum(r["loss_mask"]) == len(r["input_ids"]) - r["prompt_len"]
+
+
+def test_pool_refill_matches_one_prompt_at_a_time(tmp_path):
+    """Rows refilled mid-run (fewer rows than prompts, prompts of different lengths) give each prompt the
+    answer it gets alone."""
+    from tiny import make_target
+
+    from flashdraft.formats.loader import load_target
+    from flashdraft.train.batchgen import batch_generate
+    target, _, _ = load_target(str(make_target(tmp_path / "target", layers=2, std=0.15)))
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (3, 11, 6, 1, 9)]
+    unstopped = batch_generate(target, prompts, 20, [-1], rows=5)
+    eos = [unstopped[0][5], unstopped[2][12]]  # some answers end early, at different steps
+    alone = [batch_generate(target, [p], 20, eos, rows=1)[0] for p in prompts]
+    assert batch_generate(target, prompts, 20, eos, rows=2) == alone
+    assert batch_generate(target, prompts, 20, eos, rows=5) == alone
+    assert any(a[-1] in eos for a in alone) and any(len(a) == 20 for a in alone)
+    sampled = batch_generate(target, prompts, 20, eos, rows=2, temperature=1.0)
+    assert all(1 <= len(a) <= 20 and not set(a[:-1]) & set(eos) for a in sampled)

@@ -1,103 +1,161 @@
-"""Batched generation with flashdraft's own target weights and a static KV cache (left padding).
+"""Batched generation with continuous refill, for regenerating training data.
 
-Made for regenerating training data: many prompts answered at once, the cache allocated once per batch,
-no per-step bookkeeping beyond one token per row. Greedy, or plain temperature sampling.
+A pool of `rows` sequences decodes together, one token per row per step, over a static KV cache
+[layers, rows, kv_heads, columns, head_dim] in which a row's column is its position. A row that finishes
+is refilled with the next prompt (a batched prefill of the rows freed since the last check), so the pool
+stays full until the prompts run out. The decode step has static shapes and, on CUDA, replays as one CUDA
+graph. Rows are independent: a row's answer equals what the same target gives that prompt alone.
+Greedy, or plain temperature sampling.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from flashdraft.draft.model import draft_attention
-from flashdraft.models.layers import rope_table
+from flashdraft.engine.graphs import GraphCache
+from flashdraft.models.layers import apply_rope, rope_table
 from flashdraft.train.features import project_qkv
 
-
-def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [N, T, heads, D]; cos/sin [N, T, 1, D] (per-row positions)."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+CHECK_EVERY = 8  # decode steps between looks at which rows finished (the one host sync)
 
 
-def _layer(layer, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, start: int,
-           mask: Tensor) -> Tensor:
-    """x [N, T, H] at cache columns start..start+T; mask [N, T, start+T] (True = attend)."""
+class Pool:
+    """The static state of the pool: cache, rope table, rows' next input token and its position."""
+
+    def __init__(self, target, rows: int, columns: int):
+        cfg = target.cfg
+        weight = target.model.embed_tokens.weight
+        shape = (cfg.num_layers, rows, cfg.num_kv_heads, columns, cfg.head_dim)
+        self.target, self.rows, self.columns = target, rows, columns
+        self.k_cache = torch.zeros(shape, device=weight.device, dtype=weight.dtype)
+        self.v_cache = torch.zeros_like(self.k_cache)
+        self.rope = rope_table(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, columns).to(weight.device)
+        self.key_columns = torch.arange(columns, device=weight.device)
+        self.row_index = torch.arange(rows, device=weight.device)
+
+
+def _qkv(layer, h: Tensor, cos_sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     attn = layer.self_attn
-    t = x.shape[1]
-    h = layer.input_layernorm(x)
     q, k, v = project_qkv(attn, h)
     if attn.qk_norm:
         q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-    k_cache[:, :, start:start + t] = k.transpose(1, 2)
-    v_cache[:, :, start:start + t] = v.transpose(1, 2)
-    out = draft_attention(q.transpose(1, 2), k_cache[:, :, :start + t], v_cache[:, :, :start + t], mask)
-    x = x + attn.o_proj(out)
+    return apply_rope(q, cos_sin), apply_rope(k, cos_sin), v
+
+
+def _finish_layer(layer, x: Tensor, attn_out: Tensor) -> Tensor:
+    x = x + layer.self_attn.o_proj(attn_out)
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
-@torch.inference_mode()
-def batch_generate(target, prompts: list[list[int]], max_new_tokens: int, eos: list[int], pad_id: int,
-                   temperature: float = 0.0, generator: torch.Generator | None = None) -> list[list[int]]:
-    """New tokens for each prompt (up to and including the first end-of-turn token)."""
-    cfg = target.cfg
-    device = target.model.embed_tokens.weight.device
-    dtype = target.model.embed_tokens.weight.dtype
-    n, width = len(prompts), max(map(len, prompts))
-    total = width + max_new_tokens
-    ids = torch.full((n, width), pad_id, dtype=torch.long)
-    key_valid = torch.zeros((n, total), dtype=torch.bool)
+def _window_mask(mask: Tensor, query_pos: Tensor, key_pos: Tensor, window: int | None) -> Tensor:
+    return mask if window is None else mask & (query_pos[..., :, None] - key_pos[..., None, :] < window)
+
+
+def decode_step(pool: Pool, tokens: Tensor, positions: Tensor) -> Tensor:
+    """tokens, positions [R] (one per row; a row's position is its cache column) -> logits [R, V]."""
+    target = pool.target
+    cos_sin = pool.rope[positions]  # [R, 2, D]
+    mask = (pool.key_columns[None, :] <= positions[:, None])[:, None, :]  # [R, 1, C]
+    mask = _window_mask(mask, positions[:, None], pool.key_columns, target.cfg.sliding_window)
+    x = target.embed(tokens)[None]  # [1, R, H]: the rows stand on the token axis for projections and RoPE
+    for i, layer in enumerate(target.model.layers):
+        q, k, v = _qkv(layer, layer.input_layernorm(x), cos_sin)  # [1, R, heads, D]
+        pool.k_cache[i, pool.row_index, :, positions] = k[0].to(pool.k_cache.dtype)
+        pool.v_cache[i, pool.row_index, :, positions] = v[0].to(pool.v_cache.dtype)
+        out = draft_attention(q[0, :, :, None], pool.k_cache[i], pool.v_cache[i], mask)  # [R, 1, heads*D]
+        x = _finish_layer(layer, x, out.transpose(0, 1))
+    return target.logits(target.model.norm(x[0]))
+
+
+def prefill_rows(pool: Pool, rows: Tensor, prompts: list[list[int]]) -> Tensor:
+    """Write the prompts into cache rows `rows` from column 0 (right-padded: columns past a prompt's end are
+    rewritten by its own decode steps before they are attended). Returns each prompt's last logits [n, V]."""
+    target = pool.target
+    device = rows.device
+    width = max(map(len, prompts))
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        key_valid[i, width - len(p):width] = True
-    ids, key_valid = ids.to(device), key_valid.to(device)
-    pad = (width - torch.tensor([len(p) for p in prompts], device=device))  # per-row left padding
-    table = rope_table(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, total).to(device)
-    cache_shape = (cfg.num_layers, n, cfg.num_kv_heads, total, cfg.head_dim)
-    k_cache = torch.zeros(cache_shape, device=device, dtype=dtype)
-    v_cache = torch.zeros(cache_shape, device=device, dtype=dtype)
+        ids[i, :len(p)] = torch.tensor(p)
+    ids = ids.to(device)
+    positions = torch.arange(width, device=device)
+    mask = _window_mask(positions[None, :] <= positions[:, None], positions, positions, target.cfg.sliding_window)
+    x = target.embed(ids)
+    for i, layer in enumerate(target.model.layers):
+        q, k, v = _qkv(layer, layer.input_layernorm(x), pool.rope[:width])  # [n, T, heads, D]
+        pool.k_cache[i, rows, :, :width] = k.transpose(1, 2).to(pool.k_cache.dtype)
+        pool.v_cache[i, rows, :, :width] = v.transpose(1, 2).to(pool.v_cache.dtype)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+            enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2).flatten(2)
+        x = _finish_layer(layer, x, out)
+    last = torch.tensor([len(p) - 1 for p in prompts], device=device)
+    return target.logits(target.model.norm(x[torch.arange(len(prompts), device=device), last]))
+
+
+def pick(logits: Tensor, temperature: float) -> Tensor:
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return (probs / torch.empty_like(probs).exponential_()).argmax(-1)  # a sample of probs (exponential race)
+
+
+@torch.inference_mode()
+def batch_generate(target, prompts: list[list[int]], max_new_tokens: int, eos: list[int], rows: int = 256,
+                   temperature: float = 0.0) -> list[list[int]]:
+    """New tokens for each prompt (up to and including the first end-of-turn token), in prompt order."""
+    device = target.model.embed_tokens.weight.device
+    rows = max(1, min(rows, len(prompts)))
+    width = max_new_tokens + CHECK_EVERY  # a row may run a few steps past its end before it is seen
+    pool = Pool(target, rows, max(map(len, prompts)) + width)
+    graphs = GraphCache(str(device))
     eos_t = torch.tensor(eos, device=device)
+    out = torch.zeros((rows, width), dtype=torch.long, device=device)
+    count = torch.zeros(rows, dtype=torch.long, device=device)
+    tokens = torch.zeros(rows, dtype=torch.long, device=device)
+    positions = torch.zeros(rows, dtype=torch.long, device=device)
+    owner = [-1] * rows  # the prompt each row answers (-1: idle)
+    results: list[list[int] | None] = [None] * len(prompts)
+    next_prompt = 0
 
-    def run(tokens: Tensor, start: int) -> Tensor:
-        t = tokens.shape[1]
-        columns = torch.arange(start, start + t, device=device)
-        positions = (columns[None, :] - pad[:, None]).clamp(min=0)  # [N, T]
-        cos_sin = table[positions]  # [N, T, 2, D]
-        cos, sin = cos_sin[:, :, 0, None, :].to(dtype), cos_sin[:, :, 1, None, :].to(dtype)
-        keys = torch.arange(start + t, device=device)
-        # A padding query sees only itself: a row with no key would give NaN, and NaN values leak through
-        # zero attention weights into the rows that do use these cache columns' neighbours.
-        own = keys[None, None, :] == columns[None, :, None]
-        mask = (key_valid[:, None, :start + t] | own) & (keys[None, None, :] <= columns[None, :, None])
-        if cfg.sliding_window is not None:
-            mask &= (positions[:, :, None] - (keys[None, None, :] - pad[:, None, None])) < cfg.sliding_window
-        x = target.embed(tokens)
-        for i, layer in enumerate(target.model.layers):
-            x = _layer(layer, x, cos, sin, k_cache[i], v_cache[i], start, mask)
-        return target.logits(target.model.norm(x[:, -1]))
+    def refill(free: list[int]) -> None:
+        nonlocal next_prompt
+        take = free[:len(prompts) - next_prompt]
+        if not take:
+            return
+        chosen = list(range(next_prompt, next_prompt + len(take)))
+        next_prompt += len(take)
+        index = torch.tensor(take, device=device)
+        first = pick(prefill_rows(pool, index, [prompts[j] for j in chosen]), temperature)
+        out[index, 0] = first
+        count[index] = 1
+        tokens[index] = first
+        positions[index] = torch.tensor([len(prompts[j]) for j in chosen], device=device)
+        for r, j in zip(take, chosen):
+            owner[r] = j
 
-    def pick(logits: Tensor) -> Tensor:
-        if temperature <= 0:
-            return logits.argmax(-1)
-        probs = torch.softmax(logits.float() / temperature, dim=-1)
-        return torch.multinomial(probs, 1, generator=generator).squeeze(1)
-
-    out = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
-    finished = torch.zeros(n, dtype=torch.bool, device=device)
-    token = pick(run(ids, 0))
-    steps = 0
-    for step in range(max_new_tokens):
-        out[:, step] = torch.where(finished, pad_id, token)
-        finished |= torch.isin(token, eos_t)
-        steps = step + 1
-        if step + 1 == max_new_tokens or (step % 16 == 15 and bool(finished.all())):
-            break
-        key_valid[:, width + step] = True
-        token = pick(run(token[:, None], width + step))
-    rows = out[:, :steps].tolist()
-    eos_set = set(eos)
-    results = []
-    for row in rows:
-        cut = next((i + 1 for i, t in enumerate(row) if t in eos_set), len(row))
-        results.append(row[:cut])
-    return results
+    refill(list(range(rows)))
+    while any(o >= 0 for o in owner):
+        for _ in range(CHECK_EVERY):
+            (tokens,) = graphs.run(("decode", rows), lambda t, p: (pick(decode_step(pool, t, p), temperature),),
+                                   [tokens, positions])
+            out[pool.row_index, count.clamp(max=width - 1)] = tokens
+            count += 1
+            positions = (positions + 1).clamp(max=pool.columns - 1)
+        produced = out.clone()
+        seen = torch.arange(width, device=device)[None, :] < count.clamp(max=max_new_tokens)[:, None]
+        done = ((torch.isin(produced, eos_t) & seen).any(1) | (count >= max_new_tokens)).tolist()
+        free = [r for r in range(rows) if done[r] and owner[r] >= 0]
+        if not free:
+            continue
+        finished = produced[free].tolist()
+        limits = count[free].clamp(max=max_new_tokens).tolist()
+        eos_set = set(eos)
+        for r, row, limit in zip(free, finished, limits):
+            row = row[:limit]
+            cut = next((i + 1 for i, t in enumerate(row) if t in eos_set), len(row))
+            results[owner[r]] = row[:cut]
+            owner[r] = -1
+        refill(free)
+    return results  # type: ignore[return-value]

@@ -114,6 +114,7 @@ def make_record(prompt: TrainPrompt, prompt_ids: list[int], response: list[int],
 # Generation backends: (prompt id lists) -> (response id lists, finish reasons)
 # ---------------------------------------------------------------------------------------------------------
 
+POOL_ROUNDS = 8
 Generator = Callable[[list[list[int]]], list[tuple[list[int], str]]]
 
 
@@ -201,19 +202,23 @@ def batched_generator(target, eos: list[int], opts: GenOptions, device: str) -> 
     from flashdraft.train.batchgen import batch_generate
 
     eos_set = set(eos)
-    generator = torch.Generator(device=device).manual_seed(0) if opts.temperature > 0 else None
 
     def run(prompts: list[list[int]]) -> list[tuple[list[int], str]]:
-        answers = batch_generate(target, prompts, opts.max_new_tokens, eos, eos[0], opts.temperature, generator)
+        rows = -(-len(prompts) // POOL_ROUNDS)
+        answers = batch_generate(target, prompts, opts.max_new_tokens, eos, rows, opts.temperature)
         return [cut_at_eos(a, eos_set) for a in answers]
 
     return run
 
 
+def resolve_backend(opts: GenOptions) -> str:
+    if opts.backend == "auto":
+        return "batched" if opts.top_p >= 1.0 else "hf"
+    return opts.backend
+
+
 def make_generator(target, eos: list[int], opts: GenOptions, device: str, dtype: torch.dtype) -> Generator:
-    backend = opts.backend
-    if backend == "auto":
-        backend = "batched" if opts.top_p >= 1.0 else "hf"
+    backend = resolve_backend(opts)
     if backend == "batched":
         return batched_generator(target, eos, opts, device)
     if backend == "hf":
@@ -260,7 +265,9 @@ def generate_records(target, tokenizer, prompts: list[TrainPrompt], out: Path, o
     if not tokenizer.eos_ids:
         raise ValueError("the tokenizer names no end-of-turn token; cannot tell where a response ends")
     generate = make_generator(target, list(tokenizer.eos_ids), opts, device, dtype)
-    batch_size = opts.batch_size
+    # The batched backend keeps a pool of batch_size rows busy over POOL_ROUNDS times as many prompts a call.
+    rounds = POOL_ROUNDS if resolve_backend(opts) == "batched" else 1
+    batch_size = opts.batch_size * rounds
     # Sort within windows of two batches: less padding, while the given order (priorities) mostly holds.
     window = batch_size * 2
     order = []
@@ -279,9 +286,9 @@ def generate_records(target, tokenizer, prompts: list[TrainPrompt], out: Path, o
             try:
                 answers = generate([ids for _, ids in batch])
             except torch.cuda.OutOfMemoryError:
-                if batch_size == 1:
+                if batch_size <= rounds:
                     raise
-                batch_size = max(1, batch_size // 2)
+                batch_size = max(rounds, batch_size // 2)
                 torch.cuda.empty_cache()
                 log(f"[make-data] out of memory; batch size now {batch_size}")
                 continue
@@ -300,7 +307,7 @@ def generate_records(target, tokenizer, prompts: list[TrainPrompt], out: Path, o
 
 def add_generation_args(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("response regeneration")
-    g.add_argument("--gen-batch-size", type=int, default=256, help="prompts per generate call")
+    g.add_argument("--gen-batch-size", type=int, default=256, help="sequences decoded together (the batched backend refills a row as soon as its answer ends)")
     g.add_argument("--max-new-tokens", type=int, default=512)
     g.add_argument("--max-prompt-len", type=int, default=1024, help="skip longer prompts (tokens)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
