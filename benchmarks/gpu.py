@@ -148,9 +148,11 @@ def section_limits(args, results):
 def section_synthetic(args, results):
     dev, dtype = args.device, torch.bfloat16
     shapes = TINY if args.tiny else SHAPES
-    ctxs = [1024, 16384] if not args.tiny else [64, 300]
+    ctxs = [int(c) for c in args.ctxs.split(",")] if not args.tiny else [64, 300]
     rows = []
     for name, cfg in shapes.items():
+        if args.models and name not in args.models.split(","):
+            continue
         torch.cuda.empty_cache() if dev == "cuda" else None
         target = random_target(cfg, dev, dtype)
         draft = draft_for(cfg, dev, dtype, args.tiny)
@@ -159,56 +161,60 @@ def section_synthetic(args, results):
         t0 = time.perf_counter()
         target.setup_cache(max_len)
         draft.setup_cache(max_len)
-        for ctx in ctxs:
-            if dev == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            prompt = torch.randint(0, cfg.vocab_size - 1, (ctx,), device=dev)
-            _, feats = prefill(target, prompt, 0, draft.cfg.target_layer_ids)
-            draft.reset(0)
-            draft.append_context(feats, torch.arange(ctx, device=dev), 0)
-            del feats
-            graphs = GraphCache(dev)
-            tok = torch.tensor([5], device=dev)
-            pos = torch.tensor([ctx], device=dev)
-            bucket = bucket_for(ctx + 16, max_len)
-            block = torch.randint(0, cfg.vocab_size - 1, (16,), device=dev)
-            positions = torch.arange(ctx, ctx + 16, device=dev)
-            ids = draft.cfg.target_layer_ids
+        variants = [name] + ([f"{name}+compile"] if args.compile and name in args.compile.split(",") else [])
+        for label in variants:
+            if label.endswith("+compile"):
+                target.compile_layers((1, 16))
+            for ctx in ctxs:
+                if dev == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                prompt = torch.randint(0, cfg.vocab_size - 1, (ctx,), device=dev)
+                _, feats = prefill(target, prompt, 0, draft.cfg.target_layer_ids)
+                draft.reset(0)
+                draft.append_context(feats, torch.arange(ctx, device=dev), 0)
+                del feats
+                graphs = GraphCache(dev)
+                tok = torch.tensor([5], device=dev)
+                pos = torch.tensor([ctx], device=dev)
+                bucket = bucket_for(ctx + 16, max_len)
+                block = torch.randint(0, cfg.vocab_size - 1, (16,), device=dev)
+                positions = torch.arange(ctx, ctx + 16, device=dev)
+                ids = draft.cfg.target_layer_ids
 
-            def decode_step():
-                return graphs.run(("plain", bucket), lambda t, p: plain_step(target, t, p, 0, bucket), [tok, pos])
+                def decode_step():
+                    return graphs.run(("plain", bucket, label), lambda t, p: plain_step(target, t, p, 0, bucket), [tok, pos])
 
-            def verify_step():
-                return graphs.run(("verify", bucket), lambda b, p: target(b, p, slot=0, capture=ids, attn_len=bucket),
-                                  [block, positions])
+                def verify_step():
+                    return graphs.run(("verify", bucket, label), lambda b, p: target(b, p, slot=0, capture=ids, attn_len=bucket),
+                                      [block, positions])
 
-            def draft_step():
-                def fn(b, p):
-                    h = draft(target.embed(b), p, 0)
-                    return (draft.compute_logits(h[1:], target.logits).argmax(-1),)
-                return graphs.run(("draft",), fn, [block, positions])
+                def draft_step():
+                    def fn(b, p):
+                        h = draft(target.embed(b), p, 0)
+                        return (draft.compute_logits(h[1:], target.logits).argmax(-1),)
+                    return graphs.run(("draft",), fn, [block, positions])
 
-            t_capture = time.perf_counter()
-            for f in (decode_step, verify_step, draft_step):
-                f()
-            capture_s = time.perf_counter() - t_capture
-            iters = 30 if not args.tiny else 5
-            ms_decode, ms_verify, ms_draft = (timed(f, iters, dev) for f in (decode_step, verify_step, draft_step))
-            peak = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else 0.0
-            row = dict(model=name, ctx=ctx, decode_ms=ms_decode, decode_tok_s=1e3 / ms_decode,
-                       bandwidth_GBps=nbytes / (ms_decode * 1e-3) / 1e9, verify16_ms=ms_verify,
-                       verify_over_decode=ms_verify / ms_decode, draft_ms=ms_draft, draft_over_decode=ms_draft / ms_decode,
-                       peak_mem_GiB=peak, weight_GB=nbytes / 1e9, graph_capture_s=capture_s)
-            lim = results.get("limits")
-            if lim:
-                row["fraction_of_copy_bw"] = row["bandwidth_GBps"] / lim["copy_bandwidth_GBps"]
-                if name == "llama-3.1-8b":
-                    row["decode_over_weight_ceiling"] = ms_decode / lim["weight_read_ceiling_ms_m1"]
-            rows.append(row)
-            log(f"{name} ctx {ctx}: decode {ms_decode:.3f} ms ({1e3 / ms_decode:.1f} tok/s, "
-                f"{row['bandwidth_GBps']:.0f} GB/s), verify16 {ms_verify:.3f} ms (x{row['verify_over_decode']:.3f}), "
-                f"draft {ms_draft:.3f} ms (x{row['draft_over_decode']:.3f}), peak {peak:.1f} GiB, "
-                f"capture {capture_s:.1f} s")
+                t_capture = time.perf_counter()
+                for f in (decode_step, verify_step, draft_step):
+                    f()
+                capture_s = time.perf_counter() - t_capture
+                iters = 30 if not args.tiny else 5
+                ms_decode, ms_verify, ms_draft = (timed(f, iters, dev) for f in (decode_step, verify_step, draft_step))
+                peak = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else 0.0
+                row = dict(model=label, ctx=ctx, decode_ms=ms_decode, decode_tok_s=1e3 / ms_decode,
+                           bandwidth_GBps=nbytes / (ms_decode * 1e-3) / 1e9, verify16_ms=ms_verify,
+                           verify_over_decode=ms_verify / ms_decode, draft_ms=ms_draft, draft_over_decode=ms_draft / ms_decode,
+                           peak_mem_GiB=peak, weight_GB=nbytes / 1e9, graph_capture_s=capture_s)
+                lim = results.get("limits")
+                if lim:
+                    row["fraction_of_copy_bw"] = row["bandwidth_GBps"] / lim["copy_bandwidth_GBps"]
+                    if name == "llama-3.1-8b":
+                        row["decode_over_weight_ceiling"] = ms_decode / lim["weight_read_ceiling_ms_m1"]
+                rows.append(row)
+                log(f"{label} ctx {ctx}: decode {ms_decode:.3f} ms ({1e3 / ms_decode:.1f} tok/s, "
+                    f"{row['bandwidth_GBps']:.0f} GB/s), verify16 {ms_verify:.3f} ms (x{row['verify_over_decode']:.3f}), "
+                    f"draft {ms_draft:.3f} ms (x{row['draft_over_decode']:.3f}), peak {peak:.1f} GiB, "
+                    f"capture {capture_s:.1f} s")
         log(f"{name}: setup {time.perf_counter() - t0:.1f} s")
         del target, draft
     results["synthetic"] = rows
@@ -337,6 +343,10 @@ def main():
     ap.add_argument("--sections", default="limits,synthetic,hf,zlab")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke test of this script on CPU")
+    ap.add_argument("--models", default="", help="comma-separated subset of the synthetic section's models")
+    ap.add_argument("--ctxs", default="1024,16384", help="context lengths of the synthetic section")
+    ap.add_argument("--compile", default="",
+                    help="comma-separated model names measured a second time with torch.compile'd layers")
     ap.add_argument("--out")
     args = ap.parse_args()
     results = dict(date=time.strftime("%Y-%m-%d"), torch=torch.__version__, device=args.device)

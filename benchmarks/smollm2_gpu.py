@@ -52,7 +52,7 @@ def zlab_check(engine, draft_dir: str, prompts: list[list[int]], max_tokens: int
     ref.load_state_dict(engine.draft.state_dict())
     ref.eval()
     stop = list(engine.tokenizer.eos_ids)
-    lengths, tokens, seconds, same = [], 0, 0.0, 0
+    lengths, ours_lengths, tokens, seconds, same = [], [], 0, 0.0, 0
     for ids in prompts:
         if time.time() > deadline:
             break
@@ -63,7 +63,9 @@ def zlab_check(engine, draft_dir: str, prompts: list[list[int]], max_tokens: int
         seconds += r.time_per_output_token * r.num_output_tokens
         ours = engine.generate(Request(prompt_ids=ids, params=SamplingParams(max_tokens=max_tokens)))
         same += ours.token_ids == r.output_ids[0, len(ids):].tolist()
+        ours_lengths.append(ours.spec.acceptance_lengths)
     return dict(prompts=len(lengths), mean_acceptance_length=pooled_acceptance(lengths),
+                ours_mean_acceptance_length=pooled_acceptance(ours_lengths),
                 tok_s=tokens / seconds if seconds else 0.0, identical_outputs=same)
 
 
@@ -75,12 +77,14 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--budget-s", type=float, default=400)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--zlab-prompts", type=int, default=10, help="HumanEval and MT-Bench prompts each in the cross-check")
     ap.add_argument("--out")
     args = ap.parse_args()
     start = time.time()
     deadline = start + args.budget_s
     t = time.time()
-    engine = Engine.load(args.model, args.draft, device=args.device, dtype="auto", ctx_size=4096)
+    engine = Engine.load(args.model, args.draft, device=args.device, dtype="auto", ctx_size=4096, compile=args.compile)
     res = dict(date=time.strftime("%Y-%m-%d"), torch=torch.__version__, device=args.device,
                gpu=torch.cuda.get_device_name() if args.device == "cuda" else None,
                load_and_warmup_s=time.time() - t, warmup_s=engine.startup_s.get("warmup"))
@@ -116,7 +120,9 @@ def main():
             f"{res[set_name]['dflash_tok_s']:.1f} tok/s")
         save()
     try:
-        cross = [ids(t) for t in SEED_PROMPTS] + [ids(p.turns[0]) for p in load_prompts("humaneval", Path(args.data_dir), fetch=False)[:10]]
+        cross = [ids(t) for t in SEED_PROMPTS] + [
+            ids(p.turns[0]) for name in ("humaneval", "mt-bench")
+            for p in load_prompts(name, Path(args.data_dir), fetch=False)[:args.zlab_prompts]]
         res["zlab"] = zlab_check(engine, args.draft, cross, args.max_tokens, deadline)
         log(f"z-lab dflash_generate on the same draft: {res['zlab']}")
     except Exception as e:

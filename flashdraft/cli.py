@@ -16,6 +16,8 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("-md", "--draft", help="DFlash draft (z-lab HF folder); a named model brings its own")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    ap.add_argument("--compile", action="store_true",
+                    help="fuse each layer's small ops with torch.compile for decode/verify steps (slower start)")
     ap.add_argument("--ctx-size", type=int, default=4096)
     ap.add_argument("--block-size", type=int, default=None, help="verify block (at most the draft's)")
     ap.add_argument("--draft-window", type=int, default=None, help="draft sees the last N positions")
@@ -62,7 +64,7 @@ def generate_main(argv: list[str]) -> int:
     params.validate()
     from flashdraft.formats.named import default_draft
     draft = None if args.no_spec else (args.draft or default_draft(args.model))
-    engine = Engine.load(args.model, draft, device=default_device(args.device), dtype=args.dtype,
+    engine = Engine.load(args.model, draft, device=default_device(args.device), dtype=args.dtype, compile=args.compile,
                          ctx_size=args.ctx_size, draft_window=args.draft_window, block_size=args.block_size,
                          progress=not args.json)
     if prompt_ids is None:

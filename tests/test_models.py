@@ -87,3 +87,23 @@ def test_captured_features_are_layer_outputs():
 def test_unknown_architecture_is_named():
     with pytest.raises(ValueError, match="gpt_neox"):
         ModelConfig.from_hf(dict(BASE, model_type="gpt_neox"))
+
+
+@pytest.mark.slow
+def test_compiled_layers_match_eager(tmp_path):
+    """torch.compile'd decode/verify layers (the GPU fast path's fusion) give the eager logits and tokens."""
+    from tiny import make_target
+
+    from flashdraft.engine.generate import decode
+    from flashdraft.engine.sampling import SamplingParams
+    from flashdraft.formats.loader import load_target
+    target, _, _ = load_target(str(make_target(tmp_path / "t", layers=2)))
+    target.setup_cache(128)
+    prompt = torch.arange(3, 40)
+    eager = [t for step in decode(target, prompt, SamplingParams(max_tokens=12)) for t in step]
+    block = torch.arange(50, 58)
+    ref, _ = target(block, torch.arange(37, 45), attn_len=64)
+    target.compile_layers((1, 8))
+    out, _ = target(block, torch.arange(37, 45), attn_len=64)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert [t for step in decode(target, prompt, SamplingParams(max_tokens=12)) for t in step] == eager

@@ -128,13 +128,16 @@ class Engine:
     @staticmethod
     def load(model: str, draft: str | None = None, device: str = "cpu", dtype: str = "auto",
              ctx_size: int = 4096, n_slots: int = 1, draft_window: int | None = None,
-             block_size: int | None = None, progress: bool = False) -> "Engine":
+             block_size: int | None = None, progress: bool = False, compile: bool = False) -> "Engine":
         from flashdraft.formats.loader import load_draft, load_target
         torch_dtype = resolve_dtype(dtype, device)
         target, tokenizer, model_path = load_target(model, device, torch_dtype, progress=progress)
         draft_model = load_draft(draft, target, device, torch_dtype) if draft else None
         engine = Engine(target, tokenizer, draft_model, device, ctx_size, n_slots, draft_window, block_size,
                         model_path=str(model_path), draft_path=draft)
+        if compile and device.startswith("cuda"):  # shapes are static only where graphs bucket them
+            widths = {1} | ({engine.block_size or draft_model.cfg.block_size} if draft_model is not None else set())
+            target.compile_layers(tuple(widths))
         if engine.graphs is not None:
             engine.warmup()
         return engine

@@ -99,6 +99,18 @@ class Transformer(nn.Module):
         self.k_cache: Tensor | None = None
         self.v_cache: Tensor | None = None
         self.rope: Tensor | None = None
+        self.compiled_layer = None
+        self.compiled_widths: set[int] = set()
+
+    def compile_layers(self, widths: tuple[int, ...] = (1, 16)) -> None:
+        """Steps of `widths` tokens over the cache (decode and verify: the shapes CUDA graphs capture) run each
+        layer through torch.compile, which fuses the norms, RoPE, SwiGLU and residual adds into a few kernels.
+        Parameters are graph inputs, so one compiled graph per (width, attended length) serves every layer;
+        other shapes (prefill chunks) stay eager rather than compile once per prompt length."""
+        import torch._dynamo
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        self.compiled_layer = torch.compile(DecoderLayer.forward, dynamic=False)
+        self.compiled_widths = set(widths)
 
     @property
     def max_len(self) -> int:
@@ -139,8 +151,10 @@ class Transformer(nn.Module):
         mask = self.attention_mask(positions, attn_len, fresh)
         captured = []
         want = set(capture or ())
+        compiled = self.compiled_layer if mask is not None and input_ids.shape[0] in self.compiled_widths else None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos_sin, self.k_cache[slot, i], self.v_cache[slot, i], positions, mask, attn_len)
+            args = (x, cos_sin, self.k_cache[slot, i], self.v_cache[slot, i], positions, mask, attn_len)
+            x = compiled(layer, *args) if compiled is not None else layer(*args)
             if i in want:
                 captured.append(x)
         if capture:

@@ -82,6 +82,8 @@ def build_parser() -> Parser:
     ap.add_argument("--log-prefix", action="store_true", help="level letter (I, W, E) on every log line")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    ap.add_argument("--compile", action="store_true",
+                    help="fuse each layer's small ops with torch.compile for decode/verify steps (slower start)")
     ap.add_argument("--no-webui", "--no-ui", dest="webui", action="store_false", help="do not serve the web page")
     ap.add_argument("--version", action="version", version="flashdraft 0.1.0")
     ignored = ap.add_argument_group("accepted and ignored (llama-server placement and memory flags)")
@@ -128,7 +130,7 @@ def parse_settings(argv: list[str]) -> tuple[Settings, list[str]]:
     settings = Settings(
         model=args.model, draft=args.draft, speculative=args.spec_type != "none",
         draft_window=args.draft_window, block_size=args.block_size, host=args.host, port=args.port,
-        n_slots=args.n_slots, ctx_size=args.ctx_size, device=args.device, dtype=args.dtype,
+        n_slots=args.n_slots, ctx_size=args.ctx_size, device=args.device, dtype=args.dtype, compile=args.compile,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         n_predict=args.n_predict, seed=args.seed, chat_template_file=args.chat_template_file,
         reasoning=args.reasoning, reasoning_format=args.reasoning_format, metrics=args.metrics,
@@ -176,7 +178,7 @@ def load_engine(s: Settings):
     log.info("loading model %s%s on %s (%s)", s.model, f" with DFlash draft {draft}" if draft else "", device, s.dtype)
     # -c 0: the trained context, known only once the model is read, so the caches are set up twice
     ctx = s.slot_ctx if s.ctx_size > 0 else 2
-    engine = Engine.load(s.model, draft, device=device, dtype=s.dtype, ctx_size=ctx, n_slots=s.n_slots,
+    engine = Engine.load(s.model, draft, device=device, dtype=s.dtype, compile=s.compile, ctx_size=ctx, n_slots=s.n_slots,
                          draft_window=s.draft_window, block_size=s.block_size, progress=True)
     if s.ctx_size <= 0:
         s.ctx_size = engine.target.cfg.max_position_embeddings
