@@ -15,6 +15,7 @@ class Settings:
     ctx_size: int = 4096  # total over all slots, as llama-server's -c; each slot gets ctx_size // n_slots
     device: str | None = None
     dtype: str = "auto"
+    tp: int = 1  # tensor-parallel ranks (processes); more than one serves one request at a time
     # request defaults (llama-server's), overridden per request
     temperature: float = 0.8
     top_k: int = 40
