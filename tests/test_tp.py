@@ -165,3 +165,75 @@ def test_heads_that_do_not_split_are_a_one_line_error():
                             "to be divisible by 3")
     with pytest.raises(ValueError, match="one request at a time"):
         Engine(Transformer(cfg, rank=0, world_size=2), tokenizer=None, n_slots=2)
+
+
+# ---- the command lines
+
+
+def started(cmd: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.slow  # three processes start and load the model: 20 s or more on a busy 2-core CPU
+def test_serve_tp2_answers_as_one_process(models):
+    import httpx
+    import openai
+    from flashdraft.formats.chat import render_prompt
+    target, draft = models
+    url = f"http://127.0.0.1:{free_port()}"
+    proc = started([sys.executable, "-m", "flashdraft.cli", "serve", "-m", str(target), "--spec-draft-model", str(draft),
+                    "--tp", "2", "--device", "cpu", "--port", url.rsplit(":", 1)[1], "-c", "1024"])
+    question = "The quick brown fox"
+    engine = Engine.load(str(target), str(draft), device="cpu", ctx_size=1024)
+    prompt = render_prompt(engine.tokenizer, question, chat=True)
+    expected = engine.generate(Request(prompt, SamplingParams(max_tokens=16)))
+    try:
+        deadline, status = time.time() + 120, None
+        while time.time() < deadline and status != 200:
+            assert proc.poll() is None, proc.stdout.read()
+            with contextlib.suppress(httpx.TransportError):
+                status = httpx.get(url + "/health", timeout=5).status_code
+            time.sleep(0.2)
+        assert status == 200
+        messages = [{"role": "user", "content": question}]
+        # a sampled stream that the client leaves: rank 0 stops it, and the other rank with it
+        body = {"messages": messages, "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200 and next(r.iter_lines()).startswith("data: ")
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        reply = client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=16)
+        assert reply.choices[0].message.content == expected.text
+        assert reply.usage.completion_tokens == len(expected.token_ids) and reply.usage.prompt_tokens == len(prompt)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            log, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            log, _ = proc.communicate()
+    assert "tensor-parallel over 2 ranks" in log and "cancelled: the client went away" in log
+    assert "Traceback" not in log, log
+
+
+@pytest.mark.slow  # two processes start and load the model
+def test_generate_tp2_matches_one_process(models):
+    target, draft = models
+    cmd = [sys.executable, "-m", "flashdraft.cli", "generate", "-m", str(target), "--draft", str(draft), "--device",
+           "cpu", "--ctx-size", "512", "--prompt", "def add(a, b):", "-n", "20", "--json"]
+    one, two = started(cmd), started(cmd + ["--tp", "2"])
+    (out_one, _), (out_two, _) = one.communicate(timeout=300), two.communicate(timeout=300)
+    assert one.returncode == 0 and two.returncode == 0, out_two
+    result_one, result_two = (json.loads(out.strip().splitlines()[-1]) for out in (out_one, out_two))
+    assert result_two["token_ids"] == result_one["token_ids"] and result_two["text"] == result_one["text"]
+
+
+@pytest.mark.slow  # two gloo ranks start
+def test_tp_benchmark_smoke(tmp_path):
+    out = tmp_path / "tp.json"
+    run = subprocess.run([sys.executable, "benchmarks/tp.py", "--tiny", "--device", "cpu", "--out", str(out)], cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "tensor-parallel over 2 ranks" in run.stdout and "verify16/decode" in run.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["ctx"] for r in rows] == [64, 300] and all(r["decode_tok_s"] > 0 for r in rows)

@@ -242,8 +242,10 @@ def serve(settings: Settings) -> int:
                                            access_log=False, timeout_graceful_shutdown=5))
     log.info("listening on http://%s:%d (the model loads in the background; /health says when it is ready)",
              settings.host, settings.port)
-    server.run()
-    engine = app.state.server.engine
-    if engine is not None and engine.world_size > 1:
-        engine.stop_followers()
+    try:
+        server.run()  # uvicorn raises the SIGINT it shut down on again as it returns
+    finally:
+        engine = app.state.server.engine
+        if engine is not None and engine.world_size > 1:
+            engine.stop_followers()
     return 1 if failed else 0
