@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 RankMain = Callable[[str], int]  # the rank's device -> exit code; must pickle (a module-level function or partial)
-SHUTDOWN_GRACE_S = 15.0  # how long the other ranks get to finish after rank 0 ends or a rank fails
+SHUTDOWN_GRACE_S = 15.0  # how long the other ranks get to finish after rank 0 ends
 PR_SET_PDEATHSIG = 1
 EXPECTED_ERRORS = (ValueError, OSError, KeyboardInterrupt)  # reported in one line, as the command line does
 
@@ -71,10 +71,13 @@ def spawn(main: RankMain, world: int, device: str) -> int:
              for rank in range(world)]
     for p in procs:
         p.start()
+    def to_rank0(*_) -> None:
+        if procs[0].exitcode is None:
+            os.kill(procs[0].pid, signal.SIGINT)
+
     forwarding = threading.current_thread() is threading.main_thread()
     if forwarding:
-        previous = {sig: signal.signal(sig, lambda *_: os.kill(procs[0].pid, signal.SIGINT))
-                    for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous = {sig: signal.signal(sig, to_rank0) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         code = _supervise(procs)
     finally:
@@ -91,7 +94,7 @@ def spawn(main: RankMain, world: int, device: str) -> int:
 
 
 def _supervise(procs: list) -> int:
-    """Wait until rank 0 ends or another rank fails; give the rest a grace period, then end them."""
+    """Wait until rank 0 ends or a rank fails; end the others (after a grace period if nothing failed)."""
     running = {p.sentinel: p for p in procs}
     first_failure = None
     while procs[0].exitcode is None and first_failure is None:
@@ -101,7 +104,7 @@ def _supervise(procs: list) -> int:
             if ended.exitcode != 0 and first_failure is None:
                 first_failure = ended
     for p in procs:
-        p.join(SHUTDOWN_GRACE_S)
+        p.join(SHUTDOWN_GRACE_S if first_failure is None else 0)  # after a failure the rest cannot go on
         if p.is_alive():
             p.terminate()
             p.join()

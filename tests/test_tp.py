@@ -175,7 +175,6 @@ def started(cmd: list[str]) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True)
 
 
-@pytest.mark.slow  # three processes start and load the model: 20 s or more on a busy 2-core CPU
 def test_serve_tp2_answers_as_one_process(models):
     import httpx
     import openai

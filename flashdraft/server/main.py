@@ -175,6 +175,7 @@ def setup_logging(timestamps: bool, prefix: bool) -> None:
 def load_engine(s: Settings):
     from flashdraft.cli import default_device
     from flashdraft.engine.engine import Engine
+    from flashdraft.models.tp import rank_and_world
     device = default_device(s.device)
     from flashdraft.formats.named import default_draft
     draft = (s.draft or default_draft(s.model)) if s.speculative else None
@@ -183,7 +184,8 @@ def load_engine(s: Settings):
     # -c 0: the trained context, known only once the model is read, so the caches are set up twice
     ctx = s.slot_ctx if s.ctx_size > 0 else 2
     engine = Engine.load(s.model, draft, device=device, dtype=s.dtype, ctx_size=ctx, n_slots=s.n_slots,
-                         draft_window=s.draft_window, block_size=s.block_size, progress=True)
+                         draft_window=s.draft_window, block_size=s.block_size,
+                         progress=rank_and_world()[0] == 0)
     if s.ctx_size <= 0:
         s.ctx_size = engine.target.cfg.max_position_embeddings
         engine = Engine(engine.target, engine.tokenizer, engine.draft, device, s.slot_ctx, s.n_slots,
