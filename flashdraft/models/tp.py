@@ -69,5 +69,6 @@ def gather_vocab(logits: Tensor, vocab_size: int) -> Tensor:
     """[T, V/world] logits of each rank's vocabulary rows -> the full [T, V] on every rank."""
     world_size, (tokens, rows) = dist.get_world_size(), logits.shape
     parts = logits.new_empty(world_size * tokens, rows)
-    dist.all_gather_single(parts, logits.contiguous())
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the name before torch 2.13
+    gather(parts, logits.contiguous())
     return parts.view(world_size, tokens, rows).transpose(0, 1).reshape(tokens, -1)[:, :vocab_size]
