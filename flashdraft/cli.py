@@ -1,5 +1,6 @@
 """`flashdraft` command line: generate, serve, bench, pull, train-draft, make-data."""
 import argparse
+import functools
 import json
 import sys
 
@@ -52,21 +53,30 @@ def generate_main(argv: list[str]) -> int:
     ap.add_argument("--no-spec", action="store_true", help="plain decoding even with a draft")
     ap.add_argument("--reasoning", choices=["on", "off"], default=None, help="enable_thinking in the template")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--tp", type=int, default=1, metavar="N",
+                    help="tensor parallelism over N GPUs of this host (N processes; gloo on the CPU)")
     args = ap.parse_args(argv)
+    from flashdraft.launch import run_tensor_parallel
+    return run_tensor_parallel(functools.partial(generate, args), args.tp, default_device(args.device))
 
+
+def generate(args: argparse.Namespace, device: str) -> int:
+    """`flashdraft generate` on one rank; under tensor parallelism only rank 0 prints."""
     from flashdraft.engine.engine import Engine, Request
     from flashdraft.engine.sampling import SamplingParams
     from flashdraft.formats.chat import render_prompt
+    from flashdraft.models.tp import rank_and_world
 
+    shown = rank_and_world()[0] == 0
     prompt_ids = parse_ids(args.prompt_ids) if args.prompt_ids else None
     params = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             seed=args.seed, max_tokens=args.max_tokens)
     params.validate()
     from flashdraft.formats.named import default_draft
     draft = None if args.no_spec else (args.draft or default_draft(args.model))
-    engine = Engine.load(args.model, draft, device=default_device(args.device), dtype=args.dtype, compile=args.compile,
+    engine = Engine.load(args.model, draft, device=device, dtype=args.dtype, compile=args.compile,
                          ctx_size=args.ctx_size, draft_window=args.draft_window, block_size=args.block_size,
-                         progress=not args.json)
+                         progress=shown and not args.json)
     if prompt_ids is None:
         prompt_ids = render_prompt(engine.tokenizer, args.prompt, chat=args.chat, system=args.system,
                                    reasoning=args.reasoning)
@@ -78,8 +88,10 @@ def generate_main(argv: list[str]) -> int:
     for event in engine.stream(req):
         if hasattr(event, "finish_reason"):
             result = event
-        elif not args.json:
+        elif not args.json and shown:
             print(event.text, end="", flush=True)
+    if not shown:
+        return 0
     if args.json:
         print(json.dumps(dict(
             text=result.text, token_ids=result.token_ids, prompt_ids=result.prompt_ids,

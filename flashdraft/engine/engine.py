@@ -9,6 +9,7 @@ import torch
 
 from flashdraft.engine.generate import SpecStats, decode
 from flashdraft.engine.graphs import GraphCache
+from flashdraft.engine.lockstep import from_rank0, in_lockstep
 from flashdraft.engine.sampling import SamplingParams
 
 
@@ -87,6 +88,13 @@ def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
     return names[dtype]
 
 
+def sampling_seed(p: SamplingParams) -> int | None:
+    """The request's seed, a fresh one when it asks for a random seed, None when greedy."""
+    if p.greedy:
+        return None
+    return p.seed if p.seed is not None and p.seed >= 0 else int(torch.seed() % (2 ** 63))
+
+
 def _stop_hit(text: str, stops: list[str]) -> tuple[int, str] | None:
     hits = [(text.find(s), s) for s in stops if s and s in text]
     return min(hits) if hits else None
@@ -116,6 +124,9 @@ class Engine:
             raise ValueError(f"--block-size must be between 1 and the draft's block size {draft.cfg.block_size}")
         if draft_window is not None and draft_window < 1:
             raise ValueError("--draft-window must be at least 1")
+        self.rank, self.world_size = target.rank, target.world_size
+        if self.world_size > 1 and n_slots != 1:
+            raise ValueError("tensor parallelism runs one request at a time: use one slot")
         target.setup_cache(ctx_size, n_slots)
         if draft is not None:
             draft.setup_cache(min(draft_window or ctx_size, ctx_size), n_slots)
@@ -184,14 +195,47 @@ class Engine:
         return self.free_slots.qsize()
 
     def stream(self, req: Request) -> Iterator[Delta | Completion]:
-        """Yield text deltas, then the Completion. Closing the iterator early frees the slot."""
+        """Yield text deltas, then the Completion. Closing the iterator early frees the slot.
+        Under tensor parallelism every rank calls this together, and all of them run rank 0's request."""
         req.params.validate()
         if len(req.prompt_ids) >= self.ctx_size:
             raise ValueError(f"the prompt has {len(req.prompt_ids)} tokens, which does not fit the "
                              f"context of {self.ctx_size} tokens")
+        seed = sampling_seed(req.params)
+        if self.world_size > 1:
+            req, seed = self._share_request(req, seed)
+        yield from self._stream_in_slot(req, seed)
+
+    def follow(self) -> None:
+        """Tensor-parallel ranks other than 0: run the requests that rank 0 streams, until it calls
+        `stop_followers` (for a server, whose requests only rank 0 sees)."""
+        while (shared := self._share_request(None, None)) is not None:
+            for _ in self._stream_in_slot(*shared):
+                pass
+
+    def stop_followers(self, timeout: float = 60.0) -> None:
+        """Rank 0: end the other ranks' `follow`, once the request in progress (if any) is over."""
+        slot = self.free_slots.get(timeout=timeout)
+        try:
+            self._share_request(None, None)
+        finally:
+            self.free_slots.put(slot)
+
+    def _share_request(self, req: Request | None, seed: int | None) -> tuple[Request, int | None] | None:
+        """Rank 0's request and seed on every rank (None: rank 0 has no more)."""
+        fields = None if req is None else (req.prompt_ids, req.params, req.speculative, req.block_size)
+        shared = from_rank0(None if fields is None else (fields, seed))
+        if shared is None:
+            return None
+        if self.rank == 0:
+            return req, seed
+        fields, seed = shared
+        return Request(*fields), seed
+
+    def _stream_in_slot(self, req: Request, seed: int | None) -> Iterator[Delta | Completion]:
         slot = self.free_slots.get()
         try:
-            yield from self._run(req, slot)
+            yield from self._run(req, slot, seed)
         finally:
             self.free_slots.put(slot)
 
@@ -201,14 +245,14 @@ class Engine:
                 return event
         raise RuntimeError("generation ended without a result")
 
-    def _run(self, req: Request, slot: int) -> Iterator[Delta | Completion]:
+    def _run(self, req: Request, slot: int, seed: int | None) -> Iterator[Delta | Completion]:
         from flashdraft.formats.tokenizer import IncrementalDetokenizer
         p = req.params
         draft = self.draft if req.speculative else None
         gen = None
-        if not p.greedy:
+        if seed is not None:
             gen = torch.Generator(device=self.device)
-            gen.manual_seed(p.seed if p.seed is not None and p.seed >= 0 else int(torch.seed() % (2 ** 63)))
+            gen.manual_seed(seed)
         stats = SpecStats()
         eos = set() if p.ignore_eos else set(self.tokenizer.eos_ids)
         detok = IncrementalDetokenizer(self.tokenizer)
@@ -219,6 +263,8 @@ class Engine:
         t_first = None
         steps = decode(self.target, prompt, p, slot=slot, draft=draft, block_size=req.block_size or self.block_size,
                        stats=stats, max_len=self.ctx_size, generator=gen, graphs=self.graphs)
+        if self.world_size > 1:
+            steps = in_lockstep(steps, self.device)
         try:
             for new in steps:
                 if t_first is None:

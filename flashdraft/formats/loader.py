@@ -4,20 +4,24 @@ from pathlib import Path
 import torch
 
 from flashdraft.models.config import ModelConfig
+from flashdraft.models.tp import rank_and_world, shard_tensor
 from flashdraft.models.transformer import Transformer
 
 
-def build_target(cfg: ModelConfig, tensors, device: str, dtype: torch.dtype) -> Transformer:
-    """Assemble a Transformer from (HF name, tensor) pairs; each tensor is converted once and kept."""
+def build_target(cfg: ModelConfig, tensors, device: str, dtype: torch.dtype, rank: int = 0,
+                 world_size: int = 1) -> Transformer:
+    """Assemble a Transformer from (HF name, tensor) pairs; each tensor is converted once and kept (under tensor
+    parallelism, only rank `rank`'s share of it)."""
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = Transformer(cfg, rank, world_size)
     state = {}
     for name, tensor in tensors:
         if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
-        state[name] = tensor.to(device=device, dtype=dtype)
-    if cfg.tie_word_embeddings:
-        state["lm_head.weight"] = state.get("model.embed_tokens.weight")
+        state[name] = shard_tensor(name, tensor, cfg, rank, world_size).to(device=device, dtype=dtype)
+    if cfg.tie_word_embeddings and "model.embed_tokens.weight" in state:
+        state["lm_head.weight"] = shard_tensor("lm_head.weight", state["model.embed_tokens.weight"], cfg, rank,
+                                               world_size)
     try:
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     except RuntimeError as e:  # size mismatches
@@ -26,7 +30,7 @@ def build_target(cfg: ModelConfig, tensors, device: str, dtype: torch.dtype) -> 
         raise ValueError(f"unexpected tensors for a {cfg.arch} model: {', '.join(sorted(unexpected)[:5])}")
     if missing:
         raise ValueError(f"missing tensors: {', '.join(sorted(missing)[:5])}{' ...' if len(missing) > 5 else ''}")
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and world_size == 1:
         model.lm_head.weight = model.model.embed_tokens.weight
     for p in model.parameters():
         p.requires_grad_(False)
@@ -34,7 +38,7 @@ def build_target(cfg: ModelConfig, tensors, device: str, dtype: torch.dtype) -> 
 
 
 def load_target(model: str, device: str = "cpu", dtype: torch.dtype = torch.float32, progress: bool = False):
-    """Returns (Transformer, Tokenizer, resolved path)."""
+    """Returns (Transformer, Tokenizer, resolved path). Under torch.distributed, this rank's share of the target."""
     from flashdraft.formats.named import resolve_model
     from flashdraft.formats.tokenizer import Tokenizer
 
@@ -44,14 +48,14 @@ def load_target(model: str, device: str = "cpu", dtype: torch.dtype = torch.floa
         hf = read_config(path)
         cfg = ModelConfig.from_hf(hf)
         tokenizer = Tokenizer.from_hf_folder(path)
-        target = build_target(cfg, iter_tensors(path, dtype, device), device, dtype)
+        target = build_target(cfg, iter_tensors(path, dtype, device), device, dtype, *rank_and_world())
     elif path.is_file():
         from flashdraft.formats import gguf
         reader = gguf.read_gguf(path)
         cfg = ModelConfig.from_hf(gguf.gguf_to_hf_config(reader))
         tokenizer = Tokenizer.from_gguf(reader)
         tensors = gguf.iter_gguf_tensors(reader, dtype, device, progress=progress)
-        target = build_target(cfg, tensors, device, dtype)
+        target = build_target(cfg, tensors, device, dtype, *rank_and_world())
     else:
         raise FileNotFoundError(f"model not found: {model}")
     if not cfg.eos_token_ids:

@@ -3,6 +3,7 @@
 Module names mirror HF's so that an HF state dict loads as is. The KV cache is indexed by position:
 a forward writes K/V at the rows of its positions and attends to rows at positions <= its own, so rows
 beyond the committed length are stale and harmless, and rolling back is just resetting a length.
+Built for one rank of a tensor-parallel group, it holds that rank's share of the weights (models/tp.py).
 """
 import torch
 from torch import Tensor, nn
@@ -10,6 +11,7 @@ from torch.nn import functional as F
 
 from flashdraft.models.config import ModelConfig
 from flashdraft.models.layers import RMSNorm, SwiGLU, apply_rope, fuse_linears_on_load, rope_table
+from flashdraft.models.tp import gather_vocab, local_config, padded_vocab, sum_over_ranks
 
 SMALL_QUERY = 64  # verify blocks and decode steps: grouped matmul attention instead of SDPA
 
@@ -67,8 +69,9 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, sharded: bool = False):
         super().__init__()
+        self.sharded = sharded  # cfg is one rank's share: attention and MLP outputs are partial sums
         self.self_attn = Attention(cfg)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -76,25 +79,31 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: Tensor, cos_sin: Tensor, k_cache: Tensor, v_cache: Tensor,
                 rows: Tensor, mask: Tensor | None, attn_len: int) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, k_cache, v_cache, rows, mask, attn_len)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.summed(self.self_attn(self.input_layernorm(x), cos_sin, k_cache, v_cache, rows, mask, attn_len))
+        return x + self.summed(self.mlp(self.post_attention_layernorm(x)))
+
+    def summed(self, x: Tensor) -> Tensor:
+        return sum_over_ranks(x) if self.sharded else x
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, world_size: int = 1):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        local = local_config(cfg, world_size)
+        self.layers = nn.ModuleList(DecoderLayer(local, world_size > 1) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, rank: int = 0, world_size: int = 1):
+        """cfg: the whole model's; rank, world_size: this rank's share under tensor parallelism."""
         super().__init__()
         self.cfg = cfg
-        self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
+        self.rank, self.world_size = rank, world_size
+        self.model = Backbone(cfg, world_size)
+        self.lm_head = nn.Linear(cfg.hidden_size, padded_vocab(cfg.vocab_size, world_size) // world_size, bias=False)
+        if cfg.tie_word_embeddings and world_size == 1:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.k_cache: Tensor | None = None
         self.v_cache: Tensor | None = None
@@ -118,7 +127,7 @@ class Transformer(nn.Module):
 
     def setup_cache(self, max_len: int, n_slots: int = 1, dtype: torch.dtype | None = None) -> None:
         cfg, weight = self.cfg, self.model.embed_tokens.weight
-        shape = (n_slots, cfg.num_layers, cfg.num_kv_heads, max_len, cfg.head_dim)
+        shape = (n_slots, cfg.num_layers, cfg.num_kv_heads // self.world_size, max_len, cfg.head_dim)
         self.k_cache = torch.zeros(shape, device=weight.device, dtype=dtype or weight.dtype)
         self.v_cache = torch.zeros_like(self.k_cache)
         self.rope = rope_table(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_len).to(weight.device)
@@ -127,6 +136,8 @@ class Transformer(nn.Module):
         return self.model.embed_tokens(ids)
 
     def logits(self, hidden: Tensor) -> Tensor:
+        if self.world_size > 1:
+            return gather_vocab(self.lm_head(hidden), self.cfg.vocab_size)
         return self.lm_head(hidden)
 
     def attention_mask(self, positions: Tensor, attn_len: int, fresh: bool = False) -> Tensor | None:

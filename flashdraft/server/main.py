@@ -1,5 +1,6 @@
 """`flashdraft serve`: llama-server's command line over the flashdraft engine."""
 import argparse
+import functools
 import logging
 import os
 import sys
@@ -84,6 +85,9 @@ def build_parser() -> Parser:
     ap.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     ap.add_argument("--compile", action="store_true",
                     help="fuse each layer's small ops with torch.compile for decode/verify steps (slower start)")
+    ap.add_argument("-tp", "--tp", "--tensor-parallel-size", dest="tp", type=int, default=d.tp, metavar="N",
+                    help="tensor parallelism over N GPUs of this host, one process each (gloo on the CPU); "
+                         "requests are then served one at a time (-np 1)")
     ap.add_argument("--no-webui", "--no-ui", dest="webui", action="store_false", help="do not serve the web page")
     ap.add_argument("--version", action="version", version="flashdraft 0.1.0")
     ignored = ap.add_argument_group("accepted and ignored (llama-server placement and memory flags)")
@@ -111,9 +115,11 @@ def parse_settings(argv: list[str]) -> tuple[Settings, list[str]]:
             ap.error(f"{flag} {value} is not supported: the KV cache can be {', '.join(KV_CACHE_TYPES)} "
                      f"(quantized KV cache types come later)")
     for name, value, ok in (("-np", args.n_slots, args.n_slots >= 1), ("--ctx-size", args.ctx_size, args.ctx_size >= 0),
-                            ("--port", args.port, 0 <= args.port < 65536)):
+                            ("--port", args.port, 0 <= args.port < 65536), ("--tp", args.tp, args.tp >= 1)):
         if not ok:
             ap.error(f"{name} {value} is out of range")
+    if args.tp > 1 and args.n_slots != 1:
+        ap.error(f"--tp {args.tp} serves one request at a time: -np {args.n_slots} must be 1")
     if args.ctx_size and args.ctx_size // args.n_slots < 2:
         ap.error(f"--ctx-size {args.ctx_size} leaves no room in each of the {args.n_slots} slots")
     notes = []
@@ -131,6 +137,7 @@ def parse_settings(argv: list[str]) -> tuple[Settings, list[str]]:
         model=args.model, draft=args.draft, speculative=args.spec_type != "none",
         draft_window=args.draft_window, block_size=args.block_size, host=args.host, port=args.port,
         n_slots=args.n_slots, ctx_size=args.ctx_size, device=args.device, dtype=args.dtype, compile=args.compile,
+        tp=args.tp,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         n_predict=args.n_predict, seed=args.seed, chat_template_file=args.chat_template_file,
         reasoning=args.reasoning, reasoning_format=args.reasoning_format, metrics=args.metrics,
@@ -171,6 +178,7 @@ def setup_logging(timestamps: bool, prefix: bool) -> None:
 def load_engine(s: Settings):
     from flashdraft.cli import default_device
     from flashdraft.engine.engine import Engine
+    from flashdraft.models.tp import rank_and_world
     device = default_device(s.device)
     from flashdraft.formats.named import default_draft
     draft = (s.draft or default_draft(s.model)) if s.speculative else None
@@ -178,17 +186,19 @@ def load_engine(s: Settings):
     log.info("loading model %s%s on %s (%s)", s.model, f" with DFlash draft {draft}" if draft else "", device, s.dtype)
     # -c 0: the trained context, known only once the model is read, so the caches are set up twice
     ctx = s.slot_ctx if s.ctx_size > 0 else 2
-    engine = Engine.load(s.model, draft, device=device, dtype=s.dtype, compile=s.compile, ctx_size=ctx, n_slots=s.n_slots,
-                         draft_window=s.draft_window, block_size=s.block_size, progress=True)
+    engine = Engine.load(s.model, draft, device=device, dtype=s.dtype, compile=s.compile, ctx_size=ctx,
+                         n_slots=s.n_slots, draft_window=s.draft_window, block_size=s.block_size,
+                         progress=rank_and_world()[0] == 0)
     if s.ctx_size <= 0:
         s.ctx_size = engine.target.cfg.max_position_embeddings
         engine = Engine(engine.target, engine.tokenizer, engine.draft, device, s.slot_ctx, s.n_slots,
                         s.draft_window, s.block_size, model_path=engine.model_path, draft_path=engine.draft_path)
     if s.chat_template_file:
         engine.tokenizer.chat_template = Path(s.chat_template_file).read_text()
-    log.info("loaded in %.1f s: %d slot(s) of %d tokens%s", time.perf_counter() - t0, engine.n_slots,
+    log.info("loaded in %.1f s: %d slot(s) of %d tokens%s%s", time.perf_counter() - t0, engine.n_slots,
              engine.ctx_size, f", DFlash block size {engine.block_size or engine.draft.cfg.block_size}"
-             if engine.draft is not None else "")
+             if engine.draft is not None else "",
+             f", tensor-parallel over {engine.world_size} ranks" if engine.world_size > 1 else "")
     return engine
 
 
@@ -200,7 +210,25 @@ def main(argv: list[str] | None = None) -> int:
     if settings.chat_template_file and not Path(settings.chat_template_file).is_file():
         log.error("--chat-template-file %s: no such file", settings.chat_template_file)
         return 1
+    from flashdraft.cli import default_device
+    from flashdraft.launch import run_tensor_parallel
+    return run_tensor_parallel(functools.partial(serve_rank, settings), settings.tp, default_device(settings.device))
 
+
+def serve_rank(settings: Settings, device: str) -> int:
+    """Rank 0 serves HTTP; under tensor parallelism the other ranks load their share of the model and
+    run rank 0's requests with it."""
+    from flashdraft.models.tp import rank_and_world
+    settings.device = device
+    setup_logging(settings.log_timestamps, settings.log_prefix)  # again, in a spawned rank
+    if rank_and_world()[0] == 0:
+        return serve(settings)
+    logging.getLogger().setLevel(logging.WARNING)
+    load_engine(settings).follow()
+    return 0
+
+
+def serve(settings: Settings) -> int:
     import uvicorn
     from flashdraft.server.app import create_app
 
@@ -219,5 +247,10 @@ def main(argv: list[str] | None = None) -> int:
                                            access_log=False, timeout_graceful_shutdown=5))
     log.info("listening on http://%s:%d (the model loads in the background; /health says when it is ready)",
              settings.host, settings.port)
-    server.run()
+    try:
+        server.run()  # uvicorn raises the SIGINT it shut down on again as it returns
+    finally:
+        engine = app.state.server.engine
+        if engine is not None and engine.world_size > 1:
+            engine.stop_followers()
     return 1 if failed else 0

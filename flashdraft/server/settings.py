@@ -16,6 +16,7 @@ class Settings:
     device: str | None = None
     dtype: str = "auto"
     compile: bool = False
+    tp: int = 1  # tensor-parallel ranks (processes); more than one serves one request at a time
     # request defaults (llama-server's), overridden per request
     temperature: float = 0.8
     top_k: int = 40
