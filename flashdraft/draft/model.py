@@ -575,6 +575,22 @@ def _read_safetensors(folder: Path, device: torch.device | str) -> dict[str, tor
     return tensors
 
 
+def dequantize_int8(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Int8 matrices stored with a scale per group of a row's elements (`<name>_scale` [rows, groups], as
+    `train.checkpoint.quantize_int8` writes them) back to the dtype of the folder's other tensors."""
+    scales = {name.removesuffix("_scale"): t for name, t in tensors.items() if name.endswith("_scale")}
+    if not scales:
+        return tensors
+    dtype = next((t.dtype for n, t in tensors.items() if t.is_floating_point() and not n.endswith("_scale")),
+                 torch.float32)
+
+    def restore(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return (q.float().unflatten(1, (scale.shape[1], -1)) * scale.float()[..., None]).flatten(1).to(dtype)
+
+    return {name: restore(t, scales[name]) if name in scales else t
+            for name, t in tensors.items() if not name.endswith("_scale")}
+
+
 def load_draft_folder(
     path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
 ) -> DFlashDraft:
@@ -590,7 +606,8 @@ def load_draft_folder(
     cfg = DraftConfig.from_hf(config)
 
     # BeeLlama's converter strips a `model.` prefix when present; accept checkpoints that have one.
-    tensors = {name.removeprefix("model."): t for name, t in _read_safetensors(folder, device).items()}
+    tensors = {name.removeprefix("model."): t
+               for name, t in dequantize_int8(_read_safetensors(folder, device)).items()}
     with torch.device("meta"):
         model = DFlashDraft(cfg)
     expected = model.state_dict()
