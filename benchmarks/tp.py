@@ -7,6 +7,7 @@ Usage: python benchmarks/tp.py [--tp N] [--ctx 1024,16384] [--out FILE.json]   (
        python benchmarks/tp.py --tiny --device cpu   (a smoke test: 2 gloo ranks, tiny shapes)
 """
 import argparse
+import dataclasses
 import functools
 import json
 import sys
@@ -50,6 +51,8 @@ def sharded_random_target(cfg: ModelConfig, device: str, dtype: torch.dtype) -> 
 def bench_rank(args: argparse.Namespace, device: str) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg, dtype = (TINY, torch.float32) if args.tiny else (LLAMA_70B, torch.bfloat16)
+    if args.layers:  # fewer layers of the same width, e.g. to fit one GPU
+        cfg = dataclasses.replace(cfg, num_layers=args.layers)
     ctxs = [int(c) for c in args.ctx.split(",")]
     target = sharded_random_target(cfg, device, dtype)
     max_len = bucket_for(max(ctxs) + BLOCK, 1 << 30)
@@ -81,7 +84,6 @@ def bench_rank(args: argparse.Namespace, device: str) -> int:
         rows.append(dict(ctx=ctx, decode_ms=ms_decode, decode_tok_s=1e3 / ms_decode, verify16_ms=ms_verify,
                          verify_over_decode=ms_verify / ms_decode,
                          weight_read_GBps_per_rank=nbytes / (ms_decode * 1e-3) / 1e9, peak_mem_GiB=peak))
-        del graphs
     if rank != 0:
         return 0
     name = "tiny" if args.tiny else "Llama-3.1-70B"
@@ -106,6 +108,7 @@ def main() -> int:
     ap.add_argument("--tp", type=int, default=None, help="ranks (default: every GPU; 2 on the CPU)")
     ap.add_argument("--ctx", default=None, help="comma-separated context lengths (default 1024,16384; tiny 64,300)")
     ap.add_argument("--iters", type=int, default=None, help="timed runs per step (default 30; tiny 5)")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's; 80 for 70B)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes in float32: a smoke test on the CPU")
     ap.add_argument("--out", help="write the results as JSON")
     args = ap.parse_args()
