@@ -165,6 +165,7 @@ def section_synthetic(args, results):
         for label in variants:
             if label.endswith("+compile"):
                 target.compile_layers((1, 16))
+                draft.compile_layers()
             for ctx in ctxs:
                 if dev == "cuda":
                     torch.cuda.reset_peak_memory_stats()

@@ -92,12 +92,12 @@ def test_unknown_architecture_is_named():
 @pytest.mark.slow
 def test_compiled_layers_match_eager(tmp_path):
     """torch.compile'd decode/verify layers (the GPU fast path's fusion) give the eager logits and tokens."""
-    from tiny import make_target
+    from tiny import make_draft, make_target
 
     from flashdraft.engine.generate import decode
     from flashdraft.engine.sampling import SamplingParams
     from flashdraft.formats.loader import load_target
-    target, _, _ = load_target(str(make_target(tmp_path / "t", layers=2)))
+    target, _, _ = load_target(str(make_target(tmp_path / "t", layers=4)))
     target.setup_cache(128)
     prompt = torch.arange(3, 40)
     eager = [t for step in decode(target, prompt, SamplingParams(max_tokens=12)) for t in step]
@@ -107,3 +107,13 @@ def test_compiled_layers_match_eager(tmp_path):
     out, _ = target(block, torch.arange(37, 45), attn_len=64)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert [t for step in decode(target, prompt, SamplingParams(max_tokens=12)) for t in step] == eager
+
+    from flashdraft.formats.loader import load_draft
+    draft = load_draft(str(make_draft(tmp_path / "d", tmp_path / "t", layers=2, block_size=8)), target)
+    draft.setup_cache(64)
+    _, feats = target(torch.arange(3, 40), torch.arange(37), capture=draft.cfg.target_layer_ids)
+    draft.append_context(feats, torch.arange(37))
+    noise = target.embed(torch.arange(60, 68))
+    hidden = draft(noise, torch.arange(37, 45))
+    draft.compile_layers()
+    torch.testing.assert_close(draft(noise, torch.arange(37, 45)), hidden, rtol=1e-5, atol=1e-5)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashdraft.models.layers import RMSNorm, SwiGLU
+from flashdraft.models.layers import RMSNorm, SwiGLU, compile_layer_forward
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -429,6 +429,11 @@ class DFlashDraft(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.row_positions: torch.Tensor | None = None
+        self.compiled_layer = None
+
+    def compile_layers(self) -> None:
+        """The draft step (`forward`) runs its layers through torch.compile (fused norms, RoPE, SwiGLU)."""
+        self.compiled_layer = compile_layer_forward(DraftLayer.forward)
 
     def setup_cache(
         self,
@@ -488,7 +493,8 @@ class DFlashDraft(nn.Module):
         keys = self.k_cache[slot, :, :, : self.window + block_len]
         values = self.v_cache[slot, :, :, : self.window + block_len]
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, keys[i], values[i], masks[self.layer_attention[i]])
+            args = (x, cos, sin, keys[i], values[i], masks[self.layer_attention[i]])
+            x = self.compiled_layer(layer, *args) if self.compiled_layer is not None else layer(*args)
         return self.norm(x)
 
     def forward_with_context(

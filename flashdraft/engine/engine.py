@@ -149,6 +149,8 @@ class Engine:
         if compile and device.startswith("cuda"):  # shapes are static only where graphs bucket them
             widths = {1} | ({engine.block_size or draft_model.cfg.block_size} if draft_model is not None else set())
             target.compile_layers(tuple(widths))
+            if draft_model is not None:
+                draft_model.compile_layers()
         if engine.graphs is not None:
             engine.warmup()
         return engine

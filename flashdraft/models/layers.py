@@ -16,6 +16,15 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
+def compile_layer_forward(forward):
+    """torch.compile a layer class's forward, called as `compiled(layer, *args)`: parameters become graph inputs,
+    so one compiled graph per input shape serves every layer of the class (no recompile per layer). Static
+    shapes: callers use it only for the fixed widths that CUDA graphs capture."""
+    import torch._dynamo
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    return torch.compile(forward, dynamic=False)
+
+
 def fuse_linears_on_load(module: nn.Module, fused: str, parts: list[str]) -> None:
     """Keep HF's separate projections in state dicts (load and save) while computing with one fused
     matrix `fused` (one GEMM instead of len(parts) at decode time)."""

@@ -10,7 +10,8 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from flashdraft.models.config import ModelConfig
-from flashdraft.models.layers import RMSNorm, SwiGLU, apply_rope, fuse_linears_on_load, rope_table
+from flashdraft.models.layers import (RMSNorm, SwiGLU, apply_rope, compile_layer_forward, fuse_linears_on_load,
+                                      rope_table)
 from flashdraft.models.tp import gather_vocab, local_config, padded_vocab, sum_over_ranks
 
 SMALL_QUERY = 64  # verify blocks and decode steps: grouped matmul attention instead of SDPA
@@ -116,9 +117,7 @@ class Transformer(nn.Module):
         layer through torch.compile, which fuses the norms, RoPE, SwiGLU and residual adds into a few kernels.
         Parameters are graph inputs, so one compiled graph per (width, attended length) serves every layer;
         other shapes (prefill chunks) stay eager rather than compile once per prompt length."""
-        import torch._dynamo
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        self.compiled_layer = torch.compile(DecoderLayer.forward, dynamic=False)
+        self.compiled_layer = compile_layer_forward(DecoderLayer.forward)
         self.compiled_widths = set(widths)
 
     @property
