@@ -188,7 +188,7 @@ def test_smollm2_records(smollm2_gguf, tmp_path):
         assert sum(r["loss_mask"]) == len(r["input_ids"]) - r["prompt_len"]
 
 
-def test_pool_refill_matches_one_prompt_at_a_time(tmp_path):
+def test_pool_refill_matches_one_prompt_at_a_time(tmp_path, monkeypatch):
     """Rows refilled mid-run (fewer rows than prompts, prompts of different lengths) give each prompt the
     answer it gets alone."""
     from tiny import make_target
@@ -202,6 +202,9 @@ def test_pool_refill_matches_one_prompt_at_a_time(tmp_path):
     eos = [unstopped[0][5], unstopped[2][12]]  # some answers end early, at different steps
     alone = [batch_generate(target, [p], 20, eos, rows=1)[0] for p in prompts]
     assert batch_generate(target, prompts, 20, eos, rows=2) == alone
+    assert batch_generate(target, prompts, 20, eos, rows=5) == alone
+    import flashdraft.train.batchgen as batchgen
+    monkeypatch.setattr(batchgen, "PREFILL_ROWS", 2)  # the first fill prefilled in groups
     assert batch_generate(target, prompts, 20, eos, rows=5) == alone
     assert any(a[-1] in eos for a in alone) and any(len(a) == 20 for a in alone)
     sampled = batch_generate(target, prompts, 20, eos, rows=2, temperature=1.0)

@@ -19,6 +19,7 @@ from flashdraft.models.layers import apply_rope, rope_table
 from flashdraft.train.features import project_qkv
 
 CHECK_EVERY = 8  # decode steps between looks at which rows finished (the one host sync)
+PREFILL_ROWS = 64
 
 
 class Pool:
@@ -127,7 +128,9 @@ def batch_generate(target, prompts: list[list[int]], max_new_tokens: int, eos: l
         chosen = list(range(next_prompt, next_prompt + len(take)))
         next_prompt += len(take)
         index = torch.tensor(take, device=device)
-        first = pick(prefill_rows(pool, index, [prompts[j] for j in chosen]), temperature)
+        first = torch.cat([  # in groups, so the prefill's attention scores stay small when the whole pool fills
+            pick(prefill_rows(pool, index[i:i + PREFILL_ROWS], [prompts[j] for j in chosen[i:i + PREFILL_ROWS]]),
+                 temperature) for i in range(0, len(take), PREFILL_ROWS)])
         out[index, 0] = first
         count[index] = 1
         tokens[index] = first
