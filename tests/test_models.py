@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from flashdraft.models.config import ModelConfig
+from flashdraft.models.layers import rope_inv_freq
 from flashdraft.models.transformer import Transformer
 
 transformers = pytest.importorskip("transformers")
@@ -16,6 +17,8 @@ CONFIGS = {
         rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
         original_max_position_embeddings=64)),
     "qwen2": dict(model_type="qwen2", rope_theta=1e6),
+    "qwen2-yarn": dict(model_type="qwen2", rope_theta=1e6, rope_scaling=dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=128)),
     "qwen3": dict(model_type="qwen3", rope_theta=1e6, head_dim=24),
     "mistral": dict(model_type="mistral", rope_theta=1e4, sliding_window=7),
 }
@@ -82,6 +85,21 @@ def test_captured_features_are_layer_outputs():
     # HF's last hidden state is normed, so compare inner layers only (DFlash never taps the last)
     ref = torch.cat([hidden[2][0], hidden[1][0]], dim=-1)
     assert torch.allclose(feats, ref, atol=1e-5, rtol=1e-4)
+
+
+YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=4096)
+
+
+@pytest.mark.parametrize("extra", [{}, dict(mscale=0.707, mscale_all_dim=1.0), dict(attention_factor=1.5),
+                                   dict(beta_fast=16, beta_slow=2, truncate=False)])
+def test_yarn_frequencies_match_hf(extra):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    hf_cfg = transformers.LlamaConfig(**dict(BASE, hidden_size=512, max_position_embeddings=16384, rope_theta=1e6,
+                                             rope_scaling=dict(YARN, **extra)))
+    inv_freq, attention_factor = rope_inv_freq(ModelConfig.from_hf(hf_cfg.to_dict()))
+    ref_inv_freq, ref_attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg, None)
+    assert inv_freq.shape == (64,) and torch.equal(inv_freq, ref_inv_freq)
+    assert attention_factor == ref_attention_factor
 
 
 def test_unknown_architecture_is_named():

@@ -7,7 +7,6 @@ State dict names are z-lab's (`fc.weight`, `layers.{i}.self_attn.q_proj.weight`,
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -16,12 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashdraft.models.layers import RMSNorm, SwiGLU, compile_layer_forward
+from flashdraft.models.layers import (ROPE_TYPES, RMSNorm, SwiGLU, apply_rope, compile_layer_forward,
+                                      rope_cos_sin, rope_inv_freq)
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 DRAFT_ARCHITECTURE = "DFlashDraftModel"
-SUPPORTED_ROPE_TYPES = ("linear", "llama3", "yarn")
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -209,8 +208,8 @@ def _read_rope(value: Callable[..., Any]) -> tuple[float, dict[str, Any] | None]
     theta = float(theta if theta is not None else 10000.0)
     if rope_type == "default":
         return theta, None
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"draft config: rope type {rope_type!r} is not supported ({', '.join(SUPPORTED_ROPE_TYPES)})")
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"draft config: rope type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
     return theta, {"rope_type": rope_type, **scaling}
 
 
@@ -219,87 +218,24 @@ def _read_rope(value: Callable[..., Any]) -> tuple[float, dict[str, Any] | None]
 # ---------------------------------------------------------------------------------------------------------
 
 
-def rope_frequencies(cfg: DraftConfig, device: torch.device | str | None = None) -> tuple[torch.Tensor, float]:
-    """float32 inverse frequencies [head_dim // 2] and the cos/sin scale, as transformers computes them."""
-    dim = cfg.head_dim
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
-    inv_freq = 1.0 / (cfg.rope_theta**exponents)
-    scaling = cfg.rope_scaling
-    if scaling is None:
-        return inv_freq, 1.0
-    rope_type = scaling["rope_type"]
-    original_max = scaling.get("original_max_position_embeddings") or cfg.max_position_embeddings
-    if rope_type == "linear":
-        return inv_freq / float(scaling["factor"]), 1.0
-    if rope_type == "llama3":
-        factor = float(scaling["factor"])
-        low_freq_wavelen = original_max / float(scaling["low_freq_factor"])
-        high_freq_wavelen = original_max / float(scaling["high_freq_factor"])
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-        smooth = (original_max / wavelen - float(scaling["low_freq_factor"])) / (
-            float(scaling["high_freq_factor"]) - float(scaling["low_freq_factor"])
-        )
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-        return torch.where(is_medium, smoothed, scaled), 1.0
-    return _yarn_frequencies(cfg, scaling, original_max, device)
-
-
-def _yarn_frequencies(
-    cfg: DraftConfig, scaling: dict[str, Any], original_max: int, device: torch.device | str | None
-) -> tuple[torch.Tensor, float]:
-    dim, base = cfg.head_dim, cfg.rope_theta
-    factor = scaling.get("factor")
-    factor = cfg.max_position_embeddings / original_max if factor is None else float(factor)
-
-    def mscale(scale: float, multiplier: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * multiplier * math.log(scale) + 1.0
-
-    attention_factor = scaling.get("attention_factor")
-    if attention_factor is None:
-        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
-        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
-
-    def correction_dim(rotations: float) -> float:
-        return (dim * math.log(original_max / (rotations * 2 * math.pi))) / (2 * math.log(base))
-
-    low, high = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
-    if scaling.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
-    extrapolation_weight = 1 - ramp
-    pos_freqs = base ** (torch.arange(0, dim, 2, device=device).float() / dim)
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_weight) + (1.0 / pos_freqs) * extrapolation_weight
-    return inv_freq, float(attention_factor)
-
-
 class Rotary(nn.Module):
+    """The shared RoPE frequencies as a float32 buffer that follows the model across devices."""
+
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.cfg = cfg
-        inv_freq, self.attention_scaling = rope_frequencies(cfg)
+        inv_freq, self.attention_scaling = rope_inv_freq(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> Rotary:
         # Casting the model to bf16 must not round the frequencies: recompute them in float32 on the new device.
         super()._apply(fn, recurse)
-        self.inv_freq = rope_frequencies(self.cfg, self.inv_freq.device)[0]
+        self.inv_freq = rope_inv_freq(self.cfg, self.inv_freq.device)[0]
         return self
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        angles = torch.cat([freqs, freqs], dim=-1)
-        return (angles.cos() * self.attention_scaling).to(dtype), (angles.sin() * self.attention_scaling).to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., T, head_dim], cos/sin [T, head_dim]."""
-    first, second = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-second, first], dim=-1) * sin
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """positions [...] -> (cos, sin) [..., 2, head_dim] in dtype, for `apply_rope`."""
+        return rope_cos_sin(self.inv_freq, positions, self.attention_scaling).to(dtype)
 
 
 def attention_mask(
@@ -361,18 +297,17 @@ class DraftAttention(nn.Module):
         self.is_causal, self.sliding_window = cfg.layer_attention(layer_id)
 
     def project_kv(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, x: torch.Tensor, cos_sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [..., T, H] -> K = RoPE(k_norm(Wk x)), V = Wv x, both [..., Hkv, T, D]. Used for context and block."""
         k = self.k_norm(self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))).transpose(-3, -2)
         v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(-3, -2)
-        return apply_rope(k, cos, sin), v
+        return apply_rope(k, cos_sin), v
 
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        cos_sin: torch.Tensor,
         keys: torch.Tensor,
         values: torch.Tensor,
         mask: torch.Tensor | None,
@@ -381,8 +316,8 @@ class DraftAttention(nn.Module):
         the block's own K/V are written into the last B rows here, so the caller owns that scratch space."""
         block_len = x.shape[-2]
         q = self.q_norm(self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))).transpose(-3, -2)
-        q = apply_rope(q, cos, sin)
-        block_k, block_v = self.project_kv(x, cos, sin)
+        q = apply_rope(q, cos_sin)
+        block_k, block_v = self.project_kv(x, cos_sin)
         keys[..., -block_len:, :].copy_(block_k)
         values[..., -block_len:, :].copy_(block_v)
         return self.o_proj(draft_attention(q, keys, values, mask))
@@ -399,13 +334,12 @@ class DraftLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        cos_sin: torch.Tensor,
         keys: torch.Tensor,
         values: torch.Tensor,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, keys, values, mask)
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, keys, values, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -469,10 +403,10 @@ class DFlashDraft(nn.Module):
         if features.shape[0] > self.window:  # earlier rows would be overwritten anyway
             features, positions = features[-self.window :], positions[-self.window :]
         context = self.fuse(features)
-        cos, sin = self.rotary(positions, context.dtype)
+        cos_sin = self.rotary(positions, context.dtype)
         rows = positions % self.window
         for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.project_kv(context, cos, sin)
+            k, v = layer.self_attn.project_kv(context, cos_sin)
             self.k_cache[slot, i, :, rows] = k.to(self.k_cache.dtype)
             self.v_cache[slot, i, :, rows] = v.to(self.v_cache.dtype)
         self.row_positions[slot, rows] = positions
@@ -484,7 +418,7 @@ class DFlashDraft(nn.Module):
         if block_len > self.k_cache.shape[-2] - self.window:
             raise ValueError(f"block of {block_len} exceeds the cache's scratch rows; raise setup_cache max_block_size")
         x = noise_embedding.to(self.fc.weight.dtype)
-        cos, sin = self.rotary(positions, x.dtype)
+        cos_sin = self.rotary(positions, x.dtype)
         row_positions = self.row_positions[slot]
         context_valid = (row_positions >= 0) & (row_positions < positions[:1])
         key_positions = torch.cat([row_positions, positions])
@@ -493,7 +427,7 @@ class DFlashDraft(nn.Module):
         keys = self.k_cache[slot, :, :, : self.window + block_len]
         values = self.v_cache[slot, :, :, : self.window + block_len]
         for i, layer in enumerate(self.layers):
-            args = (x, cos, sin, keys[i], values[i], masks[self.layer_attention[i]])
+            args = (x, cos_sin, keys[i], values[i], masks[self.layer_attention[i]])
             x = self.compiled_layer(layer, *args) if self.compiled_layer is not None else layer(*args)
         return self.norm(x)
 
@@ -508,15 +442,15 @@ class DFlashDraft(nn.Module):
         window rules by position), without touching the ring. Same result as append_context + forward."""
         x = noise_embedding.to(self.fc.weight.dtype)
         context = self.fuse(context_features)
-        cos, sin = self.rotary(positions, x.dtype)
-        context_cos, context_sin = self.rotary(context_positions, x.dtype)
+        cos_sin = self.rotary(positions, x.dtype)
+        context_cos_sin = self.rotary(context_positions, x.dtype)
         key_positions = torch.cat([context_positions, positions])
         masks = {kind: attention_mask(positions, key_positions, None, *kind) for kind in self.attention_kinds}
         for i, layer in enumerate(self.layers):
-            context_k, context_v = layer.self_attn.project_kv(context, context_cos, context_sin)
+            context_k, context_v = layer.self_attn.project_kv(context, context_cos_sin)
             scratch = context_k.new_empty(*context_k.shape[:-2], x.shape[-2], context_k.shape[-1])
             keys, values = torch.cat([context_k, scratch], dim=-2), torch.cat([context_v, scratch], dim=-2)
-            x = layer(x, cos, sin, keys, values, masks[self.layer_attention[i]])
+            x = layer(x, cos_sin, keys, values, masks[self.layer_attention[i]])
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:

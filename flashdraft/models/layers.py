@@ -1,5 +1,6 @@
 """Building blocks shared by the target models and the DFlash draft: RMSNorm, RoPE, SwiGLU."""
 import math
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -61,10 +62,23 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[Tensor, float]:
-    """Inverse frequencies and the attention scaling factor, as HF's rope initialisers compute them."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+class RopeConfig(Protocol):
+    head_dim: int
+    rope_theta: float
+    rope_scaling: dict | None  # {"rope_type" (or "type"): "linear" | "llama3" | "yarn", ...}; None: plain RoPE
+    max_position_embeddings: int
+
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def rope_inv_freq(cfg: RopeConfig, device: torch.device | str | None = None) -> tuple[Tensor, float]:
+    """float32 inverse frequencies [head_dim // 2] and the cos/sin scale, as HF's rope initialisers compute them."""
+    dim, base, scaling = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling or {}
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim)
+    inv_freq = 1.0 / pos_freqs
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    original_max = scaling.get("original_max_position_embeddings") or cfg.max_position_embeddings
     if kind in ("default", None):
         return inv_freq, 1.0
     if kind == "linear":
@@ -72,28 +86,64 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[Te
     if kind == "llama3":
         factor = float(scaling["factor"])
         low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-        old_len = float(scaling["original_max_position_embeddings"])
         wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > original_max / low, inv_freq / factor, inv_freq)
+        smooth = (original_max / wavelen - low) / (high - low)
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        medium = (wavelen >= original_max / high) & (wavelen <= original_max / low)
         return torch.where(medium, smoothed, scaled), 1.0
-    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+    if kind == "yarn":
+        return _yarn_inv_freq(cfg, scaling, original_max, pos_freqs)
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
 
 
-def rope_table(head_dim: int, theta: float, scaling: dict | None, max_len: int) -> Tensor:
-    """[max_len, 2, head_dim] float32 table of (cos, sin) per position."""
-    inv_freq, attention_scaling = rope_inv_freq(head_dim, theta, scaling)
-    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+def _yarn_inv_freq(cfg: RopeConfig, scaling: dict, original_max: int, pos_freqs: Tensor) -> tuple[Tensor, float]:
+    """HF's `_compute_yarn_parameters`: interpolated low frequencies, extrapolated high ones, a linear ramp
+    between, and a cos/sin scale (attention factor) from `factor` and the optional mscale pair."""
+    dim, base = cfg.head_dim, cfg.rope_theta
+    factor = scaling.get("factor")
+    factor = cfg.max_position_embeddings / original_max if factor is None else float(factor)
+
+    def mscale(scale: float, multiplier: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * multiplier * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original_max / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = (torch.arange(dim // 2, dtype=torch.float32, device=pos_freqs.device) - low) / (high - low)
+    extrapolation_weight = 1 - ramp.clamp(0, 1)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_weight) + (1.0 / pos_freqs) * extrapolation_weight
+    return inv_freq, float(attention_factor)
+
+
+def rope_cos_sin(inv_freq: Tensor, positions: Tensor, attention_scaling: float) -> Tensor:
+    """positions [...] -> float32 (cos, sin) [..., 2, head_dim]."""
+    freqs = positions.float()[..., None] * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
-    return torch.stack([emb.cos(), emb.sin()], dim=1) * attention_scaling
+    return torch.stack([emb.cos(), emb.sin()], dim=-2) * attention_scaling
+
+
+def rope_table(cfg: RopeConfig, max_len: int) -> Tensor:
+    """[max_len, 2, head_dim] float32 table of (cos, sin) per position."""
+    inv_freq, attention_scaling = rope_inv_freq(cfg)
+    return rope_cos_sin(inv_freq, torch.arange(max_len), attention_scaling)
 
 
 def apply_rope(x: Tensor, cos_sin: Tensor) -> Tensor:
-    """x: [..., T, heads, head_dim]; cos_sin: [T, 2, head_dim] (rotate-half / NEOX layout, as HF)."""
-    cos = cos_sin[:, 0, None, :].to(x.dtype)
-    sin = cos_sin[:, 1, None, :].to(x.dtype)
+    """Rotate-half (NEOX) RoPE, as HF. x [..., head_dim]; cos_sin [..., 2, head_dim] whose leading dims broadcast
+    against x's: [T, 2, D] for heads-first x [..., heads, T, D], [T, 1, 2, D] for token-first x [..., T, heads, D]."""
+    cos, sin = cos_sin.to(x.dtype).unbind(-2)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin

@@ -129,7 +129,7 @@ class Transformer(nn.Module):
         shape = (n_slots, cfg.num_layers, cfg.num_kv_heads // self.world_size, max_len, cfg.head_dim)
         self.k_cache = torch.zeros(shape, device=weight.device, dtype=dtype or weight.dtype)
         self.v_cache = torch.zeros_like(self.k_cache)
-        self.rope = rope_table(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_len).to(weight.device)
+        self.rope = rope_table(cfg, max_len).to(weight.device)
 
     def embed(self, ids: Tensor) -> Tensor:
         return self.model.embed_tokens(ids)
@@ -156,7 +156,7 @@ class Transformer(nn.Module):
         if attn_len > self.max_len:
             raise ValueError(f"position {attn_len - 1} is past the context size {self.max_len}")
         x = self.embed(input_ids)
-        cos_sin = self.rope[positions]
+        cos_sin = self.rope[positions, None]  # [T, 1, 2, D]: broadcast over heads
         # fresh: the caller promises positions == arange(attn_len), e.g. the first prefill chunk
         mask = self.attention_mask(positions, attn_len, fresh)
         captured = []

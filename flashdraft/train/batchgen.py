@@ -32,7 +32,7 @@ class Pool:
         self.target, self.rows, self.columns = target, rows, columns
         self.k_cache = torch.zeros(shape, device=weight.device, dtype=weight.dtype)
         self.v_cache = torch.zeros_like(self.k_cache)
-        self.rope = rope_table(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, columns).to(weight.device)
+        self.rope = rope_table(cfg, columns).to(weight.device)
         self.key_columns = torch.arange(columns, device=weight.device)
         self.row_index = torch.arange(rows, device=weight.device)
 
@@ -57,7 +57,7 @@ def _window_mask(mask: Tensor, query_pos: Tensor, key_pos: Tensor, window: int |
 def decode_step(pool: Pool, tokens: Tensor, positions: Tensor) -> Tensor:
     """tokens, positions [R] (one per row; a row's position is its cache column) -> logits [R, V]."""
     target = pool.target
-    cos_sin = pool.rope[positions]  # [R, 2, D]
+    cos_sin = pool.rope[positions, None]  # [R, 1, 2, D]
     mask = (pool.key_columns[None, :] <= positions[:, None])[:, None, :]  # [R, 1, C]
     mask = _window_mask(mask, positions[:, None], pool.key_columns, target.cfg.sliding_window)
     x = target.embed(tokens)[None]  # [1, R, H]: the rows stand on the token axis for projections and RoPE
@@ -84,7 +84,7 @@ def prefill_rows(pool: Pool, rows: Tensor, prompts: list[list[int]]) -> Tensor:
     mask = _window_mask(positions[None, :] <= positions[:, None], positions, positions, target.cfg.sliding_window)
     x = target.embed(ids)
     for i, layer in enumerate(target.model.layers):
-        q, k, v = _qkv(layer, layer.input_layernorm(x), pool.rope[:width])  # [n, T, heads, D]
+        q, k, v = _qkv(layer, layer.input_layernorm(x), pool.rope[:width, None])  # [n, T, heads, D]
         pool.k_cache[i, rows, :, :width] = k.transpose(1, 2).to(pool.k_cache.dtype)
         pool.v_cache[i, rows, :, :width] = v.transpose(1, 2).to(pool.v_cache.dtype)
         out = F.scaled_dot_product_attention(

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from flashdraft.draft.model import DFlashDraft, apply_rope, draft_attention
+from flashdraft.draft.model import DFlashDraft, draft_attention
+from flashdraft.models.layers import apply_rope
 
 
 @dataclass
@@ -148,20 +149,18 @@ def draft_blocks_forward(draft: DFlashDraft, features: Tensor, noise: Tensor, po
     """features [N, S, L*H], noise [N, Q, H] (embedded block tokens), positions [N, Q], masks by layer kind
     [N, Q, S + Q] -> hidden [N, Q, H] after the final norm. The same computation as the draft's
     `forward_with_context`, for every block of the batch at once."""
-    n, q = positions.shape
     s = features.shape[1]
     x = noise.to(draft.fc.weight.dtype)
     context = draft.fuse(features)
-    cos, sin = draft.rotary(positions.flatten(), x.dtype)
-    cos, sin = cos.view(n, 1, q, -1), sin.view(n, 1, q, -1)
-    context_cos, context_sin = draft.rotary(torch.arange(s, device=positions.device), x.dtype)
+    cos_sin = draft.rotary(positions, x.dtype)[:, None]  # [N, 1, Q, 2, D]: broadcast over heads
+    context_cos_sin = draft.rotary(torch.arange(s, device=positions.device), x.dtype)
     for i, layer in enumerate(draft.layers):
         attn = layer.self_attn
         h = layer.input_layernorm(x)
         query = attn.q_norm(attn.q_proj(h).unflatten(-1, (attn.num_heads, attn.head_dim))).transpose(-3, -2)
-        query = apply_rope(query, cos, sin)
-        block_k, block_v = attn.project_kv(h, cos, sin)
-        context_k, context_v = attn.project_kv(context, context_cos, context_sin)
+        query = apply_rope(query, cos_sin)
+        block_k, block_v = attn.project_kv(h, cos_sin)
+        context_k, context_v = attn.project_kv(context, context_cos_sin)
         keys = torch.cat([context_k, block_k.to(context_k.dtype)], dim=-2)
         values = torch.cat([context_v, block_v.to(context_v.dtype)], dim=-2)
         out = draft_attention(query, keys, values.to(keys.dtype), masks[draft.layer_attention[i]])

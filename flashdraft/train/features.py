@@ -39,7 +39,7 @@ def target_features(target, input_ids: Tensor, layer_ids: list[int]) -> Tensor:
     in that order (layer id i = HF hidden_states[i + 1]), as the target's forward captures them."""
     cfg = target.cfg
     s = input_ids.shape[1]
-    cos_sin = rope_table(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, s).to(input_ids.device)
+    cos_sin = rope_table(cfg, s)[:, None].to(input_ids.device)  # [S, 1, 2, D]: broadcast over heads
     mask = None
     if cfg.sliding_window is not None:
         pos = torch.arange(s, device=input_ids.device)
