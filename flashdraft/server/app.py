@@ -6,7 +6,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -420,6 +420,33 @@ def create_app(engine_or_loader: Engine | Callable[[], Engine], settings: Settin
             log.exception("generation failed")
             yield sse(ApiError(500, f"{type(e).__name__}: {e}").body())
 
+    def openai_stream(request: Request, req: EngineRequest, env: P.Envelope, body: dict,
+                      content: Callable[[Delta | Completion], Iterable[dict]], finish: Callable[[str], dict],
+                      opening: dict | None = None, per_token: bool = False) -> EventStream:
+        """The streamed response of the OpenAI routes: `opening`, then the chunks `content` makes of each event
+        (with running `timings` when `per_token`), the `finish` chunk with the finish reason and, when
+        stream_options.include_usage asks for it, a usage-only chunk (all chunks before it carry `usage: null`).
+        The final chunk carries llama.cpp's `timings` and `speculative`; `data: [DONE]` ends the stream."""
+        include_usage = P.get_bool(P.get_object(body, "stream_options"), "include_usage", False)
+        extra_fields = {"usage": None} if include_usage else {}
+
+        async def chunks() -> AsyncIterator[bytes]:
+            if opening is not None:
+                yield sse(opening | extra_fields)
+            async for job, event in stream_events(request, req):
+                for chunk in content(event):
+                    chunk = chunk | extra_fields
+                    yield sse(chunk | {"timings": P.running_timings(job)} if per_token and isinstance(event, Delta)
+                              else chunk)
+                if isinstance(event, Completion):
+                    last = finish(event.finish_reason) | extra_fields
+                    if include_usage:
+                        yield sse(last)
+                        last = env.make([], usage=P.usage(event))
+                    yield sse(P.add_stats(last, event))
+            yield b"data: [DONE]\n\n"
+        return EventStream(guarded(chunks()))
+
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -436,38 +463,23 @@ def create_app(engine_or_loader: Engine | Callable[[], Engine], settings: Settin
                 return Response(status_code=499)
             reasoning, content = split_reasoning(done[1].text, thinking_open) if split else ("", done[1].text)
             return JSONResponse(P.chat_response(env, done[1], content, reasoning))
-        include_usage = P.get_bool(P.get_object(body, "stream_options"), "include_usage", False)
-        per_token = P.get_bool(body, "timings_per_token", False)
         splitter = ThinkSplitter(thinking_open) if split else None
 
-        async def chunks() -> AsyncIterator[bytes]:
-            extra_fields = {"usage": None} if include_usage else {}
+        def deltas(event: Delta | Completion) -> Iterator[dict]:
+            """Reasoning and content chunks of what the splitter lets out; at the end, all it still holds."""
+            final = isinstance(event, Completion)
+            text = "" if final else event.text
+            reasoning, content = ("", text) if splitter is None else splitter.push(text)
+            if final and splitter is not None:
+                r, c = splitter.flush()
+                reasoning, content = reasoning + r, content + c
+            for key, value in (("reasoning_content", reasoning), ("content", content)):
+                if value:
+                    yield P.chat_chunk(env, {key: value})
 
-            def deltas(text: str, job: Job | None, final: bool = False) -> Iterator[bytes]:
-                reasoning, content = ("", text) if splitter is None else splitter.push(text)
-                if final and splitter is not None:
-                    r, c = splitter.flush()
-                    reasoning, content = reasoning + r, content + c
-                for key, value in (("reasoning_content", reasoning), ("content", content)):
-                    if value:
-                        chunk = P.chat_chunk(env, {key: value}) | extra_fields
-                        yield sse(chunk | {"timings": P.running_timings(job)} if per_token and job else chunk)
-
-            yield sse(P.chat_chunk(env, {"role": "assistant", "content": ""}) | extra_fields)
-            async for job, event in stream_events(request, req):
-                if isinstance(event, Delta):
-                    for chunk in deltas(event.text, job):
-                        yield chunk
-                    continue
-                for chunk in deltas("", None, final=True):
-                    yield chunk
-                last = P.chat_chunk(env, {}, event.finish_reason) | extra_fields
-                if include_usage:
-                    yield sse(last)
-                    last = env.make([], usage=P.usage(event))
-                yield sse(P.add_stats(last, event))
-            yield b"data: [DONE]\n\n"
-        return EventStream(guarded(chunks()))
+        return openai_stream(request, req, env, body, deltas, lambda reason: P.chat_chunk(env, {}, reason),
+                             opening=P.chat_chunk(env, {"role": "assistant", "content": ""}),
+                             per_token=P.get_bool(body, "timings_per_token", False))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -479,22 +491,12 @@ def create_app(engine_or_loader: Engine | Callable[[], Engine], settings: Settin
         if not P.get_bool(body, "stream", False):
             done = await generate(request, req)
             return JSONResponse(P.text_response(env, done[1])) if done else Response(status_code=499)
-        include_usage = P.get_bool(P.get_object(body, "stream_options"), "include_usage", False)
 
-        async def chunks() -> AsyncIterator[bytes]:
-            extra_fields = {"usage": None} if include_usage else {}
-            async for _, event in stream_events(request, req):
-                if isinstance(event, Delta):
-                    if event.text:
-                        yield sse(P.text_chunk(env, event.text) | extra_fields)
-                    continue
-                last = P.text_chunk(env, "", event.finish_reason) | extra_fields
-                if include_usage:
-                    yield sse(last)
-                    last = env.make([], usage=P.usage(event))
-                yield sse(P.add_stats(last, event))
-            yield b"data: [DONE]\n\n"
-        return EventStream(guarded(chunks()))
+        def pieces(event: Delta | Completion) -> Iterator[dict]:
+            if isinstance(event, Delta) and event.text:
+                yield P.text_chunk(env, event.text)
+
+        return openai_stream(request, req, env, body, pieces, lambda reason: P.text_chunk(env, "", reason))
 
     @app.post("/completion")
     @app.post("/completions")
