@@ -19,6 +19,9 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     ap.add_argument("--compile", action="store_true",
                     help="fuse each layer's small ops with torch.compile for decode/verify steps (slower start)")
+    ap.add_argument("--spec-dm-adaptive", dest="adaptive", action=argparse.BooleanOptionalAction, default=True,
+                    help="choose each verify step's width from the draft's recent acceptance and measured step costs, "
+                         "down to plain decoding when drafting does not pay (default on; off: always the full block)")
     ap.add_argument("--ctx-size", type=int, default=4096)
     ap.add_argument("--block-size", type=int, default=None, help="verify block (at most the draft's)")
     ap.add_argument("--draft-window", type=int, default=None, help="draft sees the last N positions")
@@ -74,7 +77,7 @@ def generate(args: argparse.Namespace, device: str) -> int:
     params.validate()
     from flashdraft.formats.named import default_draft
     draft = None if args.no_spec else (args.draft or default_draft(args.model))
-    engine = Engine.load(args.model, draft, device=device, dtype=args.dtype, compile=args.compile,
+    engine = Engine.load(args.model, draft, device=device, dtype=args.dtype, compile=args.compile, adaptive=args.adaptive,
                          ctx_size=args.ctx_size, draft_window=args.draft_window, block_size=args.block_size,
                          progress=shown and not args.json)
     if prompt_ids is None:

@@ -50,6 +50,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     ap.add_argument("--compile", action="store_true",
                     help="fuse each layer's small ops with torch.compile for decode/verify steps (slower start)")
+    ap.add_argument("--spec-dm-adaptive", dest="adaptive", action=argparse.BooleanOptionalAction, default=True,
+                    help="choose each verify step's width from the draft's recent acceptance and measured step costs, "
+                         "down to plain decoding when drafting does not pay (default on; off: always the full block)")
     ap.add_argument("--ctx-size", type=int, default=4096)
     ap.add_argument("--block-size", type=int, default=None, help="verify block (at most the draft's)")
     ap.add_argument("--draft-window", type=int, default=None, help="draft sees the last N positions")
@@ -95,7 +98,7 @@ def engine_setup(args: argparse.Namespace, model: str, draft: str) -> tuple[list
                             min_p=args.min_p or 0.0, seed=args.seed, max_tokens=args.max_tokens)
     params.validate()
     print(f"loading {model} with draft {draft} on {args.device}", file=sys.stderr)
-    engine = Engine.load(model, draft, device=args.device, dtype=args.dtype, compile=args.compile, ctx_size=args.ctx_size,
+    engine = Engine.load(model, draft, device=args.device, dtype=args.dtype, compile=args.compile, adaptive=args.adaptive, ctx_size=args.ctx_size,
                          draft_window=args.draft_window, block_size=args.block_size, progress=not args.json)
     warm = dataclasses.replace(params, max_tokens=min(WARMUP_TOKENS, args.max_tokens))
     reasoning = None if args.reasoning == "auto" else args.reasoning

@@ -114,7 +114,7 @@ def _held_back(text: str, stops: list[str]) -> int:
 class Engine:
     def __init__(self, target, tokenizer, draft=None, device: str = "cpu", ctx_size: int = 4096,
                  n_slots: int = 1, draft_window: int | None = None, block_size: int | None = None,
-                 model_path: str = "", draft_path: str | None = None):
+                 model_path: str = "", draft_path: str | None = None, adaptive: bool = False):
         self.target, self.tokenizer, self.draft = target, tokenizer, draft
         self.device, self.ctx_size, self.n_slots = device, ctx_size, n_slots
         self.block_size = block_size
@@ -125,6 +125,9 @@ class Engine:
         if draft_window is not None and draft_window < 1:
             raise ValueError("--draft-window must be at least 1")
         self.rank, self.world_size = target.rank, target.world_size
+        # Costs are timed per process, and ranks must take the same steps: no adaptive width under TP.
+        self.adaptive = adaptive and draft is not None and self.world_size == 1
+        self.width_costs: dict[int, float] | None = None
         if self.world_size > 1 and n_slots != 1:
             raise ValueError("tensor parallelism runs one request at a time: use one slot")
         target.setup_cache(ctx_size, n_slots)
@@ -139,13 +142,14 @@ class Engine:
     @staticmethod
     def load(model: str, draft: str | None = None, device: str = "cpu", dtype: str = "auto",
              ctx_size: int = 4096, n_slots: int = 1, draft_window: int | None = None,
-             block_size: int | None = None, progress: bool = False, compile: bool = False) -> "Engine":
+             block_size: int | None = None, progress: bool = False, compile: bool = False,
+             adaptive: bool = False) -> "Engine":
         from flashdraft.formats.loader import load_draft, load_target
         torch_dtype = resolve_dtype(dtype, device)
         target, tokenizer, model_path = load_target(model, device, torch_dtype, progress=progress)
         draft_model = load_draft(draft, target, device, torch_dtype) if draft else None
         engine = Engine(target, tokenizer, draft_model, device, ctx_size, n_slots, draft_window, block_size,
-                        model_path=str(model_path), draft_path=draft)
+                        model_path=str(model_path), draft_path=draft, adaptive=adaptive)
         if compile and device.startswith("cuda"):  # shapes are static only where graphs bucket them
             widths = {1} | ({engine.block_size or draft_model.cfg.block_size} if draft_model is not None else set())
             target.compile_layers(tuple(widths))
@@ -153,7 +157,37 @@ class Engine:
                 draft_model.compile_layers()
         if engine.graphs is not None:
             engine.warmup()
+        if engine.adaptive and engine.width_costs is None:
+            engine.measure_width_costs()
         return engine
+
+    @property
+    def draft_block(self) -> int:
+        return self.block_size or self.draft.cfg.block_size
+
+    def measure_width_costs(self, slot: int = 0) -> dict[int, float]:
+        """Time one step of every candidate verify width (once per engine; the adaptive controller's costs)."""
+        from flashdraft.engine.adaptive import candidate_widths, measure_costs
+        from flashdraft.engine.graphs import bucket_for, plain_step, speculative_step
+        block, dev = self.draft_block, self.device
+        pos = max(0, min(64, self.ctx_size - block - 1))
+        ids = torch.zeros(block, dtype=torch.long, device=dev)
+        positions = torch.arange(pos, pos + block, device=dev)
+        capture = self.draft.cfg.target_layer_ids
+
+        def run_width(w: int) -> None:
+            attn_len = bucket_for(pos + w, self.ctx_size) if self.graphs is not None else pos + w
+            if w == 1:
+                key, fn, inputs = ("plain", slot, attn_len, True), \
+                    lambda t, p: plain_step(self.target, t, p, slot, attn_len, capture), [ids[:1], positions[:1]]
+            else:
+                key, fn, inputs = ("spec", slot, attn_len, block, w), \
+                    lambda b, p: speculative_step(self.target, self.draft, b, p, slot, attn_len, w), [ids, positions]
+            self.graphs.run(key, fn, inputs) if self.graphs is not None else fn(*inputs)
+
+        with torch.inference_mode():
+            self.width_costs = measure_costs(run_width, candidate_widths(block, self.graphs is not None), self._sync)
+        return self.width_costs
 
     def warmup(self, max_tokens: int = 8) -> float:
         """Run a short generation per slot and mode, and on CUDA capture the step graphs of every context
@@ -170,12 +204,17 @@ class Engine:
                 for slot in range(self.n_slots):
                     for b in buckets:
                         tok, pos = torch.zeros(1, dtype=torch.long, device=dev), torch.zeros(1, dtype=torch.long, device=dev)
-                        self.graphs.run(("plain", slot, b), lambda x, p, s=slot, b=b: plain_step(self.target, x, p, s, b),
-                                        [tok, pos])
+                        self.graphs.run(("plain", slot, b, False),
+                                        lambda x, p, s=slot, b=b: plain_step(self.target, x, p, s, b), [tok, pos])
+                        if self.draft is not None and self.adaptive:  # plain steps that feed the draft
+                            capture = self.draft.cfg.target_layer_ids
+                            self.graphs.run(("plain", slot, b, True),
+                                            lambda x, p, s=slot, b=b: plain_step(self.target, x, p, s, b, capture),
+                                            [tok, pos])
                         if self.draft is not None and block > 1 and b >= block:
                             ids = torch.zeros(block, dtype=torch.long, device=dev)
                             positions = torch.arange(block, device=dev)
-                            self.graphs.run(("spec", slot, b, block),
+                            self.graphs.run(("spec", slot, b, block, block),
                                             lambda x, p, s=slot, b=b: speculative_step(self.target, self.draft, x, p, s, b),
                                             [ids, positions])
                     if self.draft is not None and block > 1:  # the context appends of 1..block accepted rows
@@ -263,8 +302,12 @@ class Engine:
         text, emitted, stop_word, finish = "", 0, None, "length"
         t0 = time.perf_counter()
         t_first = None
+        controller = None
+        if draft is not None and self.adaptive and not req.block_size:
+            from flashdraft.engine.adaptive import WidthController
+            controller = WidthController(self.width_costs or self.measure_width_costs(slot))
         steps = decode(self.target, prompt, p, slot=slot, draft=draft, block_size=req.block_size or self.block_size,
-                       stats=stats, max_len=self.ctx_size, generator=gen, graphs=self.graphs)
+                       stats=stats, max_len=self.ctx_size, generator=gen, graphs=self.graphs, controller=controller)
         if self.world_size > 1:
             steps = in_lockstep(steps, self.device)
         try:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from flashdraft.engine.adaptive import WidthController
 from flashdraft.engine.graphs import GraphCache, bucket_for, plain_step, speculative_step
 from flashdraft.engine.sampling import SamplingParams, sample
 
@@ -73,9 +74,11 @@ def prefill(target, prompt_ids: Tensor, slot: int, capture: list[int] | None) ->
 def decode(target, prompt_ids: Tensor, params: SamplingParams, slot: int = 0, draft=None,
            block_size: int | None = None, stats: SpecStats | None = None, max_len: int | None = None,
            generator: torch.Generator | None = None, accept_rule: AcceptRule = accept_matching_samples,
-           graphs: GraphCache | None = None) -> Iterator[list[int]]:
+           graphs: GraphCache | None = None, controller: WidthController | None = None) -> Iterator[list[int]]:
     """Yield the committed tokens of each step until `params.max_tokens` are out (the caller stops
-    earlier on EOS or stop strings by closing the generator)."""
+    earlier on EOS or stop strings by closing the generator). With a draft, each step drafts a whole
+    block and verifies `controller.width()` of it (default: all); width 1 is a plain step that still
+    hands its features to the draft."""
     device = prompt_ids.device
     max_len = max_len or target.max_len
     n = len(prompt_ids)
@@ -96,41 +99,60 @@ def decode(target, prompt_ids: Tensor, params: SamplingParams, slot: int = 0, dr
     if stats is not None:
         stats.block_size = block
     while produced < budget:
-        width = min(block, budget - produced + 1, max_len - pos)
+        room = min(budget - produced + 1, max_len - pos)
+        width = min(controller.width() if controller is not None else block, room)
         attn_len = pos + width
         if graphs is not None:  # static shapes: attend over the whole bucket, masked by position
             attn_len = bucket_for(attn_len, max_len)
         if width <= 1:
             inputs = [torch.tensor([token], device=device), torch.tensor([pos], device=device)]
-            if graphs is not None:
-                (logits,) = graphs.run(("plain", slot, attn_len), lambda t, p: plain_step(target, t, p, slot, attn_len), inputs)
-            else:
-                (logits,) = plain_step(target, *inputs, slot, attn_len)
-            new = [int(sample(logits, params, generator)[0])]
+            follow = draft is not None and room > 1  # the draft needs this position's features later
+
+            def step(t, p, attn_len=attn_len, capture=capture if follow else None):
+                return plain_step(target, t, p, slot, attn_len, capture)
+
+            out = graphs.run(("plain", slot, attn_len, follow), step, inputs) if graphs is not None else step(*inputs)
+            new = [int(sample(out[0], params, generator)[0])]
+            if follow:
+                append_context(draft, graphs, out[1], inputs[1], slot)
+                if controller is not None:
+                    controller.record(1, 0)
             pos += 1
         else:
-            block_ids = torch.full((width,), draft.cfg.mask_token_id, dtype=torch.long, device=device)
+            # As z-lab's loop: the draft block shrinks only where the output budget or the context ends.
+            drafted_len = min(block, room)
+            block_ids = torch.full((drafted_len,), draft.cfg.mask_token_id, dtype=torch.long, device=device)
             block_ids[0] = token
-            positions = torch.arange(pos, pos + width, device=device)
-            if graphs is not None and width == block:
-                drafted, logits, feats = graphs.run(
-                    ("spec", slot, attn_len, width),
-                    lambda b, p: speculative_step(target, draft, b, p, slot, attn_len), [block_ids, positions])
+            positions = torch.arange(pos, pos + drafted_len, device=device)
+
+            def step(b, p, attn_len=attn_len, width=width):
+                return speculative_step(target, draft, b, p, slot, attn_len, width)
+
+            if graphs is not None and drafted_len == block:
+                drafted, logits, feats = graphs.run(("spec", slot, attn_len, block, width), step,
+                                                    [block_ids, positions])
             else:
-                drafted, logits, feats = speculative_step(target, draft, block_ids, positions, slot, attn_len)
+                drafted, logits, feats = step(block_ids, positions)
             accepted, bonus = accept_rule(drafted, logits, params, generator)
             proposed = drafted.tolist()
             if stats is not None:
                 stats.record(proposed, accepted)
+            if controller is not None:
+                controller.record(width, accepted)
             n_new = accepted + 1
-            if graphs is not None:
-                graphs.run(("context", slot, n_new), lambda f, p: (draft.append_context(f, p, slot),),
-                           [feats[:n_new], positions[:n_new]])
-            else:
-                draft.append_context(feats[:n_new], positions[:n_new], slot)
+            append_context(draft, graphs, feats[:n_new], positions[:n_new], slot)
             new = proposed[:accepted] + [bonus]
             pos += accepted + 1
         new = new[:budget - produced]
         produced += len(new)
         token = new[-1]
         yield new
+
+
+def append_context(draft, graphs: GraphCache | None, features: Tensor, positions: Tensor, slot: int) -> None:
+    """Hand the draft the features of newly committed positions (a graph per row count on CUDA)."""
+    if graphs is None:
+        draft.append_context(features, positions, slot)
+    else:
+        graphs.run(("context", slot, len(positions)), lambda f, p: (draft.append_context(f, p, slot),),
+                   [features, positions])

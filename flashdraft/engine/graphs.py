@@ -19,18 +19,26 @@ def bucket_for(length: int, max_len: int) -> int:
     return min(b, max_len)
 
 
-def plain_step(target, token: Tensor, pos: Tensor, slot: int, attn_len: int) -> tuple[Tensor]:
-    logits, _ = target(token, pos, slot=slot, attn_len=attn_len)
-    return (logits,)
+def plain_step(target, token: Tensor, pos: Tensor, slot: int, attn_len: int,
+               capture: list[int] | None = None) -> tuple[Tensor, ...]:
+    """One token through the target: (logits,), or (logits, features) when `capture` names layers (a plain
+    step taken while a draft follows along, which needs the features of every committed position)."""
+    logits, feats = target(token, pos, slot=slot, capture=capture, attn_len=attn_len)
+    return (logits,) if capture is None else (logits, feats)
 
 
-def speculative_step(target, draft, block: Tensor, positions: Tensor, slot: int, attn_len: int):
-    """Draft one block after its anchor `block[0]`, then verify it. Returns (drafted, logits, features)."""
+def speculative_step(target, draft, block: Tensor, positions: Tensor, slot: int, attn_len: int,
+                     verify: int | None = None):
+    """Draft one block after its anchor `block[0]`, then verify its first `verify` tokens (default: all).
+    The draft always sees the whole block, so a narrower verify checks the same proposals.
+    Returns (drafted [verify - 1], logits [verify, V], features [verify, L*H])."""
+    verify = verify or len(block)
     noise = target.embed(block) * draft.cfg.input_embedding_scale
     hidden = draft(noise, positions, slot)
-    drafted = draft.compute_logits(hidden[1:], target.logits).argmax(-1)
-    block = torch.cat([block[:1], drafted])
-    logits, feats = target(block, positions, slot=slot, capture=draft.cfg.target_layer_ids, attn_len=attn_len)
+    drafted = draft.compute_logits(hidden[1:verify], target.logits).argmax(-1)
+    checked = torch.cat([block[:1], drafted])
+    logits, feats = target(checked, positions[:verify], slot=slot, capture=draft.cfg.target_layer_ids,
+                           attn_len=attn_len)
     return drafted, logits, feats
 
 

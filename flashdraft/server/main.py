@@ -85,6 +85,9 @@ def build_parser() -> Parser:
     ap.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     ap.add_argument("--compile", action="store_true",
                     help="fuse each layer's small ops with torch.compile for decode/verify steps (slower start)")
+    ap.add_argument("--spec-dm-adaptive", dest="adaptive", action=argparse.BooleanOptionalAction, default=True,
+                    help="choose each verify step's width from the draft's recent acceptance and measured step costs, "
+                         "down to plain decoding when drafting does not pay (default on; off: always the full block)")
     ap.add_argument("-tp", "--tp", "--tensor-parallel-size", dest="tp", type=int, default=d.tp, metavar="N",
                     help="tensor parallelism over N GPUs of this host, one process each (gloo on the CPU); "
                          "requests are then served one at a time (-np 1)")
@@ -136,7 +139,7 @@ def parse_settings(argv: list[str]) -> tuple[Settings, list[str]]:
     settings = Settings(
         model=args.model, draft=args.draft, speculative=args.spec_type != "none",
         draft_window=args.draft_window, block_size=args.block_size, host=args.host, port=args.port,
-        n_slots=args.n_slots, ctx_size=args.ctx_size, device=args.device, dtype=args.dtype, compile=args.compile,
+        n_slots=args.n_slots, ctx_size=args.ctx_size, device=args.device, dtype=args.dtype, compile=args.compile, adaptive=args.adaptive,
         tp=args.tp,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         n_predict=args.n_predict, seed=args.seed, chat_template_file=args.chat_template_file,
@@ -186,17 +189,19 @@ def load_engine(s: Settings):
     log.info("loading model %s%s on %s (%s)", s.model, f" with DFlash draft {draft}" if draft else "", device, s.dtype)
     # -c 0: the trained context, known only once the model is read, so the caches are set up twice
     ctx = s.slot_ctx if s.ctx_size > 0 else 2
-    engine = Engine.load(s.model, draft, device=device, dtype=s.dtype, compile=s.compile, ctx_size=ctx,
+    engine = Engine.load(s.model, draft, device=device, dtype=s.dtype, compile=s.compile, adaptive=s.adaptive, ctx_size=ctx,
                          n_slots=s.n_slots, draft_window=s.draft_window, block_size=s.block_size,
                          progress=rank_and_world()[0] == 0)
     if s.ctx_size <= 0:
         s.ctx_size = engine.target.cfg.max_position_embeddings
         engine = Engine(engine.target, engine.tokenizer, engine.draft, device, s.slot_ctx, s.n_slots,
-                        s.draft_window, s.block_size, model_path=engine.model_path, draft_path=engine.draft_path)
+                        s.draft_window, s.block_size, model_path=engine.model_path, draft_path=engine.draft_path,
+                        adaptive=s.adaptive)
     if s.chat_template_file:
         engine.tokenizer.chat_template = Path(s.chat_template_file).read_text()
     log.info("loaded in %.1f s: %d slot(s) of %d tokens%s%s", time.perf_counter() - t0, engine.n_slots,
-             engine.ctx_size, f", DFlash block size {engine.block_size or engine.draft.cfg.block_size}"
+             engine.ctx_size, f", DFlash block size {engine.draft_block}"
+             + (f", adaptive verify width (step costs {engine.width_costs})" if engine.adaptive else "")
              if engine.draft is not None else "",
              f", tensor-parallel over {engine.world_size} ranks" if engine.world_size > 1 else "")
     return engine

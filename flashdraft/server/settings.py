@@ -16,6 +16,7 @@ class Settings:
     device: str | None = None
     dtype: str = "auto"
     compile: bool = False
+    adaptive: bool = True  # adaptive verify width (--spec-dm-adaptive)
     tp: int = 1  # tensor-parallel ranks (processes); more than one serves one request at a time
     # request defaults (llama-server's), overridden per request
     temperature: float = 0.8

@@ -1,0 +1,85 @@
+"""Adaptive verify width: how many drafted tokens each speculative step checks (BeeLlama's "profit" rule).
+
+Expected tokens from a step of width w (the anchor plus w - 1 drafted tokens) are E_w = 1 + sum_{k < w-1} s_k,
+where s_k, the chance that draft position k+1 is accepted, is an exponential moving average over the steps
+that checked it. Each candidate width has a cost relative to a plain one-token step, measured once per engine
+(`measure_costs`). The controller keeps the width with the most expected tokens per unit of cost, and moves
+only when another width beats it by a margin. Estimates start optimistic (every position accepted), so a
+request starts at full width. A narrower width learns nothing of the positions it does not check, so every
+`explore_every` steps one step goes a candidate wider; width 1 is plain decoding, and from there a full-width
+step every `probe_every` steps keeps the estimates fresh. Decisions depend on acceptance alone, never on the clock during
+a request, so a seeded request repeats exactly.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass
+class WidthController:
+    costs: dict[int, float]  # width -> step cost relative to a plain step (costs[1] == 1)
+    alpha: float = 0.15
+    margin: float = 0.05
+    probe_every: int = 16
+    explore_every: int = 12
+    survival: list[float] = field(default_factory=list)
+    current: int = 0
+    steps_at_current: int = 0
+
+    def __post_init__(self) -> None:
+        widest = max(self.costs)
+        self.survival = self.survival or [1.0] * (widest - 1)
+        self.current = self.current or widest
+
+    def expected_tokens(self, width: int) -> float:
+        return 1.0 + sum(self.survival[:width - 1])
+
+    def score(self, width: int) -> float:
+        return self.expected_tokens(width) / self.costs[width]
+
+    def width(self) -> int:
+        if self.current == 1:
+            return max(self.costs) if self.steps_at_current >= self.probe_every else 1
+        if self.current < max(self.costs) and self.steps_at_current >= self.explore_every:
+            return min(w for w in self.costs if w > self.current)
+        return self.current
+
+    def record(self, width: int, accepted: int) -> None:
+        """After a step of `width` whose first `accepted` drafted tokens were accepted."""
+        if width != self.current:  # a probe or an exploration step
+            self.steps_at_current = 0
+        else:
+            self.steps_at_current += 1
+        if width == 1:
+            return
+        for k in range(width - 1):
+            self.survival[k] += self.alpha * (float(accepted > k) - self.survival[k])
+        best = max(self.costs, key=self.score)
+        if self.score(best) > self.score(self.current) * (1 + self.margin):
+            self.current, self.steps_at_current = best, 0
+
+
+def candidate_widths(block: int, graphs: bool) -> list[int]:
+    """Plain and full width with CUDA graphs (a verify step costs about a decode step there, and every width
+    is a graph per context bucket); powers of two up to the block on the CPU, where cost grows with width."""
+    widths = {1, block} if graphs else {1, block} | {w for w in (2, 4, 8) if w < block}
+    return sorted(widths)
+
+
+def measure_costs(run_width: Callable[[int], None], widths: list[int], sync: Callable[[], None],
+                  repeats: int = 3) -> dict[int, float]:
+    """Each width's step time (best of `repeats` after one warm-up run) relative to width 1's."""
+    seconds = {}
+    for w in widths:
+        run_width(w)
+        sync()
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            run_width(w)
+            sync()
+            best = min(best, time.perf_counter() - t)
+        seconds[w] = best
+    return {w: seconds[w] / seconds[1] for w in widths}

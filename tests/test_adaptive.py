@@ -1,0 +1,81 @@
+"""The adaptive verify width: the controller's rule, and decoding with it stays lossless and keeps the draft fed."""
+import torch
+from test_engine import oracle_proposals, random_draft, random_target, run
+
+from flashdraft.engine.adaptive import WidthController, candidate_widths, measure_costs
+from flashdraft.engine.generate import SpecStats
+from flashdraft.engine.sampling import SamplingParams
+
+COSTS = {1: 1.0, 2: 1.15, 4: 1.4, 8: 2.0}
+
+
+def test_controller_narrows_on_rejections_probes_and_widens_on_acceptance():
+    c = WidthController(dict(COSTS))
+    assert c.width() == 8  # starts wide
+    for _ in range(30):
+        c.record(c.width(), 0)
+    assert c.width() == 1  # nothing accepted: plain decoding pays best
+    for _ in range(16):
+        assert c.width() == 1
+        c.record(1, 0)
+    assert c.width() == 8  # a probe at full width after probe_every plain steps
+    c.record(8, 0)
+    assert c.width() == 1
+    for _ in range(60):
+        c.record(c.width(), c.width() - 1)  # everything accepted
+    assert c.width() == 8 and c.expected_tokens(8) > 7
+    widths = []
+    for _ in range(60):
+        widths.append(c.width())
+        c.record(widths[-1], 1)  # exactly one draft accepted each time
+    assert c.current == 2  # E_2 = 2 at cost 1.15 beats E_4 ~ 2 at 1.4
+    assert 4 in widths[-20:]  # and a wider step now and then keeps checking
+
+
+def test_candidate_widths_and_measured_costs():
+    assert candidate_widths(16, graphs=True) == [1, 16]
+    assert candidate_widths(16, graphs=False) == [1, 2, 4, 8, 16]
+    assert candidate_widths(4, graphs=False) == [1, 2, 4]
+    calls = []
+    costs = measure_costs(lambda w: calls.append(w) or sum(range(20000 * w)), [1, 4], lambda: None)
+    assert costs[1] == 1.0 and costs[4] > 1.0 and calls == [1] * 4 + [4] * 4
+
+
+def test_adaptive_decoding_is_lossless_and_feeds_the_draft_on_plain_steps():
+    target = random_target()
+    draft = random_draft(target, block_size=8)  # random: almost nothing is accepted
+    draft.setup_cache(target.max_len)
+    prompt = torch.randint(0, 90, (20,))
+    params = SamplingParams(max_tokens=90)
+    plain = run(target, prompt, params)
+    stats, controller = SpecStats(), WidthController(dict(COSTS))
+    assert run(target, prompt, params, draft=draft, stats=stats, controller=controller) == plain
+    verify_steps = len(stats.acceptance_lengths)
+    assert 0 < verify_steps < 90 - sum(stats.acceptance_lengths)  # plain steps took most tokens
+    committed = len(prompt) + len(plain) - 1  # the last token is never fed back
+    rows = set(draft.row_positions[0].tolist())
+    assert set(range(committed)) <= rows  # every committed position reached the draft's context
+
+
+def test_adaptive_decoding_with_a_good_draft_stays_wide(monkeypatch):
+    target = random_target()
+    draft = random_draft(target, block_size=8)
+    draft.setup_cache(target.max_len)
+    prompt = torch.randint(0, 90, (20,))
+    params = SamplingParams(max_tokens=120)
+    plain = run(target, prompt, params)
+    oracle_proposals(monkeypatch, draft, plain, len(prompt), corrupt_every=29)
+    stats, controller = SpecStats(), WidthController(dict(COSTS))
+    assert run(target, prompt, params, draft=draft, stats=stats, controller=controller) == plain
+    assert sum(stats.acceptance_lengths) / len(stats.acceptance_lengths) > 4 and max(map(len, stats.draft_steps)) == 7
+
+
+def test_seeded_sampling_repeats_with_the_adaptive_width():
+    target = random_target()
+    draft = random_draft(target, block_size=8)
+    draft.setup_cache(target.max_len)
+    prompt = torch.randint(0, 90, (20,))
+    params = SamplingParams(max_tokens=60, temperature=0.9)
+    outs = [run(target, prompt, params, draft=draft, controller=WidthController(dict(COSTS)),
+                generator=torch.Generator().manual_seed(7)) for _ in range(2)]
+    assert outs[0] == outs[1]
