@@ -80,7 +80,7 @@ def settings_of(args: argparse.Namespace, model: str | None, draft: str | None) 
                 max_tokens=args.max_tokens, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
                 min_p=args.min_p, seed=args.seed, runs=args.runs, warmup=args.warmup, reasoning=args.reasoning,
                 device=args.device, dtype=args.dtype, ctx_size=args.ctx_size, block_size=args.block_size,
-                draft_window=args.draft_window)
+                draft_window=args.draft_window, adaptive=args.adaptive, compile=args.compile)
 
 
 def engine_setup(args: argparse.Namespace, model: str, draft: str) -> tuple[list[System], list[System]]:
