@@ -296,7 +296,8 @@ def test_load_draft_folder_round_trip(tmp_path, shards, prefix):
     for model in (saved, loaded):
         model.setup_cache(16)
         model.append_context(features, torch.arange(9))
-    assert torch.equal(loaded(noise, positions), saved(noise, positions))
+    # equal weights; the CPU GEMM's blocking may follow the buffers' alignment, so not bit for bit
+    torch.testing.assert_close(loaded(noise, positions), saved(noise, positions), rtol=1e-5, atol=1e-5)
 
     half = load_draft_folder(tmp_path, dtype=torch.bfloat16)
     assert half.fc.weight.dtype == torch.bfloat16 and half.rotary.inv_freq.dtype == torch.float32

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashdraft.models.layers import (ROPE_TYPES, RMSNorm, SwiGLU, apply_rope, compile_layer_forward,
+from flashdraft.models.layers import (ROPE_TYPES, Linear, RMSNorm, SwiGLU, apply_rope, compile_layer_forward,
                                       rope_cos_sin, rope_inv_freq)
 
 FULL_ATTENTION = "full_attention"
@@ -288,10 +288,10 @@ class DraftAttention(nn.Module):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_proj = Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.is_causal, self.sliding_window = cfg.layer_attention(layer_id)
@@ -352,7 +352,7 @@ class DFlashDraft(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.cfg = cfg
-        self.fc = nn.Linear(cfg.context_width, cfg.hidden_size, bias=False)
+        self.fc = Linear(cfg.context_width, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

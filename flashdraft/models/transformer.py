@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from flashdraft.models.config import ModelConfig
-from flashdraft.models.layers import (RMSNorm, SwiGLU, apply_rope, compile_layer_forward, fuse_linears_on_load,
+from flashdraft.models.layers import (Linear, RMSNorm, SwiGLU, apply_rope, compile_layer_forward, fuse_linears_on_load,
                                       rope_table)
 from flashdraft.models.tp import gather_vocab, local_config, padded_vocab, sum_over_ranks
 
@@ -36,10 +36,10 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
         self.split_sizes = {"qkv_proj": [q_size, kv_size, kv_size]}
         fuse_linears_on_load(self, "qkv_proj", ["q_proj", "k_proj", "v_proj"])
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -103,7 +103,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.rank, self.world_size = rank, world_size
         self.model = Backbone(cfg, world_size)
-        self.lm_head = nn.Linear(cfg.hidden_size, padded_vocab(cfg.vocab_size, world_size) // world_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, padded_vocab(cfg.vocab_size, world_size) // world_size, bias=False)
         if cfg.tie_word_embeddings and world_size == 1:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.k_cache: Tensor | None = None
