@@ -1,5 +1,4 @@
 import math
-import shutil
 
 import numpy as np
 import pytest

@@ -4,7 +4,6 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from flashdraft.server.app import create_app
 from flashdraft.server.reasoning import ThinkSplitter, split_reasoning
 from flashdraft.server.scheduler import Scheduler, TurnLock
 from flashdraft.server.settings import Settings
-from tiny import CHATML, make_draft, make_target
+from tiny import CHATML, interrupt, make_draft, make_target, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 DEVICE = os.environ.get("FLASHDRAFT_TEST_DEVICE", "cpu")  # cuda: the same tests over CUDA graphs and threads
@@ -584,13 +583,7 @@ def test_command_line_2_serves(models):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline, status = time.time() + 120, None
-        while time.time() < deadline and status != 200:
-            assert proc.poll() is None, proc.stdout.read()
-            with contextlib.suppress(httpx.TransportError):
-                status = httpx.get(url + "/health", timeout=5).status_code
-            time.sleep(0.2)
-        assert status == 200
+        wait_healthy(proc, url)
         props = httpx.get(url + "/props").json()
         assert props["speculative"] == {"type": "dflash", "block_size": 8, "draft_window": 1024}
         assert props["default_generation_settings"]["n_ctx"] == 32768 and props["reasoning"] == "off"
@@ -599,12 +592,7 @@ def test_command_line_2_serves(models):
         assert r.status_code == 200 and "speculative" in r.json()
         assert "llamacpp:spec_decode_num_drafts_total" in httpx.get(url + "/metrics").text
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            log, _ = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            log, _ = proc.communicate()
+        log = interrupt(proc, 30)
     for flag in ("-ngl all", "--spec-draft-ngl all", "-b 2048", "-ub 512", "--flash-attn on", "--cache-ram 0",
                  "--kv-unified", "--no-mmap", "--mlock", "--no-host"):
         assert f"W ignoring {flag}: " in log, flag

@@ -1,13 +1,10 @@
 """Tensor parallelism on the CPU: two gloo ranks give the logits, features and tokens of one process; rank 0
 alone decides when a generation stops; `flashdraft serve --tp 2` answers as a one-process server does."""
-import contextlib
 import functools
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +17,7 @@ from flashdraft.formats.loader import build_target
 from flashdraft.launch import free_port, run_tensor_parallel
 from flashdraft.models.config import ModelConfig
 from flashdraft.models.transformer import Transformer
-from tiny import make_draft, make_target
+from tiny import interrupt, make_draft, make_target, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = [5, 17, 3, 99, 42, 7, 7, 13, 250, 31, 8, 64]
@@ -188,13 +185,7 @@ def test_serve_tp2_answers_as_one_process(models):
     prompt = render_prompt(engine.tokenizer, question, chat=True)
     expected = engine.generate(Request(prompt, SamplingParams(max_tokens=16)))
     try:
-        deadline, status = time.time() + 120, None
-        while time.time() < deadline and status != 200:
-            assert proc.poll() is None, proc.stdout.read()
-            with contextlib.suppress(httpx.TransportError):
-                status = httpx.get(url + "/health", timeout=5).status_code
-            time.sleep(0.2)
-        assert status == 200
+        wait_healthy(proc, url)
         messages = [{"role": "user", "content": question}]
         # a sampled stream that the client leaves: rank 0 stops it, and the other rank with it
         body = {"messages": messages, "max_tokens": 400, "ignore_eos": True, "stream": True}
@@ -205,12 +196,7 @@ def test_serve_tp2_answers_as_one_process(models):
         assert reply.choices[0].message.content == expected.text
         assert reply.usage.completion_tokens == len(expected.token_ids) and reply.usage.prompt_tokens == len(prompt)
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            log, _ = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            log, _ = proc.communicate()
+        log = interrupt(proc, 60)
     assert "tensor-parallel over 2 ranks" in log and "cancelled: the client went away" in log
     assert "Traceback" not in log, log
 

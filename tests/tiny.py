@@ -64,3 +64,31 @@ def make_draft(folder: Path, target: Path, layers: int = 2, block_size: int = 8,
     (folder / "config.json").write_text(json.dumps(hf))
     save_file({k: v.contiguous() for k, v in draft.state_dict().items()}, str(folder / "model.safetensors"))
     return folder
+
+
+def wait_healthy(proc, url: str, timeout: float = 120) -> None:
+    """Wait until a server started as `proc` answers /health with 200 (fails if the process exits first)."""
+    import contextlib
+    import time
+
+    import httpx
+    deadline, status = time.time() + timeout, None
+    while time.time() < deadline and status != 200:
+        assert proc.poll() is None, proc.stdout.read()
+        with contextlib.suppress(httpx.TransportError):
+            status = httpx.get(url + "/health", timeout=5).status_code
+        time.sleep(0.2)
+    assert status == 200
+
+
+def interrupt(proc, timeout: float = 60) -> str:
+    """Stop a server with SIGINT (as Ctrl-C) and return its output; kill it if it does not stop in time."""
+    import signal
+    import subprocess
+    proc.send_signal(signal.SIGINT)
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        log, _ = proc.communicate()
+    return log
