@@ -4,7 +4,6 @@ Usage: python benchmarks/smollm2_gpu.py --model SmolLM2.gguf --draft DRAFT_DIR -
 """
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
