@@ -199,11 +199,14 @@ def load_engine(s: Settings):
                         adaptive=s.adaptive)
     if s.chat_template_file:
         engine.tokenizer.chat_template = Path(s.chat_template_file).read_text()
+    spec = ""
+    if engine.draft is not None:
+        spec = f", DFlash block size {engine.draft_block}"
+        if engine.adaptive:
+            costs = ", ".join(f"{w}: {c:.2f}" for w, c in (engine.width_costs or {}).items())
+            spec += ", adaptive verify width" + (f" (step cost by width: {costs})" if costs else "")
     log.info("loaded in %.1f s: %d slot(s) of %d tokens%s%s", time.perf_counter() - t0, engine.n_slots,
-             engine.ctx_size, f", DFlash block size {engine.draft_block}"
-             + (f", adaptive verify width (step costs {engine.width_costs})" if engine.adaptive else "")
-             if engine.draft is not None else "",
-             f", tensor-parallel over {engine.world_size} ranks" if engine.world_size > 1 else "")
+             engine.ctx_size, spec, f", tensor-parallel over {engine.world_size} ranks" if engine.world_size > 1 else "")
     return engine
 
 
