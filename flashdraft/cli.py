@@ -77,7 +77,8 @@ def generate(args: argparse.Namespace, device: str) -> int:
     params.validate()
     from flashdraft.formats.named import default_draft
     draft = None if args.no_spec else (args.draft or default_draft(args.model))
-    engine = Engine.load(args.model, draft, device=device, dtype=args.dtype, compile=args.compile, adaptive=args.adaptive,
+    engine = Engine.load(args.model, draft, device=device, dtype=args.dtype, compile=args.compile,
+                         adaptive=args.adaptive,
                          ctx_size=args.ctx_size, draft_window=args.draft_window, block_size=args.block_size,
                          progress=shown and not args.json)
     if prompt_ids is None:

@@ -98,7 +98,8 @@ def engine_setup(args: argparse.Namespace, model: str, draft: str) -> tuple[list
                             min_p=args.min_p or 0.0, seed=args.seed, max_tokens=args.max_tokens)
     params.validate()
     print(f"loading {model} with draft {draft} on {args.device}", file=sys.stderr)
-    engine = Engine.load(model, draft, device=args.device, dtype=args.dtype, compile=args.compile, adaptive=args.adaptive, ctx_size=args.ctx_size,
+    engine = Engine.load(model, draft, device=args.device, dtype=args.dtype, compile=args.compile,
+                         adaptive=args.adaptive, ctx_size=args.ctx_size,
                          draft_window=args.draft_window, block_size=args.block_size, progress=not args.json)
     warm = dataclasses.replace(params, max_tokens=min(WARMUP_TOKENS, args.max_tokens))
     reasoning = None if args.reasoning == "auto" else args.reasoning

@@ -7,8 +7,8 @@ that checked it. Each candidate width has a cost relative to a plain one-token s
 only when another width beats it by a margin. Estimates start optimistic (every position accepted), so a
 request starts at full width. A narrower width learns nothing of the positions it does not check, so every
 `explore_every` steps one step goes a candidate wider; width 1 is plain decoding, and from there a full-width
-step every `probe_every` steps keeps the estimates fresh. Decisions depend on acceptance alone, never on the clock during
-a request, so a seeded request repeats exactly.
+step every `probe_every` steps keeps the estimates fresh. Decisions depend on acceptance alone, never on the
+clock during a request, so a seeded request repeats exactly.
 """
 from __future__ import annotations
 
