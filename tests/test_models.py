@@ -135,3 +135,14 @@ def test_compiled_layers_match_eager(tmp_path):
     hidden = draft(noise, torch.arange(37, 45))
     draft.compile_layers()
     torch.testing.assert_close(draft(noise, torch.arange(37, 45)), hidden, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 15, 16, 64, 65])
+def test_linear_few_row_cpu_path_matches_f_linear(rows):
+    from flashdraft.models.layers import Linear
+    torch.manual_seed(rows)
+    layer = Linear(48, 40, bias=True)
+    x = torch.randn(rows, 48)
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    torch.testing.assert_close(layer(x[None]), torch.nn.functional.linear(x[None], layer.weight, layer.bias))
+    assert layer(x).is_contiguous() and layer(x).shape == (rows, 40)
