@@ -1,4 +1,14 @@
 import pytest
+import torch
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny matrices: thread start-up dominates, and on a busy machine it costs seconds per test."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -51,13 +51,7 @@ def _no_cuda_timing(monkeypatch):
     monkeypatch.setattr(reference, "_cuda_time", time.perf_counter)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # These matrices are tiny: thread start-up dominates, and on a busy machine it costs seconds per test.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def randomise(model: nn.Module, seed: int = 0) -> None:

@@ -18,12 +18,7 @@ from flashdraft.train.features import target_features
 from flashdraft.train.main import build_parser, init_weights, run
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def random_target(vocab=96, layers=4, hidden=64, seed=0, std=0.2, **extra) -> Transformer:

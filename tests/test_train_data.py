@@ -12,12 +12,7 @@ from flashdraft.train.prompts import load_prompts, read_json_records
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def write(path: Path, rows, array=False) -> Path:

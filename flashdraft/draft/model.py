@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashdraft.models.layers import (ROPE_TYPES, Linear, RMSNorm, SwiGLU, apply_rope, compile_layer_forward,
+from flashdraft.models.layers import (ROPE_TYPES, Linear, RMSNorm, SwiGLU, apply_rope, compile_layer_forward, position_mask,
                                       rope_cos_sin, rope_inv_freq)
 
 FULL_ATTENTION = "full_attention"
@@ -238,25 +238,6 @@ class Rotary(nn.Module):
         return rope_cos_sin(self.inv_freq, positions, self.attention_scaling).to(dtype)
 
 
-def attention_mask(
-    query_positions: torch.Tensor,
-    key_positions: torch.Tensor,
-    key_valid: torch.Tensor | None,
-    is_causal: bool,
-    sliding_window: int | None,
-) -> torch.Tensor:
-    """Boolean [Q, K] (True = attend) from absolute positions, with the reference's causal/window rules."""
-    offset = query_positions[:, None] - key_positions[None, :]
-    visible = torch.ones_like(offset, dtype=torch.bool) if key_valid is None else key_valid[None, :].expand_as(offset)
-    if is_causal:
-        visible = visible & (offset >= 0)
-    if sliding_window is not None:
-        visible = visible & (offset < sliding_window)
-        if not is_causal:
-            visible = visible & (offset > -sliding_window)
-    return visible
-
-
 def draft_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
 ) -> torch.Tensor:
@@ -423,7 +404,7 @@ class DFlashDraft(nn.Module):
         context_valid = (row_positions >= 0) & (row_positions < positions[:1])
         key_positions = torch.cat([row_positions, positions])
         key_valid = torch.cat([context_valid, torch.ones_like(positions, dtype=torch.bool)])
-        masks = {kind: attention_mask(positions, key_positions, key_valid, *kind) for kind in self.attention_kinds}
+        masks = {kind: position_mask(positions, key_positions, *kind) & key_valid for kind in self.attention_kinds}
         keys = self.k_cache[slot, :, :, : self.window + block_len]
         values = self.v_cache[slot, :, :, : self.window + block_len]
         for i, layer in enumerate(self.layers):
@@ -445,7 +426,7 @@ class DFlashDraft(nn.Module):
         cos_sin = self.rotary(positions, x.dtype)
         context_cos_sin = self.rotary(context_positions, x.dtype)
         key_positions = torch.cat([context_positions, positions])
-        masks = {kind: attention_mask(positions, key_positions, None, *kind) for kind in self.attention_kinds}
+        masks = {kind: position_mask(positions, key_positions, *kind) for kind in self.attention_kinds}
         for i, layer in enumerate(self.layers):
             context_k, context_v = layer.self_attn.project_kv(context, context_cos_sin)
             scratch = context_k.new_empty(*context_k.shape[:-2], x.shape[-2], context_k.shape[-1])

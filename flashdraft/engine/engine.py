@@ -151,7 +151,7 @@ class Engine:
         engine = Engine(target, tokenizer, draft_model, device, ctx_size, n_slots, draft_window, block_size,
                         model_path=str(model_path), draft_path=draft, adaptive=adaptive)
         if compile and device.startswith("cuda"):  # shapes are static only where graphs bucket them
-            widths = {1} | ({engine.block_size or draft_model.cfg.block_size} if draft_model is not None else set())
+            widths = {1} | ({engine.draft_block} if draft_model is not None else set())
             target.compile_layers(tuple(widths))
             if draft_model is not None:
                 draft_model.compile_layers()
@@ -196,8 +196,7 @@ class Engine:
         t = time.perf_counter()
         with torch.inference_mode():
             if self.graphs is not None:
-                block = self.draft.cfg.block_size if self.draft is not None else 1
-                block = self.block_size or block
+                block = self.draft_block if self.draft is not None else 1
                 buckets = sorted({bucket_for(b, self.ctx_size) for b in
                                   [MIN_BUCKET * 2 ** i for i in range(32) if MIN_BUCKET * 2 ** i < self.ctx_size * 2]})
                 dev = self.device

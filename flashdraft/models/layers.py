@@ -38,6 +38,20 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
+def position_mask(query_pos: Tensor, key_pos: Tensor, is_causal: bool = True,
+                  sliding_window: int | None = None) -> Tensor:
+    """[..., Q, K] bool (True = attend) from absolute positions (leading dims broadcast): a causal layer sees keys
+    at or before the query; a sliding window keeps keys less than `sliding_window` away (on both sides when the
+    layer is not causal)."""
+    offset = query_pos[..., :, None] - key_pos[..., None, :]
+    mask = offset >= 0 if is_causal else torch.ones_like(offset, dtype=torch.bool)
+    if sliding_window is not None:
+        mask = mask & (offset < sliding_window)
+        if not is_causal:
+            mask = mask & (offset > -sliding_window)
+    return mask
+
+
 def compile_layer_forward(forward):
     """torch.compile a layer class's forward, called as `compiled(layer, *args)`: parameters become graph inputs,
     so one compiled graph per input shape serves every layer of the class (no recompile per layer). Static

@@ -11,7 +11,7 @@ from torch.nn import functional as F
 
 from flashdraft.models.config import ModelConfig
 from flashdraft.models.layers import (Linear, RMSNorm, SwiGLU, apply_rope, compile_layer_forward, fuse_linears_on_load,
-                                      rope_table)
+                                      position_mask, rope_table)
 from flashdraft.models.tp import gather_vocab, local_config, padded_vocab, sum_over_ranks
 
 SMALL_QUERY = 64  # verify blocks and decode steps: grouped matmul attention instead of SDPA
@@ -142,11 +142,7 @@ class Transformer(nn.Module):
     def attention_mask(self, positions: Tensor, attn_len: int, fresh: bool = False) -> Tensor | None:
         if fresh and self.cfg.sliding_window is None:
             return None
-        key_pos = torch.arange(attn_len, device=positions.device)
-        mask = key_pos[None, :] <= positions[:, None]
-        if self.cfg.sliding_window is not None:
-            mask &= positions[:, None] - key_pos[None, :] < self.cfg.sliding_window
-        return mask
+        return position_mask(positions, torch.arange(attn_len, device=positions.device), True, self.cfg.sliding_window)
 
     def forward(self, input_ids: Tensor, positions: Tensor, slot: int = 0, capture: list[int] | None = None,
                 attn_len: int | None = None, all_logits: bool = True, fresh: bool = False) -> tuple[Tensor, Tensor | None]:

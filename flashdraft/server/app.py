@@ -301,7 +301,7 @@ def create_app(engine_or_loader: Engine | Callable[[], Engine], settings: Settin
             "model_alias": state.model_name,
             "draft_model_path": engine.draft_path,
             "speculative": {"type": "dflash" if spec else "none",
-                            "block_size": (engine.block_size or engine.draft.cfg.block_size) if spec else None,
+                            "block_size": engine.draft_block if spec else None,
                             "draft_window": engine.draft_window if spec else None},
             "reasoning": s.reasoning,
             "chat_template": engine.tokenizer.chat_template,

@@ -15,7 +15,8 @@ from torch import Tensor
 
 from flashdraft.draft.model import draft_attention
 from flashdraft.engine.graphs import GraphCache
-from flashdraft.models.layers import apply_rope, rope_table
+from flashdraft.engine.sampling import SamplingParams, sample
+from flashdraft.models.layers import apply_rope, position_mask, rope_table
 from flashdraft.train.features import project_qkv
 
 CHECK_EVERY = 8  # decode steps between looks at which rows finished (the one host sync)
@@ -50,16 +51,11 @@ def _finish_layer(layer, x: Tensor, attn_out: Tensor) -> Tensor:
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
-def _window_mask(mask: Tensor, query_pos: Tensor, key_pos: Tensor, window: int | None) -> Tensor:
-    return mask if window is None else mask & (query_pos[..., :, None] - key_pos[..., None, :] < window)
-
-
 def decode_step(pool: Pool, tokens: Tensor, positions: Tensor) -> Tensor:
     """tokens, positions [R] (one per row; a row's position is its cache column) -> logits [R, V]."""
     target = pool.target
     cos_sin = pool.rope[positions, None]  # [R, 1, 2, D]
-    mask = (pool.key_columns[None, :] <= positions[:, None])[:, None, :]  # [R, 1, C]
-    mask = _window_mask(mask, positions[:, None], pool.key_columns, target.cfg.sliding_window)
+    mask = position_mask(positions[:, None], pool.key_columns, True, target.cfg.sliding_window)  # [R, 1, C]
     x = target.embed(tokens)[None]  # [1, R, H]: the rows stand on the token axis for projections and RoPE
     for i, layer in enumerate(target.model.layers):
         q, k, v = _qkv(layer, layer.input_layernorm(x), cos_sin)  # [1, R, heads, D]
@@ -81,7 +77,7 @@ def prefill_rows(pool: Pool, rows: Tensor, prompts: list[list[int]]) -> Tensor:
         ids[i, :len(p)] = torch.tensor(p)
     ids = ids.to(device)
     positions = torch.arange(width, device=device)
-    mask = _window_mask(positions[None, :] <= positions[:, None], positions, positions, target.cfg.sliding_window)
+    mask = position_mask(positions, positions, True, target.cfg.sliding_window)
     x = target.embed(ids)
     for i, layer in enumerate(target.model.layers):
         q, k, v = _qkv(layer, layer.input_layernorm(x), pool.rope[:width, None])  # [n, T, heads, D]
@@ -95,13 +91,6 @@ def prefill_rows(pool: Pool, rows: Tensor, prompts: list[list[int]]) -> Tensor:
     return target.logits(target.model.norm(x[torch.arange(len(prompts), device=device), last]))
 
 
-def pick(logits: Tensor, temperature: float) -> Tensor:
-    if temperature <= 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return (probs / torch.empty_like(probs).exponential_()).argmax(-1)  # a sample of probs (exponential race)
-
-
 @torch.inference_mode()
 def batch_generate(target, prompts: list[list[int]], max_new_tokens: int, eos: list[int], rows: int = 256,
                    temperature: float = 0.0) -> list[list[int]]:
@@ -111,7 +100,7 @@ def batch_generate(target, prompts: list[list[int]], max_new_tokens: int, eos: l
     width = max_new_tokens + CHECK_EVERY  # a row may run a few steps past its end before it is seen
     pool = Pool(target, rows, max(map(len, prompts)) + width)
     graphs = GraphCache(str(device))
-    eos_t = torch.tensor(eos, device=device)
+    eos_t, eos_set = torch.tensor(eos, device=device), set(eos)
     out = torch.zeros((rows, width), dtype=torch.long, device=device)
     count = torch.zeros(rows, dtype=torch.long, device=device)
     tokens = torch.zeros(rows, dtype=torch.long, device=device)
@@ -119,6 +108,7 @@ def batch_generate(target, prompts: list[list[int]], max_new_tokens: int, eos: l
     owner = [-1] * rows  # the prompt each row answers (-1: idle)
     results: list[list[int] | None] = [None] * len(prompts)
     next_prompt = 0
+    sampling = SamplingParams(temperature=temperature)
 
     def refill(free: list[int]) -> None:
         nonlocal next_prompt
@@ -129,8 +119,8 @@ def batch_generate(target, prompts: list[list[int]], max_new_tokens: int, eos: l
         next_prompt += len(take)
         index = torch.tensor(take, device=device)
         first = torch.cat([  # in groups, so the prefill's attention scores stay small when the whole pool fills
-            pick(prefill_rows(pool, index[i:i + PREFILL_ROWS], [prompts[j] for j in chosen[i:i + PREFILL_ROWS]]),
-                 temperature) for i in range(0, len(take), PREFILL_ROWS)])
+            sample(prefill_rows(pool, index[i:i + PREFILL_ROWS], [prompts[j] for j in chosen[i:i + PREFILL_ROWS]]),
+                   sampling, None) for i in range(0, len(take), PREFILL_ROWS)])
         out[index, 0] = first
         count[index] = 1
         tokens[index] = first
@@ -141,20 +131,18 @@ def batch_generate(target, prompts: list[list[int]], max_new_tokens: int, eos: l
     refill(list(range(rows)))
     while any(o >= 0 for o in owner):
         for _ in range(CHECK_EVERY):
-            (tokens,) = graphs.run(("decode", rows), lambda t, p: (pick(decode_step(pool, t, p), temperature),),
+            (tokens,) = graphs.run(("decode", rows), lambda t, p: (sample(decode_step(pool, t, p), sampling, None),),
                                    [tokens, positions])
             out[pool.row_index, count.clamp(max=width - 1)] = tokens
             count += 1
             positions = (positions + 1).clamp(max=pool.columns - 1)
-        produced = out.clone()
         seen = torch.arange(width, device=device)[None, :] < count.clamp(max=max_new_tokens)[:, None]
-        done = ((torch.isin(produced, eos_t) & seen).any(1) | (count >= max_new_tokens)).tolist()
+        done = ((torch.isin(out, eos_t) & seen).any(1) | (count >= max_new_tokens)).tolist()
         free = [r for r in range(rows) if done[r] and owner[r] >= 0]
         if not free:
             continue
-        finished = produced[free].tolist()
+        finished = out[free].tolist()
         limits = count[free].clamp(max=max_new_tokens).tolist()
-        eos_set = set(eos)
         for r, row, limit in zip(free, finished, limits):
             row = row[:limit]
             cut = next((i + 1 for i, t in enumerate(row) if t in eos_set), len(row))

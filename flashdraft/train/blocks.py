@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from flashdraft.draft.model import DFlashDraft, draft_attention
-from flashdraft.models.layers import apply_rope
+from flashdraft.models.layers import apply_rope, position_mask
 
 
 @dataclass
@@ -96,14 +96,7 @@ def apply_layer_rules(mask: Tensor, query_pos: Tensor, key_pos: Tensor, is_causa
     """A sliding / causal layer's extra rules by absolute position (the same as the draft's inference mask)."""
     if not is_causal and sliding_window is None:
         return mask
-    offset = query_pos[:, :, None] - key_pos[:, None, :]
-    if is_causal:
-        mask = mask & (offset >= 0)
-    if sliding_window is not None:
-        mask = mask & (offset < sliding_window)
-        if not is_causal:
-            mask = mask & (offset > -sliding_window)
-    return mask
+    return mask & position_mask(query_pos, key_pos, is_causal, sliding_window)
 
 
 def sdpa_safe(mask: Tensor, context_len: int) -> Tensor:
