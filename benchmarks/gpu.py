@@ -21,6 +21,7 @@ from torch.nn import functional as F
 from flashdraft.draft.model import DFlashDraft, DraftConfig, build_target_layer_ids
 from flashdraft.engine.generate import prefill
 from flashdraft.engine.graphs import GraphCache, bucket_for, plain_step
+from flashdraft.models import attention
 from flashdraft.models.config import ModelConfig
 from flashdraft.models.transformer import Transformer
 
@@ -161,9 +162,12 @@ def section_synthetic(args, results):
         t0 = time.perf_counter()
         target.setup_cache(max_len)
         draft.setup_cache(max_len)
-        variants = [name] + ([f"{name}+compile"] if args.compile and name in args.compile.split(",") else [])
-        for label in variants:
-            if label.endswith("+compile"):
+        compiled = [False] + ([True] if name in args.compile.split(",") else [])
+        variants = [(c, kernel) for c in compiled for kernel in args.attention.split(",")]
+        for use_compile, kernel in variants:
+            label = name + ("+compile" if use_compile else "") + f" ({kernel} attention)"
+            attention.KERNEL = kernel
+            if use_compile and target.compiled_layer is None:
                 target.compile_layers((1, 16))
                 draft.compile_layers()
             for ctx in ctxs:
@@ -193,7 +197,7 @@ def section_synthetic(args, results):
                     def fn(b, p):
                         h = draft(target.embed(b), p, 0)
                         return (draft.compute_logits(h[1:], target.logits).argmax(-1),)
-                    return graphs.run(("draft",), fn, [block, positions])
+                    return graphs.run(("draft", label), fn, [block, positions])
 
                 t_capture = time.perf_counter()
                 for f in (decode_step, verify_step, draft_step):
@@ -219,11 +223,13 @@ def section_synthetic(args, results):
         log(f"{name}: setup {time.perf_counter() - t0:.1f} s")
         del target, draft
     results["synthetic"] = rows
-    log("\n| model | ctx | decode ms | tok/s | GB/s | verify16/decode | draft/decode | peak GiB |")
-    log("|---|---|---|---|---|---|---|---|")
+    log("\n| model | ctx | decode ms | tok/s | GB/s | decode/ceiling | verify16/decode | draft/decode | peak GiB | capture s |")
+    log("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        ceiling = f"{r['decode_over_weight_ceiling']:.3f}" if "decode_over_weight_ceiling" in r else "-"
         log(f"| {r['model']} | {r['ctx']} | {r['decode_ms']:.3f} | {r['decode_tok_s']:.1f} | {r['bandwidth_GBps']:.0f} | "
-            f"{r['verify_over_decode']:.3f} | {r['draft_over_decode']:.3f} | {r['peak_mem_GiB']:.1f} |")
+            f"{ceiling} | {r['verify_over_decode']:.3f} | {r['draft_over_decode']:.3f} | {r['peak_mem_GiB']:.1f} | "
+            f"{r['graph_capture_s']:.1f} |")
 
 
 def hf_model_from(target: Transformer, device: str, dtype: torch.dtype):
@@ -256,32 +262,49 @@ def section_hf(args, results):
     ids = torch.randint(0, cfg.vocab_size - 1, (1, prompt_len), device=dev)
     new = 64 if not args.tiny else 8
 
-    def gen(n):
+    def gen(n, **kw):
         with torch.no_grad():
-            hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw)
 
-    gen(2)
-    t = []
-    for n in (1, new + 1):
-        if dev == "cuda":
-            torch.cuda.synchronize()
-        s = time.perf_counter(); gen(n)
-        if dev == "cuda":
-            torch.cuda.synchronize()
-        t.append(time.perf_counter() - s)
-    hf_tok_s = new / (t[1] - t[0])
-    # flashdraft's baseline on the same weights and context
+    def tok_s(**kw) -> float:
+        gen(2, **kw)
+        t = []
+        for n in (1, new + 1):  # the difference leaves the prefill out
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            s = time.perf_counter(); gen(n, **kw)
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            t.append(time.perf_counter() - s)
+        return new / (t[1] - t[0])
+
+    out = dict(prompt_len=prompt_len, new_tokens=new, hf_eager_tok_s=tok_s())
+    log(f"\n== HF transformers generate, Llama-3.1-8B shape, {prompt_len}-token prompt: eager {out['hf_eager_tok_s']:.1f} tok/s")
+    if args.hf_static:
+        try:  # transformers compiles the forward itself when the cache is static
+            out["hf_static_compile_tok_s"] = tok_s(cache_implementation="static")
+            log(f"HF static cache + torch.compile: {out['hf_static_compile_tok_s']:.1f} tok/s")
+        except Exception as e:
+            out["hf_static_compile_error"] = repr(e)[:300]
+            log(f"HF static cache + torch.compile failed: {e!r:.300}")
+    del hf
+    # flashdraft's baseline on the same weights and context: CUDA graphs, then graphs over compiled layers
     target.setup_cache(prompt_len + 512)
     prefill(target, ids[0], 0, None)
     graphs = GraphCache(dev)
     bucket = bucket_for(prompt_len + 1, target.max_len)
     tok, pos = torch.tensor([5], device=dev), torch.tensor([prompt_len], device=dev)
-    ms = timed(lambda: graphs.run(("plain", bucket), lambda a, p: plain_step(target, a, p, 0, bucket), [tok, pos]),
-               30, dev)
-    results["hf"] = dict(hf_eager_tok_s=hf_tok_s, flashdraft_tok_s=1e3 / ms, ratio=(1e3 / ms) / hf_tok_s,
-                         prompt_len=prompt_len, new_tokens=new)
-    log(f"\n== HF transformers eager generate, Llama-3.1-8B shape, {prompt_len}-token prompt: {hf_tok_s:.1f} tok/s; "
-        f"flashdraft baseline {1e3 / ms:.1f} tok/s (x{(1e3 / ms) / hf_tok_s:.1f})")
+    for label in ("graphs", "graphs+compile") if dev == "cuda" else ("graphs",):
+        if label == "graphs+compile":
+            target.compile_layers((1, 16))
+        ms = timed(lambda: graphs.run(("plain", bucket, label), lambda a, p: plain_step(target, a, p, 0, bucket),
+                                      [tok, pos]), 30, dev)
+        out[f"flashdraft_{label}_tok_s"] = 1e3 / ms
+        out[f"ratio_{label}_over_hf_eager"] = (1e3 / ms) / out["hf_eager_tok_s"]
+        log(f"flashdraft baseline ({label}): {1e3 / ms:.1f} tok/s (x{(1e3 / ms) / out['hf_eager_tok_s']:.1f} HF eager"
+            + (f", x{(1e3 / ms) / out['hf_static_compile_tok_s']:.1f} HF static+compile)" if "hf_static_compile_tok_s" in out
+               else ")"))
+    results["hf"] = out
 
 
 def section_zlab(args, results):
@@ -312,6 +335,9 @@ def section_zlab(args, results):
     from flashdraft.engine.sampling import SamplingParams
     target.setup_cache(prompt_len + 256)
     draft.setup_cache(prompt_len + 256)
+    if dev == "cuda" and args.compile:
+        target.compile_layers((1, 16))
+        draft.compile_layers()
     graphs = GraphCache(dev)
     list(decode(target, ids[0], SamplingParams(max_tokens=n), draft=draft, graphs=graphs))
     stats = SpecStats()
@@ -348,6 +374,10 @@ def main():
     ap.add_argument("--ctxs", default="1024,16384", help="context lengths of the synthetic section")
     ap.add_argument("--compile", default="",
                     help="comma-separated model names measured a second time with torch.compile'd layers")
+    ap.add_argument("--attention", default="split,matmul",
+                    help="attention kernels of the few-token steps to compare: split (Triton split-K), matmul")
+    ap.add_argument("--hf-static", action="store_true",
+                    help="also time HF generate with a static cache (transformers then torch.compiles the forward)")
     ap.add_argument("--out")
     args = ap.parse_args()
     results = dict(date=time.strftime("%Y-%m-%d"), torch=torch.__version__, device=args.device)

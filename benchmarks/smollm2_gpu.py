@@ -3,6 +3,7 @@ DFlash, acceptance on HumanEval and MT-Bench first turns, and z-lab's reference 
 Usage: python benchmarks/smollm2_gpu.py --model SmolLM2.gguf --draft DRAFT_DIR --data-dir DATA [--out F.json]
 """
 import argparse
+import hashlib
 import json
 import sys
 import time
@@ -14,6 +15,7 @@ from flashdraft.bench.prompts import SEED_NAMES, SEED_PROMPTS, load_prompts
 from flashdraft.engine.engine import Engine, Request
 from flashdraft.engine.sampling import SamplingParams
 from flashdraft.formats.chat import chat_ids
+from flashdraft.models import attention
 from gpu import hf_model_from  # benchmarks/gpu.py, beside this script
 
 
@@ -86,6 +88,8 @@ def main():
     ap.add_argument("--budget-s", type=float, default=400)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--adaptive", action="store_true", help="verify the width that pays best (--spec-dm-adaptive)")
+    ap.add_argument("--seeds-only", action="store_true", help="only the guide's three prompts")
     ap.add_argument("--zlab-only", action="store_true", help="only the z-lab cross-check")
     ap.add_argument("--zlab-prompts", type=int, default=10, help="HumanEval and MT-Bench prompts each in the cross-check")
     ap.add_argument("--out")
@@ -93,8 +97,10 @@ def main():
     start = time.time()
     deadline = start + args.budget_s
     t = time.time()
-    engine = Engine.load(args.model, args.draft, device=args.device, dtype="auto", ctx_size=4096, compile=args.compile)
-    res = dict(date=time.strftime("%Y-%m-%d"), torch=torch.__version__, device=args.device,
+    engine = Engine.load(args.model, args.draft, device=args.device, dtype="auto", ctx_size=4096, compile=args.compile,
+                         adaptive=args.adaptive)
+    res = dict(date=time.strftime("%Y-%m-%d"), torch=torch.__version__, device=args.device, compile=args.compile,
+               adaptive=args.adaptive, attention=attention.KERNEL,
                gpu=torch.cuda.get_device_name() if args.device == "cuda" else None,
                load_and_warmup_s=time.time() - t, warmup_s=engine.startup_s.get("warmup"))
     log(f"loaded + warmed up in {res['load_and_warmup_s']:.1f} s")
@@ -112,13 +118,17 @@ def main():
         rows.append(dict(prompt=name, tokens=len(spec.token_ids), base_tok_s=base.timings.to_dict()["predicted_per_second"],
                          dflash_tok_s=spec.timings.to_dict()["predicted_per_second"],
                          mean_acceptance_length=s["mean_acceptance_length"], acceptance_rate=s["acceptance_rate"],
-                         identical=base.token_ids == spec.token_ids, lengths=spec.spec.acceptance_lengths))
+                         identical=base.token_ids == spec.token_ids, lengths=spec.spec.acceptance_lengths,
+                         tokens_sha1=hashlib.sha1(str(spec.token_ids).encode()).hexdigest()[:12]))
         r = rows[-1]
         log(f"{name}: {r['tokens']} tok, baseline {r['base_tok_s']:.1f} tok/s, DFlash {r['dflash_tok_s']:.1f} tok/s "
-            f"(x{r['dflash_tok_s'] / r['base_tok_s']:.2f}), tau {r['mean_acceptance_length']:.2f}, identical {r['identical']}")
+            f"(x{r['dflash_tok_s'] / r['base_tok_s']:.2f}), tau {r['mean_acceptance_length']:.2f}, identical {r['identical']}, "
+            f"tokens {r['tokens_sha1']}")
     res["seed"] = rows
     res["seed_mean_acceptance_length"] = pooled_acceptance([r["lengths"] for r in rows])
     save()
+    if args.seeds_only:
+        return 0
     for set_name in ("humaneval", "mt-bench") if not args.zlab_only else ():
         prompts = [ids(p.turns[0]) for p in load_prompts(set_name, Path(args.data_dir), fetch=False)]
         done = run_set(engine, prompts, args.max_tokens, True, deadline - 60)

@@ -9,26 +9,11 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from flashdraft.models.attention import SMALL_QUERY, few_query_attention
 from flashdraft.models.config import ModelConfig
 from flashdraft.models.layers import (Linear, RMSNorm, SwiGLU, apply_rope, compile_layer_forward, fuse_linears_on_load,
                                       position_mask, rope_table)
 from flashdraft.models.tp import gather_vocab, local_config, padded_vocab, sum_over_ranks
-
-SMALL_QUERY = 64  # verify blocks and decode steps: grouped matmul attention instead of SDPA
-
-
-def grouped_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
-    """Attention for a few query tokens over the cache, reading each K/V row once: the query heads that
-    share a KV head are stacked into one matrix product (no K/V repetition for GQA).
-    q: [T, H, D]; keys/values: [KV, L, D]; mask: [T, L] bool. Returns [T, H*D]."""
-    T, H, D = q.shape
-    KV, L = keys.shape[0], keys.shape[1]
-    G = H // KV
-    qg = (q * D ** -0.5).view(T, KV, G, D).permute(1, 2, 0, 3).reshape(KV, G * T, D)
-    scores = torch.bmm(qg, keys.transpose(1, 2)).view(KV, G, T, L).float()
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(values.dtype)
-    out = torch.bmm(probs.view(KV, G * T, L), values)
-    return out.view(KV, G, T, D).permute(2, 0, 1, 3).reshape(T, H * D)
 
 
 class Attention(nn.Module):
@@ -63,7 +48,7 @@ class Attention(nn.Module):
         else:
             keys, values = k_cache[:, :attn_len].to(q.dtype), v_cache[:, :attn_len].to(q.dtype)
         if mask is not None and T <= SMALL_QUERY:
-            return self.o_proj(grouped_attention(q, keys, values, mask))
+            return self.o_proj(few_query_attention(q, keys, values, mask))
         out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, is_causal=mask is None,
                                              enable_gqa=H != KV)
         return self.o_proj(out.transpose(0, 1).reshape(T, -1))

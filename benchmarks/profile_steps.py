@@ -1,0 +1,96 @@
+"""Where the time of one decode, verify(16) and draft step goes: torch.profiler's CUDA kernel times, grouped
+by kernel, for the random-weight shapes of benchmarks/gpu.py. Prints one table per step and a summary of
+matrix-product time against everything else.
+
+Usage: python benchmarks/profile_steps.py [--model llama-3.1-8b] [--ctx 1024] [--compile] [--out FILE.json]
+"""
+import argparse
+import collections
+import json
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from flashdraft.engine.generate import prefill
+from flashdraft.engine.graphs import bucket_for
+from gpu import SHAPES, TINY, draft_for, random_target
+
+GEMM_MARKERS = ("gemm", "gemv", "cutlass", "sm90_xmma", "nvjet", "splitkreduce", "cublas")
+
+
+def kernel_table(prof, steps: int) -> list[tuple[str, float, int]]:
+    """(kernel name, microseconds per step, launches per step), largest first."""
+    total: dict[str, float] = collections.defaultdict(float)
+    count: dict[str, int] = collections.defaultdict(int)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            total[ev.name] += ev.device_time
+            count[ev.name] += 1
+    rows = [(name, us / steps, count[name] // steps) for name, us in total.items()]
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    dev, dtype = args.device, torch.bfloat16
+    cfg = (TINY if args.tiny else SHAPES)[args.model]
+    ctx = 64 if args.tiny else args.ctx
+    results = {}
+    with torch.inference_mode():
+        target, draft = random_target(cfg, dev, dtype), draft_for(cfg, dev, dtype, args.tiny)
+        max_len = ctx + 256
+        target.setup_cache(max_len)
+        draft.setup_cache(min(ctx, 1024))
+        if args.compile:
+            target.compile_layers((1, 16))
+            draft.compile_layers()
+        ids = draft.cfg.target_layer_ids
+        _, feats = prefill(target, torch.randint(0, cfg.vocab_size - 1, (ctx,), device=dev), 0, ids)
+        draft.append_context(feats, torch.arange(ctx, device=dev), 0)
+        bucket = bucket_for(ctx + 16, max_len)
+        tok, pos = torch.tensor([5], device=dev), torch.tensor([ctx], device=dev)
+        block = torch.randint(0, cfg.vocab_size - 1, (16,), device=dev)
+        positions = torch.arange(ctx, ctx + 16, device=dev)
+        steps = {
+            "decode": lambda: target(tok, pos, attn_len=bucket),
+            "verify16": lambda: target(block, positions, capture=ids, attn_len=bucket),
+            "draft": lambda: draft.compute_logits(draft(target.embed(block), positions, 0)[1:], target.logits).argmax(-1),
+        }
+        n = 5
+        for name, fn in steps.items():
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize() if dev == "cuda" else None
+            with profile(activities=[ProfilerActivity.CUDA] if dev == "cuda" else [ProfilerActivity.CPU]) as prof:
+                for _ in range(n):
+                    fn()
+                torch.cuda.synchronize() if dev == "cuda" else None
+            table = kernel_table(prof, n) if dev == "cuda" else []
+            gemm = sum(us for k, us, _ in table if any(m in k.lower() for m in GEMM_MARKERS))
+            total = sum(us for _, us, _ in table)
+            launches = sum(c for _, _, c in table)
+            results[name] = dict(kernel_us=total, gemm_us=gemm, launches=launches,
+                                 kernels=[dict(name=k[:160], us=us, launches=c) for k, us, c in table])
+            print(f"\n== {args.model} ctx {ctx} {'compiled' if args.compile else 'eager layers'}: {name} step: "
+                  f"{total:.0f} us of kernels in {launches} launches; matrix products {gemm:.0f} us, "
+                  f"other {total - gemm:.0f} us")
+            print("| us/step | launches | kernel |\n|---|---|---|")
+            for k, us, c in table[:args.top]:
+                print(f"| {us:8.1f} | {c:4d} | {k[:110]} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
