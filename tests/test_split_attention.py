@@ -54,10 +54,37 @@ def test_split_attention_on_gpu_matches_matmul_attention():
     check("cuda", torch.bfloat16, 0.05)
 
 
+
+
+def check_row_invariance(device: str, dtype: torch.dtype) -> None:
+    """A query row's output does not depend on how many other query tokens share the call, nor on masked keys
+    past the end (a longer context bucket): a plain step and a verify step agree bit for bit."""
+    from flashdraft.models.split_attention import split_attention
+    gen = torch.Generator().manual_seed(1)
+    H, KV, D, L = 32, 8, 128, 1000
+    q = torch.randn(16, H, D, generator=gen).to(device, dtype)
+    k = torch.randn(KV, 2048, D, generator=gen).to(device, dtype)
+    v = torch.randn(KV, 2048, D, generator=gen).to(device, dtype)
+    positions = torch.arange(L - 16, L)
+    mask = (torch.arange(2048)[None, :] <= positions[:, None]).to(device)
+    verify = split_attention(q, k[:, :1024], v[:, :1024], mask[:, :1024])
+    for i in (0, 7, 15):
+        for keys in (1024, 2048):
+            one = split_attention(q[i:i + 1], k[:, :keys], v[:, :keys], mask[i:i + 1, :keys])
+            assert torch.equal(one[0], verify[i]), (i, keys)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+                    reason="needs a GPU and triton")
+def test_split_attention_rows_are_invariant_on_gpu():
+    check_row_invariance("cuda", torch.bfloat16)
+
+
 if __name__ == "__main__":
     device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
     if device == "cpu":
         check("cpu", torch.float32, 1e-5)
     else:
         check(device, torch.bfloat16, 0.05)
+        check_row_invariance(device, torch.bfloat16)
     print(f"split attention matches on {device}")

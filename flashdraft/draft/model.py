@@ -348,10 +348,14 @@ class DFlashDraft(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.row_positions: torch.Tensor | None = None
         self.compiled_layer = None
+        self.compiled_blocks: set[int] = set()
 
-    def compile_layers(self) -> None:
-        """The draft step (`forward`) runs its layers through torch.compile (fused norms, RoPE, SwiGLU)."""
+    def compile_layers(self, block_sizes: tuple[int, ...] | None = None) -> None:
+        """Draft steps of `block_sizes` tokens (default: the configured block, the shape CUDA graphs capture) run
+        their layers through torch.compile (fused norms, RoPE, SwiGLU); other lengths stay eager rather than
+        compile once per length."""
         self.compiled_layer = compile_layer_forward(DraftLayer.forward)
+        self.compiled_blocks = set(block_sizes or (self.cfg.block_size,))
 
     def setup_cache(
         self,
@@ -395,9 +399,12 @@ class DFlashDraft(nn.Module):
             self.v_cache[slot, i, :, rows] = v.to(self.v_cache.dtype)
         self.row_positions[slot, rows] = positions
 
-    def forward(self, noise_embedding: torch.Tensor, positions: torch.Tensor, slot: int = 0) -> torch.Tensor:
+    def forward(self, noise_embedding: torch.Tensor, positions: torch.Tensor, slot: int = 0,
+                live: torch.Tensor | None = None) -> torch.Tensor:
         """noise_embedding [B, H] (block embeddings, already scaled), positions [B] (anchor first) -> hidden
-        [B, H] after the final norm. Sees the ring rows holding positions before the anchor."""
+        [B, H] after the final norm. Sees the ring rows holding positions before the anchor. `live` (a one-element
+        tensor, so one CUDA graph serves every value) hides the block rows from `live` on: the first `live` rows
+        come out as from a block of that length (where the output budget ends a block early)."""
         block_len = noise_embedding.shape[0]
         if block_len > self.k_cache.shape[-2] - self.window:
             raise ValueError(f"block of {block_len} exceeds the cache's scratch rows; raise setup_cache max_block_size")
@@ -406,13 +413,15 @@ class DFlashDraft(nn.Module):
         row_positions = self.row_positions[slot]
         context_valid = (row_positions >= 0) & (row_positions < positions[:1])
         key_positions = torch.cat([row_positions, positions])
-        key_valid = torch.cat([context_valid, torch.ones_like(positions, dtype=torch.bool)])
+        block_valid = torch.ones_like(positions, dtype=torch.bool) if live is None else \
+            torch.arange(block_len, device=positions.device) < live
+        key_valid = torch.cat([context_valid, block_valid])
         masks = {kind: position_mask(positions, key_positions, *kind) & key_valid for kind in self.attention_kinds}
         keys = self.k_cache[slot, :, :, : self.window + block_len]
         values = self.v_cache[slot, :, :, : self.window + block_len]
         for i, layer in enumerate(self.layers):
             args = (x, cos_sin, keys[i], values[i], masks[self.layer_attention[i]])
-            x = self.compiled_layer(layer, *args) if self.compiled_layer is not None else layer(*args)
+            x = self.compiled_layer(layer, *args) if block_len in self.compiled_blocks else layer(*args)
         return self.norm(x)
 
     def forward_with_context(

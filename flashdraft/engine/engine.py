@@ -154,7 +154,7 @@ class Engine:
             widths = {1} | ({engine.draft_block} if draft_model is not None else set())
             target.compile_layers(tuple(widths))
             if draft_model is not None:
-                draft_model.compile_layers()
+                draft_model.compile_layers((engine.draft_block,))
         if engine.graphs is not None:
             engine.warmup()
         if engine.adaptive and engine.width_costs is None:
@@ -182,7 +182,8 @@ class Engine:
                     lambda t, p: plain_step(self.target, t, p, slot, attn_len, capture), [ids[:1], positions[:1]]
             else:
                 key, fn, inputs = ("spec", slot, attn_len, block, w), \
-                    lambda b, p: speculative_step(self.target, self.draft, b, p, slot, attn_len, w), [ids, positions]
+                    lambda b, p, n: speculative_step(self.target, self.draft, b, p, slot, attn_len, w, n), \
+                    [ids, positions, torch.tensor([block], device=dev)]
             self.graphs.run(key, fn, inputs) if self.graphs is not None else fn(*inputs)
 
         with torch.inference_mode():
@@ -214,8 +215,9 @@ class Engine:
                             ids = torch.zeros(block, dtype=torch.long, device=dev)
                             positions = torch.arange(block, device=dev)
                             self.graphs.run(("spec", slot, b, block, block),
-                                            lambda x, p, s=slot, b=b: speculative_step(self.target, self.draft, x, p, s, b),
-                                            [ids, positions])
+                                            lambda x, p, n, s=slot, b=b: speculative_step(self.target, self.draft, x, p,
+                                                                                          s, b, None, n),
+                                            [ids, positions, torch.tensor([block], device=dev)])
                     if self.draft is not None and block > 1:  # the context appends of 1..block accepted rows
                         width = self.draft.cfg.context_width
                         for n in range(1, block + 1):

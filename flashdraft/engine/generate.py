@@ -99,7 +99,11 @@ def decode(target, prompt_ids: Tensor, params: SamplingParams, slot: int = 0, dr
     if stats is not None:
         stats.block_size = block
     while produced < budget:
-        room = min(budget - produced + 1, max_len - pos)
+        # As z-lab's loop, a block covers at most the tokens still wanted plus the anchor (`live`). The draft
+        # still runs the full block, with the rows past `live` hidden, so the same CUDA graph serves the last
+        # steps; only the context's end shrinks the block itself.
+        room = max_len - pos
+        live = min(block, budget - produced + 1, room)
         width = min(controller.width() if controller is not None else block, room)
         attn_len = pos + width
         if graphs is not None:  # static shapes: attend over the whole bucket, masked by position
@@ -124,15 +128,17 @@ def decode(target, prompt_ids: Tensor, params: SamplingParams, slot: int = 0, dr
             block_ids = torch.full((drafted_len,), draft.cfg.mask_token_id, dtype=torch.long, device=device)
             block_ids[0] = token
             positions = torch.arange(pos, pos + drafted_len, device=device)
+            inputs = [block_ids, positions, torch.tensor([live], device=device)]
 
-            def step(b, p, attn_len=attn_len, width=width):
-                return speculative_step(target, draft, b, p, slot, attn_len, width)
+            def step(b, p, n, attn_len=attn_len, width=width):
+                return speculative_step(target, draft, b, p, slot, attn_len, width, n)
 
             if graphs is not None and drafted_len == block:
-                drafted, logits, feats = graphs.run(("spec", slot, attn_len, block, width), step,
-                                                    [block_ids, positions])
+                drafted, logits, feats = graphs.run(("spec", slot, attn_len, block, width), step, inputs)
             else:
-                drafted, logits, feats = step(block_ids, positions)
+                drafted, logits, feats = step(*inputs)
+            checked = min(width, live)  # rows past `live` hold no wanted token: they neither count nor commit
+            drafted, logits = drafted[:checked - 1], logits[:checked]
             accepted, bonus = accept_rule(drafted, logits, params, generator)
             proposed = drafted.tolist()
             if stats is not None:

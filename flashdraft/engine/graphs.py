@@ -28,13 +28,13 @@ def plain_step(target, token: Tensor, pos: Tensor, slot: int, attn_len: int,
 
 
 def speculative_step(target, draft, block: Tensor, positions: Tensor, slot: int, attn_len: int,
-                     verify: int | None = None):
+                     verify: int | None = None, live: Tensor | None = None):
     """Draft one block after its anchor `block[0]`, then verify its first `verify` tokens (default: all).
-    The draft always sees the whole block, so a narrower verify checks the same proposals.
-    Returns (drafted [verify - 1], logits [verify, V], features [verify, L*H])."""
+    The draft always sees the whole block (its first `live` rows, see DFlashDraft.forward), so a narrower verify
+    checks the same proposals. Returns (drafted [verify - 1], logits [verify, V], features [verify, L*H])."""
     verify = verify or len(block)
     noise = target.embed(block) * draft.cfg.input_embedding_scale
-    hidden = draft(noise, positions, slot)
+    hidden = draft(noise, positions, slot, live)
     drafted = draft.compute_logits(hidden[1:verify], target.logits).argmax(-1)
     checked = torch.cat([block[:1], drafted])
     logits, feats = target(checked, positions[:verify], slot=slot, capture=draft.cfg.target_layer_ids,

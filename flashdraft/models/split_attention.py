@@ -13,6 +13,7 @@ import triton.language as tl
 from torch import Tensor
 
 BLOCK_N = 64
+MIN_BLOCK_M = 64
 TARGET_PROGRAMS = 264  # about two programs per SM of an H100/H200
 
 
@@ -49,9 +50,9 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr,
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     base = split * n_kv + kv
-    tl.store(acc_ptr + (base * BLOCK_M + rows[:, None]) * D + d[None, :], acc)
-    tl.store(m_ptr + base * BLOCK_M + rows, m_i)
-    tl.store(l_ptr + base * BLOCK_M + rows, l_i)
+    tl.store(acc_ptr + (base * BLOCK_M + rows[:, None]) * D + d[None, :], acc, mask=row_ok[:, None])
+    tl.store(m_ptr + base * BLOCK_M + rows, m_i, mask=row_ok)
+    tl.store(l_ptr + base * BLOCK_M + rows, l_i, mask=row_ok)
 
 
 @triton.jit
@@ -84,7 +85,10 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Te
     if D & (D - 1) or D < 16:
         raise ValueError(f"split_attention needs a power-of-two head size >= 16, got {D}")
     mask = mask.contiguous().view(torch.uint8)
-    block_m = max(16, triton.next_power_of_2(G * T))
+    # One tile height for decode (T=1) and verify (T=16) rows, and splits that depend on L only from 4096 keys on
+    # (where the context buckets double): a token's attention then comes out bit for bit the same whether a
+    # plain step or a verify step computes it, so speculation does not change greedy outputs through rounding.
+    block_m = max(MIN_BLOCK_M, triton.next_power_of_2(G * T))
     blocks = triton.cdiv(L, BLOCK_N)
     splits = min(blocks, triton.cdiv(TARGET_PROGRAMS, KV))
     blocks_per_split = triton.cdiv(blocks, splits)
