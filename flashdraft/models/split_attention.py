@@ -17,11 +17,13 @@ MIN_BLOCK_M = 64
 TARGET_PROGRAMS = 264  # about two programs per SM of an H100/H200
 
 
-@triton.jit
+# Query count, group size, key count and the mask's row stride are runtime values, never specialised on: a plain
+# step (T=1) and a verify step (T=16) run the same machine code, so a row's arithmetic cannot differ between them.
+@triton.jit(do_not_specialize=["stride_mt", "L", "blocks_per_split", "T", "G"])
 def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr,
                     stride_qt, stride_qh, stride_kh, stride_kl, stride_vh, stride_vl, stride_mt,
-                    L, blocks_per_split, n_kv, scale,
-                    T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    L, blocks_per_split, n_kv, scale, T, G,
+                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     kv = tl.program_id(0)
     split = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)  # row r holds query token r % T of head kv * G + r // T
@@ -55,9 +57,9 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr,
     tl.store(l_ptr + base * BLOCK_M + rows, l_i, mask=row_ok)
 
 
-@triton.jit
-def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, stride_ot, stride_oh, n_splits, n_kv,
-                  T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr):
+@triton.jit(do_not_specialize=["stride_ot", "n_splits", "T", "G"])
+def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, stride_ot, stride_oh, n_splits, n_kv, T, G,
+                  D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr):
     kv = tl.program_id(0)
     row = tl.program_id(1)
     s = tl.arange(0, SPLITS)
@@ -90,7 +92,8 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Te
     # plain step or a verify step computes it, so speculation does not change greedy outputs through rounding.
     block_m = max(MIN_BLOCK_M, triton.next_power_of_2(G * T))
     blocks = triton.cdiv(L, BLOCK_N)
-    splits = min(blocks, triton.cdiv(TARGET_PROGRAMS, KV))
+    max_splits = triton.cdiv(TARGET_PROGRAMS, KV)
+    splits = min(blocks, max_splits)
     blocks_per_split = triton.cdiv(blocks, splits)
     splits = triton.cdiv(blocks, blocks_per_split)
     acc = torch.empty(splits, KV, block_m, D, device=q.device, dtype=torch.float32)
@@ -99,11 +102,11 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Te
     _partial_kernel[(KV, splits)](q, keys, values, mask, acc, m, lse,
                                   q.stride(0), q.stride(1), keys.stride(0), keys.stride(1),
                                   values.stride(0), values.stride(1), mask.stride(0),
-                                  L, blocks_per_split, KV, D ** -0.5,
-                                  T=T, G=G, D=D, BLOCK_M=block_m, BLOCK_N=BLOCK_N)
+                                  L, blocks_per_split, KV, D ** -0.5, T, G,
+                                  D=D, BLOCK_M=block_m, BLOCK_N=BLOCK_N)
     out = torch.empty(T, H, D, device=q.device, dtype=q.dtype)
-    _merge_kernel[(KV, G * T)](acc, m, lse, out, out.stride(0), out.stride(1), splits, KV,
-                               T=T, G=G, D=D, BLOCK_M=block_m, SPLITS=max(2, triton.next_power_of_2(splits)))
+    _merge_kernel[(KV, G * T)](acc, m, lse, out, out.stride(0), out.stride(1), splits, KV, T, G,
+                               D=D, BLOCK_M=block_m, SPLITS=max(2, triton.next_power_of_2(max_splits)))
     return out.view(T, H * D)
 
 
