@@ -18,7 +18,7 @@ import torch.distributed as dist
 from flashdraft.draft.model import build_target_layer_ids
 from flashdraft.engine.generate import prefill
 from flashdraft.engine.graphs import GraphCache, bucket_for, plain_step
-from flashdraft.launch import run_tensor_parallel, under_torchrun
+from flashdraft.launch import run_tensor_parallel, spawn, under_torchrun
 from flashdraft.models.config import ModelConfig
 from flashdraft.models.transformer import Transformer
 from gpu import LLAMA3_ROPE, log, timed, weight_bytes  # benchmarks/gpu.py, beside this script
@@ -116,7 +116,10 @@ def main() -> int:
     args.iters = args.iters or (5 if args.tiny else 30)
     if args.tp is None:  # torchrun's own process count, every GPU, or two CPU ranks
         args.tp = 1 if under_torchrun() else torch.cuda.device_count() if args.device.startswith("cuda") else 2
-    return run_tensor_parallel(functools.partial(bench_rank, args), args.tp, args.device)
+    rank_main = functools.partial(bench_rank, args)
+    if args.tp == 1 and not under_torchrun():  # still a process group (of one), so the collectives run too
+        return spawn(rank_main, 1, args.device)
+    return run_tensor_parallel(rank_main, args.tp, args.device)
 
 
 if __name__ == "__main__":
