@@ -8,7 +8,7 @@ import torch
 
 from flashdraft.draft.model import DFlashDraft, DraftConfig
 from flashdraft.engine.generate import SpecStats, accept_matching_samples, decode
-from flashdraft.engine.sampling import SamplingParams, filtered_probs, sample
+from flashdraft.engine.sampling import SamplingParams, chunked_argmax, filtered_probs, sample
 from flashdraft.models.config import ModelConfig
 from flashdraft.models.transformer import Transformer
 
@@ -255,3 +255,16 @@ def test_static_shape_graph_path_matches_eager():
     static = run(target, prompt, params, draft=draft, graphs=GraphCache("cpu"))
     plain_static = run(target, prompt, params, graphs=GraphCache("cpu"))
     assert eager == static == plain_static
+
+
+def test_chunked_argmax_is_torch_argmax():
+    """The GPU's chunked argmax picks the same index as torch.argmax, the first one on ties (within a chunk, across
+    chunks, and a whole row of equal values)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 64 * 70, generator=gen).to(torch.bfloat16)
+    x[1, 5] = x[1, 3000] = 10.0  # tie across chunks
+    x[2, 100] = x[2, 101] = 10.0  # tie inside a chunk
+    x[3] = 1.0  # all equal
+    x[4, -1] = 10.0  # the last column
+    assert torch.equal(chunked_argmax(x), x.argmax(-1))
+    assert chunked_argmax(x)[1] == 5 and chunked_argmax(x)[2] == 100 and chunked_argmax(x)[3] == 0

@@ -9,6 +9,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from flashdraft.engine.sampling import argmax_rows
+
 MIN_BUCKET = 256
 
 
@@ -35,7 +37,7 @@ def speculative_step(target, draft, block: Tensor, positions: Tensor, slot: int,
     verify = verify or len(block)
     noise = target.embed(block) * draft.cfg.input_embedding_scale
     hidden = draft(noise, positions, slot, live)
-    drafted = draft.compute_logits(hidden[1:verify], target.logits).argmax(-1)
+    drafted = argmax_rows(draft.compute_logits(hidden[1:verify], target.logits))
     checked = torch.cat([block[:1], drafted])
     logits, feats = target(checked, positions[:verify], slot=slot, capture=draft.cfg.target_layer_ids,
                            attn_len=attn_len)

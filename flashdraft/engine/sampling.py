@@ -52,11 +52,29 @@ def filtered_probs(logits: Tensor, p: SamplingParams) -> Tensor:
     return (logits / p.temperature).masked_fill(~keep, float("-inf")).softmax(-1)
 
 
+ARGMAX_CHUNKS = 64
+
+
+def argmax_rows(x: Tensor) -> Tensor:
+    """torch.argmax over the last dim of [N, V] (first index on ties). On a GPU a long row is cut into chunks first:
+    torch's reduction gives each row one thread block, 36 us for 15 rows of a 128k vocabulary on an H200."""
+    if not x.is_cuda or x.shape[-1] % ARGMAX_CHUNKS or x.shape[-1] < 64 * ARGMAX_CHUNKS:
+        return x.argmax(-1)
+    return chunked_argmax(x)
+
+
+def chunked_argmax(x: Tensor) -> Tensor:
+    width = x.shape[-1] // ARGMAX_CHUNKS
+    values, index = x.unflatten(-1, (ARGMAX_CHUNKS, width)).max(-1)  # the first maximum of each chunk
+    best = values.argmax(-1, keepdim=True)  # the first chunk holding the row's maximum
+    return (best * width + index.gather(-1, best)).squeeze(-1)
+
+
 def sample(logits: Tensor, p: SamplingParams, generator: torch.Generator | None) -> Tensor:
     """One token per row of logits [N, V]: argmax when greedy, else an exponential race over the
     filtered distribution (equivalent to multinomial, but with no host synchronisation)."""
     if p.greedy:
-        return logits.argmax(-1)
+        return argmax_rows(logits)
     probs = filtered_probs(logits, p)
     noise = torch.empty_like(probs).exponential_(1, generator=generator)
-    return (probs / noise).argmax(-1)
+    return argmax_rows(probs / noise)
