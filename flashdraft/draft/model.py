@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashdraft.models.attention import few_query_attention, uses_split_kernel
-from flashdraft.models.layers import (ROPE_TYPES, Linear, RMSNorm, SwiGLU, apply_rope, compile_layer_forward, position_mask,
-                                      rope_cos_sin, rope_inv_freq)
+from flashdraft.models.layers import (ROPE_TYPES, Linear, RMSNorm, SwiGLU, apply_rope, compile_layer_forward,
+                                      fuse_linears_on_load, position_mask, rope_cos_sin, rope_inv_freq)
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -270,9 +270,10 @@ class DraftAttention(nn.Module):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         bias = cfg.attention_bias
-        self.q_proj = Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * kv_size, bias=bias)
+        self.split_sizes = {"qkv_proj": [self.q_size, kv_size, kv_size]}
+        fuse_linears_on_load(self, "qkv_proj", ["q_proj", "k_proj", "v_proj"])
         self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -282,9 +283,17 @@ class DraftAttention(nn.Module):
         self, x: torch.Tensor, cos_sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [..., T, H] -> K = RoPE(k_norm(Wk x)), V = Wv x, both [..., Hkv, T, D]. Used for context and block."""
-        k = self.k_norm(self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))).transpose(-3, -2)
-        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(-3, -2)
-        return apply_rope(k, cos_sin), v
+        return self.keys_values(self.qkv_proj.part(x, self.q_size, self.qkv_proj.out_features), cos_sin)
+
+    def query(self, q: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        """Projected q [..., T, Hq*D] -> RoPE(q_norm(q)) [..., Hq, T, D]."""
+        q = self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim))).transpose(-3, -2)
+        return apply_rope(q, cos_sin)
+
+    def keys_values(self, kv: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Projected k and v [..., T, 2*Hkv*D] -> RoPE(k_norm(k)), v, both [..., Hkv, T, D]."""
+        k, v = kv.unflatten(-1, (2 * self.num_kv_heads, self.head_dim)).transpose(-3, -2).chunk(2, dim=-3)
+        return apply_rope(self.k_norm(k), cos_sin), v
 
     def forward(
         self,
@@ -297,9 +306,9 @@ class DraftAttention(nn.Module):
         """x [..., B, H] (normed block states). keys/values [..., Hkv, R + B, D]: context K/V in the first R rows;
         the block's own K/V are written into the last B rows here, so the caller owns that scratch space."""
         block_len = x.shape[-2]
-        q = self.q_norm(self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))).transpose(-3, -2)
-        q = apply_rope(q, cos_sin)
-        block_k, block_v = self.project_kv(x, cos_sin)
+        qkv = self.qkv_proj(x)  # one matrix product for the block's Q, K and V
+        q = self.query(qkv[..., :self.q_size], cos_sin)
+        block_k, block_v = self.keys_values(qkv[..., self.q_size:], cos_sin)
         keys[..., -block_len:, :].copy_(block_k)
         values[..., -block_len:, :].copy_(block_v)
         if q.dim() == 3 and mask is not None and uses_split_kernel(q.transpose(0, 1)):

@@ -10,22 +10,31 @@ from torch.nn import functional as F
 CPU_FEW_ROWS = 64
 
 
-class Linear(nn.Linear):
-    """nn.Linear with a CPU path for a few rows (decode, verify and draft steps): MKL's GEMM repacks the whole
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """F.linear with a CPU path for a few rows (decode, verify and draft steps): MKL's GEMM repacks the whole
     weight on every call with few rows, and (W x^T)^T, which packs only x, runs up to ~3x faster there (more
     with the row count padded to a multiple of 4: odd counts take a slower kernel)."""
+    if x.device.type != "cpu" or x.numel() > CPU_FEW_ROWS * x.shape[-1]:
+        return F.linear(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    n = rows.shape[0]
+    if n > 1 and n % 4:
+        rows = F.pad(rows, (0, 0, 0, 4 - n % 4))
+    out = torch.mm(weight, rows.t())[:, :n].t().contiguous()  # in-place users (all-reduce) need contiguous
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], -1)
+
+
+class Linear(nn.Linear):
+    """nn.Linear through `linear` (its few-row CPU path); `part` multiplies by a range of its output rows only
+    (one projection of a fused matrix)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.device.type != "cpu" or x.numel() > CPU_FEW_ROWS * x.shape[-1]:
-            return F.linear(x, self.weight, self.bias)
-        rows = x.reshape(-1, x.shape[-1])
-        n = rows.shape[0]
-        if n > 1 and n % 4:
-            rows = F.pad(rows, (0, 0, 0, 4 - n % 4))
-        out = torch.mm(self.weight, rows.t())[:, :n].t().contiguous()  # in-place users (all-reduce) need contiguous
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], -1)
+        return linear(x, self.weight, self.bias)
+
+    def part(self, x: Tensor, start: int, stop: int) -> Tensor:
+        return linear(x, self.weight[start:stop], None if self.bias is None else self.bias[start:stop])
 
 
 class RMSNorm(nn.Module):

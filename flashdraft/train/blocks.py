@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from flashdraft.draft.model import DFlashDraft, draft_attention
-from flashdraft.models.layers import apply_rope, position_mask
+from flashdraft.models.layers import position_mask
 
 
 @dataclass
@@ -150,9 +150,9 @@ def draft_blocks_forward(draft: DFlashDraft, features: Tensor, noise: Tensor, po
     for i, layer in enumerate(draft.layers):
         attn = layer.self_attn
         h = layer.input_layernorm(x)
-        query = attn.q_norm(attn.q_proj(h).unflatten(-1, (attn.num_heads, attn.head_dim))).transpose(-3, -2)
-        query = apply_rope(query, cos_sin)
-        block_k, block_v = attn.project_kv(h, cos_sin)
+        qkv = attn.qkv_proj(h)
+        query = attn.query(qkv[..., :attn.q_size], cos_sin)
+        block_k, block_v = attn.keys_values(qkv[..., attn.q_size:], cos_sin)
         context_k, context_v = attn.project_kv(context, context_cos_sin)
         keys = torch.cat([context_k, block_k.to(context_k.dtype)], dim=-2)
         values = torch.cat([context_v, block_v.to(context_v.dtype)], dim=-2)
