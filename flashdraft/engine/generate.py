@@ -105,6 +105,8 @@ def decode(target, prompt_ids: Tensor, params: SamplingParams, slot: int = 0, dr
         room = max_len - pos
         live = min(block, budget - produced + 1, room)
         width = min(controller.width() if controller is not None else block, room)
+        if graphs is None:  # no captured shape to keep: verify no row past the wanted tokens
+            width = min(width, live)
         attn_len = pos + width
         if graphs is not None:  # static shapes: attend over the whole bucket, masked by position
             attn_len = bucket_for(attn_len, max_len)
