@@ -30,8 +30,6 @@ def _load_split_kernel() -> bool:
     """Import the Triton kernel once, at import time (not inside a torch.compile trace)."""
     if KERNEL != "split" or not torch.cuda.is_available() or importlib.util.find_spec("triton") is None:
         return False
-    if torch.cuda.get_device_capability() < (8, 0):  # bf16 matrix products in Triton need Ampere or newer
-        return False
     try:
         import flashdraft.models.split_attention  # noqa: F401  (registers torch.ops.flashdraft.split_attention)
     except Exception:
