@@ -7,6 +7,8 @@ without repeating K/V), and a second kernel merges the splits by their log-sum-e
 bool [T, L] (True = attend), so causal, sliding-window and the draft's non-causal ring layouts all go through
 the same kernel. Registered as a torch custom op, so torch.compile and CUDA graphs treat it as one opaque call.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -76,9 +78,18 @@ def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, stride_ot, stride_oh, n_splits
     tl.store(out_ptr + (row % T) * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
+@functools.cache
+def triton_matmul_ready(device_index: int) -> bool:
+    """bf16 matrix products in Triton need an Ampere or newer GPU; older ones take the matmul attention."""
+    return torch.cuda.get_device_capability(device_index) >= (8, 0)
+
+
 @torch.library.custom_op("flashdraft::split_attention", mutates_args=())
 def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
     """q [T, H, D]; keys/values [KV, L, D] (any strides but the last); mask [T, L] bool. Returns [T, H*D]."""
+    if q.is_cuda and not triton_matmul_ready(torch.cuda.current_device() if q.device.index is None else q.device.index):
+        from flashdraft.models.attention import grouped_attention
+        return grouped_attention(q, keys, values, mask)
     T, H, D = q.shape
     KV, L = keys.shape[0], keys.shape[1]
     G = H // KV
