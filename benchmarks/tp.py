@@ -84,8 +84,13 @@ def bench_rank(args: argparse.Namespace, device: str) -> int:
         rows.append(dict(ctx=ctx, decode_ms=ms_decode, decode_tok_s=1e3 / ms_decode, verify16_ms=ms_verify,
                          verify_over_decode=ms_verify / ms_decode,
                          weight_read_GBps_per_rank=nbytes / (ms_decode * 1e-3) / 1e9, peak_mem_GiB=peak))
-    if rank != 0:
-        return 0
+    if rank == 0:
+        report(args, rows, world, nbytes, device, dtype)
+    dist.barrier()  # rank 0 reports before any rank tears the group down
+    return 0
+
+
+def report(args, rows: list[dict], world: int, nbytes: int, device: str, dtype: torch.dtype) -> None:
     name = "tiny" if args.tiny else "Llama-3.1-70B"
     where = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
     log(f"== {name} shapes, {str(dtype).removeprefix('torch.')}, tensor-parallel over {world} ranks ({where}); "
@@ -99,7 +104,6 @@ def bench_rank(args: argparse.Namespace, device: str) -> int:
         with open(args.out, "w") as f:
             json.dump(dict(model=name, world_size=world, device=where, weight_bytes_per_rank=nbytes, rows=rows), f,
                       indent=2)
-    return 0
 
 
 def main() -> int:
