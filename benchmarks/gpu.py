@@ -21,6 +21,7 @@ from torch.nn import functional as F
 from flashdraft.draft.model import DFlashDraft, DraftConfig, build_target_layer_ids
 from flashdraft.engine.generate import prefill
 from flashdraft.engine.graphs import GraphCache, bucket_for, plain_step
+from flashdraft.engine.sampling import argmax_rows
 from flashdraft.models import attention
 from flashdraft.models.config import ModelConfig
 from flashdraft.models.transformer import Transformer
@@ -195,8 +196,8 @@ def section_synthetic(args, results):
 
                 def draft_step():
                     def fn(b, p):
-                        h = draft(target.embed(b), p, 0)
-                        return (draft.compute_logits(h[1:], target.logits).argmax(-1),)
+                        h = draft(target.embed(b), p, 0, None, bucket)  # as the engine: the ring up to the bucket
+                        return (argmax_rows(draft.compute_logits(h[1:], target.logits)),)
                     return graphs.run(("draft", label), fn, [block, positions])
 
                 t_capture = time.perf_counter()

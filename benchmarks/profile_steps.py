@@ -14,6 +14,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from flashdraft.engine.generate import prefill
 from flashdraft.engine.graphs import bucket_for
+from flashdraft.engine.sampling import argmax_rows
 from gpu import SHAPES, TINY, draft_for, random_target
 
 GEMM_MARKERS = ("gemm", "gemv", "cutlass", "sm90_xmma", "nvjet", "splitkreduce", "cublas")
@@ -63,7 +64,7 @@ def main() -> int:
         steps = {
             "decode": lambda: target(tok, pos, attn_len=bucket),
             "verify16": lambda: target(block, positions, capture=ids, attn_len=bucket),
-            "draft": lambda: draft.compute_logits(draft(target.embed(block), positions, 0)[1:], target.logits).argmax(-1),
+            "draft": lambda: argmax_rows(draft.compute_logits(draft(target.embed(block), positions, 0, None, bucket)[1:], target.logits)),
         }
         n = 5
         for name, fn in steps.items():

@@ -48,7 +48,7 @@ def oracle_proposals(monkeypatch, draft, truth: list[int], prompt_len: int, corr
     accept varying numbers of tokens and the rollback path is exercised."""
     vocab = draft.cfg.vocab_size
 
-    def forward(noise, positions, slot=0, live=None):
+    def forward(noise, positions, slot=0, live=None, context_rows=None):
         return positions.float()[:, None].expand(-1, 4)
 
     def compute_logits(hidden, lm_head):

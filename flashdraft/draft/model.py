@@ -303,14 +303,14 @@ class DraftAttention(nn.Module):
         values: torch.Tensor,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        """x [..., B, H] (normed block states). keys/values [..., Hkv, R + B, D]: context K/V in the first R rows;
-        the block's own K/V are written into the last B rows here, so the caller owns that scratch space."""
+        """x [..., B, H] (normed block states). keys/values [..., Hkv, B + R, D]: context K/V in the last R rows;
+        the block's own K/V are written into the first B rows here, so the caller owns that scratch space."""
         block_len = x.shape[-2]
         qkv = self.qkv_proj(x)  # one matrix product for the block's Q, K and V
         q = self.query(qkv[..., :self.q_size], cos_sin)
         block_k, block_v = self.keys_values(qkv[..., self.q_size:], cos_sin)
-        keys[..., -block_len:, :].copy_(block_k)
-        values[..., -block_len:, :].copy_(block_v)
+        keys[..., :block_len, :].copy_(block_k)
+        values[..., :block_len, :].copy_(block_v)
         if q.dim() == 3 and mask is not None and uses_split_kernel(q.transpose(0, 1)):
             return self.o_proj(few_query_attention(q.transpose(0, 1), keys, values, mask))
         return self.o_proj(draft_attention(q, keys, values, mask))
@@ -353,6 +353,7 @@ class DFlashDraft(nn.Module):
         self.layer_attention = [cfg.layer_attention(i) for i in range(cfg.num_hidden_layers)]
         self.attention_kinds = list(dict.fromkeys(self.layer_attention))  # one mask per distinct kind
         self.window = 0
+        self.scratch = 0
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.row_positions: torch.Tensor | None = None
@@ -374,8 +375,9 @@ class DFlashDraft(nn.Module):
         dtype: torch.dtype | None = None,
         max_block_size: int | None = None,
     ) -> None:
-        """Context K/V ring of `window` rows per slot and layer, plus `max_block_size` scratch rows after it
-        where each forward writes the block's transient K/V (so attention reads one contiguous view)."""
+        """Context K/V ring of `window` rows per slot and layer, after `max_block_size` scratch rows where each
+        forward writes the block's transient K/V: attention reads one contiguous view, the block's rows and then
+        as much of the ring as holds context (a prefix of it until the ring wraps)."""
         device = self.fc.weight.device if device is None else device
         dtype = self.fc.weight.dtype if dtype is None else dtype
         max_block_size = self.cfg.block_size if max_block_size is None else max_block_size
@@ -386,6 +388,7 @@ class DFlashDraft(nn.Module):
         self.v_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.row_positions = torch.full((n_slots, window), -1, device=device, dtype=torch.long)
         self.window = window
+        self.scratch = max_block_size
 
     def reset(self, slot: int = 0) -> None:
         self.row_positions[slot] = -1
@@ -402,32 +405,36 @@ class DFlashDraft(nn.Module):
         context = self.fuse(features)
         cos_sin = self.rotary(positions, context.dtype)
         rows = positions % self.window
+        cache_rows = self.scratch + rows
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.project_kv(context, cos_sin)
-            self.k_cache[slot, i, :, rows] = k.to(self.k_cache.dtype)
-            self.v_cache[slot, i, :, rows] = v.to(self.v_cache.dtype)
+            self.k_cache[slot, i, :, cache_rows] = k.to(self.k_cache.dtype)
+            self.v_cache[slot, i, :, cache_rows] = v.to(self.v_cache.dtype)
         self.row_positions[slot, rows] = positions
 
     def forward(self, noise_embedding: torch.Tensor, positions: torch.Tensor, slot: int = 0,
-                live: torch.Tensor | None = None) -> torch.Tensor:
+                live: torch.Tensor | None = None, context_rows: int | None = None) -> torch.Tensor:
         """noise_embedding [B, H] (block embeddings, already scaled), positions [B] (anchor first) -> hidden
         [B, H] after the final norm. Sees the ring rows holding positions before the anchor. `live` (a one-element
         tensor, so one CUDA graph serves every value) hides the block rows from `live` on: the first `live` rows
-        come out as from a block of that length (where the output budget ends a block early)."""
+        come out as from a block of that length (where the output budget ends a block early). `context_rows`
+        (a static bound, e.g. the target's attention bucket: more than the anchor's position) reads only that
+        prefix of the ring while it has not wrapped."""
         block_len = noise_embedding.shape[0]
-        if block_len > self.k_cache.shape[-2] - self.window:
+        if block_len > self.scratch:
             raise ValueError(f"block of {block_len} exceeds the cache's scratch rows; raise setup_cache max_block_size")
+        ring = self.window if context_rows is None else min(context_rows, self.window)
         x = noise_embedding.to(self.fc.weight.dtype)
         cos_sin = self.rotary(positions, x.dtype)
-        row_positions = self.row_positions[slot]
+        row_positions = self.row_positions[slot, :ring]
         context_valid = (row_positions >= 0) & (row_positions < positions[:1])
-        key_positions = torch.cat([row_positions, positions])
+        key_positions = torch.cat([positions, row_positions])
         block_valid = torch.ones_like(positions, dtype=torch.bool) if live is None else \
             torch.arange(block_len, device=positions.device) < live
-        key_valid = torch.cat([context_valid, block_valid])
+        key_valid = torch.cat([block_valid, context_valid])
         masks = {kind: position_mask(positions, key_positions, *kind) & key_valid for kind in self.attention_kinds}
-        keys = self.k_cache[slot, :, :, : self.window + block_len]
-        values = self.v_cache[slot, :, :, : self.window + block_len]
+        rows = slice(self.scratch - block_len, self.scratch + ring)
+        keys, values = self.k_cache[slot, :, :, rows], self.v_cache[slot, :, :, rows]
         for i, layer in enumerate(self.layers):
             args = (x, cos_sin, keys[i], values[i], masks[self.layer_attention[i]])
             x = self.compiled_layer(layer, *args) if block_len in self.compiled_blocks else layer(*args)
@@ -446,12 +453,12 @@ class DFlashDraft(nn.Module):
         context = self.fuse(context_features)
         cos_sin = self.rotary(positions, x.dtype)
         context_cos_sin = self.rotary(context_positions, x.dtype)
-        key_positions = torch.cat([context_positions, positions])
+        key_positions = torch.cat([positions, context_positions])
         masks = {kind: position_mask(positions, key_positions, *kind) for kind in self.attention_kinds}
         for i, layer in enumerate(self.layers):
             context_k, context_v = layer.self_attn.project_kv(context, context_cos_sin)
             scratch = context_k.new_empty(*context_k.shape[:-2], x.shape[-2], context_k.shape[-1])
-            keys, values = torch.cat([context_k, scratch], dim=-2), torch.cat([context_v, scratch], dim=-2)
+            keys, values = torch.cat([scratch, context_k], dim=-2), torch.cat([scratch, context_v], dim=-2)
             x = layer(x, cos_sin, keys, values, masks[self.layer_attention[i]])
         return self.norm(x)
 

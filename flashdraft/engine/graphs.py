@@ -36,7 +36,7 @@ def speculative_step(target, draft, block: Tensor, positions: Tensor, slot: int,
     checks the same proposals. Returns (drafted [verify - 1], logits [verify, V], features [verify, L*H])."""
     verify = verify or len(block)
     noise = target.embed(block) * draft.cfg.input_embedding_scale
-    hidden = draft(noise, positions, slot, live)
+    hidden = draft(noise, positions, slot, live, attn_len)  # the ring rows past the bucket hold no context yet
     drafted = argmax_rows(draft.compute_logits(hidden[1:verify], target.logits))
     checked = torch.cat([block[:1], drafted])
     logits, feats = target(checked, positions[:verify], slot=slot, capture=draft.cfg.target_layer_ids,
