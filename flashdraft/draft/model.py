@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashdraft.models.attention import few_query_attention, uses_split_kernel
+from flashdraft.models.attention import uses_split_kernel
 from flashdraft.models.layers import (ROPE_TYPES, Linear, RMSNorm, SwiGLU, apply_rope, compile_layer_forward,
                                       fuse_linears_on_load, position_mask, rope_cos_sin, rope_inv_freq)
 
@@ -311,8 +311,8 @@ class DraftAttention(nn.Module):
         block_k, block_v = self.keys_values(qkv[..., self.q_size:], cos_sin)
         keys[..., :block_len, :].copy_(block_k)
         values[..., :block_len, :].copy_(block_v)
-        if q.dim() == 3 and mask is not None and uses_split_kernel(q.transpose(0, 1)):
-            return self.o_proj(few_query_attention(q.transpose(0, 1), keys, values, mask))
+        if q.dim() == 3 and mask is not None and uses_split_kernel(q.transpose(0, 1)):  # else SDPA, as z-lab's
+            return self.o_proj(torch.ops.flashdraft.split_attention(q.transpose(0, 1), keys, values, mask))
         return self.o_proj(draft_attention(q, keys, values, mask))
 
 

@@ -130,7 +130,7 @@ def decode(target, prompt_ids: Tensor, params: SamplingParams, slot: int = 0, dr
             block_ids = torch.full((drafted_len,), draft.cfg.mask_token_id, dtype=torch.long, device=device)
             block_ids[0] = token
             positions = torch.arange(pos, pos + drafted_len, device=device)
-            inputs = [block_ids, positions, torch.tensor([live], device=device)]
+            inputs = [block_ids, positions, torch.full((1,), live, device=device)]  # a fill on the device, no copy from host
 
             def step(b, p, n, attn_len=attn_len, width=width):
                 return speculative_step(target, draft, b, p, slot, attn_len, width, n)

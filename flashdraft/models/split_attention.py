@@ -98,9 +98,9 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Te
     if D & (D - 1) or D < 16:
         raise ValueError(f"split_attention needs a power-of-two head size >= 16, got {D}")
     mask = mask.contiguous().view(torch.uint8)
-    # One tile height for decode (T=1) and verify (T=16) rows, and splits that depend on L only from 4096 keys on
-    # (where the context buckets double): a token's attention then comes out bit for bit the same whether a
-    # plain step or a verify step computes it, so speculation does not change greedy outputs through rounding.
+    # One tile height for decode (T=1) and verify (T=16) rows, and 64-key splits until L passes 64 * max_splits
+    # keys (2112 for 8 KV heads; beyond, the split length changes only where the context bucket doubles): a token's
+    # attention then comes out bit for bit the same whether a plain step or a verify step computes it.
     block_m = max(MIN_BLOCK_M, triton.next_power_of_2(G * T))
     blocks = triton.cdiv(L, BLOCK_N)
     max_splits = triton.cdiv(TARGET_PROGRAMS, KV)
