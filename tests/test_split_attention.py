@@ -1,6 +1,7 @@
 """The split-K Triton attention kernel against the matmul reference, on the CPU through Triton's interpreter
 (float32: the interpreter's bf16 matrix product is not exact) and, where a GPU is present, natively in bf16.
 Also runnable as a script: `python tests/test_split_attention.py cuda`."""
+import collections
 import importlib.util
 import os
 import subprocess
@@ -54,6 +55,55 @@ def test_split_attention_on_gpu_matches_matmul_attention():
     check("cuda", torch.bfloat16, 0.05)
 
 
+def check_engine() -> None:
+    """The GPU's attention path through the engine, run by the interpreter on CPU tensors: target decode and
+    verify steps, the draft's block over its scratch rows and ring prefix (unwrapped and wrapped), the graph-shaped
+    last blocks with rows past `live` hidden. Greedy tokens equal the matmul attention's, and the kernel ran for
+    one-token steps and for block steps."""
+    from test_engine import random_draft, random_target, run
+
+    from flashdraft.engine.generate import SpecStats
+    from flashdraft.engine.graphs import GraphCache
+    from flashdraft.engine.sampling import SamplingParams
+    from flashdraft.models import attention
+    from flashdraft.models import split_attention as kernel_module
+    assert attention.SPLIT_KERNEL_LOADED, "the split kernel did not load under the interpreter"
+    launches = collections.Counter()  # query tokens per launch -> launches
+    partial = kernel_module._partial_kernel
+
+    class CountingLauncher:
+        def __getitem__(self, grid):
+            def launch(q, *args, **kwargs):
+                launches[q.shape[0]] += 1
+                return partial[grid](q, *args, **kwargs)
+            return launch
+
+    kernel_module._partial_kernel = CountingLauncher()
+    target = random_target(layers=3, max_len=160)
+    prompt = torch.randint(0, 90, (60,), generator=torch.Generator().manual_seed(3))
+    params = SamplingParams(max_tokens=13)  # no multiple of the block: the last block is cut by `live`
+    drafts = {window: random_draft(target, block_size=8) for window in (None, 40)}  # the second ring wraps
+    tokens, proposals = {}, {"split": [], "matmul": []}
+    for kernel in ("split", "matmul"):
+        attention.KERNEL = kernel
+        tokens[kernel] = [run(target, prompt, params, graphs=GraphCache("cpu"))]
+        for window, draft in drafts.items():
+            draft.setup_cache(window or target.max_len)
+            stats = SpecStats()
+            tokens[kernel].append(run(target, prompt, params, draft=draft, block_size=8, graphs=GraphCache("cpu"),
+                                      stats=stats))
+            proposals[kernel].append(stats.draft_steps)  # the output is the target's whatever the draft proposes
+    assert tokens["split"] == tokens["matmul"], tokens
+    assert all(spec == tokens["split"][0] for spec in tokens["split"][1:]), tokens
+    assert proposals["split"] == proposals["matmul"], proposals
+    assert launches[1] > 0 and launches[8] > 0, launches
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_engine_through_interpreted_split_kernel_matches_matmul_attention():
+    env = dict(os.environ, TRITON_INTERPRET="1", FLASHDRAFT_ATTENTION="split")
+    proc = subprocess.run([sys.executable, __file__, "engine"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def check_row_invariance(device: str, dtype: torch.dtype) -> None:
@@ -84,6 +134,8 @@ if __name__ == "__main__":
     device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
     if device == "cpu":
         check("cpu", torch.float32, 1e-5)
+    elif device == "engine":
+        check_engine()
     else:
         check(device, torch.bfloat16, 0.05)
         check_row_invariance(device, torch.bfloat16)

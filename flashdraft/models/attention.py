@@ -11,6 +11,7 @@ from torch import Tensor
 
 SMALL_QUERY = 64  # up to this many query tokens a step takes this path instead of SDPA
 KERNEL = os.environ.get("FLASHDRAFT_ATTENTION", "split")  # "split" or "matmul"; benchmarks switch it
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter runs the kernel on CPU tensors (tests)
 
 
 def grouped_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
@@ -28,7 +29,7 @@ def grouped_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> 
 
 def _load_split_kernel() -> bool:
     """Import the Triton kernel once, at import time (not inside a torch.compile trace)."""
-    if KERNEL != "split" or not torch.cuda.is_available() or importlib.util.find_spec("triton") is None:
+    if KERNEL != "split" or not (torch.cuda.is_available() or INTERPRETED) or importlib.util.find_spec("triton") is None:
         return False
     try:
         import flashdraft.models.split_attention  # noqa: F401  (registers torch.ops.flashdraft.split_attention)
@@ -42,8 +43,8 @@ SPLIT_KERNEL_LOADED = _load_split_kernel()
 
 def uses_split_kernel(q: Tensor) -> bool:
     D = q.shape[-1]
-    return (SPLIT_KERNEL_LOADED and KERNEL == "split" and q.is_cuda and q.shape[0] <= SMALL_QUERY and D >= 16
-            and D & (D - 1) == 0)
+    return (SPLIT_KERNEL_LOADED and KERNEL == "split" and (q.is_cuda or INTERPRETED) and q.shape[0] <= SMALL_QUERY
+            and D >= 16 and D & (D - 1) == 0)
 
 
 def few_query_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
