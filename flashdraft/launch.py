@@ -131,7 +131,11 @@ def _rank_process(main: RankMain, device: str, rank: int, world: int, port: int,
             errors.put((rank, RuntimeError(f"rank {rank}: {type(e).__name__}: {e}")))
         code = 1
     sys.stdout.flush()
-    sys.exit(code)
+    sys.stderr.flush()
+    # Skip the interpreter's teardown: with the group destroyed and everything reported, what is left is the
+    # destruction of gloo's C++ objects at exit, which now and then aborts ("terminate called without an active
+    # exception") and would turn a finished rank's exit code into 134. Forked multiprocessing children end so too.
+    os._exit(code)
 
 
 def free_port() -> int:
