@@ -1,4 +1,4 @@
-"""GPU fast-path measurements (issue: GPU fast path). Prints tables; writes JSON with --out.
+"""GPU fast-path measurements: step times against the bandwidth limit and peers. Prints tables; writes JSON with --out.
 
 Sections:
   limits     device-to-device copy bandwidth, bf16 matmul rate, and the weight-read ceiling: every matrix
