@@ -1,4 +1,9 @@
 """Target models against HF transformers on random small configs of every architecture."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -7,6 +12,7 @@ from flashdraft.models.layers import rope_inv_freq
 from flashdraft.models.transformer import Transformer
 
 transformers = pytest.importorskip("transformers")
+TESTS = Path(__file__).parent
 
 BASE = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
@@ -107,8 +113,7 @@ def test_unknown_architecture_is_named():
         ModelConfig.from_hf(dict(BASE, model_type="gpt_neox"))
 
 
-@pytest.mark.slow
-def test_compiled_layers_match_eager(tmp_path):
+def check_compiled_layers(tmp_path: Path) -> None:
     """torch.compile'd decode/verify layers (the GPU fast path's fusion) give the eager logits and tokens."""
     from tiny import make_draft, make_target
 
@@ -135,6 +140,25 @@ def test_compiled_layers_match_eager(tmp_path):
     hidden = draft(noise, torch.arange(37, 45))
     draft.compile_layers()
     torch.testing.assert_close(draft(noise, torch.arange(37, 45)), hidden, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_compiled_layers_match_eager(tmp_path):
+    check_compiled_layers(tmp_path)
+
+
+@pytest.mark.slow
+def test_compiled_layers_with_split_kernel_match_eager(tmp_path):
+    """The same with the GPU's attention kernel in the compiled layers (a custom op), run by Triton's interpreter."""
+    from test_split_attention import INTERPRETER
+    if INTERPRETER is not None:
+        pytest.skip(INTERPRETER)
+    code = ("import pathlib, sys; from flashdraft.models import attention; assert attention.SPLIT_KERNEL_LOADED; "
+            f"sys.path.insert(0, {str(TESTS)!r}); import test_models; "
+            f"test_models.check_compiled_layers(pathlib.Path({str(tmp_path)!r}))")
+    env = dict(os.environ, TRITON_INTERPRET="1", FLASHDRAFT_ATTENTION="split")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 15, 16, 64, 65])

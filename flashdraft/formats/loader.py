@@ -73,4 +73,4 @@ def load_draft(path: str, target: Transformer, device: str = "cpu", dtype: torch
     draft = load_draft_folder(folder, device=device, dtype=dtype)
     cfg = target.cfg
     check_compatible(draft.cfg, cfg.hidden_size, cfg.vocab_size, cfg.num_layers)
-    return draft
+    return draft.requires_grad_(False)  # for inference, as the target (training loads the folder itself)
