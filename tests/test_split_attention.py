@@ -66,11 +66,12 @@ def test_split_attention_on_gpu_matches_matmul_attention():
     check("cuda", torch.bfloat16, 0.05)
 
 
-def check_engine() -> None:
+def check_engine(compiled: bool = False) -> None:
     """The GPU's attention path through the engine, run by the interpreter on CPU tensors: target decode and
     verify steps, the draft's block over its scratch rows and ring prefix (unwrapped and wrapped), the graph-shaped
-    last blocks with rows past `live` hidden. Greedy tokens equal the matmul attention's, and the kernel ran for
-    one-token steps and for block steps."""
+    last blocks with rows past `live` hidden; with `compiled`, inside torch.compile'd target and draft layers (the
+    `--compile` path). Greedy tokens and the draft's proposals equal the eager matmul attention's, and the kernel
+    ran for one-token steps and for block steps."""
     from test_engine import random_draft, random_target, run
 
     from flashdraft.engine.generate import SpecStats
@@ -95,8 +96,12 @@ def check_engine() -> None:
     params = SamplingParams(max_tokens=13)  # no multiple of the block: the last block is cut by `live`
     drafts = {window: random_draft(target, block_size=8) for window in (None, 40)}  # the second ring wraps
     tokens, proposals = {}, {"split": [], "matmul": []}
-    for kernel in ("split", "matmul"):
+    for kernel in ("matmul", "split"):
         attention.KERNEL = kernel
+        if compiled and kernel == "split":
+            target.compile_layers((1, 8))
+            for draft in drafts.values():
+                draft.compile_layers()
         tokens[kernel] = [run(target, prompt, params, graphs=GraphCache("cpu"))]
         for window, draft in drafts.items():
             draft.setup_cache(window or target.max_len)
@@ -108,12 +113,16 @@ def check_engine() -> None:
     assert all(spec == tokens["split"][0] for spec in tokens["split"][1:]), tokens
     assert proposals["split"] == proposals["matmul"], proposals
     assert launches[1] > 0 and launches[8] > 0, launches
+    if compiled:
+        from torch._dynamo.utils import counters
+        assert counters["stats"]["unique_graphs"] >= 3, dict(counters["stats"])  # target widths 1 and 8, the draft
 
 
 @pytest.mark.skipif(INTERPRETER is not None, reason=str(INTERPRETER))
-def test_engine_through_interpreted_split_kernel_matches_matmul_attention():
+@pytest.mark.parametrize("mode", ["engine", pytest.param("engine-compiled", marks=pytest.mark.slow)])
+def test_engine_through_interpreted_split_kernel_matches_matmul_attention(mode):
     env = dict(os.environ, TRITON_INTERPRET="1", FLASHDRAFT_ATTENTION="split")
-    proc = subprocess.run([sys.executable, __file__, "engine"], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, __file__, mode], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -145,8 +154,8 @@ if __name__ == "__main__":
     device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
     if device == "cpu":
         check("cpu", torch.float32, 1e-5)
-    elif device == "engine":
-        check_engine()
+    elif device.startswith("engine"):
+        check_engine(compiled=device == "engine-compiled")
     else:
         check(device, torch.bfloat16, 0.05)
         check_row_invariance(device, torch.bfloat16)
