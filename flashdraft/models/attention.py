@@ -29,7 +29,8 @@ def grouped_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> 
 
 def _load_split_kernel() -> bool:
     """Import the Triton kernel once, at import time (not inside a torch.compile trace)."""
-    if KERNEL != "split" or not (torch.cuda.is_available() or INTERPRETED) or importlib.util.find_spec("triton") is None:
+    runnable = torch.cuda.is_available() or INTERPRETED
+    if KERNEL != "split" or not runnable or importlib.util.find_spec("triton") is None:
         return False
     try:
         import flashdraft.models.split_attention  # noqa: F401  (registers torch.ops.flashdraft.split_attention)
