@@ -285,10 +285,13 @@ class DraftAttention(nn.Module):
         """x [..., T, H] -> K = RoPE(k_norm(Wk x)), V = Wv x, both [..., Hkv, T, D]. Used for context and block."""
         return self.keys_values(self.qkv_proj.part(x, self.q_size, self.qkv_proj.out_features), cos_sin)
 
-    def query(self, q: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-        """Projected q [..., T, Hq*D] -> RoPE(q_norm(q)) [..., Hq, T, D]."""
-        q = self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim))).transpose(-3, -2)
-        return apply_rope(q, cos_sin)
+    def project_qkv(
+        self, x: torch.Tensor, cos_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [..., T, H] -> Q [..., Hq, T, D] and the block's own K, V [..., Hkv, T, D], from one matrix product."""
+        qkv = self.qkv_proj(x)
+        q = self.q_norm(qkv[..., :self.q_size].unflatten(-1, (self.num_heads, self.head_dim))).transpose(-3, -2)
+        return apply_rope(q, cos_sin), *self.keys_values(qkv[..., self.q_size:], cos_sin)
 
     def keys_values(self, kv: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Projected k and v [..., T, 2*Hkv*D] -> RoPE(k_norm(k)), v, both [..., Hkv, T, D]."""
@@ -306,9 +309,7 @@ class DraftAttention(nn.Module):
         """x [..., B, H] (normed block states). keys/values [..., Hkv, B + R, D]: context K/V in the last R rows;
         the block's own K/V are written into the first B rows here, so the caller owns that scratch space."""
         block_len = x.shape[-2]
-        qkv = self.qkv_proj(x)  # one matrix product for the block's Q, K and V
-        q = self.query(qkv[..., :self.q_size], cos_sin)
-        block_k, block_v = self.keys_values(qkv[..., self.q_size:], cos_sin)
+        q, block_k, block_v = self.project_qkv(x, cos_sin)
         keys[..., :block_len, :].copy_(block_k)
         values[..., :block_len, :].copy_(block_v)
         if q.dim() == 3 and mask is not None and uses_split_kernel(q.transpose(0, 1)):  # else SDPA, as z-lab's

@@ -150,9 +150,7 @@ def draft_blocks_forward(draft: DFlashDraft, features: Tensor, noise: Tensor, po
     for i, layer in enumerate(draft.layers):
         attn = layer.self_attn
         h = layer.input_layernorm(x)
-        qkv = attn.qkv_proj(h)
-        query = attn.query(qkv[..., :attn.q_size], cos_sin)
-        block_k, block_v = attn.keys_values(qkv[..., attn.q_size:], cos_sin)
+        query, block_k, block_v = attn.project_qkv(h, cos_sin)
         context_k, context_v = attn.project_kv(context, context_cos_sin)
         keys = torch.cat([context_k, block_k.to(context_k.dtype)], dim=-2)
         values = torch.cat([context_v, block_v.to(context_v.dtype)], dim=-2)
