@@ -18,28 +18,29 @@ import time
 import torch
 from torch.nn import functional as F
 
-from flashdraft.draft.model import DFlashDraft, DraftConfig, build_target_layer_ids
+from flashdraft.draft import DFlashDraft, DraftConfig, build_target_layer_ids
 from flashdraft.engine.generate import prefill
-from flashdraft.engine.graphs import GraphCache, bucket_for, plain_step
+from flashdraft.engine.graphs import GraphCache
+from flashdraft.engine.steps import bucket_for, plain_step
 from flashdraft.engine.sampling import argmax_rows
-from flashdraft.models import attention
-from flashdraft.models.config import ModelConfig
-from flashdraft.models.transformer import Transformer
+from flashdraft.layers import attention
+from flashdraft.models.llama import LlamaConfig
+from flashdraft.models.llama import Llama
 
 LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=8192)
 SHAPES = {
-    "llama-3.1-8b": ModelConfig(arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+    "llama-3.1-8b": LlamaConfig(arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                                 num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
                                 rope_theta=500000.0, rope_scaling=LLAMA3_ROPE, max_position_embeddings=131072),
-    "qwen3-8b": ModelConfig(arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+    "qwen3-8b": LlamaConfig(arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                             num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
                             rope_theta=1e6, qk_norm=True, max_position_embeddings=40960),
 }
 TINY = {
-    "llama-3.1-8b": ModelConfig(arch="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=6,
+    "llama-3.1-8b": LlamaConfig(arch="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=6,
                                 num_heads=4, num_kv_heads=2, head_dim=16, rope_scaling=LLAMA3_ROPE),
-    "qwen3-8b": ModelConfig(arch="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=6,
+    "qwen3-8b": LlamaConfig(arch="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=6,
                             num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True),
 }
 
@@ -78,14 +79,14 @@ def graphed(fn, device: str):
     return g.replay
 
 
-def random_target(cfg: ModelConfig, device: str, dtype: torch.dtype) -> Transformer:
+def random_target(cfg: LlamaConfig, device: str, dtype: torch.dtype) -> Llama:
     torch.manual_seed(0)
     with torch.device(device):
-        model = Transformer(cfg).to(dtype)
+        model = Llama(cfg).to(dtype)
     return model.eval()
 
 
-def draft_for(target_cfg: ModelConfig, device: str, dtype: torch.dtype, tiny: bool) -> DFlashDraft:
+def draft_for(target_cfg: LlamaConfig, device: str, dtype: torch.dtype, tiny: bool) -> DFlashDraft:
     hidden = target_cfg.hidden_size
     layers = 5
     hf = dict(architectures=["DFlashDraftModel"], hidden_size=hidden,
@@ -161,7 +162,7 @@ def section_synthetic(args, results):
         nbytes = weight_bytes(target)
         max_len = max(ctxs) + 256
         t0 = time.perf_counter()
-        target.setup_cache(max_len)
+        state = target.new_state(1, max_len)
         draft.setup_cache(max_len)
         compiled = [False] + ([True] if name in args.compile.split(",") else [])
         variants = [(c, kernel) for c in compiled for kernel in args.attention.split(",")]
@@ -175,7 +176,7 @@ def section_synthetic(args, results):
                 if dev == "cuda":
                     torch.cuda.reset_peak_memory_stats()
                 prompt = torch.randint(0, cfg.vocab_size - 1, (ctx,), device=dev)
-                _, feats = prefill(target, prompt, 0, draft.cfg.target_layer_ids)
+                _, feats = prefill(target, state, prompt, 0, draft.cfg.target_layer_ids)
                 draft.reset(0)
                 draft.append_context(feats, torch.arange(ctx, device=dev), 0)
                 del feats
@@ -188,10 +189,12 @@ def section_synthetic(args, results):
                 ids = draft.cfg.target_layer_ids
 
                 def decode_step():
-                    return graphs.run(("plain", bucket, label), lambda t, p: plain_step(target, t, p, 0, bucket), [tok, pos])
+                    return graphs.run(("plain", bucket, label), lambda t, p: plain_step(target, state, t, p, 0, bucket),
+                                      [tok, pos])
 
                 def verify_step():
-                    return graphs.run(("verify", bucket, label), lambda b, p: target(b, p, slot=0, capture=ids, attn_len=bucket),
+                    return graphs.run(("verify", bucket, label),
+                                      lambda b, p: target(b[None], p[None], state, 0, capture=ids, attn_len=bucket),
                                       [block, positions])
 
                 def draft_step():
@@ -233,7 +236,7 @@ def section_synthetic(args, results):
             f"{r['graph_capture_s']:.1f} |")
 
 
-def hf_model_from(target: Transformer, device: str, dtype: torch.dtype):
+def hf_model_from(target: Llama, device: str, dtype: torch.dtype):
     import transformers
     c = target.cfg
     common = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
@@ -291,15 +294,15 @@ def section_hf(args, results):
             log(f"HF static cache + torch.compile failed: {e!r:.300}")
     del hf
     # flashdraft's baseline on the same weights and context: CUDA graphs, then graphs over compiled layers
-    target.setup_cache(prompt_len + 512)
-    prefill(target, ids[0], 0, None)
+    state = target.new_state(1, prompt_len + 512)
+    prefill(target, state, ids[0], 0, None)
     graphs = GraphCache(dev)
-    bucket = bucket_for(prompt_len + 1, target.max_len)
+    bucket = bucket_for(prompt_len + 1, state.max_len)
     tok, pos = torch.tensor([5], device=dev), torch.tensor([prompt_len], device=dev)
     for label in ("graphs", "graphs+compile") if dev == "cuda" else ("graphs",):
         if label == "graphs+compile":
             target.compile_layers((1, 16))
-        ms = timed(lambda: graphs.run(("plain", bucket, label), lambda a, p: plain_step(target, a, p, 0, bucket),
+        ms = timed(lambda: graphs.run(("plain", bucket, label), lambda a, p: plain_step(target, state, a, p, 0, bucket),
                                       [tok, pos]), 30, dev)
         out[f"flashdraft_{label}_tok_s"] = 1e3 / ms
         out[f"ratio_{label}_over_hf_eager"] = (1e3 / ms) / out["hf_eager_tok_s"]
@@ -335,24 +338,23 @@ def section_zlab(args, results):
     # flashdraft: one draft+verify cycle as graphs, plus the eager acceptance bookkeeping
     from flashdraft.engine.generate import SpecStats, decode
     from flashdraft.engine.sampling import SamplingParams
-    target.setup_cache(prompt_len + 256)
+    from flashdraft.engine.steps import Steps
     draft.setup_cache(prompt_len + 256)
     if dev == "cuda" and args.compile:
         target.compile_layers((1, 16))
         draft.compile_layers()
-    graphs = GraphCache(dev)
-    list(decode(target, ids[0], SamplingParams(max_tokens=n), draft=draft, graphs=graphs))
+    steps = Steps(target, target.new_state(1, prompt_len + 256), draft, dev)
+    list(decode(steps, ids[0], SamplingParams(max_tokens=n)))
     stats = SpecStats()
     if dev == "cuda":
         torch.cuda.synchronize()
     t = time.perf_counter()
-    out = sum(len(x) for x in decode(target, ids[0], SamplingParams(max_tokens=n), draft=draft, graphs=graphs,
-                                     stats=stats))
+    out = sum(len(x) for x in decode(steps, ids[0], SamplingParams(max_tokens=n), stats=stats))
     if dev == "cuda":
         torch.cuda.synchronize()
     total = time.perf_counter() - t
     t2 = time.perf_counter()
-    list(decode(target, ids[0], SamplingParams(max_tokens=1), draft=draft, graphs=graphs))
+    list(decode(steps, ids[0], SamplingParams(max_tokens=1)))
     if dev == "cuda":
         torch.cuda.synchronize()
     prefill_s = time.perf_counter() - t2

@@ -13,7 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from flashdraft.engine.generate import prefill
-from flashdraft.engine.graphs import bucket_for
+from flashdraft.engine.steps import bucket_for
 from flashdraft.engine.sampling import argmax_rows
 from gpu import SHAPES, TINY, draft_for, random_target
 
@@ -49,21 +49,21 @@ def main() -> int:
     with torch.inference_mode():
         target, draft = random_target(cfg, dev, dtype), draft_for(cfg, dev, dtype, args.tiny)
         max_len = ctx + 256
-        target.setup_cache(max_len)
+        state = target.new_state(1, max_len)
         draft.setup_cache(min(ctx, 1024))
         if args.compile:
             target.compile_layers((1, 16))
             draft.compile_layers()
         ids = draft.cfg.target_layer_ids
-        _, feats = prefill(target, torch.randint(0, cfg.vocab_size - 1, (ctx,), device=dev), 0, ids)
+        _, feats = prefill(target, state, torch.randint(0, cfg.vocab_size - 1, (ctx,), device=dev), 0, ids)
         draft.append_context(feats, torch.arange(ctx, device=dev), 0)
         bucket = bucket_for(ctx + 16, max_len)
         tok, pos = torch.tensor([5], device=dev), torch.tensor([ctx], device=dev)
         block = torch.randint(0, cfg.vocab_size - 1, (16,), device=dev)
         positions = torch.arange(ctx, ctx + 16, device=dev)
         steps = {
-            "decode": lambda: target(tok, pos, attn_len=bucket),
-            "verify16": lambda: target(block, positions, capture=ids, attn_len=bucket),
+            "decode": lambda: target(tok[None], pos[None], state, attn_len=bucket),
+            "verify16": lambda: target(block[None], positions[None], state, capture=ids, attn_len=bucket),
             "draft": lambda: argmax_rows(draft.compute_logits(draft(target.embed(block), positions, 0, None, bucket)[1:], target.logits)),
         }
         n = 5

@@ -15,7 +15,7 @@ from flashdraft.bench.prompts import SEED_NAMES, SEED_PROMPTS, load_prompts
 from flashdraft.engine.engine import Engine, Request
 from flashdraft.engine.sampling import SamplingParams
 from flashdraft.formats.chat import chat_ids
-from flashdraft.models import attention
+from flashdraft.layers import attention
 from gpu import hf_model_from  # benchmarks/gpu.py, beside this script
 
 

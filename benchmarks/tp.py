@@ -15,27 +15,28 @@ import sys
 import torch
 import torch.distributed as dist
 
-from flashdraft.draft.model import build_target_layer_ids
+from flashdraft.draft import build_target_layer_ids
 from flashdraft.engine.generate import prefill
-from flashdraft.engine.graphs import GraphCache, bucket_for, plain_step
+from flashdraft.engine.graphs import GraphCache
+from flashdraft.engine.steps import bucket_for, plain_step
 from flashdraft.launch import run_tensor_parallel, spawn, under_torchrun
-from flashdraft.models.config import ModelConfig
-from flashdraft.models.transformer import Transformer
+from flashdraft.models.llama import LlamaConfig
+from flashdraft.models.llama import Llama
 from gpu import LLAMA3_ROPE, log, timed, weight_bytes  # benchmarks/gpu.py, beside this script
 
-LLAMA_70B = ModelConfig(arch="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80,
+LLAMA_70B = LlamaConfig(arch="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80,
                         num_heads=64, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
                         rope_scaling=LLAMA3_ROPE, max_position_embeddings=131072)
-TINY = ModelConfig(arch="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
+TINY = LlamaConfig(arch="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
                    num_kv_heads=2, head_dim=16, rope_scaling=LLAMA3_ROPE)
 BLOCK = 16
 
 
-def sharded_random_target(cfg: ModelConfig, device: str, dtype: torch.dtype) -> Transformer:
+def sharded_random_target(cfg: LlamaConfig, device: str, dtype: torch.dtype) -> Llama:
     """This rank's share of a random target, allocated on `device` only (bf16 from the start)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     with torch.device("meta"):
-        model = Transformer(cfg, rank, world).to(dtype)
+        model = Llama(cfg, rank, world).to(dtype)
     model.to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(rank)  # replicated tensors: see below
     with torch.no_grad():
@@ -56,7 +57,7 @@ def bench_rank(args: argparse.Namespace, device: str) -> int:
     ctxs = [int(c) for c in args.ctx.split(",")]
     target = sharded_random_target(cfg, device, dtype)
     max_len = bucket_for(max(ctxs) + BLOCK, 1 << 30)
-    target.setup_cache(max_len)
+    state = target.new_state(1, max_len)
     nbytes = weight_bytes(target)  # this rank's share, lm_head included
     capture = build_target_layer_ids(cfg.num_layers, 5)
     timing_device = "cuda" if device.startswith("cuda") else device  # gpu.timed: events on the current GPU
@@ -64,17 +65,17 @@ def bench_rank(args: argparse.Namespace, device: str) -> int:
     for ctx in ctxs:
         prompt = torch.randint(0, cfg.vocab_size, (ctx,), generator=torch.Generator().manual_seed(ctx)).to(device)
         with torch.inference_mode():
-            prefill(target, prompt, 0, None)
+            prefill(target, state, prompt, 0, None)
         graphs = GraphCache(device)
         bucket = bucket_for(ctx + BLOCK, max_len)
         tok, pos = torch.tensor([5], device=device), torch.tensor([ctx], device=device)
         block, positions = prompt[:BLOCK].clone(), torch.arange(ctx, ctx + BLOCK, device=device)
 
         def decode_step():
-            return graphs.run(("plain",), lambda t, p: plain_step(target, t, p, 0, bucket), [tok, pos])
+            return graphs.run(("plain",), lambda t, p: plain_step(target, state, t, p, 0, bucket), [tok, pos])
 
         def verify_step():
-            return graphs.run(("verify",), lambda b, p: target(b, p, capture=capture, attn_len=bucket),
+            return graphs.run(("verify",), lambda b, p: target(b[None], p[None], state, capture=capture, attn_len=bucket),
                               [block, positions])
 
         with torch.inference_mode():

@@ -13,31 +13,31 @@ import sys
 import torch
 
 from flashdraft.engine.generate import prefill
-from flashdraft.engine.graphs import bucket_for, plain_step
-from flashdraft.models import attention
+from flashdraft.engine.steps import bucket_for, plain_step
+from flashdraft.layers import attention
 from gpu import SHAPES, TINY, log, random_target
 
 BLOCK = 16
 
 
-def drift(target, prompt: torch.Tensor, n: int) -> dict:
+def drift(target, state, prompt: torch.Tensor, n: int) -> dict:
     dev, P = prompt.device, len(prompt)
-    logits, _ = prefill(target, prompt, 0, None)
+    logits, _ = prefill(target, state, prompt, 0, None)
     tokens, decoded = [int(logits[-1].argmax())], []
     for i in range(n):  # plain greedy decode, as the baseline runs it (bucketed attention length)
         pos = P + i
-        out = plain_step(target, torch.tensor([tokens[-1]], device=dev), torch.tensor([pos], device=dev), 0,
-                         bucket_for(pos + 1, target.max_len))[0]
+        out = plain_step(target, state, torch.tensor([tokens[-1]], device=dev), torch.tensor([pos], device=dev), 0,
+                         bucket_for(pos + 1, state.max_len))[0]
         decoded.append(out[0].float())
         tokens.append(int(out[0].argmax()))
     decoded = torch.stack(decoded)
-    prefill(target, prompt, 0, None)
+    prefill(target, state, prompt, 0, None)
     verified = []
     for start in range(0, n, BLOCK):  # the same tokens, 16 at a time, as verify steps see them
         ids = torch.tensor(tokens[start:start + BLOCK], device=dev)
         positions = torch.arange(P + start, P + start + len(ids), device=dev)
-        out, _ = target(ids, positions, attn_len=bucket_for(P + start + BLOCK, target.max_len))
-        verified.append(out.float())
+        out, _ = target(ids[None], positions[None], state, attn_len=bucket_for(P + start + BLOCK, state.max_len))
+        verified.append(out[0].float())
     verified = torch.cat(verified)[:n]
     diff = (verified - decoded).abs()
     top2 = decoded.topk(2, dim=-1).values
@@ -63,14 +63,14 @@ def main() -> int:
     rows = []
     with torch.inference_mode():
         target = random_target(cfg, args.device, torch.bfloat16 if args.device == "cuda" else torch.float32)
-        target.setup_cache(P + n + 2 * BLOCK)
+        state = target.new_state(1, P + n + 2 * BLOCK)
         prompt = torch.randint(0, cfg.vocab_size, (P,), generator=torch.Generator().manual_seed(0)).to(args.device)
         for compiled in [False] + ([True] if args.compile else []):
             if compiled:
                 target.compile_layers((1, BLOCK))
             for kernel in args.kernels.split(","):
                 attention.KERNEL = kernel
-                r = dict(kernel=kernel, compiled=compiled, **drift(target, prompt, n))
+                r = dict(kernel=kernel, compiled=compiled, **drift(target, state, prompt, n))
                 rows.append(r)
                 log(f"{kernel}{' compiled' if compiled else ''}: {r}")
     log(f"\n{args.model}, random {target.lm_head.weight.dtype} weights, {P}-token prompt, {n} greedy tokens on {args.device}")

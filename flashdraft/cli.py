@@ -4,32 +4,14 @@ import functools
 import json
 import sys
 
+from flashdraft.args import add_engine_args, default_device, engine_config
+
 SUBCOMMANDS = {
     "serve": "flashdraft.server.main",
     "bench": "flashdraft.bench.main",
     "train-draft": "flashdraft.train.main",
     "make-data": "flashdraft.train.data",
 }
-
-
-def add_model_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("-m", "--model", required=True, help="target: GGUF file, HF folder, or a named model")
-    ap.add_argument("-md", "--draft", help="DFlash draft (z-lab HF folder); a named model brings its own")
-    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    ap.add_argument("--compile", action="store_true",
-                    help="fuse each layer's small ops with torch.compile for decode/verify steps (slower start)")
-    ap.add_argument("--spec-dm-adaptive", dest="adaptive", action=argparse.BooleanOptionalAction, default=True,
-                    help="choose each verify step's width from the draft's recent acceptance and measured step costs, "
-                         "down to plain decoding when drafting does not pay (default on; off: always the full block)")
-    ap.add_argument("--ctx-size", type=int, default=4096)
-    ap.add_argument("--block-size", type=int, default=None, help="verify block (at most the draft's)")
-    ap.add_argument("--draft-window", type=int, default=None, help="draft sees the last N positions")
-
-
-def default_device(device: str | None) -> str:
-    import torch
-    return device or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def parse_ids(text: str) -> list[int]:
@@ -41,7 +23,7 @@ def parse_ids(text: str) -> list[int]:
 
 def generate_main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="flashdraft generate", description="Generate text from a prompt.")
-    add_model_args(ap)
+    add_engine_args(ap)
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
     src.add_argument("--prompt-ids", help="comma-separated token ids (skips tokenizer and template)")
@@ -77,10 +59,7 @@ def generate(args: argparse.Namespace, device: str) -> int:
     params.validate()
     from flashdraft.formats.named import default_draft
     draft = None if args.no_spec else (args.draft or default_draft(args.model))
-    engine = Engine.load(args.model, draft, device=device, dtype=args.dtype, compile=args.compile,
-                         adaptive=args.adaptive,
-                         ctx_size=args.ctx_size, draft_window=args.draft_window, block_size=args.block_size,
-                         progress=shown and not args.json)
+    engine = Engine.load(engine_config(args, draft, device, progress=shown and not args.json))
     if prompt_ids is None:
         prompt_ids = render_prompt(engine.tokenizer, args.prompt, chat=args.chat, system=args.system,
                                    reasoning=args.reasoning)

@@ -44,7 +44,7 @@ def test_candidate_widths_and_measured_costs():
 def test_adaptive_decoding_is_lossless_and_feeds_the_draft_on_plain_steps():
     target = random_target()
     draft = random_draft(target, block_size=8)  # random: almost nothing is accepted
-    draft.setup_cache(target.max_len)
+    draft.setup_cache(target.state.max_len)
     prompt = torch.randint(0, 90, (20,))
     params = SamplingParams(max_tokens=90)
     plain = run(target, prompt, params)
@@ -60,7 +60,7 @@ def test_adaptive_decoding_is_lossless_and_feeds_the_draft_on_plain_steps():
 def test_adaptive_decoding_with_a_good_draft_stays_wide(monkeypatch):
     target = random_target()
     draft = random_draft(target, block_size=8)
-    draft.setup_cache(target.max_len)
+    draft.setup_cache(target.state.max_len)
     prompt = torch.randint(0, 90, (20,))
     params = SamplingParams(max_tokens=120)
     plain = run(target, prompt, params)
@@ -73,7 +73,7 @@ def test_adaptive_decoding_with_a_good_draft_stays_wide(monkeypatch):
 def test_seeded_sampling_repeats_with_the_adaptive_width():
     target = random_target()
     draft = random_draft(target, block_size=8)
-    draft.setup_cache(target.max_len)
+    draft.setup_cache(target.state.max_len)
     prompt = torch.randint(0, 90, (20,))
     params = SamplingParams(max_tokens=60, temperature=0.9)
     outs = [run(target, prompt, params, draft=draft, controller=WidthController(dict(COSTS)),

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from flashdraft.draft.model import (
+from flashdraft.draft import (
     DFlashDraft,
     DraftConfig,
     build_target_layer_ids,

@@ -6,26 +6,27 @@ import time
 import pytest
 import torch
 
-from flashdraft.draft.model import DFlashDraft, DraftConfig
-from flashdraft.engine.generate import SpecStats, accept_matching_samples, decode
+from flashdraft.draft import DFlashDraft, DraftConfig
+from flashdraft.engine.generate import SpecStats, accept_matching_samples
+from tiny import decode_tokens, forward1
 from flashdraft.engine.sampling import SamplingParams, chunked_argmax, filtered_probs, sample
-from flashdraft.models.config import ModelConfig
-from flashdraft.models.transformer import Transformer
+from flashdraft.models.llama import LlamaConfig
+from flashdraft.models.llama import Llama
 
 
-def random_target(vocab=96, layers=4, hidden=64, seed=0, std=0.2, max_len=512) -> Transformer:
-    cfg = ModelConfig(arch="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+def random_target(vocab=96, layers=4, hidden=64, seed=0, std=0.2, max_len=512) -> Llama:
+    cfg = LlamaConfig(arch="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
                       num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=hidden // 4, rms_norm_eps=1e-5)
     torch.manual_seed(seed)
-    model = Transformer(cfg)
+    model = Llama(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else torch.randn_like(p) * std)
-    model.setup_cache(max_len)
+    model.state = model.new_state(1, max_len)
     return model.eval()
 
 
-def random_draft(target: Transformer, block_size=8, seed=1, std=0.2, **extra) -> DFlashDraft:
+def random_draft(target: Llama, block_size=8, seed=1, std=0.2, **extra) -> DFlashDraft:
     t = target.cfg
     hf = dict(architectures=["DFlashDraftModel"], hidden_size=t.hidden_size, intermediate_size=96,
               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -40,7 +41,7 @@ def random_draft(target: Transformer, block_size=8, seed=1, std=0.2, **extra) ->
 
 
 def run(target, prompt, params, draft=None, **kw) -> list[int]:
-    return list(itertools.chain.from_iterable(decode(target, prompt, params, draft=draft, **kw)))
+    return decode_tokens(target, target.state, prompt, params, draft=draft, **kw)
 
 
 def oracle_proposals(monkeypatch, draft, truth: list[int], prompt_len: int, corrupt_every: int):
@@ -68,7 +69,7 @@ def oracle_proposals(monkeypatch, draft, truth: list[int], prompt_len: int, corr
 def test_greedy_speculative_is_token_identical(block_size, window):
     target = random_target()
     draft = random_draft(target, block_size=16)
-    draft.setup_cache(window or target.max_len)
+    draft.setup_cache(window or target.state.max_len)
     prompt = torch.randint(0, 90, (20,))
     params = SamplingParams(max_tokens=80)
     plain = run(target, prompt, params)
@@ -82,7 +83,7 @@ def test_greedy_speculative_is_token_identical(block_size, window):
 def test_greedy_rollback_with_partial_acceptance(monkeypatch, corrupt_every):
     target = random_target()
     draft = random_draft(target)
-    draft.setup_cache(target.max_len)
+    draft.setup_cache(target.state.max_len)
     prompt = torch.randint(0, 90, (12,))
     params = SamplingParams(max_tokens=70)
     plain = run(target, prompt, params)
@@ -138,7 +139,7 @@ def test_proposals_identical_to_zlab_reference(monkeypatch):
     prompt = torch.randint(0, 120, (17,))
     ref = dflash_model.dflash_generate(ref_draft, hf_target, prompt[None], max_new_tokens=60, stop_token_ids=None,
                                        return_stats=True)
-    draft.setup_cache(ours_target.max_len)
+    draft.setup_cache(ours_target.state.max_len)
     stats = SpecStats()
     ours = run(ours_target, prompt, SamplingParams(max_tokens=60), draft=draft, stats=stats)
     assert ours == ref.output_ids[0, 17:].tolist()
@@ -167,7 +168,7 @@ def exact_first_tokens(target, prompt, params, n) -> dict[tuple, float]:
     for seq in itertools.product(range(target.cfg.vocab_size), repeat=n):
         ids = torch.cat([prompt, torch.tensor(seq[:-1], dtype=torch.long)])
         with torch.no_grad():
-            logits, _ = target(ids, torch.arange(len(ids)))
+            logits, _ = forward1(target, target.state, ids, torch.arange(len(ids)))
         probs = filtered_probs(logits[len(prompt) - 1:], params)
         out[seq] = float(torch.prod(probs[torch.arange(n), torch.tensor(seq)]))
     return out
@@ -198,7 +199,7 @@ def small_vocab_pair():
     torch.set_num_threads(1)  # tiny tensors: threads only add overhead
     target = random_target(vocab=3, layers=3, hidden=16, seed=3, std=0.4, max_len=16)
     draft = random_draft(target, block_size=4, seed=4, std=0.6)
-    draft.setup_cache(target.max_len)
+    draft.setup_cache(target.state.max_len)
     return target, draft
 
 
@@ -252,8 +253,8 @@ def test_static_shape_graph_path_matches_eager():
     prompt = torch.randint(0, 90, (240,))  # crosses the first bucket boundary (256) while decoding
     params = SamplingParams(max_tokens=40)
     eager = run(target, prompt, params, draft=draft)
-    static = run(target, prompt, params, draft=draft, graphs=GraphCache("cpu"))
-    plain_static = run(target, prompt, params, graphs=GraphCache("cpu"))
+    static = run(target, prompt, params, draft=draft, static=True)
+    plain_static = run(target, prompt, params, static=True)
     assert eager == static == plain_static
 
 

@@ -265,10 +265,11 @@ def test_smollm2_state_dict_matches_transformers_conversion(smollm2_file):
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
 
     from flashdraft.formats.gguf import hf_name
+    from flashdraft.models.registry import LLAMA
 
     cfg = gguf_to_hf_config(smollm2_file)
     names = get_tensor_name_map(MODEL_ARCH.LLAMA, cfg["num_hidden_layers"])
-    hf_names = {hf_name(n): n for n in smollm2_file.tensors}
+    hf_names = {hf_name(n, LLAMA): n for n in smollm2_file.tensors}
     assert len(hf_names) == len(smollm2_file.tensors) == 272 and "lm_head.weight" not in hf_names  # tied
     for name, gguf_name in hf_names.items():
         base, _, suffix = name.rpartition(".")

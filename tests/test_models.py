@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashdraft.models.config import ModelConfig
-from flashdraft.models.layers import rope_inv_freq
-from flashdraft.models.transformer import Transformer
+from flashdraft.models.llama import LlamaConfig
+from tiny import decode_tokens, forward1
+from flashdraft.layers.rope import rope_inv_freq
+from flashdraft.models.llama import Llama
 
 transformers = pytest.importorskip("transformers")
 TESTS = Path(__file__).parent
@@ -42,11 +43,11 @@ def hf_model(name: str):
     return model, hf_cfg.to_dict()
 
 
-def ours_from(hf, cfg_dict, max_len=256) -> Transformer:
-    model = Transformer(ModelConfig.from_hf(cfg_dict)).float()
+def ours_from(hf, cfg_dict, max_len=256) -> Llama:
+    model = Llama(LlamaConfig.from_hf(cfg_dict)).float()
     missing, unexpected = model.load_state_dict(hf.state_dict(), strict=False)
     assert not missing and not [k for k in unexpected if "rotary" not in k], (missing, unexpected)
-    model.setup_cache(max_len)
+    model.state = model.new_state(1, max_len)
     return model.eval()
 
 
@@ -57,10 +58,10 @@ def test_logits_match_hf(name):
     ids = torch.randint(0, BASE["vocab_size"], (40,))
     with torch.no_grad():
         ref = hf(ids[None]).logits[0]
-        got, _ = ours(ids, torch.arange(40))
+        got, _ = forward1(ours, ours.state, ids, torch.arange(40))
         # the same sequence fed in pieces through the cache
-        a, _ = ours(ids[:25], torch.arange(25))
-        b, _ = ours(ids[25:], torch.arange(25, 40))
+        a, _ = forward1(ours, ours.state, ids[:25], torch.arange(25))
+        b, _ = forward1(ours, ours.state, ids[25:], torch.arange(25, 40))
     scale = ref.abs().max()
     assert (got - ref).abs().max() / scale < 1e-4
     assert (torch.cat([a, b]) - ref).abs().max() / scale < 1e-4
@@ -73,10 +74,10 @@ def test_greedy_continuation_matches_hf(name):
     prompt = torch.randint(0, BASE["vocab_size"], (12,))
     with torch.no_grad():
         ref = hf.generate(prompt[None], max_new_tokens=64, do_sample=False, min_new_tokens=64)[0, 12:]
-        logits, _ = ours(prompt, torch.arange(12))
+        logits, _ = forward1(ours, ours.state, prompt, torch.arange(12))
         out = [int(logits[-1].argmax())]
         for pos in range(12, 12 + 63):
-            logits, _ = ours(torch.tensor([out[-1]]), torch.tensor([pos]))
+            logits, _ = forward1(ours, ours.state, torch.tensor([out[-1]]), torch.tensor([pos]))
             out.append(int(logits[-1].argmax()))
     assert out == ref.tolist()
 
@@ -87,7 +88,7 @@ def test_captured_features_are_layer_outputs():
     ids = torch.randint(0, BASE["vocab_size"], (10,))
     with torch.no_grad():
         hidden = hf(ids[None], output_hidden_states=True).hidden_states
-        _, feats = ours(ids, torch.arange(10), capture=[1, 0])
+        _, feats = forward1(ours, ours.state, ids, torch.arange(10), capture=[1, 0])
     # HF's last hidden state is normed, so compare inner layers only (DFlash never taps the last)
     ref = torch.cat([hidden[2][0], hidden[1][0]], dim=-1)
     assert torch.allclose(feats, ref, atol=1e-5, rtol=1e-4)
@@ -102,39 +103,39 @@ def test_yarn_frequencies_match_hf(extra):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     hf_cfg = transformers.LlamaConfig(**dict(BASE, hidden_size=512, max_position_embeddings=16384, rope_theta=1e6,
                                              rope_scaling=dict(YARN, **extra)))
-    inv_freq, attention_factor = rope_inv_freq(ModelConfig.from_hf(hf_cfg.to_dict()))
+    inv_freq, attention_factor = rope_inv_freq(LlamaConfig.from_hf(hf_cfg.to_dict()))
     ref_inv_freq, ref_attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg, None)
     assert inv_freq.shape == (64,) and torch.equal(inv_freq, ref_inv_freq)
     assert attention_factor == ref_attention_factor
 
 
 def test_unknown_architecture_is_named():
-    with pytest.raises(ValueError, match="gpt_neox"):
-        ModelConfig.from_hf(dict(BASE, model_type="gpt_neox"))
+    from flashdraft.models.registry import read_config
+    with pytest.raises(ValueError, match="gpt_neox.*supported: llama"):
+        read_config(dict(BASE, model_type="gpt_neox"))
 
 
 def check_compiled_layers(tmp_path: Path) -> None:
     """torch.compile'd decode/verify layers (the GPU fast path's fusion) give the eager logits and tokens."""
     from tiny import make_draft, make_target
 
-    from flashdraft.engine.generate import decode
     from flashdraft.engine.sampling import SamplingParams
     from flashdraft.formats.loader import load_target
     target, _, _ = load_target(str(make_target(tmp_path / "t", layers=4)))
-    target.setup_cache(128)
+    target.state = target.new_state(1, 128)
     prompt = torch.arange(3, 40)
-    eager = [t for step in decode(target, prompt, SamplingParams(max_tokens=12)) for t in step]
+    eager = decode_tokens(target, target.state, prompt, SamplingParams(max_tokens=12))
     block = torch.arange(50, 58)
-    ref, _ = target(block, torch.arange(37, 45), attn_len=64)
+    ref, _ = forward1(target, target.state, block, torch.arange(37, 45), attn_len=64)
     target.compile_layers((1, 8))
-    out, _ = target(block, torch.arange(37, 45), attn_len=64)
+    out, _ = forward1(target, target.state, block, torch.arange(37, 45), attn_len=64)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    assert [t for step in decode(target, prompt, SamplingParams(max_tokens=12)) for t in step] == eager
+    assert decode_tokens(target, target.state, prompt, SamplingParams(max_tokens=12)) == eager
 
     from flashdraft.formats.loader import load_draft
     draft = load_draft(str(make_draft(tmp_path / "d", tmp_path / "t", layers=2, block_size=8)), target)
     draft.setup_cache(64)
-    _, feats = target(torch.arange(3, 40), torch.arange(37), capture=draft.cfg.target_layer_ids)
+    _, feats = forward1(target, target.state, torch.arange(3, 40), torch.arange(37), capture=draft.cfg.target_layer_ids)
     draft.append_context(feats, torch.arange(37))
     noise = target.embed(torch.arange(60, 68))
     hidden = draft(noise, torch.arange(37, 45))
@@ -153,7 +154,7 @@ def test_compiled_layers_with_split_kernel_match_eager(tmp_path):
     from test_split_attention import INTERPRETER
     if INTERPRETER is not None:
         pytest.skip(INTERPRETER)
-    code = ("import pathlib, sys; from flashdraft.models import attention; assert attention.SPLIT_KERNEL_LOADED; "
+    code = ("import pathlib, sys; from flashdraft.layers import attention; assert attention.SPLIT_KERNEL_LOADED; "
             f"sys.path.insert(0, {str(TESTS)!r}); import test_models; "
             f"test_models.check_compiled_layers(pathlib.Path({str(tmp_path)!r}))")
     env = dict(os.environ, TRITON_INTERPRET="1", FLASHDRAFT_ATTENTION="split")
@@ -163,7 +164,7 @@ def test_compiled_layers_with_split_kernel_match_eager(tmp_path):
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 15, 16, 64, 65])
 def test_linear_few_row_cpu_path_matches_f_linear(rows):
-    from flashdraft.models.layers import Linear
+    from flashdraft.layers.linear import Linear
     torch.manual_seed(rows)
     layer = Linear(48, 40, bias=True)
     x = torch.randn(rows, 48)

@@ -17,7 +17,7 @@ import openai
 import pytest
 import uvicorn
 
-from flashdraft.engine.engine import Completion, Engine
+from flashdraft.engine.engine import EngineConfig, Completion, Engine
 from flashdraft.engine.engine import Request as EngineRequest
 from flashdraft.engine.sampling import SamplingParams
 from flashdraft.server.app import create_app
@@ -41,8 +41,8 @@ def models(tmp_path_factory) -> tuple[Path, Path]:
 
 def load(models, draft: bool = False, n_slots: int = 1, slot_ctx: int = 512, **kw) -> Engine:
     target, draft_dir = models
-    return Engine.load(str(target), str(draft_dir) if draft else None, device=DEVICE, ctx_size=slot_ctx,
-                       n_slots=n_slots, **kw)
+    return Engine.load(EngineConfig(str(target), str(draft_dir) if draft else None, device=DEVICE, ctx_size=slot_ctx,
+                       n_slots=n_slots, **kw))
 
 
 @contextlib.contextmanager
@@ -607,7 +607,7 @@ def test_smollm2_openai_sdk_matches_the_engine(smollm2_gguf):
     """The real GGUF, loaded once: the SDK's answers equal the engine's own greedy answer for the same chat."""
     from flashdraft.formats.chat import render_prompt
     question = "What is the capital of France?"
-    engine = Engine.load(str(smollm2_gguf), device=DEVICE, ctx_size=1024, n_slots=2)
+    engine = Engine.load(EngineConfig(str(smollm2_gguf), device=DEVICE, ctx_size=1024, n_slots=2))
     prompt_ids = render_prompt(engine.tokenizer, question, chat=True)
     expected = engine.generate(EngineRequest(prompt_ids, SamplingParams(max_tokens=24)))
     assert "Paris" in expected.text

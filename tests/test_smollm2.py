@@ -2,9 +2,10 @@
 speculation with a random draft."""
 import pytest
 import torch
+from tiny import forward1
 
-from flashdraft.draft.model import DFlashDraft, DraftConfig
-from flashdraft.engine.engine import Engine, Request
+from flashdraft.draft import DFlashDraft, DraftConfig
+from flashdraft.engine.engine import EngineConfig, Engine, Request
 from flashdraft.engine.sampling import SamplingParams
 from flashdraft.formats.chat import chat_ids
 
@@ -13,7 +14,7 @@ PROMPT = [{"role": "user", "content": "Write a Python function that returns the 
 
 @pytest.fixture(scope="module")
 def engine(smollm2_gguf):
-    return Engine.load(str(smollm2_gguf), device="cpu", dtype="float32", ctx_size=512)
+    return Engine.load(EngineConfig(str(smollm2_gguf), device="cpu", dtype="float32", ctx_size=512))
 
 
 def random_draft_for(engine, block_size=8) -> DFlashDraft:
@@ -30,8 +31,8 @@ def test_speculative_greedy_identical_with_random_draft(engine):
     ids = chat_ids(engine.tokenizer, PROMPT)
     plain = engine.generate(Request(prompt_ids=ids, params=SamplingParams(max_tokens=40), speculative=False))
     for block, window in [(4, None), (3, 16)]:
-        spec_engine = Engine(engine.target, engine.tokenizer, random_draft_for(engine), "cpu", 512,
-                             block_size=block, draft_window=window)
+        spec_engine = Engine(engine.target, engine.tokenizer, random_draft_for(engine),
+                             EngineConfig(device="cpu", ctx_size=512, block_size=block, draft_window=window))
         spec = spec_engine.generate(Request(prompt_ids=ids, params=SamplingParams(max_tokens=40)))
         assert spec.token_ids == plain.token_ids
         assert spec.spec.draft_steps
@@ -45,10 +46,8 @@ def test_logits_and_greedy_match_transformers(engine, smollm2_gguf):
     ids = chat_ids(engine.tokenizer, PROMPT)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
-        engine.target.setup_cache(512)
-        ours, _ = engine.target(torch.tensor(ids), torch.arange(len(ids)))
+        ours, _ = forward1(engine.target, engine.state, torch.tensor(ids), torch.arange(len(ids)))
         assert (ours - ref).abs().max() / ref.abs().max() < 1e-4
         greedy = hf.generate(torch.tensor([ids]), max_new_tokens=64, min_new_tokens=64, do_sample=False)[0, len(ids):]
-    engine.target.setup_cache(512)
     ours_greedy = engine.generate(Request(prompt_ids=ids, params=SamplingParams(max_tokens=64, ignore_eos=True)))
     assert ours_greedy.token_ids == greedy.tolist()

@@ -28,10 +28,10 @@ CASES = [(1, 8, 2, 16, 37), (5, 9, 3, 64, 300), (16, 8, 8, 32, 1000), (16, 32, 8
 
 
 def check(device: str, dtype: torch.dtype, tol: float) -> None:
-    from flashdraft.models.attention import grouped_attention
-    from flashdraft.models.split_attention import split_attention
+    from flashdraft.layers.attention import grouped_attention
+    from flashdraft.kernels.split_attention import split_attention
     gen = torch.Generator().manual_seed(0)
-    for T, H, KV, D, L in CASES:
+    for case, (T, H, KV, D, L) in enumerate(CASES):
         qkv = torch.randn(T, H + 2 * KV, D, generator=gen).to(device, dtype)
         q = qkv[:, :H]  # a strided view, as the fused QKV projection hands it over
         k_cache = torch.randn(KV, L + 50, D, generator=gen).to(device, dtype)
@@ -43,13 +43,21 @@ def check(device: str, dtype: torch.dtype, tol: float) -> None:
         if L > 1000:  # only the last keys: most splits see no key at all
             mask[:, : L - 100] = False
         mask = mask.to(device)
-        out = split_attention(q, k, v, mask)
-        ref = grouped_attention(q.float(), k.float(), v.float(), mask)
-        assert out.shape == (T, H * D) and out.dtype == dtype
-        err = (out.float() - ref).abs().max().item()
-        assert err < tol, f"case {(T, H, KV, D, L)}: max error {err}"
+        plain = None
+        variants = ((D ** -0.5, 0.0), (0.5, 2.0)) if case < 3 else ((D ** -0.5, 0.0),)  # another scale, a softcap
+        for scale, softcap in variants:
+            out = split_attention(q, k, v, mask, scale, softcap)
+            ref = grouped_attention(q.float(), k.float(), v.float(), mask, scale, softcap or None)
+            assert out.shape == (T, H * D) and out.dtype == dtype
+            err = (out.float() - ref).abs().max().item()
+            assert err < tol, f"case {(T, H, KV, D, L)}, scale {scale}, softcap {softcap}: max error {err}"
+            if plain is None:
+                plain = ref
+            else:  # the softcap changed the result beyond the tolerance, so the comparison above could fail
+                assert (ref - plain).abs().max() > tol
         # the draft's layout: heads-first queries, transposed to [T, H, D]
-        out_t = split_attention(q.transpose(0, 1).contiguous().transpose(0, 1), k, v, mask)
+        out = split_attention(q, k, v, mask, D ** -0.5, 0.0)
+        out_t = split_attention(q.transpose(0, 1).contiguous().transpose(0, 1), k, v, mask, D ** -0.5, 0.0)
         assert torch.equal(out_t, out)
 
 
@@ -75,10 +83,9 @@ def check_engine(compiled: bool = False) -> None:
     from test_engine import random_draft, random_target, run
 
     from flashdraft.engine.generate import SpecStats
-    from flashdraft.engine.graphs import GraphCache
     from flashdraft.engine.sampling import SamplingParams
-    from flashdraft.models import attention
-    from flashdraft.models import split_attention as kernel_module
+    from flashdraft.layers import attention
+    from flashdraft.kernels import split_attention as kernel_module
     assert attention.SPLIT_KERNEL_LOADED, "the split kernel did not load under the interpreter"
     launches = collections.Counter()  # query tokens per launch -> launches
     partial = kernel_module._partial_kernel
@@ -102,11 +109,11 @@ def check_engine(compiled: bool = False) -> None:
             target.compile_layers((1, 8))
             for draft in drafts.values():
                 draft.compile_layers()
-        tokens[kernel] = [run(target, prompt, params, graphs=GraphCache("cpu"))]
+        tokens[kernel] = [run(target, prompt, params, static=True)]
         for window, draft in drafts.items():
-            draft.setup_cache(window or target.max_len)
+            draft.setup_cache(window or target.state.max_len)
             stats = SpecStats()
-            tokens[kernel].append(run(target, prompt, params, draft=draft, block_size=8, graphs=GraphCache("cpu"),
+            tokens[kernel].append(run(target, prompt, params, draft=draft, block_size=8, static=True,
                                       stats=stats))
             proposals[kernel].append(stats.draft_steps)  # the output is the target's whatever the draft proposes
     assert tokens["split"] == tokens["matmul"], tokens
@@ -129,7 +136,7 @@ def test_engine_through_interpreted_split_kernel_matches_matmul_attention(mode):
 def check_row_invariance(device: str, dtype: torch.dtype) -> None:
     """A query row's output does not depend on how many other query tokens share the call, nor on masked keys
     past the end (a longer context bucket): a plain step and a verify step agree bit for bit."""
-    from flashdraft.models.split_attention import split_attention
+    from flashdraft.kernels.split_attention import split_attention
     gen = torch.Generator().manual_seed(1)
     H, KV, D, L = 32, 8, 128, 1000
     q = torch.randn(16, H, D, generator=gen).to(device, dtype)
@@ -137,10 +144,11 @@ def check_row_invariance(device: str, dtype: torch.dtype) -> None:
     v = torch.randn(KV, 2048, D, generator=gen).to(device, dtype)
     positions = torch.arange(L - 16, L)
     mask = (torch.arange(2048)[None, :] <= positions[:, None]).to(device)
-    verify = split_attention(q, k[:, :1024], v[:, :1024], mask[:, :1024])
+    scale = q.shape[-1] ** -0.5
+    verify = split_attention(q, k[:, :1024], v[:, :1024], mask[:, :1024], scale, 0.0)
     for i in (0, 7, 15):
         for keys in (1024, 2048):
-            one = split_attention(q[i:i + 1], k[:, :keys], v[:, :keys], mask[i:i + 1, :keys])
+            one = split_attention(q[i:i + 1], k[:, :keys], v[:, :keys], mask[i:i + 1, :keys], scale, 0.0)
             assert torch.equal(one[0], verify[i]), (i, keys)
 
 

@@ -11,47 +11,48 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flashdraft.engine.engine import Completion, Engine, Request
+from flashdraft.engine.engine import EngineConfig, Completion, Engine, Request
 from flashdraft.engine.sampling import SamplingParams
 from flashdraft.formats.loader import build_target
 from flashdraft.launch import free_port, run_tensor_parallel
-from flashdraft.models.config import ModelConfig
-from flashdraft.models.transformer import Transformer
-from tiny import interrupt, make_draft, make_target, wait_healthy
+from flashdraft.models.llama import LlamaConfig
+from flashdraft.models.llama import Llama
+from tiny import interrupt, make_draft, make_target, wait_healthy, forward1
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = [5, 17, 3, 99, 42, 7, 7, 13, 250, 31, 8, 64]
 
 CONFIGS = {
-    "llama-gqa-biases": ModelConfig(arch="llama", vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=3,
+    "llama-gqa-biases": LlamaConfig(arch="llama", vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=3,
                                     num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True, o_bias=True,
                                     mlp_bias=True),
-    "qwen3-tied-odd-vocab": ModelConfig(arch="qwen3", vocab_size=97, hidden_size=64, intermediate_size=128,
+    "qwen3-tied-odd-vocab": LlamaConfig(arch="qwen3", vocab_size=97, hidden_size=64, intermediate_size=128,
                                         num_layers=3, num_heads=8, num_kv_heads=2, head_dim=8, qk_norm=True,
                                         tie_word_embeddings=True),
-    "mistral-window": ModelConfig(arch="mistral", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
+    "mistral-window": LlamaConfig(arch="mistral", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
                                   num_heads=2, num_kv_heads=2, head_dim=16, sliding_window=6),
 }
 
 
-def random_target(cfg: ModelConfig) -> Transformer:
+def random_target(cfg: LlamaConfig) -> Llama:
     torch.manual_seed(0)
-    model = Transformer(cfg)
+    model = Llama(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1 + 0.2 * torch.randn_like(p) if name.endswith("norm.weight") else 0.2 * torch.randn_like(p))
     return model.eval()
 
 
-def steps_of(model: Transformer) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def steps_of(model: Llama) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Logits and captured features of a chunked prefill, two decode steps and a verify block of five."""
-    model.setup_cache(64)
+    state = model.new_state(1, 64)
     ids = torch.tensor(PROMPT) % model.cfg.vocab_size
     out = []
     with torch.inference_mode():
         for start, end, fresh in [(0, 8, True), (8, 12, False), (12, 13, False), (13, 14, False), (14, 19, False)]:
             chunk = ids[start:end] if end <= len(ids) else torch.arange(start, end) % model.cfg.vocab_size
-            out.append(model(chunk, torch.arange(start, end), capture=[0, 2 % model.cfg.num_layers], fresh=fresh))
+            out.append(forward1(model, state, chunk, torch.arange(start, end), capture=[0, 2 % model.cfg.num_layers],
+                                fresh=fresh))
     return out
 
 
@@ -113,7 +114,7 @@ def two_rank_checks(target: str, draft: str, out: str, device: str) -> int:
     """The sharded forward errors; then rank 0 streams requests that only it knows of while the other rank
     follows (the server's protocol); then every rank streams the same requests itself (the command line's)."""
     errors = sharded_forward_errors(device)
-    engine = Engine.load(target, draft, device=device, ctx_size=512)
+    engine = Engine.load(EngineConfig(target, draft, device=device, ctx_size=512))
     if engine.rank == 0:
         followed = run_requests(engine)
         engine.stop_followers()
@@ -145,7 +146,7 @@ def test_two_ranks_compute_what_one_process_computes(two_ranks):
 def test_engine_on_two_ranks_gives_the_tokens_of_one(models, two_ranks):
     target, draft = models
     got = two_ranks
-    want = run_requests(Engine.load(str(target), str(draft), device="cpu", ctx_size=512))
+    want = run_requests(Engine.load(EngineConfig(str(target), str(draft), device="cpu", ctx_size=512)))
     random_seed = [i for i, (spec, _) in enumerate(REQUESTS) if spec["params"].get("seed") == -1]
     for tokens in [got["followed"], *got["together"]]:
         assert [t for i, t in enumerate(tokens) if i not in random_seed] == \
@@ -157,11 +158,11 @@ def test_engine_on_two_ranks_gives_the_tokens_of_one(models, two_ranks):
 def test_heads_that_do_not_split_are_a_one_line_error():
     cfg = CONFIGS["llama-gqa-biases"]
     with pytest.raises(ValueError) as e:
-        Transformer(cfg, rank=0, world_size=3)
+        Llama(cfg, rank=0, world_size=3)
     assert str(e.value) == ("tensor parallelism over 3 ranks needs the model's attention heads 4, KV heads 2 "
                             "to be divisible by 3")
     with pytest.raises(ValueError, match="one request at a time"):
-        Engine(Transformer(cfg, rank=0, world_size=2), tokenizer=None, n_slots=2)
+        Engine(Llama(cfg, rank=0, world_size=2), tokenizer=None, config=EngineConfig(n_slots=2))
 
 
 # ---- the command lines
@@ -181,7 +182,7 @@ def test_serve_tp2_answers_as_one_process(models):
     proc = started([sys.executable, "-m", "flashdraft.cli", "serve", "-m", str(target), "--spec-draft-model", str(draft),
                     "--tp", "2", "--device", "cpu", "--port", url.rsplit(":", 1)[1], "-c", "1024"])
     question = "The quick brown fox"
-    engine = Engine.load(str(target), str(draft), device="cpu", ctx_size=1024)
+    engine = Engine.load(EngineConfig(str(target), str(draft), device="cpu", ctx_size=1024))
     prompt = render_prompt(engine.tokenizer, question, chat=True)
     expected = engine.generate(Request(prompt, SamplingParams(max_tokens=16)))
     try:

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import forward1
 
-from flashdraft.draft.model import DFlashDraft, DraftConfig, load_draft_folder
-from flashdraft.models.config import ModelConfig
-from flashdraft.models.transformer import Transformer
+from flashdraft.draft import DFlashDraft, DraftConfig, load_draft_folder
+from flashdraft.models.llama import LlamaConfig
+from flashdraft.models.llama import Llama
 from flashdraft.train.blocks import (Batch, anchor_candidates, apply_layer_rules, block_inputs, block_mask,
                                      collate, draft_blocks_forward, layer_masks, sample_anchors)
 from flashdraft.train.draft_config import build_draft_config, default_draft_layers
@@ -21,12 +22,12 @@ from flashdraft.train.main import build_parser, init_weights, run
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def random_target(vocab=96, layers=4, hidden=64, seed=0, std=0.2, **extra) -> Transformer:
-    cfg = ModelConfig(**dict(dict(arch="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+def random_target(vocab=96, layers=4, hidden=64, seed=0, std=0.2, **extra) -> Llama:
+    cfg = LlamaConfig(**dict(dict(arch="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
                                   num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=hidden // 4,
                                   rms_norm_eps=1e-5), **extra))
     torch.manual_seed(seed)
-    model = Transformer(cfg)
+    model = Llama(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else torch.randn_like(p) * std)
@@ -189,13 +190,13 @@ def test_training_forward_matches_forward_with_context(extra):
 @pytest.mark.parametrize("extra", [{}, dict(sliding_window=6, arch="mistral")], ids=["llama", "sliding"])
 def test_target_features_match_target_forward(extra):
     target = random_target(**extra)
-    target.setup_cache(64)
+    target.state = target.new_state(1, 64)
     batch = random_batch()
     layer_ids = [3, 0, 2]
     got = target_features(target, batch.input_ids, layer_ids)
     for i in range(3):
         L = int(batch.lengths[i])
-        _, want = target(batch.input_ids[i, :L], torch.arange(L), capture=layer_ids)
+        _, want = forward1(target, target.state, batch.input_ids[i, :L], torch.arange(L), capture=layer_ids)
         assert (got[i, :L] - want).abs().max() < 1e-4
 
 
@@ -204,8 +205,8 @@ def test_target_features_match_target_forward(extra):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def smollm2_config() -> ModelConfig:
-    return ModelConfig(arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+def smollm2_config() -> LlamaConfig:
+    return LlamaConfig(arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
                        num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e5,
                        max_position_embeddings=8192, tie_word_embeddings=True)
 
@@ -347,7 +348,7 @@ def test_train_draft_cli_regenerates_data_from_prompts(tiny_target_folder, tmp_p
 def test_int8_draft_round_trip_and_the_shipped_draft(tmp_path):
     """The package's draft is stored as int8 with group scales: it reads back within about 1% of the weights it
     was made from (bf16 rounding is ~0.3%), to the dtype of its other tensors, and keeps the draft's shapes."""
-    from flashdraft.draft.model import dequantize_int8
+    from flashdraft.draft import dequantize_int8
     from flashdraft.formats.named import default_draft
     from flashdraft.train.checkpoint import quantize_int8, save_draft, save_int8_draft
     torch.manual_seed(0)

@@ -46,7 +46,7 @@ def make_target(folder: Path, arch: str = "llama", vocab_size: int = 320, layers
 def make_draft(folder: Path, target: Path, layers: int = 2, block_size: int = 8, seed: int = 1,
                std: float = 0.15, **dflash) -> Path:
     from safetensors.torch import save_file
-    from flashdraft.draft.model import DFlashDraft, DraftConfig
+    from flashdraft.draft import DFlashDraft, DraftConfig
     tcfg = json.loads((target / "config.json").read_text())
     n_target = tcfg["num_hidden_layers"]
     hf = dict(architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=tcfg["hidden_size"],
@@ -92,3 +92,21 @@ def interrupt(proc, timeout: float = 60) -> str:
         proc.kill()
         log, _ = proc.communicate()
     return log
+
+
+def forward1(target, state, ids, positions, **kw):
+    """One row through a target: ids, positions [T] -> (logits [T or 1, V] or None, features [T, L*H] or None)."""
+    logits, feats = target(ids[None], positions[None], state, **kw)
+    return None if logits is None else logits[0], None if feats is None else feats[0]
+
+
+def decode_tokens(target, state, prompt, params, draft=None, static: bool = False, **kw) -> list[int]:
+    """Every token the engine's decode loop commits. static: bucketed shapes, as under CUDA graphs (on the CPU
+    the same functions run eagerly)."""
+    import itertools
+
+    from flashdraft.engine.generate import decode
+    from flashdraft.engine.steps import Steps
+    steps = Steps(target, state, draft, "cpu")
+    steps.static = static
+    return list(itertools.chain.from_iterable(decode(steps, prompt, params, speculative=draft is not None, **kw)))

@@ -6,6 +6,7 @@ import os
 import sys
 from pathlib import Path
 
+from flashdraft.args import add_engine_args
 from flashdraft.bench.prompts import BUILTIN, load_prompts
 from flashdraft.bench.report import format_table, summarize, warnings, write_outputs
 from flashdraft.bench.results import BenchAborted, Result, System, run_all
@@ -46,16 +47,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=None, help="write responses, summary, CSV and chart here")
     ap.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per HTTP request")
-    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    ap.add_argument("--compile", action="store_true",
-                    help="fuse each layer's small ops with torch.compile for decode/verify steps (slower start)")
-    ap.add_argument("--spec-dm-adaptive", dest="adaptive", action=argparse.BooleanOptionalAction, default=True,
-                    help="choose each verify step's width from the draft's recent acceptance and measured step costs, "
-                         "down to plain decoding when drafting does not pay (default on; off: always the full block)")
-    ap.add_argument("--ctx-size", type=int, default=4096)
-    ap.add_argument("--block-size", type=int, default=None, help="verify block (at most the draft's)")
-    ap.add_argument("--draft-window", type=int, default=None, help="draft sees the last N positions")
+    add_engine_args(ap, model=False)  # -m/-md above: optional here, and with --url they name what servers serve
     args = ap.parse_args(argv)
     if args.runs < 1 or args.max_tokens < 1 or (args.num_prompts is not None and args.num_prompts < 1):
         ap.error("--runs, --max-tokens and --num-prompts must be at least 1")
@@ -87,7 +79,7 @@ def engine_setup(args: argparse.Namespace, model: str, draft: str) -> tuple[list
     import torch
 
     from flashdraft.bench.inprocess import engine_systems
-    from flashdraft.cli import default_device
+    from flashdraft.args import default_device, engine_config
     from flashdraft.engine.engine import Engine
     from flashdraft.engine.sampling import SamplingParams
 
@@ -98,9 +90,7 @@ def engine_setup(args: argparse.Namespace, model: str, draft: str) -> tuple[list
                             min_p=args.min_p or 0.0, seed=args.seed, max_tokens=args.max_tokens)
     params.validate()
     print(f"loading {model} with draft {draft} on {args.device}", file=sys.stderr)
-    engine = Engine.load(model, draft, device=args.device, dtype=args.dtype, compile=args.compile,
-                         adaptive=args.adaptive, ctx_size=args.ctx_size,
-                         draft_window=args.draft_window, block_size=args.block_size, progress=not args.json)
+    engine = Engine.load(engine_config(args, draft, args.device, model=model, progress=not args.json))
     warm = dataclasses.replace(params, max_tokens=min(WARMUP_TOKENS, args.max_tokens))
     reasoning = None if args.reasoning == "auto" else args.reasoning
     return engine_systems(engine, params, reasoning), engine_systems(engine, warm, reasoning)

@@ -1,4 +1,5 @@
 """Engine: the one interface the CLI, the server and the bench use."""
+import dataclasses
 import queue
 import threading
 import time
@@ -7,10 +8,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flashdraft.engine.config import EngineConfig
 from flashdraft.engine.generate import SpecStats, decode
-from flashdraft.engine.graphs import GraphCache
 from flashdraft.engine.lockstep import from_rank0, in_lockstep
 from flashdraft.engine.sampling import SamplingParams
+from flashdraft.engine.steps import Steps
 
 
 @dataclass
@@ -112,119 +114,99 @@ def _held_back(text: str, stops: list[str]) -> int:
 
 
 class Engine:
-    def __init__(self, target, tokenizer, draft=None, device: str = "cpu", ctx_size: int = 4096,
-                 n_slots: int = 1, draft_window: int | None = None, block_size: int | None = None,
-                 model_path: str = "", draft_path: str | None = None, adaptive: bool = False):
+    def __init__(self, target, tokenizer, draft=None, config: EngineConfig | None = None):
+        config = config or EngineConfig()
+        self.config = config
         self.target, self.tokenizer, self.draft = target, tokenizer, draft
-        self.device, self.ctx_size, self.n_slots = device, ctx_size, n_slots
-        self.block_size = block_size
-        self.draft_window = draft_window
-        self.model_path, self.draft_path = model_path, draft_path
+        self.device, self.ctx_size, self.n_slots = config.device, config.ctx_size, config.n_slots
+        self.block_size = config.block_size
+        self.draft_window = config.draft_window
+        self.model_path, self.draft_path = config.model, config.draft
+        block_size, draft_window = config.block_size, config.draft_window
         if block_size is not None and draft is not None and not 1 <= block_size <= draft.cfg.block_size:
             raise ValueError(f"--block-size must be between 1 and the draft's block size {draft.cfg.block_size}")
         if draft_window is not None and draft_window < 1:
             raise ValueError("--draft-window must be at least 1")
         self.rank, self.world_size = target.rank, target.world_size
         # Costs are timed per process, and ranks must take the same steps: no adaptive width under TP.
-        self.adaptive = adaptive and draft is not None and self.world_size == 1
+        self.adaptive = config.adaptive and draft is not None and self.world_size == 1
         self.width_costs: dict[int, float] | None = None
-        if self.world_size > 1 and n_slots != 1:
+        if self.world_size > 1 and config.n_slots != 1:
             raise ValueError("tensor parallelism runs one request at a time: use one slot")
-        target.setup_cache(ctx_size, n_slots)
+        self.state = target.new_state(config.n_slots, config.ctx_size)
         if draft is not None:
-            draft.setup_cache(min(draft_window or ctx_size, ctx_size), n_slots)
-        self.graphs = GraphCache(device) if device.startswith("cuda") else None
+            draft.setup_cache(min(draft_window or config.ctx_size, config.ctx_size), config.n_slots)
+        self.steps = Steps(target, self.state, draft, config.device)
         self.startup_s = {}
         self.free_slots: queue.Queue[int] = queue.Queue()
-        for s in range(n_slots):
+        for s in range(config.n_slots):
             self.free_slots.put(s)
 
     @staticmethod
-    def load(model: str, draft: str | None = None, device: str = "cpu", dtype: str = "auto",
-             ctx_size: int = 4096, n_slots: int = 1, draft_window: int | None = None,
-             block_size: int | None = None, progress: bool = False, compile: bool = False,
-             adaptive: bool = False) -> "Engine":
+    def load(config: EngineConfig) -> "Engine":
         from flashdraft.formats.loader import load_draft, load_target
-        torch_dtype = resolve_dtype(dtype, device)
-        target, tokenizer, model_path = load_target(model, device, torch_dtype, progress=progress)
-        draft_model = load_draft(draft, target, device, torch_dtype) if draft else None
-        engine = Engine(target, tokenizer, draft_model, device, ctx_size, n_slots, draft_window, block_size,
-                        model_path=str(model_path), draft_path=draft, adaptive=adaptive)
-        if compile and device.startswith("cuda"):  # shapes are static only where graphs bucket them
+        torch_dtype = resolve_dtype(config.dtype, config.device)
+        target, tokenizer, model_path = load_target(config.model, config.device, torch_dtype, progress=config.progress)
+        draft_model = load_draft(config.draft, target, config.device, torch_dtype) if config.draft else None
+        engine = Engine(target, tokenizer, draft_model, dataclasses.replace(config, model=str(model_path)))
+        if config.compile and config.device.startswith("cuda"):  # shapes are static only where graphs bucket them
             widths = {1} | ({engine.draft_block} if draft_model is not None else set())
             target.compile_layers(tuple(widths))
             if draft_model is not None:
                 draft_model.compile_layers((engine.draft_block,))
-        if engine.graphs is not None:
+        if engine.steps.static:
             engine.warmup()
         if engine.adaptive and engine.width_costs is None:
             engine.measure_width_costs()
         return engine
 
+    def resized(self, ctx_size: int) -> "Engine":
+        """The same weights with caches for another context size per slot."""
+        return Engine(self.target, self.tokenizer, self.draft, dataclasses.replace(self.config, ctx_size=ctx_size))
+
     @property
     def draft_block(self) -> int:
         return self.block_size or self.draft.cfg.block_size
 
+    @property
+    def memory(self) -> dict[str, int]:
+        """Bytes of weights and caches (what start-up logs and /props reports)."""
+        def size(module) -> int:
+            seen = {p.data_ptr(): p.numel() * p.element_size() for p in module.parameters()}
+            return sum(seen.values())
+        out = dict(weights=size(self.target), kv_cache=self.state.bytes)
+        if self.draft is not None:
+            out["draft_weights"] = size(self.draft)
+            out["draft_cache"] = sum(2 * c.k.numel() * c.k.element_size() for c in self.draft.caches)
+        return out
+
     def measure_width_costs(self, slot: int = 0) -> dict[int, float]:
         """Time one step of every candidate verify width (once per engine; the adaptive controller's costs)."""
         from flashdraft.engine.adaptive import candidate_widths, measure_costs
-        from flashdraft.engine.graphs import bucket_for, plain_step, speculative_step
-        block, dev = self.draft_block, self.device
+        from flashdraft.engine.steps import PlainKey, SpecKey
+        block = self.draft_block
         pos = max(0, min(64, self.ctx_size - block - 1))
-        ids = torch.zeros(block, dtype=torch.long, device=dev)
-        positions = torch.arange(pos, pos + block, device=dev)
-        capture = self.draft.cfg.target_layer_ids
 
         def run_width(w: int) -> None:
-            attn_len = bucket_for(pos + w, self.ctx_size) if self.graphs is not None else pos + w
+            attn_len = self.steps.attended(pos + w)
             if w == 1:
-                key, fn, inputs = ("plain", slot, attn_len, True), \
-                    lambda t, p: plain_step(self.target, t, p, slot, attn_len, capture), [ids[:1], positions[:1]]
+                self.steps.run_key(PlainKey(slot, attn_len, True))
             else:
-                key, fn, inputs = ("spec", slot, attn_len, block, w), \
-                    lambda b, p, n: speculative_step(self.target, self.draft, b, p, slot, attn_len, w, n), \
-                    [ids, positions, torch.tensor([block], device=dev)]
-            self.graphs.run(key, fn, inputs) if self.graphs is not None else fn(*inputs)
+                self.steps.run_key(SpecKey(slot, attn_len, block, w))
 
         with torch.inference_mode():
-            self.width_costs = measure_costs(run_width, candidate_widths(block, self.graphs is not None), self._sync)
+            self.width_costs = measure_costs(run_width, candidate_widths(block, self.steps.static), self._sync)
         return self.width_costs
 
     def warmup(self, max_tokens: int = 8) -> float:
-        """Run a short generation per slot and mode, and on CUDA capture the step graphs of every context
-        bucket, so that no request pays for graph capture. Returns the seconds it took."""
-        from flashdraft.engine.graphs import MIN_BUCKET, bucket_for, plain_step, speculative_step
+        """Capture the step graphs of every key the decode loop uses (on CUDA) and run a short generation per
+        mode, so that no request pays for graph capture. Returns the seconds it took."""
         t = time.perf_counter()
         with torch.inference_mode():
-            if self.graphs is not None:
+            if self.steps.static:
                 block = self.draft_block if self.draft is not None else 1
-                buckets = sorted({bucket_for(b, self.ctx_size) for b in
-                                  [MIN_BUCKET * 2 ** i for i in range(32) if MIN_BUCKET * 2 ** i < self.ctx_size * 2]})
-                dev = self.device
-                for slot in range(self.n_slots):
-                    for b in buckets:
-                        tok, pos = torch.zeros(1, dtype=torch.long, device=dev), torch.zeros(1, dtype=torch.long, device=dev)
-                        self.graphs.run(("plain", slot, b, False),
-                                        lambda x, p, s=slot, b=b: plain_step(self.target, x, p, s, b), [tok, pos])
-                        if self.draft is not None and self.adaptive:  # plain steps that feed the draft
-                            capture = self.draft.cfg.target_layer_ids
-                            self.graphs.run(("plain", slot, b, True),
-                                            lambda x, p, s=slot, b=b: plain_step(self.target, x, p, s, b, capture),
-                                            [tok, pos])
-                        if self.draft is not None and block > 1 and b >= block:
-                            ids = torch.zeros(block, dtype=torch.long, device=dev)
-                            positions = torch.arange(block, device=dev)
-                            self.graphs.run(("spec", slot, b, block, block),
-                                            lambda x, p, n, s=slot, b=b: speculative_step(self.target, self.draft, x, p,
-                                                                                          s, b, None, n),
-                                            [ids, positions, torch.tensor([block], device=dev)])
-                    if self.draft is not None and block > 1:  # the context appends of 1..block accepted rows
-                        width = self.draft.cfg.context_width
-                        for n in range(1, block + 1):
-                            feats = torch.zeros(n, width, dtype=self.target.lm_head.weight.dtype, device=dev)
-                            self.graphs.run(("context", slot, n),
-                                            lambda f, p, s=slot: (self.draft.append_context(f, p, s),),
-                                            [feats, torch.arange(n, device=dev)])
+                for key in self.steps.warmup_keys(self.n_slots, block, self.adaptive):
+                    self.steps.run_key(key)
             for speculative in ([False, True] if self.draft is not None else [False]):
                 self.generate(Request(prompt_ids=[0, 1, 2, 3], params=SamplingParams(max_tokens=max_tokens),
                                       speculative=speculative))
@@ -307,8 +289,9 @@ class Engine:
         if draft is not None and self.adaptive and not req.block_size:
             from flashdraft.engine.adaptive import WidthController
             controller = WidthController(self.width_costs or self.measure_width_costs(slot))
-        steps = decode(self.target, prompt, p, slot=slot, draft=draft, block_size=req.block_size or self.block_size,
-                       stats=stats, max_len=self.ctx_size, generator=gen, graphs=self.graphs, controller=controller)
+        steps = decode(self.steps, prompt, p, slot=slot, speculative=draft is not None,
+                       block_size=req.block_size or self.block_size, stats=stats, max_len=self.ctx_size, generator=gen,
+                       controller=controller)
         if self.world_size > 1:
             steps = in_lockstep(steps, self.device)
         try:

@@ -1,4 +1,4 @@
-"""Plain and DFlash speculative decode loops on one cache slot.
+"""Plain and DFlash speculative decode loops on one cache slot, over the steps of engine/steps.py.
 
 Both loops yield the tokens each step commits. Target K/V beyond the committed length are stale and
 ignored (the cache is indexed by position), so rejected draft tokens roll back by length alone. The draft
@@ -11,8 +11,8 @@ import torch
 from torch import Tensor
 
 from flashdraft.engine.adaptive import WidthController
-from flashdraft.engine.graphs import GraphCache, bucket_for, plain_step, speculative_step
 from flashdraft.engine.sampling import SamplingParams, sample
+from flashdraft.engine.steps import Steps
 
 PREFILL_CHUNK = 1024
 
@@ -57,30 +57,32 @@ def accept_matching_samples(drafted: Tensor, logits: Tensor, params: SamplingPar
     return accepted, target_tokens[accepted]
 
 
-def prefill(target, prompt_ids: Tensor, slot: int, capture: list[int] | None) -> tuple[Tensor, Tensor | None]:
-    """Run the prompt through the target in chunks; returns the last logits and all captured features."""
+def prefill(target, state, prompt_ids: Tensor, slot: int, capture: list[int] | None) -> tuple[Tensor, Tensor | None]:
+    """Run the prompt through the target in chunks; returns the last logits [1, V] and all captured features."""
     features = []
     for start in range(0, len(prompt_ids), PREFILL_CHUNK):
         chunk = prompt_ids[start:start + PREFILL_CHUNK]
         positions = torch.arange(start, start + len(chunk), device=prompt_ids.device)
-        logits, feats = target(chunk, positions, slot=slot, capture=capture,
-                               attn_len=start + len(chunk), all_logits=False, fresh=start == 0)
+        logits, feats = target(chunk[None], positions[None], state, slot, capture=capture or (),
+                               attn_len=start + len(chunk), logits_at="last", fresh=start == 0)
         if feats is not None:
-            features.append(feats)
-    return logits[-1:], (torch.cat(features) if features else None)
+            features.append(feats[0])
+    return logits[0], (torch.cat(features) if features else None)
 
 
 @torch.inference_mode()
-def decode(target, prompt_ids: Tensor, params: SamplingParams, slot: int = 0, draft=None,
+def decode(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int = 0, speculative: bool = True,
            block_size: int | None = None, stats: SpecStats | None = None, max_len: int | None = None,
            generator: torch.Generator | None = None, accept_rule: AcceptRule = accept_matching_samples,
-           graphs: GraphCache | None = None, controller: WidthController | None = None) -> Iterator[list[int]]:
+           controller: WidthController | None = None) -> Iterator[list[int]]:
     """Yield the committed tokens of each step until `params.max_tokens` are out (the caller stops
-    earlier on EOS or stop strings by closing the generator). With a draft, each step drafts a whole
-    block and verifies `controller.width()` of it (default: all); width 1 is a plain step that still
-    hands its features to the draft."""
+    earlier on EOS or stop strings by closing the generator). With a draft (and `speculative`), each step
+    drafts a whole block and verifies `controller.width()` of it (default: all); width 1 is a plain step that
+    still hands its features to the draft."""
+    target, state = steps.target, steps.state
+    draft = steps.draft if speculative else None
     device = prompt_ids.device
-    max_len = max_len or target.max_len
+    max_len = max_len or state.max_len
     n = len(prompt_ids)
     if n >= max_len:
         raise ValueError(f"the prompt has {n} tokens, which does not fit the context of {max_len} tokens")
@@ -88,7 +90,7 @@ def decode(target, prompt_ids: Tensor, params: SamplingParams, slot: int = 0, dr
     if budget <= 0:
         return
     capture = draft.cfg.target_layer_ids if draft is not None else None
-    logits, features = prefill(target, prompt_ids, slot, capture)
+    logits, features = prefill(target, state, prompt_ids, slot, capture)
     token = int(sample(logits, params, generator)[0])
     if draft is not None:
         draft.reset(slot)
@@ -105,22 +107,16 @@ def decode(target, prompt_ids: Tensor, params: SamplingParams, slot: int = 0, dr
         room = max_len - pos
         live = min(block, budget - produced + 1, room)
         width = min(controller.width() if controller is not None else block, room)
-        if graphs is None:  # no captured shape to keep: verify no row past the wanted tokens
+        if not steps.static:  # no captured shape to keep: verify no row past the wanted tokens
             width = min(width, live)
-        attn_len = pos + width
-        if graphs is not None:  # static shapes: attend over the whole bucket, masked by position
-            attn_len = bucket_for(attn_len, max_len)
+        attn_len = steps.attended(pos + width)  # static shapes: the whole bucket, masked by position
         if width <= 1:
-            inputs = [torch.tensor([token], device=device), torch.tensor([pos], device=device)]
             follow = draft is not None and room > 1  # the draft needs this position's features later
-
-            def step(t, p, attn_len=attn_len, capture=capture if follow else None):
-                return plain_step(target, t, p, slot, attn_len, capture)
-
-            out = graphs.run(("plain", slot, attn_len, follow), step, inputs) if graphs is not None else step(*inputs)
+            positions = torch.tensor([pos], device=device)
+            out = steps.plain(slot, torch.tensor([token], device=device), positions, attn_len, follow)
             new = [int(sample(out[0], params, generator)[0])]
             if follow:
-                append_context(draft, graphs, out[1], inputs[1], slot)
+                steps.append_context(slot, out[1], positions)
                 if controller is not None:
                     controller.record(1, 0)
             pos += 1
@@ -130,15 +126,8 @@ def decode(target, prompt_ids: Tensor, params: SamplingParams, slot: int = 0, dr
             block_ids = torch.full((drafted_len,), draft.cfg.mask_token_id, dtype=torch.long, device=device)
             block_ids[0] = token
             positions = torch.arange(pos, pos + drafted_len, device=device)
-            inputs = [block_ids, positions, torch.full((1,), live, device=device)]  # a fill on the device, no copy from host
-
-            def step(b, p, n, attn_len=attn_len, width=width):
-                return speculative_step(target, draft, b, p, slot, attn_len, width, n)
-
-            if graphs is not None and drafted_len == block:
-                drafted, logits, feats = graphs.run(("spec", slot, attn_len, block, width), step, inputs)
-            else:
-                drafted, logits, feats = step(*inputs)
+            live_t = torch.full((1,), live, device=device)  # a fill on the device, no copy from host
+            drafted, logits, feats = steps.speculative(slot, block_ids, positions, live_t, attn_len, width, block)
             checked = min(width, live)  # rows past `live` hold no wanted token: they neither count nor commit
             drafted, logits = drafted[:checked - 1], logits[:checked]
             accepted, bonus = accept_rule(drafted, logits, params, generator)
@@ -148,19 +137,11 @@ def decode(target, prompt_ids: Tensor, params: SamplingParams, slot: int = 0, dr
             if controller is not None:
                 controller.record(width, accepted)
             n_new = accepted + 1
-            append_context(draft, graphs, feats[:n_new], positions[:n_new], slot)
+            state.commit(slot, pos + n_new)
+            steps.append_context(slot, feats[:n_new], positions[:n_new])
             new = proposed[:accepted] + [bonus]
             pos += accepted + 1
         new = new[:budget - produced]
         produced += len(new)
         token = new[-1]
         yield new
-
-
-def append_context(draft, graphs: GraphCache | None, features: Tensor, positions: Tensor, slot: int) -> None:
-    """Hand the draft the features of newly committed positions (a graph per row count on CUDA)."""
-    if graphs is None:
-        draft.append_context(features, positions, slot)
-    else:
-        graphs.run(("context", slot, len(positions)), lambda f, p: (draft.append_context(f, p, slot),),
-                   [features, positions])

@@ -17,9 +17,9 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
+from flashdraft.models.registry import Family, family_for_gguf
+
 QK_K = 256
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # Bound on the float32 temporaries of one dequantisation step (elements), so a large embedding on a GPU
 # does not need several full-size intermediates at once.
 CHUNK_ELEMENTS = 1 << 24
@@ -108,7 +108,7 @@ def gguf_to_hf_config(gguf: GGUFFile | Mapping[str, Any], tensors: Mapping[str, 
     vocab = embedding.shape[0] if embedding is not None else get("vocab_size") or len(metadata.get("tokenizer.ggml.tokens") or ())
     eos_ids = _unique(metadata.get(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom"))
     return {
-        "architectures": [ARCHITECTURES[model_type]],
+        "architectures": [family_for_gguf(arch).hf_classes[model_type]],
         "model_type": model_type,
         "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length")),
@@ -133,12 +133,11 @@ def gguf_to_hf_config(gguf: GGUFFile | Mapping[str, Any], tensors: Mapping[str, 
 
 def _model_type(metadata: Mapping[str, Any]) -> str:
     arch = metadata.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(ARCHITECTURES)})")
+    family = family_for_gguf(arch)
     names = f"{metadata.get('general.name', '')} {metadata.get('general.basename', '')}".lower()
     if arch == "llama" and "mistral" in names:  # llama.cpp writes Mistral models as `llama`
         return "mistral"
-    return arch
+    return family.gguf_architectures[arch]
 
 
 def _unique(values) -> list[int]:
@@ -356,29 +355,22 @@ def _to_float_array(t: GGUFTensor) -> np.ndarray:
 
 # ------------------------------------------------------------------------------------- tensor names
 
-GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-}
 IGNORED = {"rope_freqs.weight"}  # folded into the config's rope_scaling
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The HF state-dict name of a GGUF tensor (None for tensors the model does not need)."""
+def hf_name(gguf_name: str, family: Family) -> str | None:
+    """The HF state-dict name of a GGUF tensor (None for tensors the model does not need), by the family's table."""
     if gguf_name in IGNORED:
         return None
     if m := _LAYER_TENSOR.fullmatch(gguf_name):
         layer, part, kind = m.groups()
-        if part in LAYER_NAMES:
-            return f"model.layers.{layer}.{LAYER_NAMES[part]}.{kind}"
+        if part in family.gguf_layer_names:
+            return f"model.layers.{layer}.{family.gguf_layer_names[part]}.{kind}"
     else:
         base, _, kind = gguf_name.rpartition(".")
-        if base in GLOBAL_NAMES and kind in ("weight", "bias"):
-            return f"{GLOBAL_NAMES[base]}.{kind}"
+        if base in family.gguf_global_names and kind in ("weight", "bias"):
+            return f"{family.gguf_global_names[base]}.{kind}"
     raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
 
 
@@ -388,15 +380,16 @@ def iter_gguf_tensors(gguf: GGUFFile | str | Path, dtype: torch.dtype = torch.fl
     if not isinstance(gguf, GGUFFile):
         gguf = read_gguf(gguf)
     config = gguf_to_hf_config(gguf)
+    family = family_for_gguf(gguf.architecture)
     permute_heads = {}
-    if gguf.architecture == "llama":  # the converter permutes q/k for `llama` (and so Mistral) only
+    if gguf.architecture in family.gguf_permuted_qk:
         permute_heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     items = list(gguf.tensors.values())
     if progress:
         from tqdm import tqdm
         items = tqdm(items, desc=f"loading {gguf.path.name}", unit="tensor")
     for t in items:
-        name = hf_name(t.name)
+        name = hf_name(t.name, family)
         if name is None:
             continue
         raw = tensor_bytes(t)

@@ -3,25 +3,29 @@ from pathlib import Path
 
 import torch
 
-from flashdraft.models.config import ModelConfig
+from flashdraft.models.registry import Family, family_for, read_config
 from flashdraft.models.tp import rank_and_world, shard_tensor
-from flashdraft.models.transformer import Transformer
 
 
-def build_target(cfg: ModelConfig, tensors, device: str, dtype: torch.dtype, rank: int = 0,
-                 world_size: int = 1) -> Transformer:
-    """Assemble a Transformer from (HF name, tensor) pairs; each tensor is converted once and kept (under tensor
+def build_target(cfg, tensors, device: str, dtype: torch.dtype, rank: int = 0, world_size: int = 1,
+                 family: Family | None = None):
+    """Assemble a target model from (HF name, tensor) pairs; each tensor is converted once and kept (under tensor
     parallelism, only rank `rank`'s share of it)."""
+    family = family or family_for(cfg.arch)
     with torch.device("meta"):
-        model = Transformer(cfg, rank, world_size)
+        model = family.model_class(cfg, rank, world_size)
+
+    def shard(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return shard_tensor(name, tensor, cfg.vocab_size, rank, world_size, family.tp_row_split,
+                            family.tp_column_split)
+
     state = {}
     for name, tensor in tensors:
         if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
-        state[name] = shard_tensor(name, tensor, cfg, rank, world_size).to(device=device, dtype=dtype)
+        state[name] = shard(name, tensor).to(device=device, dtype=dtype)
     if cfg.tie_word_embeddings and "model.embed_tokens.weight" in state:
-        state["lm_head.weight"] = shard_tensor("lm_head.weight", state["model.embed_tokens.weight"], cfg, rank,
-                                               world_size)
+        state["lm_head.weight"] = shard("lm_head.weight", state["model.embed_tokens.weight"])
     try:
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     except RuntimeError as e:  # size mismatches
@@ -38,33 +42,32 @@ def build_target(cfg: ModelConfig, tensors, device: str, dtype: torch.dtype, ran
 
 
 def load_target(model: str, device: str = "cpu", dtype: torch.dtype = torch.float32, progress: bool = False):
-    """Returns (Transformer, Tokenizer, resolved path). Under torch.distributed, this rank's share of the target."""
+    """Returns (model, Tokenizer, resolved path). Under torch.distributed, this rank's share of the target."""
     from flashdraft.formats.named import resolve_model
     from flashdraft.formats.tokenizer import Tokenizer
 
     path = Path(resolve_model(model))
     if path.is_dir():
-        from flashdraft.formats.safetensors import iter_tensors, read_config
-        hf = read_config(path)
-        cfg = ModelConfig.from_hf(hf)
+        from flashdraft.formats.safetensors import iter_tensors, read_config as read_hf_config
+        family, cfg = read_config(read_hf_config(path))
         tokenizer = Tokenizer.from_hf_folder(path)
-        target = build_target(cfg, iter_tensors(path, dtype, device), device, dtype, *rank_and_world())
+        tensors = iter_tensors(path, dtype, device)
     elif path.is_file():
         from flashdraft.formats import gguf
         reader = gguf.read_gguf(path)
-        cfg = ModelConfig.from_hf(gguf.gguf_to_hf_config(reader))
+        family, cfg = read_config(gguf.gguf_to_hf_config(reader))
         tokenizer = Tokenizer.from_gguf(reader)
         tensors = gguf.iter_gguf_tensors(reader, dtype, device, progress=progress)
-        target = build_target(cfg, tensors, device, dtype, *rank_and_world())
     else:
         raise FileNotFoundError(f"model not found: {model}")
+    target = build_target(cfg, tensors, device, dtype, *rank_and_world(), family=family)
     if not cfg.eos_token_ids:
         cfg.eos_token_ids = list(tokenizer.eos_ids)
     return target, tokenizer, path
 
 
-def load_draft(path: str, target: Transformer, device: str = "cpu", dtype: torch.dtype = torch.float32):
-    from flashdraft.draft.model import check_compatible, load_draft_folder
+def load_draft(path: str, target, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    from flashdraft.draft.load import check_compatible, load_draft_folder
     from flashdraft.formats.named import resolve_model
 
     folder = Path(resolve_model(path))

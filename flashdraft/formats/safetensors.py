@@ -25,19 +25,22 @@ def safetensors_files(folder: Path) -> list[Path]:
         files = [folder / n for n in names]
     else:
         files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{folder}: no model.safetensors, model.safetensors.index.json or *.safetensors weights")
     missing = [f.name for f in files if not f.is_file()]
-    if not files or missing:
-        raise ValueError(f"{folder}: missing safetensors weights {missing or '(none found)'}")
+    if missing:
+        raise ValueError(f"{folder}: safetensors shards listed in the index are missing: {', '.join(missing)}")
     return files
 
 
-def iter_tensors(folder: Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
-    """Tensors one at a time, converted to dtype on device, so only one extra tensor is alive at once."""
+def iter_tensors(folder: Path, dtype: torch.dtype | None, device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors one at a time, converted to dtype (None: the file's) on device, so only one extra tensor is alive
+    at once."""
     for path in safetensors_files(folder):
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name).to(device=device, dtype=dtype)
+                    yield name, f.get_tensor(name).to(device=device, dtype=dtype or None)
         except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
             if isinstance(e, ValueError) and str(path) in str(e):
                 raise

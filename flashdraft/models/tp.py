@@ -10,10 +10,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from flashdraft.models.config import ModelConfig
-
-ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output features: heads or columns
-COLUMN_SPLIT = ("o_proj", "down_proj")  # input features; their sums are what the all-reduce adds up
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -23,7 +19,7 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
-def local_config(cfg: ModelConfig, world_size: int) -> ModelConfig:
+def local_config(cfg, world_size: int):
     """The shapes one rank computes with: its heads, KV heads and intermediate columns."""
     if world_size == 1:
         return cfg
@@ -42,19 +38,22 @@ def padded_vocab(vocab_size: int, world_size: int) -> int:
     return -(-vocab_size // world_size) * world_size
 
 
-def shard_tensor(name: str, tensor: Tensor, cfg: ModelConfig, rank: int, world_size: int) -> Tensor:
-    """Rank `rank`'s part of the HF-named target tensor `name` (a copy; the tensor itself when not split)."""
+def shard_tensor(name: str, tensor: Tensor, vocab_size: int, rank: int, world_size: int,
+                 row_split: tuple[str, ...], column_split: tuple[str, ...]) -> Tensor:
+    """Rank `rank`'s part of the HF-named target tensor `name` (a copy; the tensor itself when not split).
+    row_split: modules split by output features (heads or columns); column_split: by input features (their
+    sums are what the all-reduce adds up). A family's registry entry names them."""
     if world_size == 1:
         return tensor
     module, kind = name.split(".")[-2:]
-    if module in ROW_SPLIT:
+    if module in row_split:
         return tensor.chunk(world_size, dim=0)[rank].clone()
-    if module in COLUMN_SPLIT:
+    if module in column_split:
         if kind == "bias":  # added once: rank 0 keeps it, the others add zeros
             return tensor.clone() if rank == 0 else torch.zeros_like(tensor)
         return tensor.chunk(world_size, dim=1)[rank].clone()
     if module == "lm_head":
-        rows = padded_vocab(cfg.vocab_size, world_size) // world_size
+        rows = padded_vocab(vocab_size, world_size) // world_size
         part = tensor[rank * rows:(rank + 1) * rows]
         return torch.cat([part, part.new_zeros(rows - len(part), *part.shape[1:])])
     return tensor
@@ -66,9 +65,11 @@ def sum_over_ranks(x: Tensor) -> Tensor:
 
 
 def gather_vocab(logits: Tensor, vocab_size: int) -> Tensor:
-    """[T, V/world] logits of each rank's vocabulary rows -> the full [T, V] on every rank."""
-    world_size, (tokens, rows) = dist.get_world_size(), logits.shape
+    """[..., V/world] logits of each rank's vocabulary rows -> the full [..., V] on every rank."""
+    world_size, lead, rows = dist.get_world_size(), logits.shape[:-1], logits.shape[-1]
+    tokens = logits[..., 0].numel()
     parts = logits.new_empty(world_size * tokens, rows)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the name before torch 2.13
-    gather(parts, logits.contiguous())
-    return parts.view(world_size, tokens, rows).transpose(0, 1).reshape(tokens, -1)[:, :vocab_size]
+    gather(parts, logits.reshape(tokens, rows).contiguous())
+    full = parts.view(world_size, tokens, rows).transpose(0, 1).reshape(tokens, -1)[:, :vocab_size]
+    return full.reshape(*lead, -1)

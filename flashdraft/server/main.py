@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+from flashdraft.args import add_engine_args
 from flashdraft.server.settings import Settings
 
 log = logging.getLogger("flashdraft.server")
@@ -81,13 +82,7 @@ def build_parser() -> Parser:
     ap.add_argument("-a", "--alias", default=None, help="model name in responses and /v1/models")
     ap.add_argument("--log-timestamps", action="store_true", help="time since start on every log line")
     ap.add_argument("--log-prefix", action="store_true", help="level letter (I, W, E) on every log line")
-    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    ap.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
-    ap.add_argument("--compile", action="store_true",
-                    help="fuse each layer's small ops with torch.compile for decode/verify steps (slower start)")
-    ap.add_argument("--spec-dm-adaptive", dest="adaptive", action=argparse.BooleanOptionalAction, default=True,
-                    help="choose each verify step's width from the draft's recent acceptance and measured step costs, "
-                         "down to plain decoding when drafting does not pay (default on; off: always the full block)")
+    add_engine_args(ap, model=False, context=False)
     ap.add_argument("-tp", "--tp", "--tensor-parallel-size", dest="tp", type=int, default=d.tp, metavar="N",
                     help="tensor parallelism over N GPUs of this host, one process each (gloo on the CPU); "
                          "requests are then served one at a time (-np 1)")
@@ -179,24 +174,20 @@ def setup_logging(timestamps: bool, prefix: bool) -> None:
 
 
 def load_engine(s: Settings):
-    from flashdraft.cli import default_device
+    from flashdraft.args import default_device
     from flashdraft.engine.engine import Engine
+    from flashdraft.formats.named import default_draft
     from flashdraft.models.tp import rank_and_world
     device = default_device(s.device)
-    from flashdraft.formats.named import default_draft
     draft = (s.draft or default_draft(s.model)) if s.speculative else None
     t0 = time.perf_counter()
     log.info("loading model %s%s on %s (%s)", s.model, f" with DFlash draft {draft}" if draft else "", device, s.dtype)
     # -c 0: the trained context, known only once the model is read, so the caches are set up twice
     ctx = s.slot_ctx if s.ctx_size > 0 else 2
-    engine = Engine.load(s.model, draft, device=device, dtype=s.dtype, compile=s.compile, adaptive=s.adaptive, ctx_size=ctx,
-                         n_slots=s.n_slots, draft_window=s.draft_window, block_size=s.block_size,
-                         progress=rank_and_world()[0] == 0)
+    engine = Engine.load(s.engine_config(draft, device, ctx, progress=rank_and_world()[0] == 0))
     if s.ctx_size <= 0:
         s.ctx_size = engine.target.cfg.max_position_embeddings
-        engine = Engine(engine.target, engine.tokenizer, engine.draft, device, s.slot_ctx, s.n_slots,
-                        s.draft_window, s.block_size, model_path=engine.model_path, draft_path=engine.draft_path,
-                        adaptive=s.adaptive)
+        engine = engine.resized(s.slot_ctx)
     if s.chat_template_file:
         engine.tokenizer.chat_template = Path(s.chat_template_file).read_text()
     spec = ""
@@ -207,6 +198,7 @@ def load_engine(s: Settings):
             spec += ", adaptive verify width" + (f" (step cost by width: {costs})" if costs else "")
     log.info("loaded in %.1f s: %d slot(s) of %d tokens%s%s", time.perf_counter() - t0, engine.n_slots,
              engine.ctx_size, spec, f", tensor-parallel over {engine.world_size} ranks" if engine.world_size > 1 else "")
+    log.info("memory: %s", ", ".join(f"{name} {n / 2 ** 20:.1f} MiB" for name, n in engine.memory.items()))
     return engine
 
 
@@ -218,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     if settings.chat_template_file and not Path(settings.chat_template_file).is_file():
         log.error("--chat-template-file %s: no such file", settings.chat_template_file)
         return 1
-    from flashdraft.cli import default_device
+    from flashdraft.args import default_device
     from flashdraft.launch import run_tensor_parallel
     return run_tensor_parallel(functools.partial(serve_rank, settings), settings.tp, default_device(settings.device))
 

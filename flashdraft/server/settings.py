@@ -1,6 +1,8 @@
 """What `flashdraft serve` was asked to do, independent of how it was asked (flags, tests)."""
 from dataclasses import dataclass
 
+from flashdraft.engine.config import EngineConfig
+
 
 @dataclass
 class Settings:
@@ -39,3 +41,8 @@ class Settings:
     @property
     def slot_ctx(self) -> int:
         return self.ctx_size // max(self.n_slots, 1)
+
+    def engine_config(self, draft: str | None, device: str, slot_ctx: int, progress: bool = False) -> EngineConfig:
+        return EngineConfig(model=self.model, draft=draft, device=device, dtype=self.dtype, ctx_size=slot_ctx,
+                            n_slots=self.n_slots, draft_window=self.draft_window, block_size=self.block_size,
+                            compile=self.compile, adaptive=self.adaptive, progress=progress)

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from flashdraft.draft.model import DFlashDraft, draft_attention
-from flashdraft.models.layers import position_mask
+from flashdraft.draft import DFlashDraft
+from flashdraft.layers.attention import masked_attention, position_mask
 
 
 @dataclass
@@ -154,7 +154,7 @@ def draft_blocks_forward(draft: DFlashDraft, features: Tensor, noise: Tensor, po
         context_k, context_v = attn.project_kv(context, context_cos_sin)
         keys = torch.cat([context_k, block_k.to(context_k.dtype)], dim=-2)
         values = torch.cat([context_v, block_v.to(context_v.dtype)], dim=-2)
-        out = draft_attention(query, keys, values.to(keys.dtype), masks[draft.layer_attention[i]])
+        out = masked_attention(query, keys, values.to(keys.dtype), masks[draft.layer_attention[i]], attn.scale)
         x = x + attn.o_proj(out)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return draft.norm(x)
@@ -226,4 +226,4 @@ def blocks_step(draft: DFlashDraft, target, batch: Batch, features: Tensor, bloc
     positions = inputs.positions.view(n, a * b)
     masks = layer_masks(draft, blocks, positions, batch.input_ids.shape[1])
     hidden = draft_blocks_forward(draft, features, noise, positions, masks)
-    return block_loss(draft, hidden, inputs, blocks, target.lm_head, loss_chunk)
+    return block_loss(draft, hidden, inputs, blocks, target.logits, loss_chunk)

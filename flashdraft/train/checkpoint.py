@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from flashdraft.draft.model import DFlashDraft, DraftConfig
+from flashdraft.draft import DFlashDraft, DraftConfig
 
 CHECKPOINT = "checkpoint"
 
@@ -54,8 +54,8 @@ def save_int8_draft(source: Path, folder: Path) -> None:
     flashdraft reads it back to the other tensors' dtype; z-lab's loader does not know this format)."""
     from safetensors.torch import save_file
 
-    from flashdraft.draft.model import _read_safetensors
-    tensors = quantize_int8({k: v.contiguous() for k, v in _read_safetensors(Path(source), "cpu").items()})
+    from flashdraft.formats.safetensors import iter_tensors
+    tensors = quantize_int8({k: v.contiguous() for k, v in iter_tensors(Path(source), None, "cpu")})
     config = json.loads((Path(source) / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "flashdraft-int8"}
     folder.mkdir(parents=True, exist_ok=True)

@@ -20,8 +20,6 @@ import torch
 
 from flashdraft.train.prompts import MBPP_TRAIN_IDS, TrainPrompt, load_prompts, parse_id_range, shuffled
 
-HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-              "mistral": "MistralForCausalLM"}
 
 
 @dataclass
@@ -129,7 +127,10 @@ def hf_model_from_target(target, device: str | torch.device, dtype: torch.dtype)
     """A transformers causal LM with the target's weights (they already carry HF names)."""
     import transformers
 
+    from flashdraft.models.registry import family_for
+
     cfg = target.cfg
+    hf_class = family_for(cfg.arch).hf_classes[cfg.arch]
     hf_cfg = transformers.AutoConfig.for_model(
         cfg.arch, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
@@ -140,12 +141,12 @@ def hf_model_from_target(target, device: str | torch.device, dtype: torch.dtype)
         bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_ids or None)
     hf_cfg._attn_implementation = "sdpa"
     with torch.device(device):
-        model = getattr(transformers, HF_CLASSES[cfg.arch])(hf_cfg).to(dtype)
+        model = getattr(transformers, hf_class)(hf_cfg).to(dtype)
     state = {k: v for k, v in target.state_dict().items() if "rotary" not in k}
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if "rotary" not in k and not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
     if missing or unexpected:
-        raise ValueError(f"target weights do not fit {HF_CLASSES[cfg.arch]}: missing {missing[:3]}, "
+        raise ValueError(f"target weights do not fit {hf_class}: missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]}")
     return model.eval()
 
@@ -176,9 +177,10 @@ def flashdraft_generator(target, eos: list[int], opts: GenOptions, device: str) 
     """One prompt at a time through the engine's decode loop (a slow reference for the batched backends)."""
     from flashdraft.engine.generate import decode
     from flashdraft.engine.sampling import SamplingParams
+    from flashdraft.engine.steps import Steps
 
     eos_set = set(eos)
-    target.setup_cache(opts.max_prompt_len + opts.max_new_tokens + 1)
+    steps = Steps(target, target.new_state(1, opts.max_prompt_len + opts.max_new_tokens + 1), device=device)
     params = SamplingParams(temperature=opts.temperature, top_p=opts.top_p, max_tokens=opts.max_new_tokens)
     generator = torch.Generator(device=device).manual_seed(0) if opts.temperature > 0 else None
 
@@ -186,11 +188,11 @@ def flashdraft_generator(target, eos: list[int], opts: GenOptions, device: str) 
         results = []
         for p in prompts:
             tokens: list[int] = []
-            steps = decode(target, torch.tensor(p, device=device), params, generator=generator)
-            for new in steps:
+            loop = decode(steps, torch.tensor(p, device=device), params, generator=generator)
+            for new in loop:
                 tokens += new
                 if eos_set & set(new):
-                    steps.close()
+                    loop.close()
                     break
             results.append(cut_at_eos(tokens, eos_set))
         return results
@@ -361,7 +363,7 @@ def main(argv: list[str]) -> int:
         return 0
     if not args.model:
         ap.error("-m/--model is required unless --export-prompts")
-    from flashdraft.cli import default_device
+    from flashdraft.args import default_device
     from flashdraft.engine.engine import resolve_dtype
     from flashdraft.formats.loader import load_target
 

@@ -1,7 +1,7 @@
 """A fresh draft's configuration from the target: widths mirror the target, depth by the target's size."""
 from __future__ import annotations
 
-from flashdraft.draft.model import DraftConfig, build_target_layer_ids
+from flashdraft.draft import DraftConfig, build_target_layer_ids
 
 
 def target_parameters(cfg) -> int:

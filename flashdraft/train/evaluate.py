@@ -47,11 +47,11 @@ def spec_acceptance(target, tokenizer, draft, sets: dict[str, list[str]], device
                     time_budget_s: float | None = None, ctx_size: int = 2048) -> dict:
     """Mean acceptance length (bonus token included) per set, greedy; stops starting prompts at the budget
     (sets are interleaved so each gets some)."""
-    from flashdraft.engine.engine import Engine, Request
+    from flashdraft.engine.engine import Engine, EngineConfig, Request
     from flashdraft.engine.sampling import SamplingParams
     from flashdraft.formats.chat import chat_ids
 
-    engine = Engine(target, tokenizer, draft, device=device, ctx_size=ctx_size)
+    engine = Engine(target, tokenizer, draft, EngineConfig(device=device, ctx_size=ctx_size))
     start = time.perf_counter()
     lengths: dict[str, list[int]] = {name: [] for name in sets}
     tokens: dict[str, int] = {name: 0 for name in sets}
@@ -92,7 +92,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args(argv)
-    from flashdraft.cli import default_device
+    from flashdraft.args import default_device
     from flashdraft.engine.engine import resolve_dtype
     from flashdraft.formats.loader import load_draft, load_target
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from flashdraft.draft.model import DFlashDraft, load_draft_folder
+from flashdraft.draft import DFlashDraft, load_draft_folder
 from flashdraft.train.blocks import Batch, all_anchors, blocks_step, collate, sample_anchors
 from flashdraft.train.checkpoint import read_checkpoint, save_checkpoint, save_draft
 from flashdraft.train.data import (add_generation_args, collect_prompts, gen_options, generate_records,
@@ -195,7 +195,7 @@ class Trainer:
 def load_or_build_draft(args: argparse.Namespace, target, tokenizer, out: Path, device: str):
     """(draft in float32, checkpoint state, optimizer state): from OUT/checkpoint with --resume, from --init,
     or fresh from the target's shape."""
-    from flashdraft.draft.model import check_compatible
+    from flashdraft.draft import check_compatible
 
     checkpoint = read_checkpoint(out) if args.resume else None
     if args.resume and checkpoint is None:
@@ -251,7 +251,7 @@ def prepare_data(args: argparse.Namespace, target, tokenizer, device: str, dtype
 def run(args: argparse.Namespace, target=None, tokenizer=None) -> dict:
     """Train (or continue) a draft; returns the summary also written to OUT/train_summary.json.
     A loaded target/tokenizer may be passed in to skip loading."""
-    from flashdraft.cli import default_device
+    from flashdraft.args import default_device
     from flashdraft.engine.engine import resolve_dtype
 
     device = default_device(args.device)

@@ -5,7 +5,8 @@ program leaves most of the GPU idle while it walks the cache. Here the keys are 
 (KV head, split) computes a partial softmax-weighted sum for all the query heads of its group at once (GQA
 without repeating K/V), and a second kernel merges the splits by their log-sum-exp. The mask is an explicit
 bool [T, L] (True = attend), so causal, sliding-window and the draft's non-causal ring layouts all go through
-the same kernel. Registered as a torch custom op, so torch.compile and CUDA graphs treat it as one opaque call.
+the same kernel; the score scale and an optional tanh softcap are arguments. Registered as a torch custom op,
+so torch.compile and CUDA graphs treat it as one opaque call.
 """
 import functools
 
@@ -24,8 +25,8 @@ TARGET_PROGRAMS = 264  # about two programs per SM of an H100/H200
 @triton.jit(do_not_specialize=["stride_mt", "L", "blocks_per_split", "T", "G"])
 def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr,
                     stride_qt, stride_qh, stride_kh, stride_kl, stride_vh, stride_vl, stride_mt,
-                    L, blocks_per_split, n_kv, scale, T, G,
-                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    L, blocks_per_split, n_kv, scale, softcap, T, G,
+                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr):
     kv = tl.program_id(0)
     split = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)  # row r holds query token r % T of head kv * G + r // T
@@ -43,6 +44,8 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr,
         col_ok = cols < L
         k = tl.load(k_ptr + kv * stride_kh + cols[:, None] * stride_kl + d[None, :], mask=col_ok[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k)) * scale
+        if SOFTCAP:  # softcap * tanh(s / softcap), tanh through exp (no libdevice call: the interpreter runs it too)
+            s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)
         allowed = tl.load(mask_ptr + t[:, None] * stride_mt + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
                           other=0)
         s = tl.where(allowed != 0, s, float("-inf"))
@@ -85,11 +88,12 @@ def triton_matmul_ready(device_index: int) -> bool:
 
 
 @torch.library.custom_op("flashdraft::split_attention", mutates_args=())
-def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
-    """q [T, H, D]; keys/values [KV, L, D] (any strides but the last); mask [T, L] bool. Returns [T, H*D]."""
+def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float, softcap: float) -> Tensor:
+    """q [T, H, D]; keys/values [KV, L, D] (any strides but the last); mask [T, L] bool; softcap 0: none.
+    Returns [T, H*D]."""
     if q.is_cuda and not triton_matmul_ready(torch.cuda.current_device() if q.device.index is None else q.device.index):
-        from flashdraft.models.attention import grouped_attention
-        return grouped_attention(q, keys, values, mask)
+        from flashdraft.layers.attention import grouped_attention
+        return grouped_attention(q, keys, values, mask, scale, softcap or None)
     T, H, D = q.shape
     KV, L = keys.shape[0], keys.shape[1]
     G = H // KV
@@ -113,8 +117,8 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Te
     _partial_kernel[(KV, splits)](q, keys, values, mask, acc, m, lse,
                                   q.stride(0), q.stride(1), keys.stride(0), keys.stride(1),
                                   values.stride(0), values.stride(1), mask.stride(0),
-                                  L, blocks_per_split, KV, D ** -0.5, T, G,
-                                  D=D, BLOCK_M=block_m, BLOCK_N=BLOCK_N)
+                                  L, blocks_per_split, KV, scale, softcap or 1.0, T, G,
+                                  D=D, BLOCK_M=block_m, BLOCK_N=BLOCK_N, SOFTCAP=softcap > 0)
     out = torch.empty(T, H, D, device=q.device, dtype=q.dtype)
     _merge_kernel[(KV, G * T)](acc, m, lse, out, out.stride(0), out.stride(1), splits, KV, T, G,
                                D=D, BLOCK_M=block_m, SPLITS=max(2, triton.next_power_of_2(max_splits)))
@@ -122,5 +126,5 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Te
 
 
 @split_attention.register_fake
-def _(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+def _(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float, softcap: float) -> Tensor:
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])

@@ -1,0 +1,39 @@
+"""The engine's command-line flags, declared once for generate, serve and bench, and the EngineConfig they give."""
+import argparse
+
+from flashdraft.engine.config import EngineConfig
+
+DTYPES = ["auto", "float32", "bfloat16", "float16"]
+
+
+def add_engine_args(ap: argparse.ArgumentParser, model: bool = True, context: bool = True) -> None:
+    """model: -m/-md (the bench declares its own, optional, ones); context: --ctx-size, --block-size,
+    --draft-window (the server declares llama-server's spellings and meanings: -c is the total over all slots,
+    --spec-dflash-cross-ctx the window)."""
+    if model:
+        ap.add_argument("-m", "--model", required=True, help="target: GGUF file, HF folder, or a named model")
+        ap.add_argument("-md", "--draft", help="DFlash draft (z-lab HF folder); a named model brings its own")
+    if context:
+        ap.add_argument("--ctx-size", type=int, default=4096)
+        ap.add_argument("--block-size", type=int, default=None, help="verify block (at most the draft's)")
+        ap.add_argument("--draft-window", type=int, default=None, help="draft sees the last N positions")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    ap.add_argument("--dtype", default="auto", choices=DTYPES)
+    ap.add_argument("--compile", action="store_true",
+                    help="fuse each layer's small ops with torch.compile for decode/verify steps (slower start)")
+    ap.add_argument("--spec-dm-adaptive", dest="adaptive", action=argparse.BooleanOptionalAction, default=True,
+                    help="choose each verify step's width from the draft's recent acceptance and measured step costs, "
+                         "down to plain decoding when drafting does not pay (default on; off: always the full block)")
+
+
+def default_device(device: str | None) -> str:
+    import torch
+    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def engine_config(args: argparse.Namespace, draft: str | None, device: str, **overrides) -> EngineConfig:
+    """The EngineConfig of parsed engine flags (the draft is resolved by the caller: named models bring one)."""
+    fields = dict(model=args.model, draft=draft, device=device, dtype=args.dtype, ctx_size=args.ctx_size,
+                  draft_window=args.draft_window, block_size=args.block_size, compile=args.compile,
+                  adaptive=args.adaptive)
+    return EngineConfig(**(fields | overrides))

@@ -1,0 +1,138 @@
+"""The decode loop's steps: what each kind computes, its static shape, its CUDA graph key, and the list of keys
+warm-up captures, in one place (so warm-up cannot miss a key that decoding uses).
+
+A step attends over a fixed number of cache rows (a bucket: the next power of two that covers the needed
+length), so one graph serves every position inside its bucket, and attention never reads rows past the bucket.
+Kinds: a plain step (one token; with `follow` it also captures the draft's features), a speculative step (draft
+a block after its anchor, verify its first `width` tokens), and the draft's context append of n committed rows.
+"""
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from flashdraft.engine.graphs import GraphCache
+from flashdraft.engine.sampling import argmax_rows
+
+MIN_BUCKET = 256
+
+
+def bucket_for(length: int, max_len: int) -> int:
+    b = MIN_BUCKET
+    while b < length:
+        b *= 2
+    return min(b, max_len)
+
+
+@dataclass(frozen=True)
+class PlainKey:
+    slot: int
+    bucket: int
+    follow: bool
+
+
+@dataclass(frozen=True)
+class SpecKey:
+    slot: int
+    bucket: int
+    block: int
+    width: int
+
+
+@dataclass(frozen=True)
+class ContextKey:
+    slot: int
+    rows: int
+
+
+def plain_step(target, state, token: Tensor, pos: Tensor, slot: int, attn_len: int,
+               capture: list[int] | None = None) -> tuple[Tensor, ...]:
+    """One token [1] through the target: (logits [1, V],), or (logits, features [1, L*H]) when `capture` names
+    layers (a plain step taken while a draft follows along, which needs the features of every committed position)."""
+    logits, feats = target(token[None], pos[None], state, slot, attn_len=attn_len, capture=capture or ())
+    return (logits[0],) if capture is None else (logits[0], feats[0])
+
+
+def speculative_step(target, state, draft, block: Tensor, positions: Tensor, slot: int, attn_len: int,
+                     verify: int | None = None, live: Tensor | None = None):
+    """Draft one block after its anchor `block[0]`, then verify its first `verify` tokens (default: all).
+    The draft always sees the whole block (its first `live` rows, see DFlashDraft.forward), so a narrower verify
+    checks the same proposals. Returns (drafted [verify - 1], logits [verify, V], features [verify, L*H])."""
+    verify = verify or len(block)
+    noise = target.embed(block) * draft.cfg.input_embedding_scale
+    hidden = draft(noise, positions, slot, live, attn_len)  # the ring rows past the bucket hold no context yet
+    drafted = argmax_rows(draft.compute_logits(hidden[1:verify], target.logits))
+    checked = torch.cat([block[:1], drafted])
+    logits, feats = target(checked[None], positions[None, :verify], state, slot,
+                           capture=draft.cfg.target_layer_ids, attn_len=attn_len)
+    return drafted, logits[0], feats[0]
+
+
+class Steps:
+    """Runs the decode loop's steps for one target (and draft) over their state; on CUDA each key is captured
+    once as a graph and replayed. `static`: steps attend over whole buckets (CUDA graphs); elsewhere over the
+    exact length."""
+
+    def __init__(self, target, state, draft=None, device: str = "cpu"):
+        self.target, self.state, self.draft = target, state, draft
+        self.graphs = GraphCache(device)
+        self.static = self.graphs.captures
+        self.device = device
+
+    def attended(self, length: int) -> int:
+        return bucket_for(length, self.state.max_len) if self.static else length
+
+    def plain(self, slot: int, token: Tensor, pos: Tensor, attn_len: int, follow: bool) -> tuple[Tensor, ...]:
+        capture = self.draft.cfg.target_layer_ids if follow else None
+
+        def step(t, p):
+            return plain_step(self.target, self.state, t, p, slot, attn_len, capture)
+
+        return self.graphs.run(PlainKey(slot, attn_len, follow), step, [token, pos])
+
+    def speculative(self, slot: int, block_ids: Tensor, positions: Tensor, live: Tensor, attn_len: int,
+                    width: int, block: int) -> tuple[Tensor, Tensor, Tensor]:
+        """A block shorter than the engine's `block` (the context's end) runs eagerly: no graph for that shape."""
+        def step(b, p, n):
+            return speculative_step(self.target, self.state, self.draft, b, p, slot, attn_len, width, n)
+
+        if len(block_ids) != block:
+            return step(block_ids, positions, live)
+        return self.graphs.run(SpecKey(slot, attn_len, block, width), step, [block_ids, positions, live])
+
+    def append_context(self, slot: int, features: Tensor, positions: Tensor) -> None:
+        """Hand the draft the features of newly committed positions (a graph per row count on CUDA)."""
+        self.graphs.run(ContextKey(slot, len(positions)),
+                        lambda f, p: (self.draft.append_context(f, p, slot),), [features, positions])
+
+    def warmup_keys(self, n_slots: int, block: int, adaptive: bool) -> list[PlainKey | SpecKey | ContextKey]:
+        """Every key the decode loop can use with this configuration (full-width verify; adaptive widths are
+        captured as measure_width_costs times them)."""
+        max_len = self.state.max_len
+        buckets = sorted({bucket_for(MIN_BUCKET * 2 ** i, max_len) for i in range(32) if MIN_BUCKET * 2 ** i < max_len * 2})
+        keys: list[PlainKey | SpecKey | ContextKey] = []
+        for slot in range(n_slots):
+            for b in buckets:
+                keys.append(PlainKey(slot, b, False))
+                if self.draft is not None and adaptive:
+                    keys.append(PlainKey(slot, b, True))
+                if self.draft is not None and block > 1 and b >= block:
+                    keys.append(SpecKey(slot, b, block, block))
+            if self.draft is not None and block > 1:
+                keys += [ContextKey(slot, n) for n in range(1, block + 1)]
+        return keys
+
+    def run_key(self, key: PlainKey | SpecKey | ContextKey) -> None:
+        """Run (on CUDA: capture) one key's step on placeholder inputs."""
+        dev = self.device
+        if isinstance(key, PlainKey):
+            zero = torch.zeros(1, dtype=torch.long, device=dev)
+            self.plain(key.slot, zero, zero.clone(), key.bucket, key.follow)
+        elif isinstance(key, SpecKey):
+            pos = max(0, min(64, key.bucket - key.block))
+            self.speculative(key.slot, torch.zeros(key.block, dtype=torch.long, device=dev),
+                             torch.arange(pos, pos + key.block, device=dev),
+                             torch.tensor([key.block], device=dev), key.bucket, key.width, key.block)
+        else:
+            feats = torch.zeros(key.rows, self.draft.cfg.context_width, dtype=self.target.dtype, device=dev)
+            self.append_context(key.slot, feats, torch.arange(key.rows, device=dev))

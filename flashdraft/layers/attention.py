@@ -1,0 +1,134 @@
+"""Attention with what a family varies made explicit (`AttentionSpec`: scale, softcap, window, causality), and
+the dispatch between kernels: few query tokens (decode, verify and draft steps) over a cache take the split-K
+kernel of kernels/split_attention.py on a GPU with Triton, or two batched matrix products elsewhere (CPU, head
+sizes that are not a power of two, FLASHDRAFT_ATTENTION=matmul); longer chunks take SDPA."""
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+SMALL_QUERY = 64  # up to this many query tokens a step takes the few-query path instead of SDPA
+KERNEL = os.environ.get("FLASHDRAFT_ATTENTION", "split")  # "split" or "matmul"; benchmarks switch it
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter runs the kernel on CPU tensors (tests)
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What one attention layer computes: softmax(softcap(scale * q k^T) + mask) v. `window`: keys less than
+    this many positions before the query (and after it, where the layer is not causal)."""
+    scale: float
+    softcap: float | None = None
+    window: int | None = None
+    causal: bool = True
+
+
+def position_mask(query_pos: Tensor, key_pos: Tensor, is_causal: bool = True,
+                  sliding_window: int | None = None) -> Tensor:
+    """[..., Q, K] bool (True = attend) from absolute positions (leading dims broadcast): a causal layer sees keys
+    at or before the query; a sliding window keeps keys less than `sliding_window` away (on both sides when the
+    layer is not causal)."""
+    offset = query_pos[..., :, None] - key_pos[..., None, :]
+    mask = offset >= 0 if is_causal else torch.ones_like(offset, dtype=torch.bool)
+    if sliding_window is not None:
+        mask = mask & (offset < sliding_window)
+        if not is_causal:
+            mask = mask & (offset > -sliding_window)
+    return mask
+
+
+def spec_mask(spec: AttentionSpec, query_pos: Tensor, key_pos: Tensor) -> Tensor:
+    return position_mask(query_pos, key_pos, spec.causal, spec.window)
+
+
+def _softcap(scores: Tensor, softcap: float | None) -> Tensor:
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
+def grouped_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float,
+                      softcap: float | None = None) -> Tensor:
+    """Attention reading each K/V row once: the query heads that share a KV head are stacked into one matrix
+    product (no K/V repetition for GQA). q: [T, H, D]; keys/values: [KV, L, D]; mask: [T, L] bool. Returns [T, H*D]."""
+    T, H, D = q.shape
+    KV, L = keys.shape[0], keys.shape[1]
+    G = H // KV
+    qg = (q * scale).view(T, KV, G, D).permute(1, 2, 0, 3).reshape(KV, G * T, D)
+    scores = _softcap(torch.bmm(qg, keys.transpose(1, 2)).view(KV, G, T, L).float(), softcap)
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(values.dtype)
+    out = torch.bmm(probs.view(KV, G * T, L), values)
+    return out.view(KV, G, T, D).permute(2, 0, 1, 3).reshape(T, H * D)
+
+
+def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
+                     softcap: float | None = None) -> Tensor:
+    """Heads-first attention with an explicit mask: q [..., Hq, Q, D], k/v [..., Hkv, K, D], mask bool [..., Q, K]
+    -> [..., Q, Hq * D]. GQA by folding each KV head's query group into the query length, so K/V are never
+    repeated and any SDPA kernel that takes a mask can run it."""
+    num_heads, q_len, head_dim = q.shape[-3:]
+    num_kv_heads, k_len = k.shape[-3], k.shape[-2]
+    groups = num_heads // num_kv_heads
+    unbatched = q.dim() == 3
+    if unbatched:  # the fused CUDA kernels only take 4-D inputs; 3-D falls back to the math path
+        q, k, v = q[None], k[None], v[None]
+        mask = None if mask is None else mask[None]
+    q = q.unflatten(-3, (num_kv_heads, groups)).flatten(-3, -2)
+    if mask is not None:
+        mask = mask.unsqueeze(-3).expand(*mask.shape[:-2], groups, q_len, k_len).flatten(-3, -2).unsqueeze(-3)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    else:
+        scores = _softcap((q @ k.transpose(-1, -2)).float() * scale, softcap)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        out = scores.softmax(-1).to(v.dtype) @ v
+    out = out.unflatten(-2, (groups, q_len)).flatten(-4, -3)  # [..., Hq, Q, D]
+    out = out.transpose(-3, -2).flatten(-2)
+    return out[0] if unbatched else out
+
+
+def _load_split_kernel() -> bool:
+    """Import the Triton kernel once, at import time (not inside a torch.compile trace)."""
+    runnable = torch.cuda.is_available() or INTERPRETED
+    if KERNEL != "split" or not runnable or importlib.util.find_spec("triton") is None:
+        return False
+    try:
+        import flashdraft.kernels.split_attention  # noqa: F401  (registers torch.ops.flashdraft.split_attention)
+    except Exception:
+        return False
+    return True
+
+
+SPLIT_KERNEL_LOADED = _load_split_kernel()
+
+
+def uses_split_kernel(q: Tensor) -> bool:
+    """q: [T, H, D]."""
+    D = q.shape[-1]
+    return (SPLIT_KERNEL_LOADED and KERNEL == "split" and (q.is_cuda or INTERPRETED) and q.shape[0] <= SMALL_QUERY
+            and D >= 16 and D & (D - 1) == 0)
+
+
+def few_query_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float,
+                        softcap: float | None = None) -> Tensor:
+    """q: [T, H, D] (T <= SMALL_QUERY); keys/values: [KV, L, D]; mask: [T, L] bool (True = attend). Returns [T, H*D]."""
+    if uses_split_kernel(q):
+        return torch.ops.flashdraft.split_attention(q, keys, values, mask, scale, softcap or 0.0)
+    return grouped_attention(q, keys, values, mask, scale, softcap)
+
+
+def attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, spec: AttentionSpec) -> Tensor:
+    """q [B, T, H, D] over keys/values [B, KV, L, D]; mask [B, T, L] bool, or None for plain causal attention over
+    a chunk's own keys (L == T, a fresh prefill: flash kernels). Returns [B, T, H*D]."""
+    B, T, H, _ = q.shape
+    if mask is not None and T <= SMALL_QUERY and B == 1:
+        return few_query_attention(q[0], keys[0], values[0], mask[0], spec.scale, spec.softcap)[None]
+    if mask is None and spec.softcap is None:
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, is_causal=True, scale=spec.scale,
+                                             enable_gqa=H != keys.shape[1])
+        return out.transpose(1, 2).reshape(B, T, -1)
+    if mask is None:
+        positions = torch.arange(T, device=q.device)
+        mask = position_mask(positions, positions)[None]
+    return masked_attention(q.transpose(1, 2), keys, values, mask, spec.scale, spec.softcap)

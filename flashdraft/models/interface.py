@@ -1,0 +1,58 @@
+"""What the engine, the draft and training may call on a target model: `CausalLM`, and the `ModelState` it
+allocates. Shapes carry a batch axis B (one row per slot served in the step; B = 1 in the engine today)."""
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from flashdraft.layers.kv_cache import Slots
+
+# Which positions get logits: "all", "last", a LongTensor [B] (one position per row), or None (no logits).
+LogitsAt = str | Tensor | None
+
+
+class ModelState(Protocol):
+    """Everything a model keeps between steps for its slots (one cache object per layer)."""
+    max_len: int
+
+    def commit(self, slot: int, length: int) -> None:
+        """After a verify step: the slot's first `length` positions are kept. Position-indexed caches need
+        nothing (stale rows are masked by position); recurrent state would copy the accepted step's state here."""
+        ...
+
+    @property
+    def bytes(self) -> int: ...
+
+
+class CausalLM(Protocol):
+    cfg: object  # the family's config; every family's has vocab_size, hidden_size, num_layers, eos_token_ids
+    rank: int
+    world_size: int
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def new_state(self, n_slots: int, max_len: int) -> ModelState: ...
+
+    def forward(self, ids: Tensor, positions: Tensor, state: ModelState | None = None, slots: Slots = 0,
+                attn_len: int | None = None, capture: Sequence[int] = (), fresh: bool = False,
+                logits_at: LogitsAt = "all", last_layer: int | None = None) -> tuple[Tensor | None, Tensor | None]:
+        """ids, positions [B, T] -> (logits [B, T or 1, V] as `logits_at` asks, captured features [B, T, L*H]).
+        With a state, K/V are written at the rows of `positions` in `slots` and attention reads the first
+        `attn_len` rows (default: up to the largest position), masked by position. `fresh`: every row's
+        positions are arange(T) (a first prefill chunk, or training with no state): plain causal attention.
+        `capture`: decoder layer ids whose outputs (HF hidden_states[i + 1]) are concatenated, in that order.
+        `last_layer`: stop after that layer (features only; no logits)."""
+        ...
+
+    def embed(self, ids: Tensor) -> Tensor: ...
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Final-normed hidden states -> full-vocabulary logits (gathered over tensor-parallel ranks)."""
+        ...
+
+    def compile_layers(self, widths: tuple[int, ...]) -> None: ...

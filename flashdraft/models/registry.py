@@ -1,0 +1,75 @@
+"""Model families by HF `model_type` and GGUF `general.architecture`: config reader, model class, GGUF tensor
+names and tensor-parallel rules. A new family is its own file plus an entry here; nothing else changes."""
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from flashdraft.models import llama
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model_class: type                                  # built as model_class(cfg, rank, world_size)
+    read_config: Callable[[dict], object]              # HF config.json dict -> the family's config
+    hf_classes: dict[str, str]                         # model_type -> transformers class name
+    gguf_architectures: dict[str, str] = field(default_factory=dict)  # GGUF general.architecture -> model_type
+    gguf_global_names: dict[str, str] = field(default_factory=dict)   # GGUF tensor base name -> HF module name
+    gguf_layer_names: dict[str, str] = field(default_factory=dict)    # GGUF blk.N part -> HF module in layer N
+    gguf_permuted_qk: tuple[str, ...] = ()             # GGUF architectures whose q/k rows llama.cpp permutes
+    tp_row_split: tuple[str, ...] = ()                 # modules split by output features (heads or columns)
+    tp_column_split: tuple[str, ...] = ()              # modules split by input features (summed by all-reduce)
+
+    @property
+    def model_types(self) -> tuple[str, ...]:
+        return tuple(self.hf_classes)
+
+
+LLAMA = Family(
+    name="llama",
+    model_class=llama.Llama,
+    read_config=llama.LlamaConfig.from_hf,
+    hf_classes={"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "qwen3": "Qwen3ForCausalLM"},
+    gguf_architectures={"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"},
+    gguf_global_names={"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"},
+    gguf_layer_names={
+        "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+        "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+        "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    },
+    gguf_permuted_qk=("llama",),  # the converter permutes q/k for `llama` (and so Mistral) only
+    tp_row_split=("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"),
+    tp_column_split=("o_proj", "down_proj"),
+)
+
+FAMILIES: list[Family] = [LLAMA]
+
+
+def register(family: Family) -> None:
+    FAMILIES.append(family)
+
+
+def model_types() -> list[str]:
+    return [t for f in FAMILIES for t in f.model_types]
+
+
+def family_for(model_type: str) -> Family:
+    for f in FAMILIES:
+        if model_type in f.hf_classes:
+            return f
+    raise ValueError(f"unsupported architecture {model_type!r} (supported: {', '.join(model_types())})")
+
+
+def family_for_gguf(architecture: str) -> Family:
+    for f in FAMILIES:
+        if architecture in f.gguf_architectures:
+            return f
+    supported = [a for f in FAMILIES for a in f.gguf_architectures]
+    raise ValueError(f"unsupported GGUF architecture {architecture!r} (supported: {', '.join(supported)})")
+
+
+def read_config(hf_config: dict):
+    """(family, config) for an HF config.json dict."""
+    family = family_for(hf_config.get("model_type", ""))
+    return family, family.read_config(hf_config)
