@@ -1,0 +1,199 @@
+"""Generation routes: OpenAI's chat and text completions, llama.cpp's native completion, and the chat template."""
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from flashdraft.engine.engine import Completion, Delta, Engine
+from flashdraft.engine.engine import Request as EngineRequest
+from flashdraft.formats.chat import chat_ids
+from flashdraft.server import protocol as P
+from flashdraft.server.protocol import ApiError
+from flashdraft.server.reasoning import ThinkSplitter, prompt_opens_thinking, split_reasoning
+from flashdraft.server.scheduler import Job
+from flashdraft.server.state import FINGERPRINT, ServerState, read_json, server_state
+from flashdraft.server.streaming import EventStream, guarded, sse, until_disconnect
+
+log = logging.getLogger("flashdraft.server")
+router = APIRouter()
+
+
+def log_completion(path: str, job: Job, c: Completion) -> None:
+    t = c.timings.to_dict()
+    line = (f"{path} slot {job.slot} task {job.task} | prompt {t['prompt_n']} tok, "
+            f"{t['prompt_per_second']:.1f} tok/s | generated {t['predicted_n']} tok, "
+            f"{t['predicted_per_second']:.1f} tok/s")
+    if c.spec.draft_steps:
+        s = c.speculative_summary()
+        line += (f" | acceptance length {s['mean_acceptance_length']:.2f}, rate {s['acceptance_rate']:.1%} "
+                 f"({s['draft_n_accepted']}/{s['draft_n']})")
+    log.info("%s | %s", line, c.finish_reason)
+
+
+def chat_prompt_ids(state: ServerState, engine: Engine, body: dict) -> list[int]:
+    messages = P.parse_messages(body)
+    extra = dict(P.get_object(body, "chat_template_kwargs"))
+    if isinstance(body.get("tools"), list) and body["tools"]:
+        extra.setdefault("tools", body["tools"])
+    try:
+        return chat_ids(engine.tokenizer, messages, state.settings.reasoning, extra)
+    except Exception as e:  # template errors (e.g. raise_exception in the template) are the request's
+        raise ApiError(400, f"the chat template failed on these messages: {e}") from None
+
+def engine_request(state: ServerState, ids: list[int], body: dict, limit_names: tuple[str, ...]) -> EngineRequest:
+    engine, _ = state.require()
+    params = P.sampling_params(body, state.settings, limit_names)
+    try:
+        params.validate()
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+    P.check_fits(ids, engine.ctx_size)
+    return EngineRequest(prompt_ids=ids, params=params, speculative=state.settings.speculative)
+
+async def generate(request: Request, req: EngineRequest) -> tuple[Job, Completion] | None:
+    async def run() -> tuple[Job, Completion]:
+        async with contextlib.aclosing(stream_events(request, req)) as events:
+            async for job, event in events:
+                if isinstance(event, Completion):
+                    return job, event
+        raise RuntimeError("generation ended without a result")
+    return await until_disconnect(request, run())
+
+async def stream_events(request: Request, req: EngineRequest) -> AsyncIterator[tuple[Job, Delta | Completion]]:
+    _, scheduler = server_state(request).require()
+    completed = False
+    try:
+        async with contextlib.aclosing(scheduler.run(req)) as events:
+            async for job, event in events:
+                if isinstance(event, Completion):
+                    completed = True
+                    log_completion(request.url.path, job, event)
+                yield job, event
+    except (asyncio.CancelledError, GeneratorExit):
+        if not completed:
+            log.info("%s | cancelled: the client went away", request.url.path)
+        raise
+
+def openai_stream(request: Request, req: EngineRequest, env: P.Envelope, body: dict,
+                  content: Callable[[Delta | Completion], Iterable[dict]], finish: Callable[[str], dict],
+                  opening: dict | None = None, per_token: bool = False) -> EventStream:
+    """The streamed response of the OpenAI routes: `opening`, then the chunks `content` makes of each event
+    (with running `timings` when `per_token`), the `finish` chunk with the finish reason and, when
+    stream_options.include_usage asks for it, a usage-only chunk (all chunks before it carry `usage: null`).
+    The final chunk carries llama.cpp's `timings` and `speculative`; `data: [DONE]` ends the stream."""
+    include_usage = P.get_bool(P.get_object(body, "stream_options"), "include_usage", False)
+    extra_fields = {"usage": None} if include_usage else {}
+
+    async def chunks() -> AsyncIterator[bytes]:
+        if opening is not None:
+            yield sse(opening | extra_fields)
+        async for job, event in stream_events(request, req):
+            for chunk in content(event):
+                chunk = chunk | extra_fields
+                yield sse(chunk | {"timings": P.running_timings(job)} if per_token and isinstance(event, Delta)
+                          else chunk)
+            if isinstance(event, Completion):
+                last = finish(event.finish_reason) | extra_fields
+                if include_usage:
+                    yield sse(last)
+                    last = env.make([], usage=P.usage(event))
+                yield sse(P.add_stats(last, event))
+        yield b"data: [DONE]\n\n"
+    return EventStream(guarded(chunks()))
+
+
+@router.post("/apply-template")
+async def apply_template(request: Request) -> dict:
+    state = server_state(request)
+    engine, _ = state.require()
+    body = await read_json(request)
+    return {"prompt": engine.tokenizer.decode(chat_prompt_ids(state, engine, body), skip_special=False)}
+
+@router.post("/v1/chat/completions")
+@router.post("/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    state = server_state(request)
+    body = await read_json(request)
+    engine, _ = state.require()
+    ids = chat_prompt_ids(state, engine, body)
+    req = engine_request(state, ids, body, ("max_completion_tokens", "max_tokens", "n_predict"))
+    env = P.Envelope("chatcmpl-", "chat.completion.chunk", state.model_name, FINGERPRINT)
+    split = P.reasoning_format(body, state.settings.reasoning_format) != "none"
+    thinking_open = split and prompt_opens_thinking(engine.tokenizer.decode(ids[-16:], skip_special=False))
+    if not P.get_bool(body, "stream", False):
+        done = await generate(request, req)
+        if done is None:
+            return Response(status_code=499)
+        reasoning, content = split_reasoning(done[1].text, thinking_open) if split else ("", done[1].text)
+        return JSONResponse(P.chat_response(env, done[1], content, reasoning))
+    splitter = ThinkSplitter(thinking_open) if split else None
+
+    def deltas(event: Delta | Completion) -> Iterator[dict]:
+        """Reasoning and content chunks of what the splitter lets out; at the end, all it still holds."""
+        final = isinstance(event, Completion)
+        text = "" if final else event.text
+        reasoning, content = ("", text) if splitter is None else splitter.push(text)
+        if final and splitter is not None:
+            r, c = splitter.flush()
+            reasoning, content = reasoning + r, content + c
+        for key, value in (("reasoning_content", reasoning), ("content", content)):
+            if value:
+                yield P.chat_chunk(env, {key: value})
+
+    return openai_stream(request, req, env, body, deltas, lambda reason: P.chat_chunk(env, {}, reason),
+                         opening=P.chat_chunk(env, {"role": "assistant", "content": ""}),
+                         per_token=P.get_bool(body, "timings_per_token", False))
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    state = server_state(request)
+    body = await read_json(request)
+    engine, _ = state.require()
+    ids = P.prompt_ids(body, engine.tokenizer, engine.target.cfg.vocab_size)
+    req = engine_request(state, ids, body, ("max_tokens", "n_predict"))
+    env = P.Envelope("cmpl-", "text_completion", state.model_name, FINGERPRINT)
+    if not P.get_bool(body, "stream", False):
+        done = await generate(request, req)
+        return JSONResponse(P.text_response(env, done[1])) if done else Response(status_code=499)
+
+    def pieces(event: Delta | Completion) -> Iterator[dict]:
+        if isinstance(event, Delta) and event.text:
+            yield P.text_chunk(env, event.text)
+
+    return openai_stream(request, req, env, body, pieces, lambda reason: P.text_chunk(env, "", reason))
+
+@router.post("/completion")
+@router.post("/completions")
+async def native_completion(request: Request) -> Response:
+    """llama.cpp's own completion API (not OpenAI's), as llama-server serves it on both paths."""
+    state = server_state(request)
+    body = await read_json(request)
+    engine, _ = state.require()
+    ids = P.prompt_ids(body, engine.tokenizer, engine.target.cfg.vocab_size)
+    req = engine_request(state, ids, body, ("n_predict", "max_tokens"))
+    return_tokens = P.get_bool(body, "return_tokens", False)
+    per_token = P.get_bool(body, "timings_per_token", False)
+    settings = P.generation_settings(req.params, engine.ctx_size, req.speculative)
+    prompt_text = engine.tokenizer.decode(ids, skip_special=False)
+    if not P.get_bool(body, "stream", False):
+        done = await generate(request, req)
+        if done is None:
+            return Response(status_code=499)
+        job, c = done
+        return JSONResponse(P.native_final(c, job.slot, state.model_name, settings, prompt_text, True,
+                                           return_tokens))
+
+    async def chunks() -> AsyncIterator[bytes]:
+        async for job, event in stream_events(request, req):
+            if isinstance(event, Delta):
+                if event.text:
+                    chunk = P.native_chunk(event.text, event.token_ids if return_tokens else [], job.slot,
+                                           job.n_decoded, len(ids))
+                    yield sse(chunk | {"timings": P.running_timings(job)} if per_token else chunk)
+                continue
+            yield sse(P.native_final(event, job.slot, state.model_name, settings, prompt_text, False,
+                                     return_tokens))
+    return EventStream(guarded(chunks()))

@@ -1,0 +1,109 @@
+"""Status and information routes: health, models, props, slots, metrics, tokenize, detokenize."""
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse, Response
+
+from flashdraft.server import protocol as P
+from flashdraft.server.protocol import ApiError
+from flashdraft.server.state import BUILD_INFO, read_json, server_state
+
+router = APIRouter()
+
+
+@router.get("/health")
+@router.get("/v1/health")
+async def health(request: Request) -> dict:
+    state = server_state(request)
+    state.require()
+    return {"status": "ok"}
+
+@router.get("/v1/models")
+@router.get("/models")
+async def models(request: Request) -> dict:
+    state = server_state(request)
+    engine, _ = state.require()
+    cfg = engine.target.cfg
+    n_params = sum(p.numel() for p in engine.target.parameters())
+    size = sum(p.numel() * p.element_size() for p in engine.target.parameters())
+    meta = {"vocab_type": 2, "n_vocab": cfg.vocab_size, "n_ctx_train": cfg.max_position_embeddings,
+            "n_embd": cfg.hidden_size, "n_params": n_params, "size": size}
+    return {"object": "list", "data": [{"id": state.model_name, "object": "model",
+                                        "created": int(state.started), "owned_by": "llamacpp",
+                                        "meta": meta}]}
+
+@router.get("/props")
+async def props(request: Request) -> dict:
+    state = server_state(request)
+    engine, scheduler = state.require()
+    s = state.settings
+    spec = engine.draft is not None and s.speculative
+    return {
+        "default_generation_settings": {
+            "n_ctx": engine.ctx_size,
+            "params": {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p,
+                       "n_predict": s.n_predict, "seed": s.seed}},
+        "total_slots": engine.n_slots,
+        "model_path": engine.model_path,
+        "model_alias": state.model_name,
+        "draft_model_path": engine.draft_path,
+        "speculative": {"type": "dflash" if spec else "none",
+                        "block_size": engine.draft_block if spec else None,
+                        "draft_window": engine.draft_window if spec else None},
+        "reasoning": s.reasoning,
+        "chat_template": engine.tokenizer.chat_template,
+        "modalities": {"vision": False, "audio": False},
+        "build_info": BUILD_INFO,
+        "memory_bytes": engine.memory,
+    }
+
+@router.get("/slots")
+async def slots(request: Request) -> list[dict]:
+    state = server_state(request)
+    engine, scheduler = state.require()
+    if request.query_params.get("fail_on_no_slot") in ("1", "true") and scheduler.free_slots == 0:
+        raise ApiError(503, "no slot available")
+    defaults = P.sampling_params({}, state.settings, ())
+    out = []
+    spec = engine.draft is not None and state.settings.speculative
+    for i, job in enumerate(scheduler.slots):
+        p = job.request.params if job else defaults
+        n_decoded = job.n_decoded if job else 0
+        out.append({"id": i, "id_task": job.task if job else -1, "n_ctx": engine.ctx_size,
+                    "speculative": spec, "is_processing": job is not None,
+                    "params": P.generation_settings(p, engine.ctx_size, spec),
+                    "next_token": {"has_next_token": job is not None,
+                                   "has_new_line": job.has_new_line if job else False,
+                                   "n_remain": max(p.max_tokens - n_decoded, 0) if job else 0,
+                                   "n_decoded": n_decoded}})
+    return out
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    state = server_state(request)
+    if not state.settings.metrics:
+        raise ApiError(501, "This server does not support metrics endpoint. Start it with `--metrics`")
+    _, scheduler = state.require()
+    return PlainTextResponse(scheduler.metrics.prometheus(), media_type="text/plain; version=0.0.4")
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> dict:
+    state = server_state(request)
+    engine, _ = state.require()
+    body = await read_json(request)
+    content = body.get("content")
+    if not isinstance(content, str):
+        raise ApiError(400, "'content' is required and must be a string")
+    ids = engine.tokenizer.encode(content, add_special=P.get_bool(body, "add_special", False))
+    if P.get_bool(body, "with_pieces", False):
+        return {"tokens": [{"id": t, "piece": engine.tokenizer.decode([t], skip_special=False)} for t in ids]}
+    return {"tokens": ids}
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> dict:
+    state = server_state(request)
+    engine, _ = state.require()
+    body = await read_json(request)
+    tokens = body.get("tokens")
+    if not P.is_token_list(tokens):
+        raise ApiError(400, "'tokens' is required and must be an array of token ids")
+    P.check_token_ids(tokens, engine.target.cfg.vocab_size, "'tokens'")
+    return {"content": engine.tokenizer.decode(tokens, skip_special=False)}
