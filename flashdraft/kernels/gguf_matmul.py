@@ -1,0 +1,338 @@
+"""GGUF block-quantized weights used as they are stored: a fused dequantize + matrix product for a few rows
+(decode, verify and draft steps: 1-64 rows), and a dequantize kernel (prefill: one matrix at a time into a
+reused scratch buffer, then cuBLAS).
+
+A weight is its file's bytes, one row per output feature: `qweight [N, K / block * block_bytes]` uint8. Each
+program takes BLOCK_N output rows and walks K in chunks of 256 weights (one K-quant super-block, or eight
+32-weight blocks of the older types), unpacks the chunk in registers into a [BLOCK_N, 256] tile in the
+weights' natural order and multiplies it with the matching [BLOCK_M, 256] slice of x on the tensor cores.
+Rows of x are taken 16 at a time whatever M is, so a row's result does not depend on how many rows share the
+call (a plain step and a verify step give the same bits for the same token).
+
+Layouts follow ggml-common.h (block_q4_0 ... block_iq4_xs); the unpacking below mirrors
+formats/gguf.py's torch dequantisers, and the tests hold both to the `gguf` package's reference.
+"""
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+CHUNK = 256  # weights per K step: one super-block, or eight 32-weight blocks
+BLOCK_M = 16
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # kvalues_iq4nl
+
+# GGML type id -> (weights per block, bytes per block); the kernel's QTYPE is the GGML id
+TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34),
+         "Q2_K": (10, 256, 84), "Q3_K": (11, 256, 110), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176),
+         "Q6_K": (14, 256, 210), "IQ4_NL": (20, 32, 18), "IQ4_XS": (23, 256, 136)}
+TYPE_IDS = {name: ident for name, (ident, _, _) in TYPES.items()}
+
+
+def chunk_bytes(qtype: str) -> int:
+    _, block, size = TYPES[qtype]
+    return size * CHUNK // block
+
+
+# ------------------------------------------------------------------------------------------ unpacking
+# Each takes p [BLOCK_N] (a pointer per row to the chunk's first byte) and ok [BLOCK_N] (row in range) and
+# returns the chunk's 256 weights [BLOCK_N, 256] in float32, in order.
+
+@triton.jit
+def _f16(p, ok):
+    """Little-endian fp16 at p (any shape) -> float32."""
+    lo = tl.load(p, mask=ok, other=0).to(tl.uint16)
+    hi = tl.load(p + 1, mask=ok, other=0).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _nibbles(b, BN: tl.constexpr):
+    """Bytes [..., 16] -> [..., 32]: the 16 low nibbles, then the 16 high ones (the older types' order)."""
+    pair = tl.join(b & 15, b >> 4)  # [..., 16, 2]
+    return tl.reshape(tl.permute(pair, (0, 1, 3, 2)), (BN, 8, 32))
+
+
+@triton.jit
+def _legacy(p, ok, BLOCK_BYTES: tl.constexpr):
+    """(block starts [N, 8], byte offsets [16] or [32] of the quants, the row mask [N, 8, 1])."""
+    j = tl.arange(0, 8)
+    start = p[:, None] + j[None, :] * BLOCK_BYTES
+    return start, ok[:, None], ok[:, None, None]
+
+
+@triton.jit
+def _q8_0(p, ok, BN: tl.constexpr):
+    start, ok2, ok3 = _legacy(p, ok, 34)
+    d = _f16(start, ok2)
+    q = tl.load(start[:, :, None] + 2 + tl.arange(0, 32)[None, None, :], mask=ok3, other=0).to(tl.int8, bitcast=True)
+    return tl.reshape(d[:, :, None] * q.to(tl.float32), (BN, 256))
+
+
+@triton.jit
+def _q4_x(p, ok, HAS_MIN: tl.constexpr, BN: tl.constexpr):
+    BYTES: tl.constexpr = 20 if HAS_MIN else 18
+    QS: tl.constexpr = 4 if HAS_MIN else 2
+    start, ok2, ok3 = _legacy(p, ok, BYTES)
+    d = _f16(start, ok2)
+    q = _nibbles(tl.load(start[:, :, None] + QS + tl.arange(0, 16)[None, None, :], mask=ok3, other=0), BN).to(tl.float32)
+    if HAS_MIN:
+        w = d[:, :, None] * q + _f16(start + 2, ok2)[:, :, None]
+    else:
+        w = d[:, :, None] * (q - 8.0)
+    return tl.reshape(w, (BN, 256))
+
+
+@triton.jit
+def _q5_x(p, ok, HAS_MIN: tl.constexpr, BN: tl.constexpr):
+    BYTES: tl.constexpr = 24 if HAS_MIN else 22
+    QH: tl.constexpr = 4 if HAS_MIN else 2
+    start, ok2, ok3 = _legacy(p, ok, BYTES)
+    d = _f16(start, ok2)
+    qh = tl.zeros([BN, 8], tl.uint32)
+    for i in tl.static_range(4):
+        qh = qh | (tl.load(start + QH + i, mask=ok2, other=0).to(tl.uint32) << (8 * i))
+    low = _nibbles(tl.load(start[:, :, None] + QH + 4 + tl.arange(0, 16)[None, None, :], mask=ok3, other=0), BN)
+    high = (qh[:, :, None] >> tl.arange(0, 32)[None, None, :].to(tl.uint32)) & 1
+    q = (low.to(tl.uint32) | (high << 4)).to(tl.float32)
+    if HAS_MIN:
+        w = d[:, :, None] * q + _f16(start + 2, ok2)[:, :, None]
+    else:
+        w = d[:, :, None] * (q - 16.0)
+    return tl.reshape(w, (BN, 256))
+
+
+@triton.jit
+def _iq4_nl(p, ok, lut, BN: tl.constexpr):
+    start, ok2, ok3 = _legacy(p, ok, 18)
+    d = _f16(start, ok2)
+    q = _nibbles(tl.load(start[:, :, None] + 2 + tl.arange(0, 16)[None, None, :], mask=ok3, other=0), BN)
+    values = tl.load(lut + q.to(tl.int32)).to(tl.float32)
+    return tl.reshape(d[:, :, None] * values, (BN, 256))
+
+
+@triton.jit
+def _iq4_xs(p, ok, lut, BN: tl.constexpr):
+    ok2, ok3 = ok[:, None], ok[:, None, None]
+    d = _f16(p, ok)
+    scales_h = (tl.load(p + 2, mask=ok, other=0).to(tl.uint32) |
+                (tl.load(p + 3, mask=ok, other=0).to(tl.uint32) << 8))
+    ib = tl.arange(0, 8)
+    scales_l = tl.load(p[:, None] + 4 + ib[None, :] // 2, mask=ok2, other=0).to(tl.uint32)
+    low = (scales_l >> (4 * (ib[None, :] % 2)).to(tl.uint32)) & 15
+    high = (scales_h[:, None] >> (2 * ib[None, :]).to(tl.uint32)) & 3
+    dl = d[:, None] * ((low | (high << 4)).to(tl.float32) - 32.0)  # [N, 8]
+    qs = tl.load(p[:, None, None] + 8 + 16 * ib[None, :, None] + tl.arange(0, 16)[None, None, :], mask=ok3, other=0)
+    values = tl.load(lut + _nibbles(qs, BN).to(tl.int32)).to(tl.float32)  # [N, 8, 32]
+    return tl.reshape(dl[:, :, None] * values, (BN, 256))
+
+
+@triton.jit
+def _k_scales(p, ok, BN: tl.constexpr):
+    """Q4_K/Q5_K's eight 6-bit scales and mins, packed in 12 bytes at p: ([N, 8], [N, 8]) float32."""
+    i = tl.arange(0, 4)
+    a = tl.load(p[:, None] + i[None, :], mask=ok[:, None], other=0)
+    b = tl.load(p[:, None] + 4 + i[None, :], mask=ok[:, None], other=0)
+    c = tl.load(p[:, None] + 8 + i[None, :], mask=ok[:, None], other=0)
+    sc = tl.join(a & 63, (c & 15) | ((a >> 6) << 4))  # [N, 4, 2]: scale j and scale j + 4
+    mn = tl.join(b & 63, (c >> 4) | ((b >> 6) << 4))
+    sc = tl.reshape(tl.permute(sc, (0, 2, 1)), (BN, 8)).to(tl.float32)
+    mn = tl.reshape(tl.permute(mn, (0, 2, 1)), (BN, 8)).to(tl.float32)
+    return sc, mn
+
+
+@triton.jit
+def _k_nibbles(p, ok, BN: tl.constexpr):
+    """128 bytes at p -> [N, 8, 32] 4-bit values in order: sub-block 2g is group g's low nibbles, 2g + 1 its
+    high ones (32 bytes per group)."""
+    b = tl.load(p[:, None, None] + 32 * tl.arange(0, 4)[None, :, None] + tl.arange(0, 32)[None, None, :],
+                mask=ok[:, None, None], other=0)
+    pair = tl.join(b & 15, b >> 4)  # [N, 4, 32, 2]
+    return tl.reshape(tl.permute(pair, (0, 1, 3, 2)), (BN, 8, 32))
+
+
+@triton.jit
+def _q4_k(p, ok, BN: tl.constexpr):
+    d, dmin = _f16(p, ok), _f16(p + 2, ok)
+    sc, mn = _k_scales(p + 4, ok, BN)
+    q = _k_nibbles(p + 16, ok, BN).to(tl.float32)
+    w = (d[:, None] * sc)[:, :, None] * q - (dmin[:, None] * mn)[:, :, None]
+    return tl.reshape(w, (BN, 256))
+
+
+@triton.jit
+def _q5_k(p, ok, BN: tl.constexpr):
+    d, dmin = _f16(p, ok), _f16(p + 2, ok)
+    sc, mn = _k_scales(p + 4, ok, BN)
+    qh = tl.load(p[:, None] + 16 + tl.arange(0, 32)[None, :], mask=ok[:, None], other=0)  # bit j: sub-block j
+    high = (qh[:, None, :] >> tl.arange(0, 8)[None, :, None].to(tl.uint8)) & 1
+    q = (_k_nibbles(p + 48, ok, BN) | (high << 4)).to(tl.float32)
+    w = (d[:, None] * sc)[:, :, None] * q - (dmin[:, None] * mn)[:, :, None]
+    return tl.reshape(w, (BN, 256))
+
+
+@triton.jit
+def _two_bits(b, BN: tl.constexpr):
+    """Bytes [N, 2, 32] -> [N, 256]: the 2-bit fields at shifts 0, 2, 4, 6 (half h, shift k, byte c -> 128h + 32k + c)."""
+    k = (2 * tl.arange(0, 4)).to(tl.uint8)
+    q = (b[:, :, None, :] >> k[None, None, :, None]) & 3
+    return tl.reshape(q, (BN, 256))
+
+
+@triton.jit
+def _q6_k(p, ok, BN: tl.constexpr):
+    ok3 = ok[:, None, None]
+    ql = tl.load(p[:, None, None] + 64 * tl.arange(0, 2)[None, :, None] + tl.arange(0, 64)[None, None, :],
+                 mask=ok3, other=0)  # [N, 2, 64]
+    low = tl.reshape(tl.permute(tl.join(ql & 15, ql >> 4), (0, 1, 3, 2)), (BN, 256))  # 128h + 64s + c
+    qh = tl.load(p[:, None, None] + 128 + 32 * tl.arange(0, 2)[None, :, None] + tl.arange(0, 32)[None, None, :],
+                 mask=ok3, other=0)
+    q = (low | (_two_bits(qh, BN) << 4)).to(tl.float32) - 32.0
+    scales = tl.load(p[:, None] + 192 + tl.arange(0, 16)[None, :], mask=ok[:, None], other=0)
+    dl = _f16(p + 208, ok)[:, None] * scales.to(tl.int8, bitcast=True).to(tl.float32)  # [N, 16]
+    return tl.reshape(dl[:, :, None] * tl.reshape(q, (BN, 16, 16)), (BN, 256))
+
+
+@triton.jit
+def _q2_k(p, ok, BN: tl.constexpr):
+    scales = tl.load(p[:, None] + tl.arange(0, 16)[None, :], mask=ok[:, None], other=0)
+    qs = tl.load(p[:, None, None] + 16 + 32 * tl.arange(0, 2)[None, :, None] + tl.arange(0, 32)[None, None, :],
+                 mask=ok[:, None, None], other=0)
+    d, dmin = _f16(p + 80, ok), _f16(p + 82, ok)
+    dl = d[:, None] * (scales & 15).to(tl.float32)
+    ml = dmin[:, None] * (scales >> 4).to(tl.float32)
+    q = tl.reshape(_two_bits(qs, BN).to(tl.float32), (BN, 16, 16))
+    return tl.reshape(dl[:, :, None] * q - ml[:, :, None], (BN, 256))
+
+
+@triton.jit
+def _q3_k(p, ok, BN: tl.constexpr):
+    ok2, ok3 = ok[:, None], ok[:, None, None]
+    s8 = tl.load(p[:, None] + 96 + tl.arange(0, 8)[None, :], mask=ok2, other=0)
+    low = tl.reshape(tl.permute(tl.join(s8 & 15, s8 >> 4), (0, 2, 1)), (BN, 16))  # 8 * shift + byte
+    s4 = tl.load(p[:, None] + 104 + tl.arange(0, 4)[None, :], mask=ok2, other=0)
+    high = tl.reshape((s4[:, None, :] >> (2 * tl.arange(0, 4)).to(tl.uint8)[None, :, None]) & 3, (BN, 16))
+    dl = _f16(p + 108, ok)[:, None] * ((low | (high << 4)).to(tl.float32) - 32.0)  # [N, 16]
+    qs = tl.load(p[:, None, None] + 32 + 32 * tl.arange(0, 2)[None, :, None] + tl.arange(0, 32)[None, None, :],
+                 mask=ok3, other=0)
+    hmask = tl.load(p[:, None] + tl.arange(0, 32)[None, :], mask=ok2, other=0)
+    bits = tl.reshape((hmask[:, None, :] >> tl.arange(0, 8).to(tl.uint8)[None, :, None]) & 1, (BN, 256))  # 32j + c
+    q = _two_bits(qs, BN).to(tl.float32) - 4.0 * (1 - bits).to(tl.float32)  # a set bit means no -4 offset
+    return tl.reshape(dl[:, :, None] * tl.reshape(q, (BN, 16, 16)), (BN, 256))
+
+
+@triton.jit
+def _unpack(p, ok, lut, QTYPE: tl.constexpr, BN: tl.constexpr):
+    if QTYPE == 2:
+        w = _q4_x(p, ok, False, BN)
+    elif QTYPE == 3:
+        w = _q4_x(p, ok, True, BN)
+    elif QTYPE == 6:
+        w = _q5_x(p, ok, False, BN)
+    elif QTYPE == 7:
+        w = _q5_x(p, ok, True, BN)
+    elif QTYPE == 8:
+        w = _q8_0(p, ok, BN)
+    elif QTYPE == 10:
+        w = _q2_k(p, ok, BN)
+    elif QTYPE == 11:
+        w = _q3_k(p, ok, BN)
+    elif QTYPE == 12:
+        w = _q4_k(p, ok, BN)
+    elif QTYPE == 13:
+        w = _q5_k(p, ok, BN)
+    elif QTYPE == 14:
+        w = _q6_k(p, ok, BN)
+    elif QTYPE == 20:
+        w = _iq4_nl(p, ok, lut, BN)
+    else:
+        w = _iq4_xs(p, ok, lut, BN)
+    return w
+
+
+# ------------------------------------------------------------------------------------------ kernels
+
+@triton.jit(do_not_specialize=["M", "stride_xm", "stride_om"])
+def _matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, lut, M, N, chunks, stride_xm, stride_wn, stride_om,
+                   QTYPE: tl.constexpr, CHUNK_BYTES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = m < M
+    k = tl.arange(0, 256)
+    p = w_ptr + rows.to(tl.int64) * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for c in range(0, chunks):
+        w = _unpack(p + c * CHUNK_BYTES, row_ok, lut, QTYPE, BLOCK_N)
+        x = tl.load(x_ptr + m[:, None] * stride_xm + c * 256 + k[None, :], mask=m_ok[:, None], other=0.0)
+        acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + m[:, None] * stride_om + rows[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & row_ok[None, :])
+
+
+@triton.jit
+def _dequantize_kernel(w_ptr, out_ptr, lut, N, stride_wn, stride_on, QTYPE: tl.constexpr,
+                       CHUNK_BYTES: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    c = tl.program_id(1)
+    row_ok = rows < N
+    w = _unpack(w_ptr + rows.to(tl.int64) * stride_wn + c * CHUNK_BYTES, row_ok, lut, QTYPE, BLOCK_N)
+    k = c * 256 + tl.arange(0, 256)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_on + k[None, :], w.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+
+
+_LUTS: dict[torch.device, Tensor] = {}
+
+
+def _lut(device: torch.device) -> Tensor:
+    if device not in _LUTS:
+        _LUTS[device] = torch.tensor(IQ4_VALUES, dtype=torch.int8, device=device)
+    return _LUTS[device]
+
+
+def _check(qweight: Tensor, qtype: str, k: int) -> None:
+    if qtype not in TYPES:
+        raise ValueError(f"no GGUF kernel for {qtype} (kernels: {', '.join(TYPES)})")
+    if k % CHUNK:
+        raise ValueError(f"GGUF kernels need in_features divisible by {CHUNK}, got {k}")
+    if qweight.dtype != torch.uint8 or qweight.shape[1] != k // CHUNK * chunk_bytes(qtype):
+        raise ValueError(f"{qtype} weight of {tuple(qweight.shape)} bytes does not hold {k} inputs per row")
+
+
+@torch.library.custom_op("flashdraft::gguf_matmul", mutates_args=())
+def gguf_matmul(x: Tensor, qweight: Tensor, qtype: str, k: int, bias: Tensor | None = None) -> Tensor:
+    """x [M, K] (M <= 64 in practice) @ dequantize(qweight [N, bytes])^T (+ bias) -> [M, N] in x's dtype."""
+    _check(qweight, qtype, k)
+    x = x.contiguous()
+    m, n = x.shape[0], qweight.shape[0]
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    block_n = 32
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, BLOCK_M))
+    _matmul_kernel[grid](x, qweight, bias if bias is not None else x, out, _lut(x.device), m, n, k // CHUNK,
+                         x.stride(0), qweight.stride(0), out.stride(0), QTYPE=TYPE_IDS[qtype],
+                         CHUNK_BYTES=chunk_bytes(qtype), HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M,
+                         BLOCK_N=block_n, num_warps=4)
+    return out
+
+
+@gguf_matmul.register_fake
+def _(x: Tensor, qweight: Tensor, qtype: str, k: int, bias: Tensor | None = None) -> Tensor:
+    return x.new_empty(x.shape[0], qweight.shape[0])
+
+
+def dequantize_gguf(qweight: Tensor, qtype: str, k: int, dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
+    """qweight [N, bytes] -> [N, K] in dtype (into `out` when given: a reused scratch buffer)."""
+    _check(qweight, qtype, k)
+    n = qweight.shape[0]
+    out = torch.empty(n, k, device=qweight.device, dtype=dtype) if out is None else out[:n * k].view(n, k)
+    block_n = 16
+    _dequantize_kernel[(triton.cdiv(n, block_n), k // CHUNK)](qweight, out, _lut(qweight.device), n,
+                                                              qweight.stride(0), out.stride(0),
+                                                              QTYPE=TYPE_IDS[qtype], CHUNK_BYTES=chunk_bytes(qtype),
+                                                              BLOCK_N=block_n)
+    return out

@@ -1,0 +1,85 @@
+"""The GGUF kernels (kernels/gguf_matmul.py) under Triton's interpreter on the CPU, against the `gguf` package's
+dequantisation: the dequantize kernel bit for bit, the fused matrix product against dequantize + an fp32
+matmul for every type, several row counts, odd output sizes, with and without bias."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from test_split_attention import INTERPRETER
+
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
+F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "IQ4_NL": [0],
+              "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_XS": [0]}
+
+
+def random_blocks(qtype: str, rows: int, k: int, seed: int) -> np.ndarray:
+    """Random stored bytes [rows, bytes per row]: every quant bit pattern, with finite, moderate fp16 scales."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, k // block, size), dtype=np.uint8)
+    for offset in F16_FIELDS[qtype]:
+        scales = (rng.uniform(0.002, 0.05, size=(rows, k // block)) * rng.choice([-1, 1], (rows, k // block)))
+        raw[:, :, offset:offset + 2] = scales.astype(np.float16)[..., None].view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def reference(raw: np.ndarray, qtype: str) -> torch.Tensor:
+    from gguf import GGMLQuantizationType, quants
+    return torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[qtype]).astype(np.float32))
+
+
+def check(device: str, dtype: torch.dtype = torch.float32, tol: float = 1e-5) -> None:
+    """dtype, tol: of x and the product (float32 under the interpreter; bf16 on a GPU, as the engine runs)."""
+    from flashdraft.kernels.gguf_matmul import dequantize_gguf, gguf_matmul
+    gen = torch.Generator().manual_seed(0)
+    for i, qtype in enumerate(TYPES):
+        n, k = 45, 512  # 45 rows: not a multiple of the kernels' row tiles
+        raw = random_blocks(qtype, n, k, seed=i)
+        want = reference(raw, qtype)
+        qweight = torch.from_numpy(raw).to(device)
+        got = dequantize_gguf(qweight, qtype, k, torch.float32).cpu()
+        exact = device == "cpu"  # a GPU may fuse the scale's multiply-add
+        assert torch.equal(got, want) if exact else torch.allclose(got, want, rtol=1e-6, atol=1e-7), \
+            f"{qtype}: dequantize differs by {(got - want).abs().max()}"
+        bias = torch.randn(n, generator=gen)
+        for rows in (1, 2, 5, 16, 64, 70):
+            x = torch.randn(rows, k, generator=gen)
+            for b in (None, bias):
+                x = x.to(dtype)
+                out = gguf_matmul(x.to(device), qweight, qtype, k, None if b is None else b.to(device)).cpu()
+                ref = x.double() @ want.double().T + (0 if b is None else b.double())
+                err = ((out.double() - ref).norm() / ref.norm()).item()
+                assert err < tol, f"{qtype}, {rows} rows, bias {b is not None}: relative error {err}"
+        # a row's result does not depend on how many rows share the call
+        x = torch.randn(16, k, generator=gen).to(device, dtype)
+        assert torch.equal(gguf_matmul(x[:1], qweight, qtype, k)[0], gguf_matmul(x, qweight, qtype, k)[0])
+
+
+@pytest.mark.skipif(INTERPRETER is not None, reason=str(INTERPRETER))
+def test_gguf_kernels_interpreted_match_gguf_reference():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, __file__, "cpu"], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gguf_kernels_on_gpu_match_gguf_reference():
+    check("cuda", torch.bfloat16, 1e-2)
+
+
+def test_unknown_type_and_bad_shapes_are_clear_errors():
+    pytest.importorskip("triton")
+    from flashdraft.kernels.gguf_matmul import gguf_matmul
+    with pytest.raises(ValueError, match="no GGUF kernel for IQ2_XS"):
+        gguf_matmul(torch.zeros(1, 256), torch.zeros(4, 66, dtype=torch.uint8), "IQ2_XS", 256)
+    with pytest.raises(ValueError, match="divisible by 256"):
+        gguf_matmul(torch.zeros(1, 100), torch.zeros(4, 66, dtype=torch.uint8), "Q4_K", 100)
+
+
+if __name__ == "__main__":
+    check(sys.argv[1] if len(sys.argv) > 1 else "cpu")
