@@ -102,7 +102,9 @@ def tiny_hf_state(arch: str, layers=2, hidden=64, heads=4, kv_heads=2, head_dim=
 
 def write_tiny_gguf(path, arch: str, sd: dict[str, np.ndarray], heads=4, kv_heads=2, head_dim=16,
                     name="tiny", quantise_qk: Q | None = None, extra: dict | None = None,
-                    extra_tensors: dict | None = None):
+                    extra_tensors: dict | None = None, quantise: list[Q] | None = None):
+    """quantise: every matrix stored in one of these types, in turn (the older types: the gguf package
+    quantises those)."""
     w = GGUFWriter(str(path), arch)
     w.add_string("general.name", name)
     hidden = sd["model.embed_tokens.weight"].shape[1]
@@ -136,6 +138,10 @@ def write_tiny_gguf(path, arch: str, sd: dict[str, np.ndarray], heads=4, kv_head
         else:
             gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                          "lm_head.weight": "output.weight"}[hf]
+        if quantise and array.ndim == 2:
+            qtype = quantise[len(w.tensors[0]) % len(quantise)] if w.tensors else quantise[0]
+            w.add_tensor(gguf_name, quants.quantize(array, qtype), raw_dtype=qtype)
+            continue
         w.add_tensor(gguf_name, array)
     for gguf_name, array in (extra_tensors or {}).items():
         w.add_tensor(gguf_name, array)

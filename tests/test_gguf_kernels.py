@@ -1,6 +1,7 @@
 """The GGUF kernels (kernels/gguf_matmul.py) under Triton's interpreter on the CPU, against the `gguf` package's
 dequantisation: the dequantize kernel bit for bit, the fused matrix product against dequantize + an fp32
 matmul for every type, several row counts, odd output sizes, with and without bias."""
+import json
 import os
 import subprocess
 import sys
@@ -38,7 +39,8 @@ def check(device: str, dtype: torch.dtype = torch.float32, tol: float = 1e-5) ->
     from flashdraft.kernels.gguf_matmul import dequantize_gguf, gguf_matmul
     gen = torch.Generator().manual_seed(0)
     for i, qtype in enumerate(TYPES):
-        n, k = 45, 512  # 45 rows: not a multiple of the kernels' row tiles
+        # 45 rows: not a multiple of the kernels' row tiles; the older types' rows may end inside a 256 chunk
+        n, k = 45, 512 if qtype.endswith("_K") or qtype == "IQ4_XS" else 576
         raw = random_blocks(qtype, n, k, seed=i)
         want = reference(raw, qtype)
         qweight = torch.from_numpy(raw).to(device)
@@ -67,9 +69,18 @@ def test_gguf_kernels_interpreted_match_gguf_reference():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+@pytest.mark.slow  # about 9 minutes: SmolLM2's 30 layers and 49k-row LM head through the interpreter
+@pytest.mark.skipif(INTERPRETER is not None, reason=str(INTERPRETER))
+def test_smollm2_quantized_logits_interpreted(smollm2_gguf):
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, __file__, "smollm2"], env=env, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_gguf_kernels_on_gpu_match_gguf_reference():
+def test_gguf_kernels_on_gpu_match_gguf_reference(tmp_path):
     check("cuda", torch.bfloat16, 1e-2)
+    check_engine(str(tmp_path), "cuda")  # the kernels inside CUDA graphs
 
 
 def test_unknown_type_and_bad_shapes_are_clear_errors():
@@ -77,9 +88,79 @@ def test_unknown_type_and_bad_shapes_are_clear_errors():
     from flashdraft.kernels.gguf_matmul import gguf_matmul
     with pytest.raises(ValueError, match="no GGUF kernel for IQ2_XS"):
         gguf_matmul(torch.zeros(1, 256), torch.zeros(4, 66, dtype=torch.uint8), "IQ2_XS", 256)
-    with pytest.raises(ValueError, match="divisible by 256"):
+    with pytest.raises(ValueError, match="Q4_K needs in_features divisible by 256"):
         gguf_matmul(torch.zeros(1, 100), torch.zeros(4, 66, dtype=torch.uint8), "Q4_K", 100)
 
 
+
+
+def check_smollm2_logits() -> None:
+    """SmolLM2's real Q4_1 file with its matrices kept quantized (the GPU path, interpreted): last-token logits
+    close to the dequantized model's."""
+    from test_smollm2 import PROMPT
+    from tiny import forward1
+
+    from flashdraft.formats.chat import chat_ids
+    from flashdraft.formats.loader import load_target
+    from flashdraft.formats.named import resolve_model
+    from flashdraft.layers.quantized import GGUFEmbedding, GGUFLinear
+    path = str(resolve_model("smollm2-135m"))
+    dense, tokenizer, _ = load_target(path)
+    quant, _, _ = load_target(path, quantized=True)
+    kinds = {type(m) for m in quant.modules()}
+    assert GGUFLinear in kinds and GGUFEmbedding in kinds and torch.nn.Linear not in kinds
+    ids = torch.tensor(chat_ids(tokenizer, PROMPT))
+    logits = []
+    for target in (dense, quant):
+        state = target.new_state(1, 128)
+        with torch.no_grad():
+            logits.append(forward1(target, state, ids, torch.arange(len(ids)), fresh=True, logits_at="last")[0])
+    assert ((logits[1] - logits[0]).norm() / logits[0].norm()).item() < 1e-4
+
+
+def check_engine(folder: str, device: str = "cpu") -> None:
+    """The engine over a tiny random GGUF of mixed older types kept quantized (interpreted): greedy speculative
+    decoding token-identical to its own plain decoding for several block sizes."""
+    from pathlib import Path
+
+    from test_gguf import tiny_hf_state, write_tiny_gguf
+    from tiny import make_draft
+
+    from flashdraft.engine.engine import Engine, EngineConfig, Request
+    from flashdraft.engine.sampling import SamplingParams
+    from flashdraft.layers.quantized import GGUFEmbedding, GGUFLinear
+    from gguf import GGMLQuantizationType as Q
+    root = Path(folder)
+    sd = tiny_hf_state("llama", layers=2, hidden=64, ffn=128, vocab=96, tied=False)
+    sd = {k: v * 0.3 for k, v in sd.items()}
+    gguf_file = write_tiny_gguf(root / "tiny.gguf", "llama", sd, quantise=[Q.Q8_0, Q.Q4_0, Q.Q5_1, Q.Q4_1, Q.Q5_0])
+    (root / "t").mkdir(exist_ok=True)
+    (root / "t" / "config.json").write_text(json.dumps(dict(num_hidden_layers=2, hidden_size=64, vocab_size=96)))
+    draft = make_draft(root / "d", root / "t", block_size=8)
+    engine = Engine.load(EngineConfig(model=str(gguf_file), draft=str(draft), device=device, ctx_size=128,
+                                      weights="quantized"))
+    assert {type(m) for m in engine.target.modules()} >= {GGUFLinear, GGUFEmbedding}
+    prompt = [5, 6, 7, 8, 9, 10]
+    plain = engine.generate(Request(prompt, SamplingParams(max_tokens=12, ignore_eos=True), speculative=False))
+    for block in (3, 8):
+        spec = engine.generate(Request(prompt, SamplingParams(max_tokens=12, ignore_eos=True), block_size=block))
+        assert spec.token_ids == plain.token_ids and spec.spec.draft_steps
+
+
+@pytest.mark.skipif(INTERPRETER is not None, reason=str(INTERPRETER))
+def test_engine_with_quantized_weights_interpreted(tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, __file__, "engine", str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 if __name__ == "__main__":
-    check(sys.argv[1] if len(sys.argv) > 1 else "cpu")
+    if sys.argv[1] == "engine":
+        check_engine(sys.argv[2])
+    elif sys.argv[1] == "smollm2":
+        check_smollm2_logits()
+    else:
+        check(sys.argv[1] if len(sys.argv) > 1 else "cpu")
+
+

@@ -146,7 +146,8 @@ class Engine:
     def load(config: EngineConfig) -> "Engine":
         from flashdraft.formats.loader import load_draft, load_target
         torch_dtype = resolve_dtype(config.dtype, config.device)
-        target, tokenizer, model_path = load_target(config.model, config.device, torch_dtype, progress=config.progress)
+        target, tokenizer, model_path = load_target(config.model, config.device, torch_dtype, progress=config.progress,
+                                                    quantized=config.quantized)
         draft_model = load_draft(config.draft, target, config.device, torch_dtype) if config.draft else None
         engine = Engine(target, tokenizer, draft_model, dataclasses.replace(config, model=str(model_path)))
         if config.compile and config.device.startswith("cuda"):  # shapes are static only where graphs bucket them
@@ -171,9 +172,9 @@ class Engine:
     @property
     def memory(self) -> dict[str, int]:
         """Bytes of weights and caches (what start-up logs and /props reports)."""
-        def size(module) -> int:
-            seen = {p.data_ptr(): p.numel() * p.element_size() for p in module.parameters()}
-            return sum(seen.values())
+        def size(module) -> int:  # parameters and quantized weight bytes, each tensor once (tied ones share)
+            tensors = [*module.parameters(), *module.buffers()]
+            return sum({t.data_ptr(): t.numel() * t.element_size() for t in tensors}.values())
         out = dict(weights=size(self.target), kv_cache=self.state.bytes)
         if self.draft is not None:
             out["draft_weights"] = size(self.draft)

@@ -312,10 +312,32 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return ((d * sc).reshape(n, 16, 1) * q).reshape(n, QK_K)
 
 
+IQ4_VALUES = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                          dtype=torch.float32)  # kvalues_iq4nl
+
+
+def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
+    d = _f16(b[:, :2])
+    q = _bits(b[:, 2:], [0, 4], 0xF).reshape(len(b), 32)
+    return d * IQ4_VALUES.to(b.device)[q.long()]
+
+
+def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
+    n = len(b)
+    d = _f16(b[:, :2])
+    scales_h = b[:, 2].long() | (b[:, 3].long() << 8)
+    ib = torch.arange(8, device=b.device)
+    low = (b[:, 4 + ib // 2].long() >> (4 * (ib % 2))) & 0xF
+    high = (scales_h[:, None] >> (2 * ib)) & 3
+    dl = d * ((low | (high << 4)) - 32).float()  # [n, 8]
+    q = _bits(b[:, 8:].reshape(n, 8, 16), [0, 4], 0xF).reshape(n, 8, 32)
+    return (dl[:, :, None] * IQ4_VALUES.to(b.device)[q.long()]).reshape(n, QK_K)
+
+
 Q = GGMLQuantizationType
 BLOCK_DEQUANTISERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
     Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1,
-    Q.Q2_K: _q2_k, Q.Q3_K: _q3_k, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k,
+    Q.Q2_K: _q2_k, Q.Q3_K: _q3_k, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k, Q.IQ4_NL: _iq4_nl, Q.IQ4_XS: _iq4_xs,
 }
 FLOAT_TYPES = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 SUPPORTED_TYPES = tuple(FLOAT_TYPES) + tuple(BLOCK_DEQUANTISERS)
@@ -374,9 +396,22 @@ def hf_name(gguf_name: str, family: Family) -> str | None:
     raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
 
 
+def keeps_quantized(t: GGUFTensor, kernel_types: tuple[str, ...]) -> bool:
+    """Whether a tensor can stay in its block format: a matrix of a type the GPU kernels read."""
+    if t.qtype.name not in kernel_types or len(t.shape) != 2:
+        return False
+    block = GGML_QUANT_SIZES[t.qtype][0]
+    return t.shape[1] % block == 0
+
+
 def iter_gguf_tensors(gguf: GGUFFile | str | Path, dtype: torch.dtype = torch.float32,
-                      device: str | torch.device = "cpu", progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) pairs in HF layout, dequantised one at a time straight into `dtype` on `device`."""
+                      device: str | torch.device = "cpu", progress: bool = False,
+                      keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
+    """(HF name, tensor) pairs in HF layout, dequantised one at a time straight into `dtype` on `device`.
+    keep_quantized: matrices of a type the GPU kernels read come as `layers.quantized.QuantizedWeight` (their
+    stored bytes, rows in HF order, copied once to `device`); the rest are dequantised as before."""
+    from flashdraft.layers.quantized import QuantizedWeight, kernel_types
+    kept = kernel_types() if keep_quantized else ()
     if not isinstance(gguf, GGUFFile):
         gguf = read_gguf(gguf)
     config = gguf_to_hf_config(gguf)
@@ -396,7 +431,13 @@ def iter_gguf_tensors(gguf: GGUFFile | str | Path, dtype: torch.dtype = torch.fl
         part = t.name.split(".")[2] if t.name.startswith("blk.") else ""
         if part in permute_heads:
             raw = _unpermute(raw, t.shape[0], permute_heads[part])
-        yield name, dequantize(raw, t.qtype, t.shape, dtype, device)
+        if keeps_quantized(t, kept):
+            yield name, QuantizedWeight(raw.view(t.shape[0], -1).to(device), t.qtype.name, tuple(t.shape))
+            continue
+        try:
+            yield name, dequantize(raw, t.qtype, t.shape, dtype, device)
+        except ValueError as e:
+            raise ValueError(f"tensor {t.name}: {e}") from None
 
 
 def _unpermute(raw: torch.Tensor, rows: int, n_heads: int) -> torch.Tensor:

@@ -1,10 +1,14 @@
 """Load a target (HF folder, GGUF file or named model) and a DFlash draft onto a device."""
+import logging
 from pathlib import Path
 
 import torch
 
+from flashdraft.layers.quantized import QuantizedWeight, swap_quantized
 from flashdraft.models.registry import Family, family_for, read_config
 from flashdraft.models.tp import rank_and_world, shard_tensor
+
+log = logging.getLogger("flashdraft")
 
 
 def build_target(cfg, tensors, device: str, dtype: torch.dtype, rank: int = 0, world_size: int = 1,
@@ -19,13 +23,19 @@ def build_target(cfg, tensors, device: str, dtype: torch.dtype, rank: int = 0, w
         return shard_tensor(name, tensor, cfg.vocab_size, rank, world_size, family.tp_row_split,
                             family.tp_column_split)
 
-    state = {}
+    state, quantized = {}, {}
     for name, tensor in tensors:
         if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue
+        if isinstance(tensor, QuantizedWeight):  # kept as stored (one rank only: see load_target)
+            quantized[name] = tensor
             continue
         state[name] = shard(name, tensor).to(device=device, dtype=dtype)
     if cfg.tie_word_embeddings and "model.embed_tokens.weight" in state:
         state["lm_head.weight"] = shard("lm_head.weight", state["model.embed_tokens.weight"])
+    if cfg.tie_word_embeddings and "model.embed_tokens.weight" in quantized:
+        quantized["lm_head.weight"] = quantized["model.embed_tokens.weight"]  # the same bytes, read by both
+    swap_quantized(model, quantized, dtype)
     try:
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     except RuntimeError as e:  # size mismatches
@@ -34,15 +44,18 @@ def build_target(cfg, tensors, device: str, dtype: torch.dtype, rank: int = 0, w
         raise ValueError(f"unexpected tensors for a {cfg.arch} model: {', '.join(sorted(unexpected)[:5])}")
     if missing:
         raise ValueError(f"missing tensors: {', '.join(sorted(missing)[:5])}{' ...' if len(missing) > 5 else ''}")
-    if cfg.tie_word_embeddings and world_size == 1:
+    if cfg.tie_word_embeddings and world_size == 1 and isinstance(model.lm_head, torch.nn.Linear):
         model.lm_head.weight = model.model.embed_tokens.weight
     for p in model.parameters():
         p.requires_grad_(False)
     return model.eval()
 
 
-def load_target(model: str, device: str = "cpu", dtype: torch.dtype = torch.float32, progress: bool = False):
-    """Returns (model, Tokenizer, resolved path). Under torch.distributed, this rank's share of the target."""
+def load_target(model: str, device: str = "cpu", dtype: torch.dtype = torch.float32, progress: bool = False,
+                quantized: bool = False):
+    """Returns (model, Tokenizer, resolved path). Under torch.distributed, this rank's share of the target.
+    quantized: a GGUF file's matrices stay in their block format (layers/quantized.py), where kernels read
+    their type; under tensor parallelism they are dequantised (a rank's share would cut through blocks)."""
     from flashdraft.formats.named import resolve_model
     from flashdraft.formats.tokenizer import Tokenizer
 
@@ -57,7 +70,11 @@ def load_target(model: str, device: str = "cpu", dtype: torch.dtype = torch.floa
         reader = gguf.read_gguf(path)
         family, cfg = read_config(gguf.gguf_to_hf_config(reader))
         tokenizer = Tokenizer.from_gguf(reader)
-        tensors = gguf.iter_gguf_tensors(reader, dtype, device, progress=progress)
+        rank, world_size = rank_and_world()
+        if quantized and world_size > 1:
+            log.warning("tensor parallelism: the GGUF weights are dequantised to %s", dtype)
+        tensors = gguf.iter_gguf_tensors(reader, dtype, device, progress=progress,
+                                         keep_quantized=quantized and world_size == 1)
     else:
         raise FileNotFoundError(f"model not found: {model}")
     target = build_target(cfg, tensors, device, dtype, *rank_and_world(), family=family)

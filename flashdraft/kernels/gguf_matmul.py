@@ -53,26 +53,28 @@ def _nibbles(b, BN: tl.constexpr):
 
 
 @triton.jit
-def _legacy(p, ok, BLOCK_BYTES: tl.constexpr):
-    """(block starts [N, 8], byte offsets [16] or [32] of the quants, the row mask [N, 8, 1])."""
+def _legacy(p, ok, nb, BLOCK_BYTES: tl.constexpr):
+    """The chunk's eight 32-weight blocks (the first `nb` of them exist: a row may end inside the chunk):
+    (block starts [N, 8], their mask [N, 8], the same [N, 8, 1]). A missing block's scale loads as 0."""
     j = tl.arange(0, 8)
     start = p[:, None] + j[None, :] * BLOCK_BYTES
-    return start, ok[:, None], ok[:, None, None]
+    ok2 = ok[:, None] & (j < nb)[None, :]
+    return start, ok2, ok2[:, :, None]
 
 
 @triton.jit
-def _q8_0(p, ok, BN: tl.constexpr):
-    start, ok2, ok3 = _legacy(p, ok, 34)
+def _q8_0(p, ok, nb, BN: tl.constexpr):
+    start, ok2, ok3 = _legacy(p, ok, nb, 34)
     d = _f16(start, ok2)
     q = tl.load(start[:, :, None] + 2 + tl.arange(0, 32)[None, None, :], mask=ok3, other=0).to(tl.int8, bitcast=True)
     return tl.reshape(d[:, :, None] * q.to(tl.float32), (BN, 256))
 
 
 @triton.jit
-def _q4_x(p, ok, HAS_MIN: tl.constexpr, BN: tl.constexpr):
+def _q4_x(p, ok, nb, HAS_MIN: tl.constexpr, BN: tl.constexpr):
     BYTES: tl.constexpr = 20 if HAS_MIN else 18
     QS: tl.constexpr = 4 if HAS_MIN else 2
-    start, ok2, ok3 = _legacy(p, ok, BYTES)
+    start, ok2, ok3 = _legacy(p, ok, nb, BYTES)
     d = _f16(start, ok2)
     q = _nibbles(tl.load(start[:, :, None] + QS + tl.arange(0, 16)[None, None, :], mask=ok3, other=0), BN).to(tl.float32)
     if HAS_MIN:
@@ -83,10 +85,10 @@ def _q4_x(p, ok, HAS_MIN: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def _q5_x(p, ok, HAS_MIN: tl.constexpr, BN: tl.constexpr):
+def _q5_x(p, ok, nb, HAS_MIN: tl.constexpr, BN: tl.constexpr):
     BYTES: tl.constexpr = 24 if HAS_MIN else 22
     QH: tl.constexpr = 4 if HAS_MIN else 2
-    start, ok2, ok3 = _legacy(p, ok, BYTES)
+    start, ok2, ok3 = _legacy(p, ok, nb, BYTES)
     d = _f16(start, ok2)
     qh = tl.zeros([BN, 8], tl.uint32)
     for i in tl.static_range(4):
@@ -102,8 +104,8 @@ def _q5_x(p, ok, HAS_MIN: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def _iq4_nl(p, ok, lut, BN: tl.constexpr):
-    start, ok2, ok3 = _legacy(p, ok, 18)
+def _iq4_nl(p, ok, nb, lut, BN: tl.constexpr):
+    start, ok2, ok3 = _legacy(p, ok, nb, 18)
     d = _f16(start, ok2)
     q = _nibbles(tl.load(start[:, :, None] + 2 + tl.arange(0, 16)[None, None, :], mask=ok3, other=0), BN)
     values = tl.load(lut + q.to(tl.int32)).to(tl.float32)
@@ -221,17 +223,18 @@ def _q3_k(p, ok, BN: tl.constexpr):
 
 
 @triton.jit
-def _unpack(p, ok, lut, QTYPE: tl.constexpr, BN: tl.constexpr):
+def _unpack(p, ok, nb, lut, QTYPE: tl.constexpr, BN: tl.constexpr):
+    """nb: how many of the chunk's 32-weight blocks exist (the older types; K-quant rows hold whole chunks)."""
     if QTYPE == 2:
-        w = _q4_x(p, ok, False, BN)
+        w = _q4_x(p, ok, nb, False, BN)
     elif QTYPE == 3:
-        w = _q4_x(p, ok, True, BN)
+        w = _q4_x(p, ok, nb, True, BN)
     elif QTYPE == 6:
-        w = _q5_x(p, ok, False, BN)
+        w = _q5_x(p, ok, nb, False, BN)
     elif QTYPE == 7:
-        w = _q5_x(p, ok, True, BN)
+        w = _q5_x(p, ok, nb, True, BN)
     elif QTYPE == 8:
-        w = _q8_0(p, ok, BN)
+        w = _q8_0(p, ok, nb, BN)
     elif QTYPE == 10:
         w = _q2_k(p, ok, BN)
     elif QTYPE == 11:
@@ -243,7 +246,7 @@ def _unpack(p, ok, lut, QTYPE: tl.constexpr, BN: tl.constexpr):
     elif QTYPE == 14:
         w = _q6_k(p, ok, BN)
     elif QTYPE == 20:
-        w = _iq4_nl(p, ok, lut, BN)
+        w = _iq4_nl(p, ok, nb, lut, BN)
     else:
         w = _iq4_xs(p, ok, lut, BN)
     return w
@@ -252,11 +255,12 @@ def _unpack(p, ok, lut, QTYPE: tl.constexpr, BN: tl.constexpr):
 # ------------------------------------------------------------------------------------------ kernels
 
 @triton.jit(do_not_specialize=["M", "stride_xm", "stride_om"])
-def _matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, lut, M, N, chunks, stride_xm, stride_wn, stride_om,
-                   QTYPE: tl.constexpr, CHUNK_BYTES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _matmul_kernel(x_ptr, w_ptr, out_ptr, lut, M, N, K, chunks_per_split, stride_xm, stride_wn, stride_os, stride_om,
+                   QTYPE: tl.constexpr, CHUNK_BYTES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Partial products over one split of K: out [splits, M, N] float32."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    split = tl.program_id(2)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -264,26 +268,27 @@ def _matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, lut, M, N, chunks, stride_xm
     k = tl.arange(0, 256)
     p = w_ptr + rows.to(tl.int64) * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for c in range(0, chunks):
-        w = _unpack(p + c * CHUNK_BYTES, row_ok, lut, QTYPE, BLOCK_N)
-        x = tl.load(x_ptr + m[:, None] * stride_xm + c * 256 + k[None, :], mask=m_ok[:, None], other=0.0)
+    first = split * chunks_per_split
+    last = tl.minimum(first + chunks_per_split, tl.cdiv(K, 256))
+    for c in range(first, last):
+        w = _unpack(p + c * CHUNK_BYTES, row_ok, K // 32 - 8 * c, lut, QTYPE, BLOCK_N)
+        x = tl.load(x_ptr + m[:, None] * stride_xm + c * 256 + k[None, :], mask=m_ok[:, None] & (c * 256 + k < K)[None, :],
+                    other=0.0)
         acc += tl.dot(x, tl.trans(w.to(x.dtype)))
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + m[:, None] * stride_om + rows[None, :], acc.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + split * stride_os + m[:, None] * stride_om + rows[None, :], acc,
              mask=m_ok[:, None] & row_ok[None, :])
 
 
 @triton.jit
-def _dequantize_kernel(w_ptr, out_ptr, lut, N, stride_wn, stride_on, QTYPE: tl.constexpr,
+def _dequantize_kernel(w_ptr, out_ptr, lut, N, K, stride_wn, stride_on, QTYPE: tl.constexpr,
                        CHUNK_BYTES: tl.constexpr, BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     c = tl.program_id(1)
     row_ok = rows < N
-    w = _unpack(w_ptr + rows.to(tl.int64) * stride_wn + c * CHUNK_BYTES, row_ok, lut, QTYPE, BLOCK_N)
+    w = _unpack(w_ptr + rows.to(tl.int64) * stride_wn + c * CHUNK_BYTES, row_ok, K // 32 - 8 * c, lut, QTYPE, BLOCK_N)
     k = c * 256 + tl.arange(0, 256)
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_on + k[None, :], w.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None])
+             mask=row_ok[:, None] & (k < K)[None, :])
 
 
 _LUTS: dict[torch.device, Tensor] = {}
@@ -295,13 +300,32 @@ def _lut(device: torch.device) -> Tensor:
     return _LUTS[device]
 
 
+def row_bytes(qtype: str, k: int) -> int:
+    _, block, size = TYPES[qtype]
+    return k // block * size
+
+
 def _check(qweight: Tensor, qtype: str, k: int) -> None:
     if qtype not in TYPES:
         raise ValueError(f"no GGUF kernel for {qtype} (kernels: {', '.join(TYPES)})")
-    if k % CHUNK:
-        raise ValueError(f"GGUF kernels need in_features divisible by {CHUNK}, got {k}")
-    if qweight.dtype != torch.uint8 or qweight.shape[1] != k // CHUNK * chunk_bytes(qtype):
+    block = TYPES[qtype][1]
+    if k % block:
+        raise ValueError(f"{qtype} needs in_features divisible by {block}, got {k}")
+    if qweight.dtype != torch.uint8 or qweight.shape[1] != row_bytes(qtype, k):
         raise ValueError(f"{qtype} weight of {tuple(qweight.shape)} bytes does not hold {k} inputs per row")
+
+
+BLOCK_N = 32
+TARGET_PROGRAMS = 528  # about four programs per SM of an H100/H200: enough loads in flight to stream the weights
+
+
+def splits_for(n: int, k: int) -> tuple[int, int]:
+    """(K splits, chunks per split): rows alone give too few programs for a small N (k/v projections) or a long
+    K (down projections). Depends on the matrix only, never on the row count M, so a token's result is the
+    same bits in a plain step and in a verify step."""
+    chunks = triton.cdiv(k, CHUNK)
+    per_split = triton.cdiv(chunks, max(1, min(chunks, TARGET_PROGRAMS // triton.cdiv(n, BLOCK_N))))
+    return triton.cdiv(chunks, per_split), per_split
 
 
 @torch.library.custom_op("flashdraft::gguf_matmul", mutates_args=())
@@ -310,14 +334,16 @@ def gguf_matmul(x: Tensor, qweight: Tensor, qtype: str, k: int, bias: Tensor | N
     _check(qweight, qtype, k)
     x = x.contiguous()
     m, n = x.shape[0], qweight.shape[0]
-    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    block_n = 32
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, BLOCK_M))
-    _matmul_kernel[grid](x, qweight, bias if bias is not None else x, out, _lut(x.device), m, n, k // CHUNK,
-                         x.stride(0), qweight.stride(0), out.stride(0), QTYPE=TYPE_IDS[qtype],
-                         CHUNK_BYTES=chunk_bytes(qtype), HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M,
-                         BLOCK_N=block_n, num_warps=4)
-    return out
+    splits, per_split = splits_for(n, k)
+    partial = torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
+    grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, BLOCK_M), splits)
+    _matmul_kernel[grid](x, qweight, partial, _lut(x.device), m, n, k, per_split, x.stride(0), qweight.stride(0),
+                         partial.stride(0), partial.stride(1), QTYPE=TYPE_IDS[qtype], CHUNK_BYTES=chunk_bytes(qtype),
+                         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=4)
+    out = partial[0] if splits == 1 else partial.sum(0)  # a fixed order: deterministic
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
 
 
 @gguf_matmul.register_fake
@@ -331,7 +357,7 @@ def dequantize_gguf(qweight: Tensor, qtype: str, k: int, dtype: torch.dtype, out
     n = qweight.shape[0]
     out = torch.empty(n, k, device=qweight.device, dtype=dtype) if out is None else out[:n * k].view(n, k)
     block_n = 16
-    _dequantize_kernel[(triton.cdiv(n, block_n), k // CHUNK)](qweight, out, _lut(qweight.device), n,
+    _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, CHUNK))](qweight, out, _lut(qweight.device), n, k,
                                                               qweight.stride(0), out.stride(0),
                                                               QTYPE=TYPE_IDS[qtype], CHUNK_BYTES=chunk_bytes(qtype),
                                                               BLOCK_N=block_n)

@@ -54,5 +54,7 @@ def fuse_linears_on_load(module: nn.Module, fused: str, parts: list[str], sizes:
 
     module.split_sizes = getattr(module, "split_sizes", {})
     module.split_sizes.setdefault(fused, sizes)
+    module.fused_parts = getattr(module, "fused_parts", {})  # for the loader's swap to quantized modules
+    module.fused_parts[fused] = parts
     module._register_load_state_dict_pre_hook(load_hook)
     module._register_state_dict_hook(save_hook)

@@ -33,12 +33,12 @@ class DecoderLM(nn.Module):
 
     # -------------------------------------------------------------------------------- shared
     @property
-    def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+    def dtype(self) -> torch.dtype:  # the final norm: dense in every weight format
+        return self.model.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self.model.norm.weight.device
 
     def new_state(self, n_slots: int, max_len: int) -> KVState:
         self.prepare(max_len)

@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--device", default=None)
     t.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="target weights and autocast (auto: bf16 on GPU, float32 on CPU); draft weights stay float32")
+    t.add_argument("--dequantize", action="store_true", default=True,
+                   help="GGUF target weights expanded to --dtype (always, for training: the draft's loss "
+                        "backpropagates through the target's LM head, which the GGUF kernels cannot)")
     t.add_argument("--export-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint when there is one")

@@ -1,0 +1,224 @@
+"""Quantized GGUF weights on the GPU against llama.cpp on the same files. Prints tables; writes JSON with --out.
+
+  python benchmarks/gguf_gpu.py make --shape llama-3.1-8b --out-dir DIR       random BF16 GGUF of that shape
+  python benchmarks/gguf_gpu.py measure --files A.gguf,B.gguf [--compile]      flashdraft's steps on each file
+
+`make` writes the BF16 file with the `gguf` package (random weights, std 0.02); llama.cpp's own `llama-quantize`
+makes the other types from it and `llama-bench -ngl 99 -fa 1 -p 512 -n 128` is the peer (run by the caller).
+`measure` loads each file with its matrices kept quantized and times, with CUDA graphs: a decode step and a
+verify(16) step at 1k and 16k context, a random 5-layer DFlash draft's step, a 512-token prefill, and reports
+peak GPU memory, the weights' GPU bytes against the file's tensor bytes, and the quantized weight-read floor
+(the bytes of one step's matrices over the measured copy bandwidth).
+"""
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu import SHAPES, TINY, draft_for, timed  # noqa: E402
+
+from flashdraft.engine.generate import prefill  # noqa: E402
+from flashdraft.engine.graphs import GraphCache  # noqa: E402
+from flashdraft.engine.sampling import argmax_rows  # noqa: E402
+from flashdraft.engine.steps import bucket_for, plain_step  # noqa: E402
+
+
+def byte_level_tokens(vocab: int) -> list[str]:
+    """GPT-2's 256 byte-level symbols first (llama.cpp looks up the newline token), then placeholders."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return [chr(c) for c in cs] + ["Ġt"] + [f"<t{i}>" for i in range(vocab - 257)]  # "Ġt": the one merge
+
+
+def make(args) -> int:
+    from gguf import GGMLQuantizationType, GGUFWriter
+    cfg = (TINY if args.tiny else SHAPES)[args.shape]
+    out = Path(args.out_dir) / f"{args.shape}-BF16.gguf"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    w = GGUFWriter(str(out), "llama")
+    w.add_string("general.name", f"random {args.shape}")
+    w.add_uint32("llama.block_count", cfg.num_layers)
+    w.add_uint32("llama.context_length", 32768)
+    w.add_uint32("llama.embedding_length", cfg.hidden_size)
+    w.add_uint32("llama.feed_forward_length", cfg.intermediate_size)
+    w.add_uint32("llama.attention.head_count", cfg.num_heads)
+    w.add_uint32("llama.attention.head_count_kv", cfg.num_kv_heads)
+    w.add_float32("llama.rope.freq_base", cfg.rope_theta)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    w.add_uint32("llama.rope.dimension_count", cfg.head_dim)
+    w.add_uint32("general.file_type", 32)  # MOSTLY_BF16
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_string("tokenizer.ggml.pre", "default")
+    w.add_array("tokenizer.ggml.tokens", byte_level_tokens(cfg.vocab_size))
+    w.add_array("tokenizer.ggml.token_type", [1] * cfg.vocab_size)
+    w.add_array("tokenizer.ggml.merges", ["Ġ t"])
+    w.add_uint32("tokenizer.ggml.bos_token_id", 257)
+    w.add_uint32("tokenizer.ggml.eos_token_id", 258)
+    gen = torch.Generator(device="cuda" if torch.cuda.is_available() else "cpu").manual_seed(0)
+    dev = gen.device
+
+    def add(name: str, *shape: int, norm: bool = False) -> None:
+        if norm:
+            w.add_tensor(name, np.ones(shape, dtype=np.float32))
+            return
+        t = (torch.randn(*shape, generator=gen, device=dev) * 0.02).to(torch.bfloat16)
+        w.add_tensor(name, t.view(torch.int16).cpu().numpy().view(np.uint16), raw_shape=shape,
+                     raw_dtype=GGMLQuantizationType.BF16)
+
+    H, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    add("token_embd.weight", cfg.vocab_size, H)
+    add("output_norm.weight", H, norm=True)
+    add("output.weight", cfg.vocab_size, H)
+    for i in range(cfg.num_layers):
+        p = f"blk.{i}."
+        add(p + "attn_norm.weight", H, norm=True)
+        add(p + "ffn_norm.weight", H, norm=True)
+        add(p + "attn_q.weight", q, H)
+        add(p + "attn_k.weight", kv, H)
+        add(p + "attn_v.weight", kv, H)
+        add(p + "attn_output.weight", H, q)
+        add(p + "ffn_gate.weight", cfg.intermediate_size, H)
+        add(p + "ffn_up.weight", cfg.intermediate_size, H)
+        add(p + "ffn_down.weight", H, cfg.intermediate_size)
+    t = time.perf_counter()
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    print(f"wrote {out} ({out.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - t:.1f} s")
+    return 0
+
+
+def file_matrix_bytes(path: str) -> tuple[int, int, dict]:
+    """(bytes of all tensors, bytes one decode step reads: every matrix but the embedding, types count)."""
+    from flashdraft.formats.gguf import read_gguf
+    g = read_gguf(path)
+    total = step = 0
+    types: dict[str, int] = {}
+    for name, t in g.tensors.items():
+        n = int(t.data.nbytes)
+        total += n
+        if name != "token_embd.weight":
+            step += n
+        types[t.qtype.name] = types.get(t.qtype.name, 0) + 1
+    return total, step, types
+
+
+def copy_bandwidth(dev: str) -> float:
+    x = torch.randn((2 << 30) // 2, device=dev, dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    ms = timed(lambda: y.copy_(x), 20, dev)
+    return 2 * x.numel() * 2 / (ms * 1e-3)
+
+
+def measure(args) -> int:
+    from flashdraft.formats.loader import load_target
+    dev = args.device
+    ctxs = [int(c) for c in args.ctxs.split(",")]
+    results = dict(date=time.strftime("%Y-%m-%d"), torch=torch.__version__, rows=[])
+    if dev == "cuda":
+        results["gpu"] = torch.cuda.get_device_name()
+        results["copy_GBps"] = copy_bandwidth(dev) / 1e9
+    for path in args.files.split(","):
+        total, step_bytes, types = file_matrix_bytes(path)
+        torch.cuda.empty_cache() if dev == "cuda" else None
+        torch.cuda.reset_peak_memory_stats() if dev == "cuda" else None
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            target, _, _ = load_target(path, dev, torch.bfloat16, quantized=not args.dequantize)
+        load_s = time.perf_counter() - t0
+        weights = sum({b.data_ptr(): b.numel() * b.element_size()
+                       for b in [*target.parameters(), *target.buffers()]}.values())
+        draft = draft_for(target.cfg, dev, torch.bfloat16, args.tiny)
+        max_len = max(ctxs) + 256
+        state = target.new_state(1, max_len)
+        draft.setup_cache(max_len)
+        if args.compile:
+            target.compile_layers((1, 16))
+            draft.compile_layers()
+        name = Path(path).stem + (" +compile" if args.compile else "") + (" (dequantized)" if args.dequantize else "")
+        for ctx in ctxs:
+            with torch.inference_mode():
+                prompt = torch.randint(0, target.cfg.vocab_size - 1, (ctx,), device=dev)
+                _, feats = prefill(target, state, prompt, 0, draft.cfg.target_layer_ids)
+                draft.reset(0)
+                draft.append_context(feats, torch.arange(ctx, device=dev), 0)
+                del feats
+                graphs = GraphCache(dev)
+                bucket = bucket_for(ctx + 16, max_len)
+                tok, pos = torch.tensor([5], device=dev), torch.tensor([ctx], device=dev)
+                block = torch.randint(0, target.cfg.vocab_size - 1, (16,), device=dev)
+                positions = torch.arange(ctx, ctx + 16, device=dev)
+                ids = draft.cfg.target_layer_ids
+
+                def decode():
+                    return graphs.run("plain", lambda t, p: plain_step(target, state, t, p, 0, bucket), [tok, pos])
+
+                def verify():
+                    return graphs.run("verify", lambda b, p: target(b[None], p[None], state, 0, capture=ids,
+                                                                    attn_len=bucket), [block, positions])
+
+                def draft_step():
+                    def fn(b, p):
+                        h = draft(target.embed(b), p, 0, None, bucket)
+                        return (argmax_rows(draft.compute_logits(h[1:], target.logits)),)
+                    return graphs.run("draft", fn, [block, positions])
+
+                iters = 5 if args.tiny else 30
+                ms = {f.__name__: timed(f, iters, dev) for f in (decode, verify, draft_step)}
+                p512 = torch.randint(0, target.cfg.vocab_size - 1, (512,), device=dev)
+                prefill_ms = timed(lambda: prefill(target, state, p512, 0, None), 3 if args.tiny else 5, dev)
+            peak = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else 0.0
+            floor_ms = step_bytes / (results.get("copy_GBps", 1.0) * 1e9) * 1e3
+            row = dict(file=name, types=types, ctx=ctx, decode_ms=ms["decode"], decode_tok_s=1e3 / ms["decode"],
+                       verify16_ms=ms["verify"], verify_over_decode=ms["verify"] / ms["decode"],
+                       draft_ms=ms["draft_step"], draft_over_decode=ms["draft_step"] / ms["decode"],
+                       prefill512_tok_s=512e3 / prefill_ms, peak_mem_GiB=peak, weights_GB=weights / 1e9,
+                       file_tensors_GB=total / 1e9, weights_over_file=weights / total, step_bytes_GB=step_bytes / 1e9,
+                       floor_ms=floor_ms, decode_over_floor=ms["decode"] / floor_ms, load_s=load_s)
+            results["rows"].append(row)
+            print(f"{name} ctx {ctx}: decode {ms['decode']:.3f} ms ({1e3 / ms['decode']:.1f} tok/s, x{row['decode_over_floor']:.2f} "
+                  f"the {floor_ms:.3f} ms floor), verify16 x{row['verify_over_decode']:.3f}, draft x{row['draft_over_decode']:.3f}, "
+                  f"prefill {row['prefill512_tok_s']:.0f} tok/s, weights {weights / 1e9:.2f} GB of {total / 1e9:.2f} GB in the "
+                  f"file, peak {peak:.1f} GiB", flush=True)
+        del target, draft, state
+    print("\n| file | ctx | decode ms | tok/s | decode/floor | verify16/decode | draft/decode | prefill512 tok/s | "
+          "weights GB / file GB | peak GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in results["rows"]:
+        print(f"| {r['file']} | {r['ctx']} | {r['decode_ms']:.3f} | {r['decode_tok_s']:.1f} | {r['decode_over_floor']:.2f} | "
+              f"{r['verify_over_decode']:.3f} | {r['draft_over_decode']:.3f} | {r['prefill512_tok_s']:.0f} | "
+              f"{r['weights_GB']:.2f} / {r['file_tensors_GB']:.2f} | {r['peak_mem_GiB']:.1f} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("action", choices=["make", "measure"])
+    ap.add_argument("--shape", default="llama-3.1-8b")
+    ap.add_argument("--out-dir", default=".")
+    ap.add_argument("--files", default="")
+    ap.add_argument("--ctxs", default="1024,16384")
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--dequantize", action="store_true", help="expand to bf16 at load (today's path, for comparison)")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke test of this script")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    return make(args) if args.action == "make" else measure(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""GGUF weights kept in their file's block format: a linear layer and a token embedding over the bytes, through
+kernels/gguf_matmul.py. A model never learns about them: the loader swaps them in for `Linear` / `nn.Embedding`
+where the file holds a quantized matrix (`swap_quantized`)."""
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+log = logging.getLogger("flashdraft")
+
+FEW_ROWS = 64  # up to this many rows a product runs the fused kernel; more dequantize into a scratch buffer
+
+
+@dataclass
+class QuantizedWeight:
+    """One GGUF matrix as stored: `data` uint8 [out_features, bytes per row] of `qtype` blocks."""
+    data: Tensor
+    qtype: str
+    shape: tuple[int, int]  # (out_features, in_features)
+
+    def to(self, device) -> "QuantizedWeight":
+        return QuantizedWeight(self.data.to(device), self.qtype, self.shape)
+
+
+_SCRATCH: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+
+
+def scratch(numel: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """A buffer reused by every prefill dequantization on a device (grown to the largest matrix)."""
+    buf = _SCRATCH.get((device, dtype))
+    if buf is None or buf.numel() < numel:
+        buf = _SCRATCH[(device, dtype)] = torch.empty(numel, device=device, dtype=dtype)
+    return buf
+
+
+class GGUFLinear(nn.Module):
+    """A linear layer over one or more quantized row blocks (a fused q/k/v or gate/up keeps each part's own type:
+    Q4_K_M files mix Q4_K and Q6_K). Few rows: the fused kernel per part; more: each part dequantized into a
+    shared scratch buffer, then one cuBLAS product."""
+
+    def __init__(self, parts: list[QuantizedWeight], bias: bool = False):
+        super().__init__()
+        self.in_features = parts[0].shape[1]
+        if any(p.shape[1] != self.in_features for p in parts):
+            raise ValueError("fused quantized parts must share in_features")
+        self.qtypes = [p.qtype for p in parts]
+        self.sizes = [p.shape[0] for p in parts]
+        self.out_features = sum(self.sizes)
+        for i, p in enumerate(parts):
+            self.register_buffer(f"qweight{i}", p.data, persistent=False)  # not in state dicts
+        self.bias = nn.Parameter(torch.empty(self.out_features, device="meta")) if bias else None
+
+    def parts(self) -> list[tuple[Tensor, str]]:
+        return [(getattr(self, f"qweight{i}"), q) for i, q in enumerate(self.qtypes)]
+
+    def forward(self, x: Tensor) -> Tensor:
+        from flashdraft.kernels.gguf_matmul import dequantize_gguf, gguf_matmul
+        rows = x.reshape(-1, self.in_features)
+        k = self.in_features
+        if rows.shape[0] <= FEW_ROWS:
+            outs = [gguf_matmul(rows, w, q, k) for w, q in self.parts()]
+            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+            out = out if self.bias is None else out + self.bias
+        else:
+            outs = []
+            for w, q in self.parts():
+                dense = dequantize_gguf(w, q, k, x.dtype, scratch(w.shape[0] * k, x.device, x.dtype))
+                outs.append(F.linear(rows, dense))
+            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+            out = out if self.bias is None else out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, qtypes={self.qtypes}"
+
+
+class GGUFEmbedding(nn.Module):
+    """A token embedding over a quantized table: the rows of the step's tokens are gathered, then dequantized."""
+
+    def __init__(self, weight: QuantizedWeight):
+        super().__init__()
+        self.qtype, (self.num_embeddings, self.embedding_dim) = weight.qtype, weight.shape
+        self.register_buffer("qweight", weight.data, persistent=False)
+        self.dtype = torch.bfloat16
+
+    def forward(self, ids: Tensor) -> Tensor:
+        from flashdraft.kernels.gguf_matmul import dequantize_gguf
+        rows = self.qweight[ids.reshape(-1)]
+        return dequantize_gguf(rows, self.qtype, self.embedding_dim, self.dtype).reshape(*ids.shape, -1)
+
+
+def kernel_types() -> tuple[str, ...]:
+    from flashdraft.kernels.gguf_matmul import TYPES
+    return tuple(TYPES)
+
+
+def swap_quantized(model: nn.Module, quantized: dict[str, QuantizedWeight], dtype: torch.dtype) -> None:
+    """Replace the model's Linear / Embedding modules whose weights `quantized` holds (HF names) by GGUF modules.
+    A fused projection (fuse_linears_on_load) takes its parts in order; the names taken are removed."""
+    for module_name, module in list(model.named_modules()):
+        for fused, parts in getattr(module, "fused_parts", {}).items():
+            names = [f"{module_name}.{p}.weight" if module_name else f"{p}.weight" for p in parts]
+            if all(n in quantized for n in names):
+                old = getattr(module, fused)
+                setattr(module, fused, GGUFLinear([quantized.pop(n) for n in names], bias=old.bias is not None))
+    for name in list(quantized):
+        path = name.removesuffix(".weight")
+        old = model.get_submodule(path)
+        weight = quantized.pop(name)
+        if isinstance(old, nn.Embedding):
+            new = GGUFEmbedding(weight)
+            new.dtype = dtype
+        elif isinstance(old, nn.Linear):
+            new = GGUFLinear([weight], bias=old.bias is not None)
+        else:
+            raise ValueError(f"{name}: no quantized module for {type(old).__name__}")
+        model.set_submodule(path, new)
