@@ -316,6 +316,7 @@ def _check(qweight: Tensor, qtype: str, k: int) -> None:
 
 
 BLOCK_N = 32
+NUM_WARPS = 4
 TARGET_PROGRAMS = 528  # about four programs per SM of an H100/H200: enough loads in flight to stream the weights
 
 
@@ -339,7 +340,7 @@ def gguf_matmul(x: Tensor, qweight: Tensor, qtype: str, k: int, bias: Tensor | N
     grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, BLOCK_M), splits)
     _matmul_kernel[grid](x, qweight, partial, _lut(x.device), m, n, k, per_split, x.stride(0), qweight.stride(0),
                          partial.stride(0), partial.stride(1), QTYPE=TYPE_IDS[qtype], CHUNK_BYTES=chunk_bytes(qtype),
-                         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=4)
+                         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS)
     out = partial[0] if splits == 1 else partial.sum(0)  # a fixed order: deterministic
     if bias is not None:
         out = out + bias.float()

@@ -24,6 +24,18 @@ class QuantizedWeight:
         return QuantizedWeight(self.data.to(device), self.qtype, self.shape)
 
 
+def merge_same_type(parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
+    """Neighbouring parts of one type as one matrix (rows stacked): one kernel launch over more rows."""
+    merged = [parts[0]]
+    for p in parts[1:]:
+        last = merged[-1]
+        if p.qtype == last.qtype:
+            merged[-1] = QuantizedWeight(torch.cat([last.data, p.data]), p.qtype, (last.shape[0] + p.shape[0], p.shape[1]))
+        else:
+            merged.append(p)
+    return merged
+
+
 _SCRATCH: dict[tuple[torch.device, torch.dtype], Tensor] = {}
 
 
@@ -45,6 +57,7 @@ class GGUFLinear(nn.Module):
         self.in_features = parts[0].shape[1]
         if any(p.shape[1] != self.in_features for p in parts):
             raise ValueError("fused quantized parts must share in_features")
+        parts = merge_same_type(parts)
         self.qtypes = [p.qtype for p in parts]
         self.sizes = [p.shape[0] for p in parts]
         self.out_features = sum(self.sizes)
