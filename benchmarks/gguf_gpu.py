@@ -40,10 +40,16 @@ def byte_level_tokens(vocab: int) -> list[str]:
     return [chr(c) for c in cs] + ["Ġt"] + [f"<t{i}>" for i in range(vocab - 257)]  # "Ġt": the one merge
 
 
+def more_bits(i: int, n: int) -> bool:
+    """llama.cpp's use_more_bits: the layers whose attn_v / ffn_down Q4_K_M stores as Q6_K."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
 def make(args) -> int:
-    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
     cfg = (TINY if args.tiny else SHAPES)[args.shape]
-    out = Path(args.out_dir) / f"{args.shape}-BF16.gguf"
+    kind = args.random_quant or "BF16"
+    out = Path(args.out_dir) / f"{args.shape}-{kind}.gguf"
     out.parent.mkdir(parents=True, exist_ok=True)
     w = GGUFWriter(str(out), "llama")
     w.add_string("general.name", f"random {args.shape}")
@@ -70,6 +76,18 @@ def make(args) -> int:
     def add(name: str, *shape: int, norm: bool = False) -> None:
         if norm:
             w.add_tensor(name, np.ones(shape, dtype=np.float32))
+            return
+        if args.random_quant:  # Q4_K_M's layout with random blocks: no quantizer needed to time the kernels
+            layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
+            six = name == "output.weight" or (name.split(".")[-2] in ("attn_v", "ffn_down")
+                                              and more_bits(layer, cfg.num_layers))
+            qtype = "Q6_K" if six else "Q4_K"
+            sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+            from test_gguf_kernels import random_blocks
+            raw = random_blocks(qtype, shape[0], shape[1], seed=len(w.tensors[0]))
+            block, size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+            w.add_tensor(name, raw.reshape(shape[0], -1), raw_shape=(shape[0], shape[1] // block * size),
+                         raw_dtype=GGMLQuantizationType[qtype])
             return
         t = (torch.randn(*shape, generator=gen, device=dev) * 0.02).to(torch.bfloat16)
         w.add_tensor(name, t.view(torch.int16).cpu().numpy().view(np.uint16), raw_shape=shape,
@@ -123,6 +141,11 @@ def copy_bandwidth(dev: str) -> float:
 
 def measure(args) -> int:
     from flashdraft.formats.loader import load_target
+    if args.kernel_config:
+        from flashdraft.kernels import gguf_matmul as K
+        c = json.loads(Path(args.kernel_config).read_text())
+        K.BLOCK_N, K.NUM_WARPS, K.TARGET_PROGRAMS = c["block_n"], c["warps"], c["target"]
+        print(f"GGUF kernel: BLOCK_N {K.BLOCK_N}, {K.NUM_WARPS} warps, {K.TARGET_PROGRAMS} programs", flush=True)
     dev = args.device
     ctxs = [int(c) for c in args.ctxs.split(",")]
     results = dict(date=time.strftime("%Y-%m-%d"), torch=torch.__version__, rows=[])
@@ -191,7 +214,7 @@ def measure(args) -> int:
                   f"the {floor_ms:.3f} ms floor), verify16 x{row['verify_over_decode']:.3f}, draft x{row['draft_over_decode']:.3f}, "
                   f"prefill {row['prefill512_tok_s']:.0f} tok/s, weights {weights / 1e9:.2f} GB of {total / 1e9:.2f} GB in the "
                   f"file, peak {peak:.1f} GiB", flush=True)
-        del target, draft, state
+        target = draft = state = None  # free this file's model before the next loads
     print("\n| file | ctx | decode ms | tok/s | decode/floor | verify16/decode | draft/decode | prefill512 tok/s | "
           "weights GB / file GB | peak GiB |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -210,6 +233,9 @@ def main() -> int:
     ap.add_argument("--shape", default="llama-3.1-8b")
     ap.add_argument("--out-dir", default=".")
     ap.add_argument("--files", default="")
+    ap.add_argument("--random-quant", choices=["Q4_K_M"], default=None,
+                    help="make: random blocks in Q4_K_M's layout (Q4_K, Q6_K where llama-quantize puts it)")
+    ap.add_argument("--kernel-config", default=None, help="measure: JSON {block_n, warps, target} for the GGUF kernel")
     ap.add_argument("--ctxs", default="1024,16384")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--dequantize", action="store_true", help="expand to bf16 at load (today's path, for comparison)")

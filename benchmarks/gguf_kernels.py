@@ -26,11 +26,12 @@ def main() -> int:
     ap.add_argument("--rows", default="1,16")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--out")
+    ap.add_argument("--best", help="write the fastest config (summed over types and rows) to this JSON")
     args = ap.parse_args()
     dev = "cuda"
     configs = [(K.BLOCK_N, K.NUM_WARPS, K.TARGET_PROGRAMS)]
     if args.sweep:
-        configs = list(itertools.product((16, 32, 64), (2, 4, 8), (264, 528, 1056)))
+        configs = list(itertools.product((16, 32, 64), (4, 8), (528, 1056)))
     rows_out = []
     for qtype in args.types.split(","):
         weights = {s: torch.from_numpy(random_blocks(qtype, s[0], s[1], 0)).to(dev) for s in SHAPES}
@@ -63,6 +64,14 @@ def main() -> int:
               f"{r['GBps']:.0f} | {r['over_bf16']:.2f} |")
     if args.out:
         Path(args.out).write_text(json.dumps(rows_out, indent=1))
+    if args.best:  # the config with the least total time over the types and row counts measured
+        totals: dict[tuple, float] = {}
+        for r in rows_out:
+            key = (r["block_n"], r["warps"], r["target"])
+            totals[key] = totals.get(key, 0.0) + r["ms"]
+        bn, warps, target = min(totals, key=totals.get)
+        Path(args.best).write_text(json.dumps(dict(block_n=bn, warps=warps, target=target)))
+        print(f"best over all: BLOCK_N {bn}, {warps} warps, {target} programs", flush=True)
     return 0
 
 
