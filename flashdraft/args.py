@@ -20,8 +20,10 @@ def add_engine_args(ap: argparse.ArgumentParser, model: bool = True, context: bo
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--dtype", default="auto", choices=DTYPES)
     ap.add_argument("--dequantize", action="store_true",
-                    help="expand GGUF weights to --dtype at load (default: on CUDA they stay in their block format "
-                         "and the GGUF kernels read them; on the CPU they are always expanded)")
+                    help="expand GGUF weights to --dtype at load (default: on CUDA they stay in their block format, "
+                         "read by the GGUF kernels, where the expanded weights would not fit the free GPU memory)")
+    ap.add_argument("--quantized", action="store_true",
+                    help="keep a GGUF file's matrices in their block format on the GPU even where expanded ones fit")
     ap.add_argument("--compile", action="store_true",
                     help="fuse each layer's small ops with torch.compile for decode/verify steps (slower start)")
     ap.add_argument("--spec-dm-adaptive", dest="adaptive", action=argparse.BooleanOptionalAction, default=True,
@@ -38,5 +40,6 @@ def engine_config(args: argparse.Namespace, draft: str | None, device: str, **ov
     """The EngineConfig of parsed engine flags (the draft is resolved by the caller: named models bring one)."""
     fields = dict(model=args.model, draft=draft, device=device, dtype=args.dtype, ctx_size=args.ctx_size,
                   draft_window=args.draft_window, block_size=args.block_size, compile=args.compile,
-                  adaptive=args.adaptive, weights="dequantized" if args.dequantize else "auto")
+                  adaptive=args.adaptive,
+                  weights="dequantized" if args.dequantize else "quantized" if args.quantized else "auto")
     return EngineConfig(**(fields | overrides))

@@ -12,13 +12,17 @@ from flashdraft.formats.gguf import (
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 QUANTISABLE = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]  # gguf.quants can write these
 # types gguf.quants can only read: random bytes with finite fp16 super-block scales at these byte offsets
-SCALE_OFFSETS = {Q.Q2_K: [80, 82], Q.Q3_K: [108], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}
+# fp16 fields of the types the gguf package cannot quantise (random bytes elsewhere are valid blocks)
+SCALE_OFFSETS = {Q.Q2_K: [80, 82], Q.Q3_K: [108], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.IQ4_NL: [0],
+                 Q.IQ4_XS: [0]}
+LEGACY_SCALE_OFFSETS = {Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q8_0: [0]}
 
 
 def random_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random stored bytes [rows, bytes per row]: every quant bit pattern, with finite, moderate fp16 scales."""
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows, cols // block_size, type_size), dtype=np.uint8)
-    for offset in SCALE_OFFSETS[qtype]:
+    for offset in (SCALE_OFFSETS | LEGACY_SCALE_OFFSETS)[qtype]:
         scales = rng.uniform(-0.1, 0.1, (rows, cols // block_size, 1)).astype(np.float16)
         raw[..., offset:offset + 2] = scales.view(np.uint8)
     return raw.reshape(rows, -1)

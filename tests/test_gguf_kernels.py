@@ -13,20 +13,12 @@ import torch
 from test_split_attention import INTERPRETER
 
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
-F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "IQ4_NL": [0],
-              "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_XS": [0]}
 
 
 def random_blocks(qtype: str, rows: int, k: int, seed: int) -> np.ndarray:
-    """Random stored bytes [rows, bytes per row]: every quant bit pattern, with finite, moderate fp16 scales."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(rows, k // block, size), dtype=np.uint8)
-    for offset in F16_FIELDS[qtype]:
-        scales = (rng.uniform(0.002, 0.05, size=(rows, k // block)) * rng.choice([-1, 1], (rows, k // block)))
-        raw[:, :, offset:offset + 2] = scales.astype(np.float16)[..., None].view(np.uint8)
-    return raw.reshape(rows, -1)
+    from gguf import GGMLQuantizationType
+    from test_gguf import random_blocks as blocks
+    return blocks(GGMLQuantizationType[qtype], rows, k, np.random.default_rng(seed))
 
 
 def reference(raw: np.ndarray, qtype: str) -> torch.Tensor:

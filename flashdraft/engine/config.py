@@ -16,12 +16,7 @@ class EngineConfig:
     compile: bool = False
     adaptive: bool = False  # adaptive verify width (--spec-dm-adaptive)
     progress: bool = False
-    # GGUF matrices: "auto" keeps them in their block format on CUDA (the GPU kernels) and dequantises them to
-    # `dtype` elsewhere; "quantized" / "dequantized" force one way (--dequantize: dequantized)
+    # GGUF matrices: "quantized" keeps them in their block format (the GPU kernels), "dequantized" expands them
+    # to `dtype` (--dequantize); "auto": on CUDA, quantized only where the expanded weights would not fit the
+    # free GPU memory (the kernels still decode slower than bf16 weights: docs/PERF.md), elsewhere dequantized
     weights: str = "auto"
-
-    @property
-    def quantized(self) -> bool:
-        if self.weights not in ("auto", "quantized", "dequantized"):
-            raise ValueError(f"weights {self.weights!r}: choose auto, quantized or dequantized")
-        return self.weights == "quantized" or (self.weights == "auto" and self.device.startswith("cuda"))

@@ -1,5 +1,7 @@
 """Engine: the one interface the CLI, the server and the bench use."""
 import dataclasses
+import logging
+import math
 import queue
 import threading
 import time
@@ -13,6 +15,8 @@ from flashdraft.engine.generate import SpecStats, decode
 from flashdraft.engine.lockstep import from_rank0, in_lockstep
 from flashdraft.engine.sampling import SamplingParams
 from flashdraft.engine.steps import Steps
+
+log = logging.getLogger("flashdraft")
 
 
 @dataclass
@@ -90,6 +94,27 @@ def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
     return names[dtype]
 
 
+def keep_quantized(config: EngineConfig, dtype: torch.dtype) -> bool:
+    """Whether a GGUF target's matrices stay in their block format (EngineConfig.weights)."""
+    if config.weights not in ("auto", "quantized", "dequantized"):
+        raise ValueError(f"weights {config.weights!r}: choose auto, quantized or dequantized")
+    if config.weights != "auto":
+        return config.weights == "quantized"
+    if not config.device.startswith("cuda"):
+        return False
+    from flashdraft.formats.gguf import read_gguf
+    from flashdraft.formats.named import resolve_model
+    path = resolve_model(config.model)
+    if not str(path).endswith(".gguf"):
+        return False
+    expanded = sum(math.prod(t.shape) for t in read_gguf(path).tensors.values()) * dtype.itemsize
+    free, _ = torch.cuda.mem_get_info(torch.device(config.device))
+    keep = expanded > 0.8 * free
+    log.info("GGUF weights %s: expanded to %s they take %.1f GB of %.1f GB free", "kept quantized" if keep else
+             "expanded", dtype, expanded / 1e9, free / 1e9)
+    return keep
+
+
 def sampling_seed(p: SamplingParams) -> int | None:
     """The request's seed, a fresh one when it asks for a random seed, None when greedy."""
     if p.greedy:
@@ -147,7 +172,7 @@ class Engine:
         from flashdraft.formats.loader import load_draft, load_target
         torch_dtype = resolve_dtype(config.dtype, config.device)
         target, tokenizer, model_path = load_target(config.model, config.device, torch_dtype, progress=config.progress,
-                                                    quantized=config.quantized)
+                                                    quantized=keep_quantized(config, torch_dtype))
         draft_model = load_draft(config.draft, target, config.device, torch_dtype) if config.draft else None
         engine = Engine(target, tokenizer, draft_model, dataclasses.replace(config, model=str(model_path)))
         if config.compile and config.device.startswith("cuda"):  # shapes are static only where graphs bucket them

@@ -315,9 +315,11 @@ def _check(qweight: Tensor, qtype: str, k: int) -> None:
         raise ValueError(f"{qtype} weight of {tuple(qweight.shape)} bytes does not hold {k} inputs per row")
 
 
-BLOCK_N = 32
+# The fastest of benchmarks/gguf_kernels.py --sweep on an H200 (docs/PERF.md, GGUF run 2): BLOCK_N 16-64 x 4-8
+# warps x 528-1056 programs spread 0.79-1.53 ms over the 8B's four matrix shapes.
+BLOCK_N = 64
 NUM_WARPS = 4
-TARGET_PROGRAMS = 528  # about four programs per SM of an H100/H200: enough loads in flight to stream the weights
+TARGET_PROGRAMS = 1056  # about eight programs per SM of an H100/H200
 
 
 def splits_for(n: int, k: int) -> tuple[int, int]:

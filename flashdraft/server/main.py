@@ -134,7 +134,7 @@ def parse_settings(argv: list[str]) -> tuple[Settings, list[str]]:
     settings = Settings(
         model=args.model, draft=args.draft, speculative=args.spec_type != "none",
         draft_window=args.draft_window, block_size=args.block_size, host=args.host, port=args.port,
-        n_slots=args.n_slots, ctx_size=args.ctx_size, device=args.device, dtype=args.dtype, compile=args.compile, adaptive=args.adaptive, dequantize=args.dequantize,
+        n_slots=args.n_slots, ctx_size=args.ctx_size, device=args.device, dtype=args.dtype, compile=args.compile, adaptive=args.adaptive, dequantize=args.dequantize, quantized=args.quantized,
         tp=args.tp,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         n_predict=args.n_predict, seed=args.seed, chat_template_file=args.chat_template_file,

@@ -18,7 +18,8 @@ class Settings:
     device: str | None = None
     dtype: str = "auto"
     compile: bool = False
-    dequantize: bool = False  # --dequantize: GGUF weights expanded to --dtype even on CUDA
+    dequantize: bool = False  # --dequantize: GGUF weights expanded to --dtype
+    quantized: bool = False  # --quantized: GGUF matrices kept in their block format on the GPU
     adaptive: bool = True  # adaptive verify width (--spec-dm-adaptive)
     tp: int = 1  # tensor-parallel ranks (processes); more than one serves one request at a time
     # request defaults (llama-server's), overridden per request
@@ -47,4 +48,4 @@ class Settings:
         return EngineConfig(model=self.model, draft=draft, device=device, dtype=self.dtype, ctx_size=slot_ctx,
                             n_slots=self.n_slots, draft_window=self.draft_window, block_size=self.block_size,
                             compile=self.compile, adaptive=self.adaptive, progress=progress,
-                            weights="dequantized" if self.dequantize else "auto")
+                            weights="dequantized" if self.dequantize else "quantized" if self.quantized else "auto")
