@@ -153,41 +153,12 @@ def _k_nibbles(p, ok, BN: tl.constexpr):
 
 
 @triton.jit
-def _k_scale_pair(p, ok, h: tl.constexpr):
-    """Scales and mins [N, 4] of sub-blocks 2g + h (ggml's get_scale_min_k4 for the 12 bytes at p)."""
-    s = 2 * tl.arange(0, 4) + h
-    low = s < 4
-    q1 = tl.load(p[:, None] + s[None, :], mask=ok[:, None], other=0)
-    q2 = tl.load(p[:, None] + s[None, :] + 4, mask=ok[:, None], other=0)
-    q3 = tl.load(p[:, None] + tl.where(low, 0, s - 4)[None, :], mask=ok[:, None], other=0)
-    sc = tl.where(low[None, :], q1 & 63, (q2 & 15) | ((q3 >> 6) << 4))
-    mn = tl.where(low[None, :], q2 & 63, (q2 >> 4) | ((q1 >> 6) << 4))
-    return sc.to(tl.float32), mn.to(tl.float32)
-
-
-@triton.jit
 def _q4_k(p, ok, BN: tl.constexpr):
-    """In storage order (no shuffle of the tile): column 64g + 2l + h holds weight 64g + 32h + l (x is loaded in
-    that order, see _x_order): byte 32g + l of qs holds weights 64g + l (low nibble) and 64g + 32 + l (high)."""
-    d, dmin = _f16(p, ok)[:, None, None], _f16(p + 2, ok)[:, None, None]
-    b = tl.load(p[:, None, None] + 16 + 32 * tl.arange(0, 4)[None, :, None] + tl.arange(0, 32)[None, None, :],
-                mask=ok[:, None, None], other=0)  # [N, 4, 32]
-    sc0, mn0 = _k_scale_pair(p + 4, ok, 0)
-    sc1, mn1 = _k_scale_pair(p + 4, ok, 1)
-    w0 = (d * sc0[:, :, None]) * (b & 15).to(tl.float32) - dmin * mn0[:, :, None]
-    w1 = (d * sc1[:, :, None]) * (b >> 4).to(tl.float32) - dmin * mn1[:, :, None]
-    return tl.reshape(tl.join(w0, w1), (BN, 256))
-
-
-@triton.jit
-def _x_order(QTYPE: tl.constexpr):
-    """Which weight of the chunk each tile column holds: the unpacking's column order."""
-    c = tl.arange(0, 256)
-    if QTYPE == 12:
-        c = 64 * (c // 64) + 32 * (c % 2) + (c % 64) // 2
-    elif QTYPE == 14:
-        c = 128 * (c // 128) + 64 * (c % 2) + 32 * ((c // 64) % 2) + (c % 64) // 2
-    return c
+    d, dmin = _f16(p, ok), _f16(p + 2, ok)
+    sc, mn = _k_scales(p + 4, ok, BN)
+    q = _k_nibbles(p + 16, ok, BN).to(tl.float32)
+    w = (d[:, None] * sc)[:, :, None] * q - (dmin[:, None] * mn)[:, :, None]
+    return tl.reshape(w, (BN, 256))
 
 
 @triton.jit
@@ -211,26 +182,16 @@ def _two_bits(b, BN: tl.constexpr):
 
 @triton.jit
 def _q6_k(p, ok, BN: tl.constexpr):
-    """In storage order: with c = 32cb + l, ql byte 64hh + c holds weights 128hh + c (low nibble, s = 0) and
-    128hh + 64 + c (high, s = 1), whose top two bits are qh byte 32hh + l >> 2(2s + cb). Column
-    128hh + 64cb + 2l + s holds weight 128hh + 64s + 32cb + l (see _x_order)."""
-    hh = tl.arange(0, 2)[None, :, None, None, None]  # dims: row, hh, cb, l // 16, l % 16
-    cb = tl.arange(0, 2)[None, None, :, None, None]
-    lh = tl.arange(0, 2)[None, None, None, :, None]
-    lr = tl.arange(0, 16)[None, None, None, None, :]
-    base = p[:, None, None, None, None]
-    ok5 = ok[:, None, None, None, None]
-    ql = tl.load(base + 64 * hh + 32 * cb + 16 * lh + lr, mask=ok5, other=0)  # [N, 2, 2, 2, 16]
-    qh = tl.load(base + 128 + 32 * hh + 16 * lh + lr, mask=ok5, other=0)  # [N, 2, 1, 2, 16]
-    shift = (2 * cb).to(tl.uint8)
-    q0 = ((ql & 15) | (((qh >> shift) & 3) << 4)).to(tl.float32) - 32.0
-    q1 = ((ql >> 4) | (((qh >> (shift + 4)) & 3) << 4)).to(tl.float32) - 32.0
-    d = _f16(p + 208, ok)[:, None, None, None, None]
-    # weight 128hh + 64s + 32cb + l has scale (128hh + 64s + 32cb + l) // 16 = 8hh + 4s + 2cb + l // 16
-    scale = base + 192 + 8 * hh + 2 * cb + lh  # [N, 2, 2, 2, 1]: one load per 16 weights
-    s0 = tl.load(scale, mask=ok5, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-    s1 = tl.load(scale + 4, mask=ok5, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-    return tl.reshape(tl.join(d * s0 * q0, d * s1 * q1), (BN, 256))
+    ok3 = ok[:, None, None]
+    ql = tl.load(p[:, None, None] + 64 * tl.arange(0, 2)[None, :, None] + tl.arange(0, 64)[None, None, :],
+                 mask=ok3, other=0)  # [N, 2, 64]
+    low = tl.reshape(tl.permute(tl.join(ql & 15, ql >> 4), (0, 1, 3, 2)), (BN, 256))  # 128h + 64s + c
+    qh = tl.load(p[:, None, None] + 128 + 32 * tl.arange(0, 2)[None, :, None] + tl.arange(0, 32)[None, None, :],
+                 mask=ok3, other=0)
+    q = (low | (_two_bits(qh, BN) << 4)).to(tl.float32) - 32.0
+    scales = tl.load(p[:, None] + 192 + tl.arange(0, 16)[None, :], mask=ok[:, None], other=0)
+    dl = _f16(p + 208, ok)[:, None] * scales.to(tl.int8, bitcast=True).to(tl.float32)  # [N, 16]
+    return tl.reshape(dl[:, :, None] * tl.reshape(q, (BN, 16, 16)), (BN, 256))
 
 
 @triton.jit
@@ -304,7 +265,7 @@ def _matmul_kernel(x_ptr, w_ptr, out_ptr, lut, M, N, K, chunks_per_split, stride
     row_ok = rows < N
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < M
-    k = _x_order(QTYPE)
+    k = tl.arange(0, 256)
     p = w_ptr + rows.to(tl.int64) * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     first = split * chunks_per_split
@@ -325,7 +286,7 @@ def _dequantize_kernel(w_ptr, out_ptr, lut, N, K, stride_wn, stride_on, QTYPE: t
     c = tl.program_id(1)
     row_ok = rows < N
     w = _unpack(w_ptr + rows.to(tl.int64) * stride_wn + c * CHUNK_BYTES, row_ok, K // 32 - 8 * c, lut, QTYPE, BLOCK_N)
-    k = c * 256 + _x_order(QTYPE)
+    k = c * 256 + tl.arange(0, 256)
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_on + k[None, :], w.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & (k < K)[None, :])
 
