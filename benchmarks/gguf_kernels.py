@@ -25,6 +25,7 @@ def main() -> int:
     ap.add_argument("--types", default="Q4_K,Q6_K,Q8_0")
     ap.add_argument("--rows", default="1,16")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--configs", default=None, help='tile configs to time, "BLOCK_N,warps,programs;..."')
     ap.add_argument("--out")
     ap.add_argument("--best", help="write the fastest config (summed over types and rows) to this JSON")
     args = ap.parse_args()
@@ -32,6 +33,8 @@ def main() -> int:
     configs = [(K.BLOCK_N, K.NUM_WARPS, K.TARGET_PROGRAMS)]
     if args.sweep:
         configs = list(itertools.product((16, 32, 64), (4, 8), (528, 1056)))
+    if args.configs:  # "BLOCK_N,warps,programs;..."
+        configs = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";")]
     rows_out = []
     for qtype in args.types.split(","):
         weights = {s: torch.from_numpy(random_blocks(qtype, s[0], s[1], 0)).to(dev) for s in SHAPES}
