@@ -72,8 +72,8 @@ def create_app(engine_or_loader: Engine | Callable[[], Engine], settings: Settin
     if settings.webui and (WEBUI_DIR / "index.html").is_file():
         app.mount("/webui", StaticFiles(directory=WEBUI_DIR), name="webui")
 
-        @app.get("/")
-        @app.get("/index.html")
+        @app.api_route("/", methods=["GET", "HEAD"])
+        @app.api_route("/index.html", methods=["GET", "HEAD"])
         async def index() -> FileResponse:
             return FileResponse(WEBUI_DIR / "index.html")
 

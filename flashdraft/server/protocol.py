@@ -107,6 +107,8 @@ def sampling_params(body: dict, settings: Settings, token_limit_names: tuple[str
     top_k = get_int(body, "top_k", settings.top_k)
     top_p = get_number(body, "top_p", settings.top_p, 0.0, 1.0)
     seed = get_int(body, "seed", settings.seed)
+    if seed is not None and not -1 <= seed < 2 ** 32:  # llama.cpp's seed is a uint32; -1: random
+        raise ApiError(400, f"'seed' must be between -1 and {2 ** 32 - 1}, got {seed}")
     params = SamplingParams(
         temperature=get_number(body, "temperature", settings.temperature, lo=0.0),
         # top_k <= 0 disables it (llama.cpp; vLLM clients send -1)

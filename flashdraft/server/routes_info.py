@@ -9,15 +9,15 @@ from flashdraft.server.state import BUILD_INFO, read_json, server_state
 router = APIRouter()
 
 
-@router.get("/health")
-@router.get("/v1/health")
+@router.api_route("/health", methods=["GET", "HEAD"])  # load balancers check with HEAD
+@router.api_route("/v1/health", methods=["GET", "HEAD"])
 async def health(request: Request) -> dict:
     state = server_state(request)
     state.require()
     return {"status": "ok"}
 
-@router.get("/v1/models")
-@router.get("/models")
+@router.api_route("/v1/models", methods=["GET", "HEAD"])
+@router.api_route("/models", methods=["GET", "HEAD"])
 async def models(request: Request) -> dict:
     state = server_state(request)
     engine, _ = state.require()

@@ -1,6 +1,7 @@
 """The server's state (settings, the engine once loaded, the scheduler), shared by the routes through
 `request.app.state.server`, and reading a request's JSON body."""
 import json
+import math
 import time
 from pathlib import Path
 
@@ -51,10 +52,44 @@ def server_state(request: Request) -> ServerState:
     return request.app.state.server
 
 
+MAX_DEPTH = 64  # nesting of arrays and objects a request may have
+
+
+def check_values(body) -> None:
+    """Reject what JSON parsing lets through but nothing downstream can use, naming the field: NaN and the
+    infinities (Python reads them), lone UTF-16 surrogates in strings (not encodable), deep nesting."""
+    stack = [(body, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        name = path or "the request body"
+        if depth > MAX_DEPTH:
+            raise ApiError(400, f"the request body is nested deeper than {MAX_DEPTH} levels (at '{name}')")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ApiError(400, f"'{name}' must be a finite number, got {value}")
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ApiError(400, f"'{name}' holds a lone UTF-16 surrogate: not valid Unicode text") from None
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if not key.isascii():
+                    try:
+                        key.encode("utf-8")
+                    except UnicodeEncodeError:
+                        raise ApiError(400, f"a key in '{name}' holds a lone UTF-16 surrogate") from None
+                stack.append((item, f"{path}.{key}" if path else key, depth + 1))
+        elif isinstance(value, list):
+            stack += [(item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value)]
+
+
 async def read_json(request: Request) -> dict:
     raw = await request.body()
     try:
         body = json.loads(raw)
+    except RecursionError:
+        raise ApiError(400, f"the request body is nested deeper than {MAX_DEPTH} levels") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"malformed JSON in the request body: {e}") from None
+    check_values(body)
     return P.require_object(body)

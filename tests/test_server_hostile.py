@@ -1,0 +1,67 @@
+"""Bad values a hostile or careless client sends: each a 400 naming what is wrong, the server serving on."""
+import httpx
+import pytest
+from test_server import load, models, serving, settings  # noqa: F401  (models: the session fixture)
+
+from flashdraft.server.app import create_app
+
+
+@pytest.fixture(scope="module")
+def url(models):  # noqa: F811
+    with serving(create_app(load(models, n_slots=1, slot_ctx=512), settings())) as url:
+        yield url
+
+
+def post_raw(url: str, path: str, body: str) -> httpx.Response:
+    return httpx.post(url + path, content=body, headers={"Content-Type": "application/json"}, timeout=60)
+
+
+def assert_400(r: httpx.Response, *words: str) -> None:
+    assert r.status_code == 400, (r.status_code, r.text)
+    message = r.json()["error"]["message"]
+    assert all(w in message for w in words), message
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": %s}'),
+    ("/completion", '{"prompt": "hi", "n_predict": 2, "temperature": %s}'),
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": 2, "top_p": %s}'),
+])
+def test_non_finite_numbers_are_a_400_naming_the_field(url, literal, path, body):
+    r = post_raw(url, path, body % literal)
+    assert_400(r, "finite", "temperature" if "temperature" in body else "top_p")
+
+
+@pytest.mark.parametrize("path,body,field", [
+    ("/tokenize", '{"content": "ab\\ud800c"}', "content"),
+    ("/v1/completions", '{"prompt": "\\udfff", "max_tokens": 2}', "prompt"),
+    ("/completion", '{"prompt": "hi", "n_predict": 2, "stop": ["\\ud800"]}', "stop[0]"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud83d"}], "max_tokens": 2}',
+     "messages[0].content"),
+])
+def test_lone_surrogates_are_a_400_naming_the_field(url, path, body, field):
+    assert_400(post_raw(url, path, body), f"'{field}'", "surrogate")
+    assert httpx.get(url + "/slots", timeout=30).status_code == 200  # and nothing else broke
+
+
+@pytest.mark.parametrize("seed", ["18446744073709551616", "1e30", "-2", "4294967296"])
+def test_seeds_outside_uint32_are_a_400(url, seed):
+    assert_400(post_raw(url, "/completion", '{"prompt": "hi", "n_predict": 2, "temperature": 1, "seed": %s}' % seed),
+               "'seed'", "4294967295")
+
+
+def test_largest_seed_is_served(url):
+    r = post_raw(url, "/completion", '{"prompt": "hi", "n_predict": 2, "temperature": 1, "seed": 4294967295}')
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("depth", [100, 100_000])
+def test_deep_nesting_is_a_400(url, depth):
+    body = '{"prompt": "hi", "x": ' + "[" * depth + "]" * depth + "}"
+    assert_400(post_raw(url, "/completion", body), "nested deeper")
+
+
+@pytest.mark.parametrize("path", ["/health", "/v1/models", "/models", "/"])
+def test_head_is_answered_where_get_is(url, path):
+    assert httpx.head(url + path, timeout=30).status_code == 200
