@@ -65,3 +65,25 @@ def test_deep_nesting_is_a_400(url, depth):
 @pytest.mark.parametrize("path", ["/health", "/v1/models", "/models", "/"])
 def test_head_is_answered_where_get_is(url, path):
     assert httpx.head(url + path, timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize("field,value", [("best_of", 2), ("suffix", '"x"'), ("echo", "true"), ("mirostat", 2),
+                                         ("response_format", '{"type": "json_object"}'), ("grammar", '"root ::= x"'),
+                                         ("logprobs", "true"), ("n_probs", 3), ("logit_bias", '{"5": 10}'),
+                                         ("presence_penalty", 0.5), ("repeat_penalty", 1.1)])
+def test_fields_not_supported_are_a_400_naming_them(url, field, value):
+    body = '{"prompt": "hi", "max_tokens": 2, "%s": %s}' % (field, value)
+    assert_400(post_raw(url, "/v1/completions", body), f"'{field}'", "not supported")
+
+
+def test_neutral_values_of_those_fields_are_served(url):
+    body = ('{"prompt": "hi", "max_tokens": 2, "echo": false, "presence_penalty": 0.0, "frequency_penalty": 0, '
+            '"repeat_penalty": 1.0, "logprobs": false, "response_format": {"type": "text"}}')
+    assert post_raw(url, "/v1/completions", body).status_code == 200
+
+
+@pytest.mark.parametrize("prompt,words", [("[1.0, 2.0]", ("integer token ids", "a number")),
+                                          ("[true]", ("integer token ids", "a boolean")),
+                                          ('["a", "b"]', ("only one prompt",))])
+def test_prompt_array_messages_say_what_is_wrong(url, prompt, words):
+    assert_400(post_raw(url, "/v1/completions", '{"prompt": %s, "max_tokens": 2}' % prompt), *words)

@@ -142,6 +142,28 @@ def message_text(content: Any, index: int) -> str:
     raise ApiError(400, f"messages[{index}].content must be a string or an array of content parts")
 
 
+# Fields of OpenAI's and llama.cpp's APIs that change what a caller gets back and are not implemented yet: a 400
+# naming the field, never a 200 that silently breaks the caller's contract.
+UNSUPPORTED_FIELDS = ("best_of", "suffix", "echo", "mirostat", "response_format", "grammar", "json_schema",
+                      "logprobs", "top_logprobs", "n_probs", "logit_bias", "presence_penalty", "frequency_penalty",
+                      "repeat_penalty")
+NEUTRAL_VALUES = {"echo": False, "logprobs": False, "n_probs": 0, "presence_penalty": 0, "frequency_penalty": 0,
+                  "repeat_penalty": 1, "mirostat": 0, "best_of": 1, "logit_bias": {}, "top_logprobs": 0}
+
+
+def check_supported(body: dict) -> None:
+    """400 for a field that asks for something not implemented (its neutral value, e.g. `echo: false`, passes)."""
+    for name in UNSUPPORTED_FIELDS:
+        value = body.get(name)
+        neutral = NEUTRAL_VALUES.get(name)
+        if value is None or (neutral is not None and value == neutral
+                             and isinstance(value, bool) == isinstance(neutral, bool)):
+            continue
+        if name == "response_format" and isinstance(value, dict) and value.get("type") == "text":
+            continue
+        raise ApiError(400, f"'{name}' is not supported yet")
+
+
 def parse_messages(body: dict) -> list[dict]:
     messages = body.get("messages")
     if messages is None:
@@ -173,8 +195,11 @@ def prompt_ids(body: dict, tokenizer, vocab_size: int) -> list[int]:
         ids = tokenizer.encode(prompt, add_special=True)
     elif is_token_list(prompt):
         ids = list(prompt)
-    elif isinstance(prompt, list):
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_token_list(p) for p in prompt):
         raise ApiError(400, "only one prompt per request is supported ('prompt' must be a string or token ids)")
+    elif isinstance(prompt, list):
+        bad = next(p for p in prompt if not (isinstance(p, int) and not isinstance(p, bool)))
+        raise ApiError(400, f"'prompt' as an array must hold integer token ids, got {_type_name(bad)}")
     else:
         raise ApiError(400, f"'prompt' must be a string or an array of token ids, got {_type_name(prompt)}")
     check_token_ids(ids, vocab_size, "prompt")

@@ -45,6 +45,7 @@ def chat_prompt_ids(state: ServerState, engine: Engine, body: dict) -> list[int]
 
 def engine_request(state: ServerState, ids: list[int], body: dict, limit_names: tuple[str, ...]) -> EngineRequest:
     engine, _ = state.require()
+    P.check_supported(body)
     params = P.sampling_params(body, state.settings, limit_names)
     try:
         params.validate()
