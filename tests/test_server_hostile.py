@@ -87,3 +87,4 @@ def test_neutral_values_of_those_fields_are_served(url):
                                           ('["a", "b"]', ("only one prompt",))])
 def test_prompt_array_messages_say_what_is_wrong(url, prompt, words):
     assert_400(post_raw(url, "/v1/completions", '{"prompt": %s, "max_tokens": 2}' % prompt), *words)
+

@@ -111,7 +111,8 @@ async def apply_template(request: Request) -> dict:
     state = server_state(request)
     engine, _ = state.require()
     body = await read_json(request)
-    return {"prompt": engine.tokenizer.decode(chat_prompt_ids(state, engine, body), skip_special=False)}
+    ids = await asyncio.to_thread(chat_prompt_ids, state, engine, body)
+    return {"prompt": await asyncio.to_thread(engine.tokenizer.decode, ids, skip_special=False)}
 
 @router.post("/v1/chat/completions")
 @router.post("/chat/completions")
@@ -119,7 +120,7 @@ async def chat_completions(request: Request) -> Response:
     state = server_state(request)
     body = await read_json(request)
     engine, _ = state.require()
-    ids = chat_prompt_ids(state, engine, body)
+    ids = await asyncio.to_thread(chat_prompt_ids, state, engine, body)  # off the event loop: may be large
     req = engine_request(state, ids, body, ("max_completion_tokens", "max_tokens", "n_predict"))
     env = P.Envelope("chatcmpl-", "chat.completion.chunk", state.model_name, FINGERPRINT)
     split = P.reasoning_format(body, state.settings.reasoning_format) != "none"
@@ -153,7 +154,7 @@ async def completions(request: Request) -> Response:
     state = server_state(request)
     body = await read_json(request)
     engine, _ = state.require()
-    ids = P.prompt_ids(body, engine.tokenizer, engine.target.cfg.vocab_size)
+    ids = await asyncio.to_thread(P.prompt_ids, body, engine.tokenizer, engine.target.cfg.vocab_size)
     req = engine_request(state, ids, body, ("max_tokens", "n_predict"))
     env = P.Envelope("cmpl-", "text_completion", state.model_name, FINGERPRINT)
     if not P.get_bool(body, "stream", False):
@@ -173,7 +174,7 @@ async def native_completion(request: Request) -> Response:
     state = server_state(request)
     body = await read_json(request)
     engine, _ = state.require()
-    ids = P.prompt_ids(body, engine.tokenizer, engine.target.cfg.vocab_size)
+    ids = await asyncio.to_thread(P.prompt_ids, body, engine.tokenizer, engine.target.cfg.vocab_size)
     req = engine_request(state, ids, body, ("n_predict", "max_tokens"))
     return_tokens = P.get_bool(body, "return_tokens", False)
     per_token = P.get_bool(body, "timings_per_token", False)

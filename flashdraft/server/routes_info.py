@@ -1,4 +1,6 @@
 """Status and information routes: health, models, props, slots, metrics, tokenize, detokenize."""
+import asyncio
+
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
 
@@ -92,7 +94,8 @@ async def tokenize(request: Request) -> dict:
     content = body.get("content")
     if not isinstance(content, str):
         raise ApiError(400, "'content' is required and must be a string")
-    ids = engine.tokenizer.encode(content, add_special=P.get_bool(body, "add_special", False))
+    ids = await asyncio.to_thread(engine.tokenizer.encode, content,  # off the event loop: may be megabytes
+                                  add_special=P.get_bool(body, "add_special", False))
     if P.get_bool(body, "with_pieces", False):
         return {"tokens": [{"id": t, "piece": engine.tokenizer.decode([t], skip_special=False)} for t in ids]}
     return {"tokens": ids}
@@ -106,4 +109,4 @@ async def detokenize(request: Request) -> dict:
     if not P.is_token_list(tokens):
         raise ApiError(400, "'tokens' is required and must be an array of token ids")
     P.check_token_ids(tokens, engine.target.cfg.vocab_size, "'tokens'")
-    return {"content": engine.tokenizer.decode(tokens, skip_special=False)}
+    return {"content": await asyncio.to_thread(engine.tokenizer.decode, tokens, skip_special=False)}
