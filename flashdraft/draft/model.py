@@ -179,7 +179,7 @@ class DFlashDraft(nn.Module):
         context = self.fuse(features)
         cos_sin = self.rotary(positions, context.dtype)
         for layer, cache in zip(self.layers, self.caches):
-            cache.write(slot, positions, *layer.self_attn.project_kv(context, cos_sin), track=False)
+            cache.write(slot, positions, *layer.self_attn.project_kv(context, cos_sin))
         self.row_positions[slot, positions % self.window] = positions  # the table all layers' rings share
 
     def forward(self, noise_embedding: torch.Tensor, positions: torch.Tensor, slot: int = 0,

@@ -81,16 +81,12 @@ class RingKVCache:
         self.row_positions = row_positions if row_positions is not None else \
             torch.full((n_slots, window), -1, device=device, dtype=torch.long)
 
-    def reset(self, slot: int) -> None:
-        self.row_positions[slot] = -1
-
-    def write(self, slot: int, positions: Tensor, k: Tensor, v: Tensor, track: bool = True) -> None:
-        """k/v [KV, n, D] of increasing positions [n] (n <= window) into the ring rows p % window."""
+    def write(self, slot: int, positions: Tensor, k: Tensor, v: Tensor) -> None:
+        """k/v [KV, n, D] of increasing positions [n] (n <= window) into the ring rows p % window. The owner of
+        `row_positions` records the positions (once for all the rings that share the table)."""
         rows = positions % self.window
         self.k[slot, :, self.scratch + rows] = k.to(self.dtype)
         self.v[slot, :, self.scratch + rows] = v.to(self.dtype)
-        if track:
-            self.row_positions[slot, rows] = positions
 
     def block_view(self, slot: int, block_len: int, ring_rows: int) -> tuple[Tensor, Tensor]:
         """One contiguous view [KV, block_len + ring_rows, D]: `block_len` scratch rows (for the step's own K/V),

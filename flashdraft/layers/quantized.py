@@ -74,15 +74,11 @@ class GGUFLinear(nn.Module):
         k = self.in_features
         if rows.shape[0] <= FEW_ROWS:
             outs = [gguf_matmul(rows, w, q, k) for w, q in self.parts()]
-            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
-            out = out if self.bias is None else out + self.bias
         else:
-            outs = []
-            for w, q in self.parts():
-                dense = dequantize_gguf(w, q, k, x.dtype, scratch(w.shape[0] * k, x.device, x.dtype))
-                outs.append(F.linear(rows, dense))
-            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
-            out = out if self.bias is None else out + self.bias
+            outs = [F.linear(rows, dequantize_gguf(w, q, k, x.dtype, scratch(w.shape[0] * k, x.device, x.dtype)))
+                    for w, q in self.parts()]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        out = out if self.bias is None else out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
