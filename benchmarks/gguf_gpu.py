@@ -143,9 +143,13 @@ def measure(args) -> int:
     from flashdraft.formats.loader import load_target
     if args.kernel_config:
         from flashdraft.kernels import gguf_matmul as K
+        from flashdraft.kernels import gguf_gemv as G
         c = json.loads(Path(args.kernel_config).read_text())
-        K.BLOCK_N, K.NUM_WARPS, K.TARGET_PROGRAMS = c["block_n"], c["warps"], c["target"]
-        print(f"GGUF kernel: BLOCK_N {K.BLOCK_N}, {K.NUM_WARPS} warps, {K.TARGET_PROGRAMS} programs", flush=True)
+        if "block_n" in c:
+            K.BLOCK_N, K.NUM_WARPS, K.TARGET_PROGRAMS = c["block_n"], c["warps"], c["target"]
+        G.CONFIG.update(c.get("gemv", {}))
+        print(f"GGUF kernels: BLOCK_N {K.BLOCK_N}, {K.NUM_WARPS} warps, {K.TARGET_PROGRAMS} programs; integer "
+              f"kernels {G.CONFIG}", flush=True)
     dev = args.device
     ctxs = [int(c) for c in args.ctxs.split(",")]
     results = dict(date=time.strftime("%Y-%m-%d"), torch=torch.__version__, rows=[])
@@ -235,7 +239,7 @@ def main() -> int:
     ap.add_argument("--files", default="")
     ap.add_argument("--random-quant", choices=["Q4_K_M"], default=None,
                     help="make: random blocks in Q4_K_M's layout (Q4_K, Q6_K where llama-quantize puts it)")
-    ap.add_argument("--kernel-config", default=None, help="measure: JSON {block_n, warps, target} for the GGUF kernel")
+    ap.add_argument("--kernel-config", default=None, help="measure: JSON {block_n, warps, target} and/or {gemv: {...}} for the GGUF kernels")
     ap.add_argument("--ctxs", default="1024,16384")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--dequantize", action="store_true", help="expand to bf16 at load (today's path, for comparison)")

@@ -1,6 +1,7 @@
 """The GGUF kernels (kernels/gguf_matmul.py) under Triton's interpreter on the CPU, against the `gguf` package's
 dequantisation: the dequantize kernel bit for bit, the fused matrix product against dequantize + an fp32
-matmul for every type, several row counts, odd output sizes, with and without bias."""
+matmul for every type, several row counts, odd output sizes, with and without bias (for the integer kernels'
+row counts, x rounded to 8 bits per 32 values first, as they take it)."""
 import json
 import os
 import subprocess
@@ -26,8 +27,17 @@ def reference(raw: np.ndarray, qtype: str) -> torch.Tensor:
     return torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[qtype]).astype(np.float32))
 
 
+def as_int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to 8 bits per 32 values with a float scale (absmax / 127), as the integer kernels take it."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / torch.where(d > 0, d, 1), 0)
+    return (torch.floor(blocks * inv + 0.5).clamp(-127, 127) * d).reshape(x.shape)
+
+
 def check(device: str, dtype: torch.dtype = torch.float32, tol: float = 1e-5) -> None:
     """dtype, tol: of x and the product (float32 under the interpreter; bf16 on a GPU, as the engine runs)."""
+    from flashdraft.kernels.gguf_gemv import GEMV_TYPES, MAX_ROWS
     from flashdraft.kernels.gguf_matmul import dequantize_gguf, gguf_matmul
     gen = torch.Generator().manual_seed(0)
     for i, qtype in enumerate(TYPES):
@@ -46,7 +56,8 @@ def check(device: str, dtype: torch.dtype = torch.float32, tol: float = 1e-5) ->
             for b in (None, bias):
                 x = x.to(dtype)
                 out = gguf_matmul(x.to(device), qweight, qtype, k, None if b is None else b.to(device)).cpu()
-                ref = x.double() @ want.double().T + (0 if b is None else b.double())
+                xr = as_int8_rows(x) if qtype in GEMV_TYPES and rows <= MAX_ROWS else x
+                ref = xr.double() @ want.double().T + (0 if b is None else b.double())
                 err = ((out.double() - ref).norm() / ref.norm()).item()
                 assert err < tol, f"{qtype}, {rows} rows, bias {b is not None}: relative error {err}"
         # a row's result does not depend on how many rows share the call

@@ -17,6 +17,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from flashdraft.kernels import gguf_gemv
+
 CHUNK = 256  # weights per K step: one super-block, or eight 32-weight blocks
 BLOCK_M = 16
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # kvalues_iq4nl
@@ -333,10 +335,15 @@ def splits_for(n: int, k: int) -> tuple[int, int]:
 
 @torch.library.custom_op("flashdraft::gguf_matmul", mutates_args=())
 def gguf_matmul(x: Tensor, qweight: Tensor, qtype: str, k: int, bias: Tensor | None = None) -> Tensor:
-    """x [M, K] (M <= 64 in practice) @ dequantize(qweight [N, bytes])^T (+ bias) -> [M, N] in x's dtype."""
+    """x [M, K] (M <= 64 in practice) @ dequantize(qweight [N, bytes])^T (+ bias) -> [M, N] in x's dtype. Up to
+    gguf_gemv.MAX_ROWS rows of a type it covers take its integer kernels (x rounded to 8 bits per 32 values, as
+    llama.cpp's mmvq does); the rest multiply in x's dtype on the tensor cores."""
     _check(qweight, qtype, k)
     x = x.contiguous()
     m, n = x.shape[0], qweight.shape[0]
+    if qtype in gguf_gemv.GEMV_TYPES and m <= gguf_gemv.MAX_ROWS:
+        out = gguf_gemv.gemv(x, qweight, qtype, k)
+        return (out if bias is None else out + bias.float()).to(x.dtype)
     splits, per_split = splits_for(n, k)
     partial = torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, BLOCK_M), splits)

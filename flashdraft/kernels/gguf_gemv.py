@@ -1,0 +1,316 @@
+"""Integer dot products for a few rows of x against GGUF K-quant and Q8_0 weights (decode, verify and draft
+steps): the shape of llama.cpp's mmvq, written for Triton.
+
+x is first quantized to 8 bits per 32 values (`quantize_rows`: int8 packed four to an int32 word, a float scale
+and the scaled sum per 32 values). The weight kernels then read each row's bytes as 32-bit words, mask the 4-,
+5- or 6-bit fields out of a word four at a time, and multiply them with x's bytes by `dp4a` (four int8
+products summed into an int32), so a weight costs about a quarter of an instruction per row of x instead of an
+unpack, a conversion and a multiply. The sub-block scales and the minimum's term (dmin * m * sum(x)) apply once
+per 32 weights. Each row of x goes through the same instructions whatever the row count, so a token's result
+is the same bits in a plain step and in a verify step.
+
+Layouts: ggml-common.h's block_q4_K, block_q5_K, block_q6_K and block_q8_0. Q6_K (210 bytes) and Q8_0 (34 bytes)
+blocks are only 2-byte aligned, so their words are read as two 16-bit halves.
+"""
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+QK8 = 32  # x values per 8-bit block
+GEMV_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")
+MAX_ROWS = 16  # row counts up to this take the integer kernels (a verify or draft block of 16)
+ROW_BUCKETS = (1, 2, 4, 8, 16)  # the kernels are compiled per bucket: rows of x are unrolled
+
+# tile: BLOCK_N output rows x SB super-blocks (Q8_0: 8-block groups) per iteration; chosen on an H200 by
+# benchmarks/gguf_kernels.py --gemv-sweep
+CONFIG = {"BLOCK_N": 4, "SB": 4, "num_warps": 4, "target_programs": 2112}
+
+
+def _emulate() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _dp4a(a, b, EMULATE: tl.constexpr):
+    """Sum of the four signed byte products of int32 words a and b."""
+    if EMULATE:
+        s = ((a << 24) >> 24) * ((b << 24) >> 24)
+        s += ((a << 16) >> 24) * ((b << 16) >> 24)
+        s += ((a << 8) >> 24) * ((b << 8) >> 24)
+        s += (a >> 24) * (b >> 24)
+    else:
+        s = tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, tl.zeros_like(a)],
+                                      dtype=tl.int32, is_pure=True, pack=1)
+    return s
+
+
+@triton.jit
+def _half(bits):
+    """The low 16 bits of int32 `bits` as an fp16 value -> float32."""
+    return (bits & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _word16(p, mask):
+    """A 32-bit little-endian word from two 16-bit halves at p (an int16 pointer tensor)."""
+    lo = tl.load(p, mask=mask, other=0).to(tl.int32) & 0xFFFF
+    hi = tl.load(p + 1, mask=mask, other=0).to(tl.int32)
+    return lo | (hi << 16)
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, q_ptr, d_ptr, s_ptr, K, stride_x, stride_q, stride_d, BLOCKS: tl.constexpr):
+    """x [M, K] -> q [M, K / 4] int32 (four int8 per word), d [M, K / 32] scales, s [M, K / 32] = d * sum(q)."""
+    m = tl.program_id(0)
+    b = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+    ok = b < K // 32
+    w, byte = tl.arange(0, 8), tl.arange(0, 4)
+    col = b[:, None, None] * 32 + w[None, :, None] * 4 + byte[None, None, :]
+    x = tl.load(x_ptr + m * stride_x + col, mask=ok[:, None, None], other=0.0).to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
+    d = amax / 127.0
+    inv = tl.where(d > 0, 1.0 / tl.where(d > 0, d, 1.0), 0.0)
+    q = tl.floor(x * inv[:, None, None] + 0.5).to(tl.int32)
+    q = tl.minimum(tl.maximum(q, -127), 127)
+    words = tl.sum((q & 0xFF) << (byte * 8)[None, None, :], axis=2)
+    tl.store(q_ptr + m * stride_q + b[:, None] * 8 + w[None, :], words, mask=ok[:, None])
+    tl.store(d_ptr + m * stride_d + b, d, mask=ok)
+    tl.store(s_ptr + m * stride_d + b, d * tl.sum(tl.sum(q, axis=2), axis=1).to(tl.float32), mask=ok)
+
+
+def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    m, k = x.shape
+    q = torch.empty(m, k // 4, device=x.device, dtype=torch.int32)
+    d = torch.empty(m, k // QK8, device=x.device, dtype=torch.float32)
+    s = torch.empty_like(d)
+    blocks = 16
+    _quantize_kernel[(m, triton.cdiv(k // QK8, blocks))](x, q, d, s, k, x.stride(0), q.stride(0), d.stride(0),
+                                                          BLOCKS=blocks)
+    return q, d, s
+
+
+@triton.jit
+def _k_scale_bytes(a, b, c, i):
+    """Q4_K/Q5_K's 6-bit scale and min of sub-block i (a tensor of 0..7), from the 12 scale bytes as words a, b, c
+    (each [..., 1]): ggml's get_scale_min_k4."""
+    lo = i < 4
+    j = i % 4
+    sh = (j * 8)
+    qa = (a >> sh) & 0xFF  # byte j
+    qb = (b >> sh) & 0xFF  # byte j + 4
+    qc = (c >> sh) & 0xFF  # byte j + 8
+    sc = tl.where(lo, qa & 63, (qc & 15) | ((qa >> 6) << 4))
+    mn = tl.where(lo, qb & 63, (qc >> 4) | ((qb >> 6) << 4))
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
+def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd, stride_wn,
+                   stride_os, stride_om, FIVE_BITS: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
+                   SB: tl.constexpr, EMULATE: tl.constexpr):
+    """Q4_K (144-byte super-blocks: d, dmin, 12 scale bytes, 128 nibble bytes) or Q5_K (176: the same with 32 bytes
+    of fifth bits before the nibbles). w as int32 words; group g's 32 bytes hold sub-block 2g in their low nibbles
+    and 2g + 1 in their high ones."""
+    WORDS: tl.constexpr = 44 if FIVE_BITS else 36
+    QS: tl.constexpr = 12 if FIVE_BITS else 4
+    pid_n, split = tl.program_id(0), tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    sbi, g, t = tl.arange(0, SB), tl.arange(0, 4), tl.arange(0, 8)
+    mi = tl.arange(0, BM)
+    first = split * sb_per_split
+    last = tl.minimum(first + sb_per_split, K // 256)
+    acc = tl.zeros([BM, BLOCK_N], tl.float32)
+    row_base = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+    for s0 in range(first, last, SB):
+        s = s0 + sbi
+        ok = row_ok[:, None] & (s < last)[None, :]  # [N, SB]
+        base = row_base + s[None, :] * WORDS
+        head = tl.load(base, mask=ok, other=0)
+        d, dmin = _half(head), _half(head >> 16)
+        a = tl.load(base + 1, mask=ok, other=0)[:, :, None]
+        b = tl.load(base + 2, mask=ok, other=0)[:, :, None]
+        c = tl.load(base + 3, mask=ok, other=0)[:, :, None]
+        sc_lo, mn_lo = _k_scale_bytes(a, b, c, 2 * g[None, None, :])
+        sc_hi, mn_hi = _k_scale_bytes(a, b, c, 2 * g[None, None, :] + 1)
+        d_lo, d_hi = d[:, :, None] * sc_lo, d[:, :, None] * sc_hi  # [N, SB, 4]
+        m_lo, m_hi = dmin[:, :, None] * mn_lo, dmin[:, :, None] * mn_hi
+        ok4 = ok[:, :, None, None]
+        words = tl.load(base[:, :, None, None] + QS + g[None, None, :, None] * 8 + t[None, None, None, :], mask=ok4,
+                        other=0)  # [N, SB, 4, 8]
+        lo = words & 0x0F0F0F0F
+        hi = (words >> 4) & 0x0F0F0F0F
+        if FIVE_BITS:  # bit 2g of qh byte l is sub-block 2g's fifth bit for weight l, bit 2g + 1 sub-block 2g + 1's
+            qh = tl.load(base[:, :, None] + 4 + t[None, None, :], mask=ok[:, :, None], other=0)[:, :, None, :]
+            sh = 2 * g[None, None, :, None]
+            lo = lo | (((qh >> sh) & 0x01010101) << 4)
+            hi = hi | (((qh >> (sh + 1)) & 0x01010101) << 4)
+        xs_ok = (s < last)[:, None]
+        for m in tl.static_range(BM):
+            m_ok = (tl.zeros([1], tl.int32) + m) < M  # a tensor, also under the interpreter
+            xw = xq_ptr + m * stride_xq + s[:, None, None] * 64 + g[None, :, None] * 16 + t[None, None, :]
+            x_lo = tl.load(xw, mask=xs_ok[:, :, None] & m_ok, other=0)  # [SB, 4, 8]
+            x_hi = tl.load(xw + 8, mask=xs_ok[:, :, None] & m_ok, other=0)
+            dot_lo = tl.sum(_dp4a(lo, x_lo[None], EMULATE), axis=3).to(tl.float32)  # [N, SB, 4]
+            dot_hi = tl.sum(_dp4a(hi, x_hi[None], EMULATE), axis=3).to(tl.float32)
+            xb = m * stride_xd + s[:, None] * 8 + 2 * g[None, :]
+            xd_lo = tl.load(xd_ptr + xb, mask=xs_ok & m_ok, other=0.0)[None]
+            xd_hi = tl.load(xd_ptr + xb + 1, mask=xs_ok & m_ok, other=0.0)[None]
+            xs_lo = tl.load(xs_ptr + xb, mask=xs_ok & m_ok, other=0.0)[None]
+            xs_hi = tl.load(xs_ptr + xb + 1, mask=xs_ok & m_ok, other=0.0)[None]
+            part = d_lo * xd_lo * dot_lo + d_hi * xd_hi * dot_hi - (m_lo * xs_lo + m_hi * xs_hi)
+            contrib = tl.sum(tl.sum(part, axis=2), axis=1)
+            acc = tl.where(mi[:, None] == m, acc + contrib[None, :], acc)
+    tl.store(out_ptr + split * stride_os + mi[:, None] * stride_om + rows[None, :], acc,
+             mask=(mi < M)[:, None] & row_ok[None, :])
+
+
+@triton.jit
+def _signed6(v):
+    """Bytes of v in 0..63 -> the signed bytes v - 32, four at a time (no borrow crosses a byte: bit 5 set means
+    v - 32 = v & 31, clear means v - 32 + 256 = v | 0xE0)."""
+    return (v & 0x1F1F1F1F) | (((~v) & 0x20202020) * 7)
+
+
+@triton.jit
+def _q6_scales(pair, d):
+    """Two int8 scales in an int16 (sign-extended to int32) [N, SB, 2] -> d * scale [N, SB, 2, 2] (low byte for
+    weights 0..15 of the 32, high byte for 16..31)."""
+    u = tl.arange(0, 2)[None, None, None, :]
+    p = pair[:, :, :, None]
+    sc = tl.where(u == 1, (p << 16) >> 24, (p << 24) >> 24)
+    return d[:, :, None, None] * sc.to(tl.float32)
+
+
+@triton.jit
+def _dot16(v, x, EMULATE: tl.constexpr):
+    """[N, SB, 2, 2, 4] words . [SB, 2, 2, 4] words -> [N, SB, 2, 2] float32 (16 products each)."""
+    return tl.sum(_dp4a(v, x[None], EMULATE), axis=4).to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
+def _q6_k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd, stride_wn,
+                 stride_os, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
+                 EMULATE: tl.constexpr):
+    """Q6_K: 210-byte super-blocks (ql 128 bytes, qh 64, 16 int8 scales, d), w as int16 halves (105 per block).
+    Half h's weight 128h + 32k + l (k = 0..3, l = 0..31) is ql[64h + l + 32 (k & 1)]'s low (k < 2) or high
+    nibble with bits 2k..2k+1 of qh[32h + l] above it, minus 32; scale index 8h + 2k + l // 16. Words are
+    indexed [h, u, v] with l = 16u + 4v."""
+    pid_n, split = tl.program_id(0), tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    sbi = tl.arange(0, SB)
+    h = tl.arange(0, 2)[None, None, :, None, None]
+    u = tl.arange(0, 2)[None, None, None, :, None]
+    v = tl.arange(0, 4)[None, None, None, None, :]
+    mi = tl.arange(0, BM)
+    first = split * sb_per_split
+    last = tl.minimum(first + sb_per_split, K // 256)
+    acc = tl.zeros([BM, BLOCK_N], tl.float32)
+    row_base = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+    for s0 in range(first, last, SB):
+        s = s0 + sbi
+        ok = row_ok[:, None] & (s < last)[None, :]
+        base = row_base + s[None, :] * 105  # [N, SB] int16 pointers
+        d = _half(tl.load(base + 104, mask=ok, other=0).to(tl.int32))
+        ok5 = ok[:, :, None, None, None]
+        b5 = base[:, :, None, None, None]
+        word = h * 32 + u * 8 + v * 2  # half-word offset of ql bytes 64h + 16u + 4v
+        A = _word16(b5 + word, ok5)  # [N, SB, 2, 2, 4]
+        B = _word16(b5 + word + 16, ok5)  # ql bytes 64h + 32 + 16u + 4v
+        H = _word16(b5 + 64 + h * 16 + u * 8 + v * 2, ok5)  # qh bytes 32h + 16u + 4v
+        v0 = _signed6((A & 0x0F0F0F0F) | ((H << 4) & 0x30303030))
+        v1 = _signed6((B & 0x0F0F0F0F) | ((H << 2) & 0x30303030))
+        v2 = _signed6(((A >> 4) & 0x0F0F0F0F) | (H & 0x30303030))
+        v3 = _signed6(((B >> 4) & 0x0F0F0F0F) | ((H >> 2) & 0x30303030))
+        sp = base[:, :, None] + 96 + tl.arange(0, 2)[None, None, :] * 4  # scales 8h + 2k, 8h + 2k + 1: half 96 + 4h + k
+        ok3 = ok[:, :, None]
+        w0 = _q6_scales(tl.load(sp, mask=ok3, other=0).to(tl.int32), d)
+        w1 = _q6_scales(tl.load(sp + 1, mask=ok3, other=0).to(tl.int32), d)
+        w2 = _q6_scales(tl.load(sp + 2, mask=ok3, other=0).to(tl.int32), d)
+        w3 = _q6_scales(tl.load(sp + 3, mask=ok3, other=0).to(tl.int32), d)
+        s_ok = s < last
+        xh = tl.arange(0, 2)[None, :]
+        for m in tl.static_range(BM):
+            m_ok = (tl.zeros([1], tl.int32) + m) < M  # a tensor, also under the interpreter
+            xw = (xq_ptr + m * stride_xq + s[:, None, None, None] * 64 + tl.arange(0, 2)[None, :, None, None] * 32 +
+                  tl.arange(0, 2)[None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, :])  # [SB, 2, 2, 4]
+            x_ok = s_ok[:, None, None, None] & m_ok
+            xb = xd_ptr + m * stride_xd + s[:, None] * 8 + xh * 4  # x's scale per 32: block 8s + 4h + k
+            xd_ok = s_ok[:, None] & m_ok
+            part = (w0 * tl.load(xb, mask=xd_ok, other=0.0)[None, :, :, None] *
+                    _dot16(v0, tl.load(xw, mask=x_ok, other=0), EMULATE) +
+                    w1 * tl.load(xb + 1, mask=xd_ok, other=0.0)[None, :, :, None] *
+                    _dot16(v1, tl.load(xw + 8, mask=x_ok, other=0), EMULATE) +
+                    w2 * tl.load(xb + 2, mask=xd_ok, other=0.0)[None, :, :, None] *
+                    _dot16(v2, tl.load(xw + 16, mask=x_ok, other=0), EMULATE) +
+                    w3 * tl.load(xb + 3, mask=xd_ok, other=0.0)[None, :, :, None] *
+                    _dot16(v3, tl.load(xw + 24, mask=x_ok, other=0), EMULATE))
+            contrib = tl.sum(tl.sum(tl.sum(part, axis=3), axis=2), axis=1)
+            acc = tl.where(mi[:, None] == m, acc + contrib[None, :], acc)
+    tl.store(out_ptr + split * stride_os + mi[:, None] * stride_om + rows[None, :], acc,
+             mask=(mi < M)[:, None] & row_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
+def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd, stride_wn,
+                 stride_os, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
+                 EMULATE: tl.constexpr):
+    """Q8_0: 34-byte blocks (d, 32 int8), w as int16 halves (17 per block); a 'super-block' here is 8 blocks."""
+    pid_n, split = tl.program_id(0), tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    bi, t = tl.arange(0, SB * 8), tl.arange(0, 8)
+    mi = tl.arange(0, BM)
+    first = split * sb_per_split * 8
+    last = tl.minimum(first + sb_per_split * 8, K // 32)
+    acc = tl.zeros([BM, BLOCK_N], tl.float32)
+    row_base = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+    for b0 in range(first, last, SB * 8):
+        b = b0 + bi
+        ok = row_ok[:, None] & (b < last)[None, :]
+        base = row_base + b[None, :] * 17
+        d = _half(tl.load(base, mask=ok, other=0).to(tl.int32))
+        q = _word16(base[:, :, None] + 1 + 2 * t[None, None, :], ok[:, :, None])  # [N, B, 8]
+        xs_ok = (b < last)
+        for m in tl.static_range(BM):
+            m_ok = (tl.zeros([1], tl.int32) + m) < M  # a tensor, also under the interpreter
+            x = tl.load(xq_ptr + m * stride_xq + b[:, None] * 8 + t[None, :], mask=xs_ok[:, None] & m_ok, other=0)
+            xd = tl.load(xd_ptr + m * stride_xd + b, mask=xs_ok & m_ok, other=0.0)
+            dot = tl.sum(_dp4a(q, x[None], EMULATE), axis=2).to(tl.float32)
+            contrib = tl.sum(d * xd[None, :] * dot, axis=1)
+            acc = tl.where(mi[:, None] == m, acc + contrib[None, :], acc)
+    tl.store(out_ptr + split * stride_os + mi[:, None] * stride_om + rows[None, :], acc,
+             mask=(mi < M)[:, None] & row_ok[None, :])
+
+
+def splits_for(n: int, k: int) -> tuple[int, int]:
+    """(K splits, super-blocks per split), from the matrix alone (never the row count: deterministic rows)."""
+    sbs = triton.cdiv(k, 256)
+    want = max(1, min(sbs, CONFIG["target_programs"] // triton.cdiv(n, CONFIG["BLOCK_N"])))
+    per_split = triton.cdiv(sbs, want)
+    per_split = triton.cdiv(per_split, CONFIG["SB"]) * CONFIG["SB"]  # whole iterations per split
+    return triton.cdiv(sbs, per_split), per_split
+
+
+def gemv(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:
+    """x [M <= MAX_ROWS, K] @ dequantize(qweight)^T -> [M, N] float32 (x quantized to 8 bits per 32 values)."""
+    m, n = x.shape[0], qweight.shape[0]
+    bm = next(b for b in ROW_BUCKETS if b >= m)
+    xq, xd, xs = quantize_rows(x)
+    splits, per_split = splits_for(n, k)
+    partial = torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
+    if qtype in ("Q4_K", "Q5_K"):
+        kernel, w, extra = _kquant_kernel, qweight.view(torch.int32), dict(FIVE_BITS=qtype == "Q5_K")
+    elif qtype == "Q6_K":
+        kernel, w, extra = _q6_k_kernel, qweight.view(torch.int16), {}
+    else:
+        kernel, w, extra = _q8_0_kernel, qweight.view(torch.int16), {}
+    grid = (triton.cdiv(n, CONFIG["BLOCK_N"]), splits)
+    kernel[grid](xq, xd, xs, w, partial, m, n, k, per_split, xq.stride(0), xd.stride(0), w.stride(0),
+                 partial.stride(0), partial.stride(1), BM=bm, BLOCK_N=CONFIG["BLOCK_N"], SB=CONFIG["SB"],
+                 EMULATE=_emulate(), num_warps=CONFIG["num_warps"], **extra)
+    return partial[0] if splits == 1 else partial.sum(0)
