@@ -45,7 +45,7 @@ def main() -> int:
         G.MAX_ROWS = 0
     gemv_configs = [tuple(G.CONFIG.values())]
     if args.gemv_sweep:
-        gemv_configs = list(itertools.product((2, 4, 8), (2, 4, 8), (4,), (1056, 2112)))
+        gemv_configs = list(itertools.product((2, 4, 8), (2, 4, 8), (4,), (2112,)))
     if args.gemv_configs:
         gemv_configs = [tuple(int(v) for v in c.split(",")) for c in args.gemv_configs.split(";")]
     if len(gemv_configs) > 1:  # sweep the integer kernels with the tensor-core kernel's default tile
