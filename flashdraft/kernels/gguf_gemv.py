@@ -1,4 +1,4 @@
-"""Integer dot products for a few rows of x against GGUF K-quant and Q8_0 weights (decode, verify and draft
+"""Integer dot products for a few rows of x against GGUF weights of the 4-, 5-, 6- and 8-bit types (decode, verify and draft
 steps): the shape of llama.cpp's mmvq, written for Triton.
 
 x is first quantized to 8 bits per 32 values (`quantize_rows`: int8 packed four to an int32 word, a float scale
@@ -9,8 +9,9 @@ unpack, a conversion and a multiply. The sub-block scales and the minimum's term
 per 32 weights. Each row of x goes through the same instructions whatever the row count, so a token's result
 is the same bits in a plain step and in a verify step.
 
-Layouts: ggml-common.h's block_q4_K, block_q5_K, block_q6_K and block_q8_0. Q6_K (210 bytes) and Q8_0 (34 bytes)
-blocks are only 2-byte aligned, so their words are read as two 16-bit halves.
+Layouts: ggml-common.h's block_q4_0 ... block_q8_0, block_q4_K, block_q5_K and block_q6_K. Blocks whose size is not
+a multiple of 4 bytes (Q6_K's 210, the older types' 18-34) are only 2-byte aligned, so their words are read as
+two 16-bit halves. The IQ4 types (a table lookup per weight) and Q2_K/Q3_K keep the tensor-core kernel.
 """
 import os
 
@@ -20,13 +21,18 @@ import triton.language as tl
 from torch import Tensor
 
 QK8 = 32  # x values per 8-bit block
-GEMV_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")
-MAX_ROWS = 16  # row counts up to this take the integer kernels (a verify or draft block of 16)
+GEMV_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+BLOCK32_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7}  # GGML type ids
+# Row counts up to this take the integer kernels. Each row of x costs its own dot products and reductions, so
+# for a verify block of 16 the tensor-core kernel is faster (H200, the 8B's four matrices, Q4_K: 0.065 ms for
+# one row, 0.345 ms for 16, against 0.150 and 0.155 for the tensor-core kernel; docs/PERF.md).
+MAX_ROWS = 4
 ROW_BUCKETS = (1, 2, 4, 8, 16)  # the kernels are compiled per bucket: rows of x are unrolled
 
 # tile: BLOCK_N output rows x SB super-blocks (Q8_0: 8-block groups) per iteration; chosen on an H200 by
 # benchmarks/gguf_kernels.py --gemv-sweep
-CONFIG = {"BLOCK_N": 4, "SB": 4, "num_warps": 4, "target_programs": 2112}
+CONFIG = {"BLOCK_N": 4, "SB": 16, "num_warps": 4, "target_programs": 2112}
+INTERPRETED = {"BLOCK_N": 64, "SB": 1, "num_warps": 1, "target_programs": 64}  # small tiles: the CPU tests' shapes
 
 
 def _emulate() -> bool:
@@ -287,12 +293,70 @@ def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, 
              mask=(mi < M)[:, None] & row_ok[None, :])
 
 
-def splits_for(n: int, k: int) -> tuple[int, int]:
+@triton.jit
+def _spread_bits(nib):
+    """Four bits (0..15) -> bit 4 of each byte of a word (bit i to byte i): the fifth bits of Q5_0/Q5_1."""
+    return ((nib * 0x00204081) & 0x01010101) << 4
+
+
+@triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
+def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd, stride_wn,
+                    stride_os, stride_om, QTYPE: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
+                    SB: tl.constexpr, EMULATE: tl.constexpr):
+    """Q4_0 (18 bytes: d, 16 nibble bytes), Q4_1 (20: d, m, ...), Q5_0 (22: d, 32 fifth bits, ...), Q5_1 (24: d, m,
+    fifth bits, ...), w as int16 halves. Byte l's low nibble is weight l, its high one weight l + 16; fifth bit j
+    belongs to weight j. Q4_0 / Q5_0 store q + 8 / q + 16; Q4_1 / Q5_1 add m."""
+    HAS_MIN: tl.constexpr = QTYPE == 3 or QTYPE == 7
+    FIVE: tl.constexpr = QTYPE == 6 or QTYPE == 7
+    HALVES: tl.constexpr = 9 + HAS_MIN + 2 * FIVE
+    QS: tl.constexpr = 1 + HAS_MIN + 2 * FIVE
+    OFFSET: tl.constexpr = 0.0 if HAS_MIN else (16.0 if FIVE else 8.0)
+    pid_n, split = tl.program_id(0), tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    bi, t = tl.arange(0, SB * 8), tl.arange(0, 4)
+    mi = tl.arange(0, BM)
+    first = split * sb_per_split * 8
+    last = tl.minimum(first + sb_per_split * 8, K // 32)
+    acc = tl.zeros([BM, BLOCK_N], tl.float32)
+    row_base = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+    for b0 in range(first, last, SB * 8):
+        b = b0 + bi
+        ok = row_ok[:, None] & (b < last)[None, :]
+        base = row_base + b[None, :] * HALVES
+        d = _half(tl.load(base, mask=ok, other=0).to(tl.int32))
+        words = _word16(base[:, :, None] + QS + 2 * t[None, None, :], ok[:, :, None])  # [N, B, 4]
+        lo = words & 0x0F0F0F0F
+        hi = (words >> 4) & 0x0F0F0F0F
+        if FIVE:
+            qh = _word16(base + 1 + HAS_MIN, ok)[:, :, None]
+            lo = lo | _spread_bits((qh >> (4 * t[None, None, :])) & 15)
+            hi = hi | _spread_bits((qh >> (16 + 4 * t[None, None, :])) & 15)
+        if HAS_MIN:
+            dm = _half(tl.load(base + 1, mask=ok, other=0).to(tl.int32))
+        else:
+            dm = -OFFSET * d
+        xs_ok = (b < last)
+        for m in tl.static_range(BM):
+            m_ok = (tl.zeros([1], tl.int32) + m) < M  # a tensor, also under the interpreter
+            xw = xq_ptr + m * stride_xq + b[:, None] * 8 + t[None, :]
+            x_lo = tl.load(xw, mask=xs_ok[:, None] & m_ok, other=0)[None]
+            x_hi = tl.load(xw + 4, mask=xs_ok[:, None] & m_ok, other=0)[None]
+            xd = tl.load(xd_ptr + m * stride_xd + b, mask=xs_ok & m_ok, other=0.0)[None, :]
+            xs = tl.load(xs_ptr + m * stride_xd + b, mask=xs_ok & m_ok, other=0.0)[None, :]
+            dot = tl.sum(_dp4a(lo, x_lo, EMULATE) + _dp4a(hi, x_hi, EMULATE), axis=2).to(tl.float32)
+            contrib = tl.sum(d * xd * dot + dm * xs, axis=1)
+            acc = tl.where(mi[:, None] == m, acc + contrib[None, :], acc)
+    tl.store(out_ptr + split * stride_os + mi[:, None] * stride_om + rows[None, :], acc,
+             mask=(mi < M)[:, None] & row_ok[None, :])
+
+
+def splits_for(n: int, k: int, cfg: dict) -> tuple[int, int]:
     """(K splits, super-blocks per split), from the matrix alone (never the row count: deterministic rows)."""
     sbs = triton.cdiv(k, 256)
-    want = max(1, min(sbs, CONFIG["target_programs"] // triton.cdiv(n, CONFIG["BLOCK_N"])))
+    want = max(1, min(sbs, cfg["target_programs"] // triton.cdiv(n, cfg["BLOCK_N"])))
     per_split = triton.cdiv(sbs, want)
-    per_split = triton.cdiv(per_split, CONFIG["SB"]) * CONFIG["SB"]  # whole iterations per split
+    per_split = triton.cdiv(per_split, cfg["SB"]) * cfg["SB"]  # whole iterations per split
     return triton.cdiv(sbs, per_split), per_split
 
 
@@ -301,16 +365,20 @@ def gemv(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:
     m, n = x.shape[0], qweight.shape[0]
     bm = next(b for b in ROW_BUCKETS if b >= m)
     xq, xd, xs = quantize_rows(x)
-    splits, per_split = splits_for(n, k)
+    emulate = _emulate()
+    cfg = INTERPRETED if emulate else CONFIG
+    splits, per_split = splits_for(n, k, cfg)
     partial = torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
     if qtype in ("Q4_K", "Q5_K"):
         kernel, w, extra = _kquant_kernel, qweight.view(torch.int32), dict(FIVE_BITS=qtype == "Q5_K")
     elif qtype == "Q6_K":
         kernel, w, extra = _q6_k_kernel, qweight.view(torch.int16), {}
-    else:
+    elif qtype == "Q8_0":
         kernel, w, extra = _q8_0_kernel, qweight.view(torch.int16), {}
-    grid = (triton.cdiv(n, CONFIG["BLOCK_N"]), splits)
+    else:
+        kernel, w, extra = _block32_kernel, qweight.view(torch.int16), dict(QTYPE=BLOCK32_IDS[qtype])
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), splits)
     kernel[grid](xq, xd, xs, w, partial, m, n, k, per_split, xq.stride(0), xd.stride(0), w.stride(0),
-                 partial.stride(0), partial.stride(1), BM=bm, BLOCK_N=CONFIG["BLOCK_N"], SB=CONFIG["SB"],
-                 EMULATE=_emulate(), num_warps=CONFIG["num_warps"], **extra)
+                 partial.stride(0), partial.stride(1), BM=bm, BLOCK_N=cfg["BLOCK_N"], SB=cfg["SB"],
+                 EMULATE=emulate, num_warps=cfg["num_warps"], **extra)
     return partial[0] if splits == 1 else partial.sum(0)
