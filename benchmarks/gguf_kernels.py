@@ -30,10 +30,8 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--configs", default=None, help='tile configs to time, "BLOCK_N,warps,programs;..."')
     ap.add_argument("--gemv-sweep", action="store_true")
-    ap.add_argument("--gemv-configs", default=None, help='integer-kernel configs, "BLOCK_N,SB,warps,programs[,wide];..." (wide: rows of x x rows of w per '
-                    'tile, the Q4_K/Q5_K kernel with rows of x as a dimension)')
+    ap.add_argument("--gemv-configs", default=None, help='integer-kernel configs, "BLOCK_N,SB,warps,programs;..."')
     ap.add_argument("--dot", action="store_true", help="the tensor-core kernel for every row count")
-    ap.add_argument("--max-rows", type=int, default=None, help="row counts up to this take the integer kernels")
     ap.add_argument("--out")
     ap.add_argument("--best", help="write the fastest config (summed over types and rows) to this JSON")
     args = ap.parse_args()
@@ -45,8 +43,6 @@ def main() -> int:
         configs = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";")]
     if args.dot:
         G.MAX_ROWS = 0
-    if args.max_rows is not None:
-        G.MAX_ROWS = args.max_rows
     gemv_configs = [tuple(G.CONFIG.values())]
     if args.gemv_sweep:
         gemv_configs = list(itertools.product((2, 4, 8), (2, 4, 8), (4,), (2112,)))
@@ -66,8 +62,7 @@ def main() -> int:
             qbytes = sum(w.numel() for w in weights.values())
             for bn, warps, target, *gemv in configs:
                 K.BLOCK_N, K.NUM_WARPS, K.TARGET_PROGRAMS = bn, warps, target
-                G.CONFIG["wide"] = 0
-                G.CONFIG.update(zip(("BLOCK_N", "SB", "num_warps", "target_programs", "wide"), gemv))
+                G.CONFIG.update(zip(("BLOCK_N", "SB", "num_warps", "target_programs"), gemv))
                 bn, warps, target = (gemv[0], gemv[2], gemv[3]) if qtype in G.GEMV_TYPES and m <= G.MAX_ROWS \
                     else (bn, warps, target)
                 sb = gemv[1] if qtype in G.GEMV_TYPES and m <= G.MAX_ROWS else 0

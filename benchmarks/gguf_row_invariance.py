@@ -1,5 +1,5 @@
 """Whether the integer kernels give a token the same bits whatever the row count (1, 2, 4, 16 rows), on the GPU,
-for a given tile. Usage: python benchmarks/gguf_row_invariance.py [--wide 16] [--sb 8] [--types Q4_K]"""
+for a given tile. Usage: python benchmarks/gguf_row_invariance.py [--sb 8] [--types Q4_K,Q6_K]"""
 import argparse
 import sys
 from pathlib import Path
@@ -15,16 +15,15 @@ from flashdraft.kernels import gguf_gemv as G  # noqa: E402
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--types", default="Q4_K")
-    ap.add_argument("--wide", type=int, default=0)
     ap.add_argument("--sb", type=int, default=G.CONFIG["SB"])
     args = ap.parse_args()
-    G.CONFIG.update(wide=args.wide, SB=args.sb)
+    G.CONFIG.update(SB=args.sb)
     for qtype in args.types.split(","):
         w = torch.from_numpy(random_blocks(qtype, 4096, 4096, 0)).cuda()
         x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
         one = G.gemv(x[:1], w, qtype, 4096)[0]
         same = {m: torch.equal(one, G.gemv(x[:m], w, qtype, 4096)[0]) for m in (2, 4, 16)}
-        print(f"{qtype} wide={args.wide} SB={args.sb}: row 0 the same bits as alone for {same}", flush=True)
+        print(f"{qtype} SB={args.sb}: row 0 the same bits as alone for {same}", flush=True)
     return 0
 
 

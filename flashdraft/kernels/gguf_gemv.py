@@ -175,73 +175,6 @@ def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split
 
 
 @triton.jit
-def _pairwise_sum(v, BM: tl.constexpr, BN: tl.constexpr, L: tl.constexpr, LOG2: tl.constexpr):
-    """[BM, BN, L] -> [BM, BN], adding neighbours (2i, 2i + 1) level by level: one order whatever the layout, so a
-    row's sum is the same bits in every row-count variant."""
-    for level in tl.static_range(LOG2):
-        a, b = tl.split(tl.reshape(v, [BM, BN, L >> (level + 1), 2]))
-        v = a + b
-    return tl.reshape(v, [BM, BN])
-
-
-@triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
-def _kquant_wide_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd,
-                        stride_wn, stride_os, stride_om, FIVE_BITS: tl.constexpr, BM: tl.constexpr,
-                        BLOCK_N: tl.constexpr, SB: tl.constexpr, LOG2_SB4: tl.constexpr, EMULATE: tl.constexpr):
-    """_kquant_kernel with the rows of x as a tensor dimension: per-element accumulators [BM, N, SB, 4] and one
-    fixed-order reduction at the end, instead of a reduction per row and iteration."""
-    WORDS: tl.constexpr = 44 if FIVE_BITS else 36
-    QS: tl.constexpr = 12 if FIVE_BITS else 4
-    pid_n, split = tl.program_id(0), tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    sbi, g, t = tl.arange(0, SB), tl.arange(0, 4), tl.arange(0, 8)
-    mi = tl.arange(0, BM)
-    first = split * sb_per_split
-    last = tl.minimum(first + sb_per_split, K // 256)
-    acc = tl.zeros([BM, BLOCK_N, SB, 4], tl.float32)
-    row_base = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
-    for s0 in range(first, last, SB):
-        s = s0 + sbi
-        ok = row_ok[:, None] & (s < last)[None, :]  # [N, SB]
-        base = row_base + s[None, :] * WORDS
-        head = tl.load(base, mask=ok, other=0)
-        d, dmin = _half(head), _half(head >> 16)
-        a = tl.load(base + 1, mask=ok, other=0)[:, :, None]
-        b = tl.load(base + 2, mask=ok, other=0)[:, :, None]
-        c = tl.load(base + 3, mask=ok, other=0)[:, :, None]
-        sc_lo, mn_lo = _k_scale_bytes(a, b, c, 2 * g[None, None, :])
-        sc_hi, mn_hi = _k_scale_bytes(a, b, c, 2 * g[None, None, :] + 1)
-        d_lo, d_hi = (d[:, :, None] * sc_lo)[None], (d[:, :, None] * sc_hi)[None]  # [1, N, SB, 4]
-        m_lo, m_hi = (dmin[:, :, None] * mn_lo)[None], (dmin[:, :, None] * mn_hi)[None]
-        words = tl.load(base[:, :, None, None] + QS + g[None, None, :, None] * 8 + t[None, None, None, :],
-                        mask=ok[:, :, None, None], other=0)  # [N, SB, 4, 8]
-        lo = words & 0x0F0F0F0F
-        hi = (words >> 4) & 0x0F0F0F0F
-        if FIVE_BITS:
-            qh = tl.load(base[:, :, None] + 4 + t[None, None, :], mask=ok[:, :, None], other=0)[:, :, None, :]
-            sh = 2 * g[None, None, :, None]
-            lo = lo | (((qh >> sh) & 0x01010101) << 4)
-            hi = hi | (((qh >> (sh + 1)) & 0x01010101) << 4)
-        x_ok = (mi < M)[:, None, None] & (s < last)[None, :, None]  # [BM, SB, 1]
-        xw = (xq_ptr + mi[:, None, None, None] * stride_xq + s[None, :, None, None] * 64 +
-              g[None, None, :, None] * 16 + t[None, None, None, :])  # [BM, SB, 4, 8]
-        x_lo = tl.load(xw, mask=x_ok[:, :, :, None], other=0)
-        x_hi = tl.load(xw + 8, mask=x_ok[:, :, :, None], other=0)
-        dot_lo = tl.sum(_dp4a(lo[None], x_lo[:, None], EMULATE), axis=4).to(tl.float32)  # [BM, N, SB, 4]
-        dot_hi = tl.sum(_dp4a(hi[None], x_hi[:, None], EMULATE), axis=4).to(tl.float32)
-        xb = mi[:, None, None] * stride_xd + s[None, :, None] * 8 + 2 * g[None, None, :]  # [BM, SB, 4]
-        xd_lo = tl.load(xd_ptr + xb, mask=x_ok, other=0.0)[:, None]
-        xd_hi = tl.load(xd_ptr + xb + 1, mask=x_ok, other=0.0)[:, None]
-        xs_lo = tl.load(xs_ptr + xb, mask=x_ok, other=0.0)[:, None]
-        xs_hi = tl.load(xs_ptr + xb + 1, mask=x_ok, other=0.0)[:, None]
-        acc += d_lo * xd_lo * dot_lo + d_hi * xd_hi * dot_hi - (m_lo * xs_lo + m_hi * xs_hi)
-    out = _pairwise_sum(tl.reshape(acc, [BM, BLOCK_N, SB * 4]), BM, BLOCK_N, SB * 4, LOG2_SB4)
-    tl.store(out_ptr + split * stride_os + mi[:, None] * stride_om + rows[None, :], out,
-             mask=(mi < M)[:, None] & row_ok[None, :])
-
-
-@triton.jit
 def _signed6(v):
     """Bytes of v in 0..63 -> the signed bytes v - 32, four at a time (no borrow crosses a byte: bit 5 set means
     v - 32 = v & 31, clear means v - 32 + 256 = v | 0xE0)."""
@@ -436,12 +369,7 @@ def gemv(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:
     cfg = INTERPRETED if emulate else CONFIG
     splits, per_split = splits_for(n, k, cfg)
     partial = torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
-    block_n = cfg["BLOCK_N"]
-    if qtype in ("Q4_K", "Q5_K") and cfg.get("wide"):  # rows of x as a dimension: the tile holds `wide` rows x BN
-        block_n = max(1, cfg["wide"] // bm)
-        kernel, w = _kquant_wide_kernel, qweight.view(torch.int32)
-        extra = dict(FIVE_BITS=qtype == "Q5_K", LOG2_SB4=(cfg["SB"] * 4).bit_length() - 1)
-    elif qtype in ("Q4_K", "Q5_K"):
+    if qtype in ("Q4_K", "Q5_K"):
         kernel, w, extra = _kquant_kernel, qweight.view(torch.int32), dict(FIVE_BITS=qtype == "Q5_K")
     elif qtype == "Q6_K":
         kernel, w, extra = _q6_k_kernel, qweight.view(torch.int16), {}
@@ -449,8 +377,8 @@ def gemv(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:
         kernel, w, extra = _q8_0_kernel, qweight.view(torch.int16), {}
     else:
         kernel, w, extra = _block32_kernel, qweight.view(torch.int16), dict(QTYPE=BLOCK32_IDS[qtype])
-    grid = (triton.cdiv(n, block_n), splits)
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), splits)
     kernel[grid](xq, xd, xs, w, partial, m, n, k, per_split, xq.stride(0), xd.stride(0), w.stride(0),
-                 partial.stride(0), partial.stride(1), BM=bm, BLOCK_N=block_n, SB=cfg["SB"],
+                 partial.stride(0), partial.stride(1), BM=bm, BLOCK_N=cfg["BLOCK_N"], SB=cfg["SB"],
                  EMULATE=emulate, num_warps=cfg["num_warps"], **extra)
     return partial[0] if splits == 1 else partial.sum(0)
