@@ -1,4 +1,8 @@
 """Bad values a hostile or careless client sends: each a 400 naming what is wrong, the server serving on."""
+import json
+import os
+import sys
+
 import httpx
 import pytest
 from test_server import load, models, serving, settings  # noqa: F401  (models: the session fixture)
@@ -88,3 +92,53 @@ def test_neutral_values_of_those_fields_are_served(url):
 def test_prompt_array_messages_say_what_is_wrong(url, prompt, words):
     assert_400(post_raw(url, "/v1/completions", '{"prompt": %s, "max_tokens": 2}' % prompt), *words)
 
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_signal_with_streams_in_flight_ends_them_and_exits_0(models, sig):  # noqa: F811
+    """Two streams running when the signal comes: each ends with an error event and [DONE], the process exits
+    0 with no traceback (before: a CancelledError traceback per stream, then exit 134)."""
+    import signal
+    import subprocess
+    import threading
+
+    from test_server import REPO, free_port
+    from tiny import wait_healthy
+    target, draft = models
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "flashdraft.cli", "serve", "-m", str(target), "-md", str(draft), "--port", str(port),
+           "--device", "cpu", "-c", "8192", "-np", "2", "--no-webui"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    bodies: list[list[str]] = [[], []]
+    started = [threading.Event(), threading.Event()]
+
+    def stream(i: int) -> None:
+        body = {"messages": [{"role": "user", "content": f"story {i}"}], "max_tokens": 4000, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line:
+                    bodies[i].append(line)
+                    started[i].set()
+
+    try:
+        wait_healthy(proc, url)
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        assert all(e.wait(60) for e in started)
+        proc.send_signal(getattr(signal, sig))
+        for t in threads:
+            t.join(60)
+        log, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, log[-3000:]
+    assert "Traceback" not in log and "terminate called" not in log, log[-3000:]
+    for lines in bodies:
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        error = json.loads(lines[-2].removeprefix("data: "))["error"]
+        assert error["code"] == 503 and "shutting down" in error["message"], error

@@ -17,8 +17,10 @@ from flashdraft.engine.engine import Engine
 from flashdraft.server import routes_generate, routes_info
 from flashdraft.server.gate import Gate, error_response
 from flashdraft.server.protocol import ApiError
+from flashdraft.server.scheduler import ShuttingDown
 from flashdraft.server.settings import Settings
 from flashdraft.server.state import ServerState
+from flashdraft.server.streaming import SHUTTING_DOWN
 
 log = logging.getLogger("flashdraft.server")
 
@@ -58,6 +60,10 @@ def create_app(engine_or_loader: Engine | Callable[[], Engine], settings: Settin
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
         return error_response(e, request.url.path)
+
+    @app.exception_handler(ShuttingDown)
+    async def shutting_down(request: Request, e: ShuttingDown) -> JSONResponse:
+        return error_response(SHUTTING_DOWN, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:

@@ -1,5 +1,6 @@
 """`flashdraft serve`: llama-server's command line over the flashdraft engine."""
 import argparse
+import contextlib
 import functools
 import logging
 import os
@@ -242,15 +243,35 @@ def serve(settings: Settings) -> int:
             server.should_exit = True
             raise
 
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            """SIGINT/SIGTERM: end the running generations first (their streams get an error event and [DONE])
+            so that the graceful shutdown finds no request left to cancel."""
+            scheduler = app.state.server.scheduler
+            if scheduler is not None:
+                scheduler.close()
+            super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                yield
+                self._captured_signals.clear()  # a clean shutdown exits 0, not by re-raising the signal
+
     app = create_app(loader, settings)
-    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
-                                           access_log=False, timeout_graceful_shutdown=5))
+    server = Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
+                                   access_log=False, timeout_graceful_shutdown=5))
     log.info("listening on http://%s:%d (the model loads in the background; /health says when it is ready)",
              settings.host, settings.port)
     try:
         server.run()  # uvicorn raises the SIGINT it shut down on again as it returns
     finally:
-        engine = app.state.server.engine
+        scheduler, engine = app.state.server.scheduler, app.state.server.engine
+        if scheduler is not None:
+            scheduler.close()
+            if not scheduler.join(timeout=30):  # the slot threads hold the engine: exit only once they are done
+                log.warning("shutdown: a generation did not end within 30 s")
         if engine is not None and engine.world_size > 1:
             engine.stop_followers()
+    log.info("shut down")
     return 1 if failed else 0

@@ -14,6 +14,10 @@ from dataclasses import dataclass, field
 from flashdraft.engine.engine import Completion, Delta, Engine, Request
 from flashdraft.server.metrics import Metrics
 
+
+class ShuttingDown(Exception):
+    """A generation refused or cut short because the server is shutting down (a 503 to the client)."""
+
 _END = object()
 
 
@@ -54,6 +58,8 @@ class Scheduler:
     take_turns: bool | None = None  # one engine step at a time over all slots; default: on CUDA
 
     def __post_init__(self) -> None:
+        self.closing = False  # set by close(): running generations end, new ones are refused
+        self._threads: set[threading.Thread] = set()
         self.slots: list[Job | None] = [None] * self.engine.n_slots
         self._free = asyncio.Semaphore(self.engine.n_slots)
         self._task_ids = itertools.count()
@@ -68,11 +74,16 @@ class Scheduler:
     async def run(self, req: Request) -> AsyncIterator[tuple[Job, Delta | Completion]]:
         """Yield (job, event) for each engine event. Use under `contextlib.aclosing` so that a client
         that goes away cancels its generation at once."""
+        if self.closing:
+            raise ShuttingDown()
         self.metrics.requests_deferred += 1
         try:
             await self._free.acquire()
         finally:
             self.metrics.requests_deferred -= 1
+        if self.closing:
+            self._free.release()
+            raise ShuttingDown()
         job = Job(req, self.slots.index(None), next(self._task_ids))
         self.slots[job.slot] = job
         self.metrics.requests_processing += 1
@@ -106,12 +117,17 @@ class Scheduler:
                 except RuntimeError:
                     pass
                 post(_END)
+                self._threads.discard(threading.current_thread())
 
-        threading.Thread(target=work, name=f"slot-{job.slot}", daemon=True).start()
+        thread = threading.Thread(target=work, name=f"slot-{job.slot}", daemon=True)
+        self._threads.add(thread)
+        thread.start()
         try:
             while (item := await events.get()) is not _END:
                 if isinstance(item, BaseException):
                     raise item
+                if self.closing and isinstance(item, Completion) and item.finish_reason == "cancelled":
+                    raise ShuttingDown()  # cut short by the shutdown: not a result
                 if isinstance(item, Delta):
                     job.first_delta_at = job.first_delta_at or time.perf_counter()
                     job.n_decoded += len(item.token_ids)
@@ -119,6 +135,21 @@ class Scheduler:
                 yield job, item
         finally:
             req.cancel.set()
+
+    def close(self) -> None:
+        """Shut down: every running generation is cancelled (it ends within a step) and no new one starts.
+        Safe from a signal handler."""
+        self.closing = True
+        for job in list(self.slots):
+            if job is not None:
+                job.request.cancel.set()
+
+    def join(self, timeout: float) -> bool:
+        """Wait for the slot threads to return their engine slots; False if some are still running."""
+        deadline = time.monotonic() + timeout
+        for thread in list(self._threads):
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self._threads)
 
     def _release(self, job: Job) -> None:
         self.slots[job.slot] = None

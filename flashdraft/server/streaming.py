@@ -12,6 +12,9 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from flashdraft.server.protocol import ApiError
+from flashdraft.server.scheduler import ShuttingDown
+
+SHUTTING_DOWN = ApiError(503, "the server is shutting down")
 
 log = logging.getLogger("flashdraft.server")
 
@@ -75,6 +78,11 @@ async def guarded(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 yield chunk
+    except ShuttingDown:  # the stream ends as a finished one would, so clients stop waiting
+        yield sse(SHUTTING_DOWN.body())
+        yield b"data: [DONE]\n\n"
+    except ApiError as e:
+        yield sse(e.body())
     except Exception as e:
         log.exception("generation failed")
         yield sse(ApiError(500, f"{type(e).__name__}: {e}").body())
