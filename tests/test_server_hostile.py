@@ -142,3 +142,10 @@ def test_signal_with_streams_in_flight_ends_them_and_exits_0(models, sig):  # no
         assert lines[-1] == "data: [DONE]", lines[-3:]
         error = json.loads(lines[-2].removeprefix("data: "))["error"]
         assert error["code"] == 503 and "shutting down" in error["message"], error
+
+
+def test_a_text_part_that_is_not_a_string_says_so(url):
+    """Before: 'only text content is supported, got a 'text' part', for a text part whose text is a number."""
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": 5}]}], "max_tokens": 2}, timeout=60)
+    assert_400(r, "messages[0].content[1].text must be a string", "an integer")

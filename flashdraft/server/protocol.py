@@ -130,10 +130,13 @@ def message_text(content: Any, index: int) -> str:
         return content or ""
     if isinstance(content, list):
         parts = []
-        for part in content:
+        for j, part in enumerate(content):
             if isinstance(part, str):
                 parts.append(part)
-            elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            elif isinstance(part, dict) and part.get("type") == "text":
+                if not isinstance(part.get("text"), str):
+                    raise ApiError(400, f"messages[{index}].content[{j}].text must be a string, got "
+                                        f"{_type_name(part.get('text'))}")
                 parts.append(part["text"])
             else:
                 kind = part.get("type") if isinstance(part, dict) else _type_name(part)
