@@ -149,3 +149,49 @@ def test_a_text_part_that_is_not_a_string_says_so(url):
     r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": [
         {"type": "text", "text": "a"}, {"type": "text", "text": 5}]}], "max_tokens": 2}, timeout=60)
     assert_400(r, "messages[0].content[1].text must be a string", "an integer")
+
+
+def test_slow_headers_trickled_bodies_and_silent_connections_are_closed(models):  # noqa: F811
+    """--timeout-headers / --timeout: a connection that sends nothing, headers trickled a line at a time, and a
+    body trickled a byte at a time are closed in time; a whole request is answered (before: all stayed open)."""
+    import socket
+    import subprocess
+    import time
+
+    from test_server import REPO, free_port
+    from tiny import interrupt, wait_healthy
+    target, _ = models
+    port = free_port()
+    cmd = [sys.executable, "-m", "flashdraft.cli", "serve", "-m", str(target), "--port", str(port), "--device", "cpu",
+           "-c", "512", "--no-webui", "--timeout-headers", "1.5", "--timeout", "3"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+    def seconds_open(first: bytes, trickle: bytes = b"", limit: float = 10) -> tuple[float, bytes]:
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(first)
+            s.settimeout(0.25)
+            t = time.monotonic()
+            while time.monotonic() - t < limit:
+                try:
+                    return time.monotonic() - t, s.recv(1000)
+                except socket.timeout:
+                    if trickle:
+                        s.sendall(trickle)
+                except ConnectionResetError:
+                    return time.monotonic() - t, b""
+            return limit, b"still open"
+
+    try:
+        wait_healthy(proc, f"http://127.0.0.1:{port}")
+        waited, got = seconds_open(b"")
+        assert got == b"" and 1.0 < waited < 3, (waited, got)
+        waited, got = seconds_open(b"GET /health HTTP/1.1\r\nHost: x\r\n", b"X-Slow: 1\r\n")
+        assert got == b"" and waited < 3, (waited, got)
+        body_head = b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n{\"content\": \""
+        waited, got = seconds_open(body_head, b"a")
+        assert got == b"" and 2.5 < waited < 5.5, (waited, got)
+        waited, got = seconds_open(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert got.startswith(b"HTTP/1.1 200"), got
+    finally:
+        interrupt(proc, 30)

@@ -81,6 +81,13 @@ def build_parser() -> Parser:
     ap.add_argument("--api-key", default=None,
                     help=f"require this key (Authorization: Bearer KEY); also read from {', '.join(API_KEY_VARIABLES)}")
     ap.add_argument("-a", "--alias", default=None, help="model name in responses and /v1/models")
+    ap.add_argument("-to", "--timeout", type=float, default=d.timeout, metavar="S",
+                    help=f"seconds for a whole request to arrive, body included (default {d.timeout:g})")
+    ap.add_argument("--timeout-headers", type=float, default=d.timeout_headers, metavar="S",
+                    help=f"seconds for a request's headers, and for a new connection to send one "
+                         f"(default {d.timeout_headers:g})")
+    ap.add_argument("--timeout-idle", type=float, default=d.timeout_idle, metavar="S",
+                    help=f"seconds an idle keep-alive connection stays open (default {d.timeout_idle:g})")
     ap.add_argument("--log-timestamps", action="store_true", help="time since start on every log line")
     ap.add_argument("--log-prefix", action="store_true", help="level letter (I, W, E) on every log line")
     add_engine_args(ap, model=False, context=False)
@@ -141,7 +148,11 @@ def parse_settings(argv: list[str]) -> tuple[Settings, list[str]]:
         n_predict=args.n_predict, seed=args.seed, chat_template_file=args.chat_template_file,
         reasoning=args.reasoning, reasoning_format=args.reasoning_format, metrics=args.metrics,
         api_key=api_key, alias=args.alias, webui=args.webui, log_timestamps=args.log_timestamps,
-        log_prefix=args.log_prefix)
+        log_prefix=args.log_prefix, timeout=args.timeout, timeout_headers=args.timeout_headers,
+        timeout_idle=args.timeout_idle)
+    for name in ("timeout", "timeout_headers", "timeout_idle"):
+        if not getattr(args, name) > 0:
+            ap.error(f"--{name.replace('_', '-')} must be a positive number of seconds")
     if args.spec_type in ("dflash", "draft-dflash") and not args.draft:
         ap.error(f"--spec-type {args.spec_type} needs a draft model (--spec-draft-model)")
     if args.spec_type == "none" and args.draft:
@@ -232,6 +243,7 @@ def serve_rank(settings: Settings, device: str) -> int:
 def serve(settings: Settings) -> int:
     import uvicorn
     from flashdraft.server.app import create_app
+    from flashdraft.server.timeouts import timed_protocol
 
     failed: list[str] = []
 
@@ -259,8 +271,10 @@ def serve(settings: Settings) -> int:
                 self._captured_signals.clear()  # a clean shutdown exits 0, not by re-raising the signal
 
     app = create_app(loader, settings)
-    server = Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
-                                   access_log=False, timeout_graceful_shutdown=5))
+    http = timed_protocol(settings.timeout_headers, settings.timeout)
+    server = Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, http=http,
+                                   access_log=False, timeout_graceful_shutdown=5,
+                                   timeout_keep_alive=settings.timeout_idle))
     log.info("listening on http://%s:%d (the model loads in the background; /health says when it is ready)",
              settings.host, settings.port)
     try:

@@ -39,6 +39,9 @@ class Settings:
     log_timestamps: bool = False
     log_prefix: bool = False
     max_body_bytes: int = 16 * 1024 * 1024
+    timeout_headers: float = 10.0  # seconds for a request's headers (and for a new connection's first request)
+    timeout: float = 600.0  # seconds for a whole request to arrive (llama-server's -to)
+    timeout_idle: float = 5.0  # seconds an idle keep-alive connection stays open
 
     @property
     def slot_ctx(self) -> int:
