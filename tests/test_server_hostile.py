@@ -195,3 +195,17 @@ def test_slow_headers_trickled_bodies_and_silent_connections_are_closed(models):
         assert got.startswith(b"HTTP/1.1 200"), got
     finally:
         interrupt(proc, 30)
+
+
+def test_a_final_assistant_message_is_continued(url):
+    """As llama-server: the last assistant message is a prefill the answer continues (before: closed by the
+    template and a new assistant turn opened after it)."""
+    user = {"role": "user", "content": "Name a colour."}
+    opened = httpx.post(url + "/apply-template", json={"messages": [user]}, timeout=60).json()["prompt"]
+    prefilled = httpx.post(url + "/apply-template", json={"messages": [
+        user, {"role": "assistant", "content": "The colour is"}]}, timeout=60).json()["prompt"]
+    assert prefilled == opened + "The colour is", (opened, prefilled)
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": [user, {"role": "assistant", "content": "The"}],
+                                                        "max_tokens": 3}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(
+        httpx.post(url + "/tokenize", json={"content": opened + "The"}, timeout=60).json()["tokens"])

@@ -11,7 +11,17 @@ def template_kwargs(reasoning: str | None, extra: dict | None = None) -> dict:
 def chat_ids(tokenizer, messages: list[dict], reasoning: str | None = None, extra: dict | None = None) -> list[int]:
     if not tokenizer.chat_template:
         raise ValueError("this model has no chat template; use a raw prompt instead")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs(reasoning, extra))
+    kwargs = template_kwargs(reasoning, extra)
+    last = messages[-1] if messages else {}
+    if last.get("role") == "assistant" and isinstance(last.get("content"), str) and last["content"]:
+        # llama-server's prefill: a final assistant message is continued, not closed by the template
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=False, **kwargs)
+        cut = text.rfind(last["content"])
+        if cut < 0:
+            raise ValueError("the chat template changed the final assistant message, so it cannot be continued")
+        text = text[:cut + len(last["content"])]
+    else:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
     # the template writes BOS itself where the model wants one
     return tokenizer.encode(text, add_special=False)
 
