@@ -209,3 +209,13 @@ def test_a_final_assistant_message_is_continued(url):
                                                         "max_tokens": 3}, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(
         httpx.post(url + "/tokenize", json={"content": opened + "The"}, timeout=60).json()["tokens"])
+
+
+@pytest.mark.parametrize("name", ["add_generation_prompt", "messages"])
+def test_template_kwargs_the_server_sets_are_a_400_without_python_names(url, name):
+    """Before: 'the chat template failed on these messages: flashdraft.formats.tokenizer.Tokenizer.
+    apply_chat_template() got multiple values for keyword argument ...'."""
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                        "chat_template_kwargs": {name: False}}, timeout=60)
+    assert_400(r, f"chat_template_kwargs.{name}")
+    assert "flashdraft." not in r.text and "()" not in r.text

@@ -4,6 +4,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 
+import jinja2
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -33,15 +34,27 @@ def log_completion(path: str, job: Job, c: Completion) -> None:
     log.info("%s | %s", line, c.finish_reason)
 
 
+TEMPLATE_RESERVED = ("messages", "add_generation_prompt")  # chat_ids passes these itself
+
+
 def chat_prompt_ids(state: ServerState, engine: Engine, body: dict) -> list[int]:
     messages = P.parse_messages(body)
     extra = dict(P.get_object(body, "chat_template_kwargs"))
     if isinstance(body.get("tools"), list) and body["tools"]:
         extra.setdefault("tools", body["tools"])
+    for name in TEMPLATE_RESERVED:
+        if name in extra:
+            raise ApiError(400, f"chat_template_kwargs.{name} is set by the server, not by the request")
     try:
         return chat_ids(engine.tokenizer, messages, state.settings.reasoning, extra)
-    except Exception as e:  # template errors (e.g. raise_exception in the template) are the request's
+    except jinja2.TemplateError as e:  # the template's own errors (raise_exception, undefined names)
         raise ApiError(400, f"the chat template failed on these messages: {e}") from None
+    except ValueError as e:  # ours: no template, a prefill the template changed
+        raise ApiError(400, str(e)) from None
+    except Exception as e:  # anything else the template did with the request's values: no Python names out
+        log.warning("chat template: %r", e)
+        raise ApiError(400, "the chat template could not render these messages (a value of an unexpected "
+                            "type?)") from None
 
 def engine_request(state: ServerState, ids: list[int], body: dict, limit_names: tuple[str, ...]) -> EngineRequest:
     engine, _ = state.require()
