@@ -239,7 +239,8 @@ def main() -> int:
     ap.add_argument("--files", default="")
     ap.add_argument("--random-quant", choices=["Q4_K_M"], default=None,
                     help="make: random blocks in Q4_K_M's layout (Q4_K, Q6_K where llama-quantize puts it)")
-    ap.add_argument("--kernel-config", default=None, help="measure: JSON {block_n, warps, target} and/or {gemv: {...}} for the GGUF kernels")
+    ap.add_argument("--kernel-config", default=None,
+                    help="measure: JSON {block_n, warps, target} and/or {gemv: {...}} for the GGUF kernels")
     ap.add_argument("--ctxs", default="1024,16384")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--dequantize", action="store_true", help="expand to bf16 at load (today's path, for comparison)")

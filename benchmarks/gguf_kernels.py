@@ -63,9 +63,9 @@ def main() -> int:
             for bn, warps, target, *gemv in configs:
                 K.BLOCK_N, K.NUM_WARPS, K.TARGET_PROGRAMS = bn, warps, target
                 G.CONFIG.update(zip(("BLOCK_N", "SB", "num_warps", "target_programs"), gemv))
-                bn, warps, target = (gemv[0], gemv[2], gemv[3]) if qtype in G.GEMV_TYPES and m <= G.MAX_ROWS \
-                    else (bn, warps, target)
-                sb = gemv[1] if qtype in G.GEMV_TYPES and m <= G.MAX_ROWS else 0
+                sb = 0  # the tensor-core kernel's tile; an integer kernel's names its super-blocks too
+                if qtype in G.GEMV_TYPES and m <= G.MAX_ROWS:
+                    bn, sb, warps, target = gemv
                 try:
                     ms = timed(graphed(lambda: [K.gguf_matmul(xs[s], weights[s], qtype, s[1]) for s in SHAPES], dev),
                                20, dev)
@@ -75,7 +75,8 @@ def main() -> int:
                 r = dict(qtype=qtype, m=m, block_n=bn, sb=sb, warps=warps, target=target, ms=ms, bf16_ms=ref_ms,
                          GBps=qbytes / (ms * 1e-3) / 1e9, over_bf16=ms / ref_ms)
                 rows_out.append(r)
-                print(f"{qtype} M={m} BN={bn} SB={sb} warps={warps} target={target}: {ms:.3f} ms for the four matrices "
+                print(f"{qtype} M={m} BN={bn} SB={sb} warps={warps} target={target}: {ms:.3f} ms for the four "
+                      f"matrices "
                       f"({r['GBps']:.0f} GB/s of quantized bytes; bf16 F.linear {ref_ms:.3f} ms)", flush=True)
     best = {}
     for r in rows_out:
@@ -85,8 +86,8 @@ def main() -> int:
     print("\n| type | M | best BLOCK_N | SB | warps | programs | ms | GB/s | / bf16 F.linear |\n"
           "|---|---|---|---|---|---|---|---|---|")
     for r in best.values():
-        print(f"| {r['qtype']} | {r['m']} | {r['block_n']} | {r['sb']} | {r['warps']} | {r['target']} | {r['ms']:.3f} | "
-              f"{r['GBps']:.0f} | {r['over_bf16']:.2f} |")
+        print(f"| {r['qtype']} | {r['m']} | {r['block_n']} | {r['sb']} | {r['warps']} | {r['target']} | "
+              f"{r['ms']:.3f} | {r['GBps']:.0f} | {r['over_bf16']:.2f} |")
     if args.out:
         Path(args.out).write_text(json.dumps(rows_out, indent=1))
     if args.best:  # the config with the least total time over the types and row counts measured

@@ -127,19 +127,25 @@ def check_engine(folder: str, device: str = "cpu") -> None:
     decoding token-identical to its own plain decoding for several block sizes."""
     from pathlib import Path
 
+    from flashdraft.kernels import gguf_gemv
+    # Plain and verify steps must take the same kernel for their rows to be the same bits: by default one row
+    # takes the integer kernel (x rounded to 8 bits) and a block of 8 the tensor-core one, which round apart
+    # (and flip this random model's near-tied argmaxes). Here every block size stays on the integer kernels.
+    saved, gguf_gemv.MAX_ROWS = gguf_gemv.MAX_ROWS, 16
+    try:
+        check_engine_blocks(Path(folder), device)
+    finally:
+        gguf_gemv.MAX_ROWS = saved
+
+
+def check_engine_blocks(root, device: str) -> None:
     from test_gguf import tiny_hf_state, write_tiny_gguf
     from tiny import make_draft
 
     from flashdraft.engine.engine import Engine, EngineConfig, Request
     from flashdraft.engine.sampling import SamplingParams
-    from flashdraft.kernels import gguf_gemv
     from flashdraft.layers.quantized import GGUFEmbedding, GGUFLinear
     from gguf import GGMLQuantizationType as Q
-    # Plain and verify steps must take the same kernel for their rows to be the same bits: by default one row
-    # takes the integer kernel (x rounded to 8 bits) and a block of 8 the tensor-core one, which round apart
-    # (and flip this random model's near-tied argmaxes). Here every block size stays on the integer kernels.
-    gguf_gemv.MAX_ROWS = 16
-    root = Path(folder)
     sd = tiny_hf_state("llama", layers=2, hidden=64, ffn=128, vocab=96, tied=False)
     sd = {k: v * 0.3 for k, v in sd.items()}
     gguf_file = write_tiny_gguf(root / "tiny.gguf", "llama", sd, quantise=[Q.Q8_0, Q.Q4_0, Q.Q5_1, Q.Q4_1, Q.Q5_0])

@@ -22,7 +22,7 @@ from torch import Tensor
 
 QK8 = 32  # x values per 8-bit block
 GEMV_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
-BLOCK32_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7}  # GGML type ids
+BLOCK32_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8}  # GGML type ids
 # Row counts up to this take the integer kernels. Each row of x costs its own dot products and reductions, so
 # for a verify block of 16 the tensor-core kernel is faster (H200, the 8B's four matrices, Q4_K: 0.065 ms for
 # one row, 0.345 ms for 16, against 0.150 and 0.155 for the tensor-core kernel; docs/PERF.md).
@@ -261,38 +261,6 @@ def _q6_k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, 
              mask=(mi < M)[:, None] & row_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
-def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd, stride_wn,
-                 stride_os, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
-                 EMULATE: tl.constexpr):
-    """Q8_0: 34-byte blocks (d, 32 int8), w as int16 halves (17 per block); a 'super-block' here is 8 blocks."""
-    pid_n, split = tl.program_id(0), tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    bi, t = tl.arange(0, SB * 8), tl.arange(0, 8)
-    mi = tl.arange(0, BM)
-    first = split * sb_per_split * 8
-    last = tl.minimum(first + sb_per_split * 8, K // 32)
-    acc = tl.zeros([BM, BLOCK_N], tl.float32)
-    row_base = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
-    for b0 in range(first, last, SB * 8):
-        b = b0 + bi
-        ok = row_ok[:, None] & (b < last)[None, :]
-        base = row_base + b[None, :] * 17
-        d = _half(tl.load(base, mask=ok, other=0).to(tl.int32))
-        q = _word16(base[:, :, None] + 1 + 2 * t[None, None, :], ok[:, :, None])  # [N, B, 8]
-        xs_ok = (b < last)
-        for m in tl.static_range(BM):
-            m_ok = (tl.zeros([1], tl.int32) + m) < M  # a tensor, also under the interpreter
-            x = tl.load(xq_ptr + m * stride_xq + b[:, None] * 8 + t[None, :], mask=xs_ok[:, None] & m_ok, other=0)
-            xd = tl.load(xd_ptr + m * stride_xd + b, mask=xs_ok & m_ok, other=0.0)
-            dot = tl.sum(_dp4a(q, x[None], EMULATE), axis=2).to(tl.float32)
-            contrib = tl.sum(d * xd[None, :] * dot, axis=1)
-            acc = tl.where(mi[:, None] == m, acc + contrib[None, :], acc)
-    tl.store(out_ptr + split * stride_os + mi[:, None] * stride_om + rows[None, :], acc,
-             mask=(mi < M)[:, None] & row_ok[None, :])
-
-
 @triton.jit
 def _spread_bits(nib):
     """Four bits (0..15) -> bit 4 of each byte of a word (bit i to byte i): the fifth bits of Q5_0/Q5_1."""
@@ -303,18 +271,21 @@ def _spread_bits(nib):
 def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd, stride_wn,
                     stride_os, stride_om, QTYPE: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
                     SB: tl.constexpr, EMULATE: tl.constexpr):
-    """Q4_0 (18 bytes: d, 16 nibble bytes), Q4_1 (20: d, m, ...), Q5_0 (22: d, 32 fifth bits, ...), Q5_1 (24: d, m,
-    fifth bits, ...), w as int16 halves. Byte l's low nibble is weight l, its high one weight l + 16; fifth bit j
-    belongs to weight j. Q4_0 / Q5_0 store q + 8 / q + 16; Q4_1 / Q5_1 add m."""
+    """The 32-weight block types, w as int16 halves: Q8_0 (34 bytes: d, 32 int8), Q4_0 (18: d, 16 nibble bytes),
+    Q4_1 (20: d, m, ...), Q5_0 (22: d, 32 fifth bits, ...), Q5_1 (24: d, m, fifth bits, ...). A nibble byte l's
+    low half is weight l, its high one weight l + 16; fifth bit j belongs to weight j. Q4_0 / Q5_0 store q + 8 /
+    q + 16; Q4_1 / Q5_1 add m. SB counts groups of 8 blocks (one super-block's worth)."""
+    INT8: tl.constexpr = QTYPE == 8
     HAS_MIN: tl.constexpr = QTYPE == 3 or QTYPE == 7
     FIVE: tl.constexpr = QTYPE == 6 or QTYPE == 7
-    HALVES: tl.constexpr = 9 + HAS_MIN + 2 * FIVE
-    QS: tl.constexpr = 1 + HAS_MIN + 2 * FIVE
-    OFFSET: tl.constexpr = 0.0 if HAS_MIN else (16.0 if FIVE else 8.0)
+    WORDS: tl.constexpr = 8 if INT8 else 4  # words per block read from the weights, and x words per lo/hi half
+    HALVES: tl.constexpr = 17 if INT8 else 9 + HAS_MIN + 2 * FIVE
+    QS: tl.constexpr = 1 if INT8 else 1 + HAS_MIN + 2 * FIVE
+    OFFSET: tl.constexpr = 0.0 if HAS_MIN or INT8 else (16.0 if FIVE else 8.0)
     pid_n, split = tl.program_id(0), tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    bi, t = tl.arange(0, SB * 8), tl.arange(0, 4)
+    bi, t = tl.arange(0, SB * 8), tl.arange(0, WORDS)
     mi = tl.arange(0, BM)
     first = split * sb_per_split * 8
     last = tl.minimum(first + sb_per_split * 8, K // 32)
@@ -325,9 +296,12 @@ def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_spli
         ok = row_ok[:, None] & (b < last)[None, :]
         base = row_base + b[None, :] * HALVES
         d = _half(tl.load(base, mask=ok, other=0).to(tl.int32))
-        words = _word16(base[:, :, None] + QS + 2 * t[None, None, :], ok[:, :, None])  # [N, B, 4]
-        lo = words & 0x0F0F0F0F
-        hi = (words >> 4) & 0x0F0F0F0F
+        words = _word16(base[:, :, None] + QS + 2 * t[None, None, :], ok[:, :, None])  # [N, B, WORDS]
+        if INT8:
+            lo, hi = words, words  # hi unused
+        else:
+            lo = words & 0x0F0F0F0F
+            hi = (words >> 4) & 0x0F0F0F0F
         if FIVE:
             qh = _word16(base + 1 + HAS_MIN, ok)[:, :, None]
             lo = lo | _spread_bits((qh >> (4 * t[None, None, :])) & 15)
@@ -341,11 +315,15 @@ def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_spli
             m_ok = (tl.zeros([1], tl.int32) + m) < M  # a tensor, also under the interpreter
             xw = xq_ptr + m * stride_xq + b[:, None] * 8 + t[None, :]
             x_lo = tl.load(xw, mask=xs_ok[:, None] & m_ok, other=0)[None]
-            x_hi = tl.load(xw + 4, mask=xs_ok[:, None] & m_ok, other=0)[None]
             xd = tl.load(xd_ptr + m * stride_xd + b, mask=xs_ok & m_ok, other=0.0)[None, :]
-            xs = tl.load(xs_ptr + m * stride_xd + b, mask=xs_ok & m_ok, other=0.0)[None, :]
-            dot = tl.sum(_dp4a(lo, x_lo, EMULATE) + _dp4a(hi, x_hi, EMULATE), axis=2).to(tl.float32)
-            contrib = tl.sum(d * xd * dot + dm * xs, axis=1)
+            if INT8:
+                dot = tl.sum(_dp4a(lo, x_lo, EMULATE), axis=2).to(tl.float32)
+                contrib = tl.sum(d * xd * dot, axis=1)
+            else:
+                x_hi = tl.load(xw + 4, mask=xs_ok[:, None] & m_ok, other=0)[None]
+                xs = tl.load(xs_ptr + m * stride_xd + b, mask=xs_ok & m_ok, other=0.0)[None, :]
+                dot = tl.sum(_dp4a(lo, x_lo, EMULATE) + _dp4a(hi, x_hi, EMULATE), axis=2).to(tl.float32)
+                contrib = tl.sum(d * xd * dot + dm * xs, axis=1)
             acc = tl.where(mi[:, None] == m, acc + contrib[None, :], acc)
     tl.store(out_ptr + split * stride_os + mi[:, None] * stride_om + rows[None, :], acc,
              mask=(mi < M)[:, None] & row_ok[None, :])
@@ -373,8 +351,6 @@ def gemv(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:
         kernel, w, extra = _kquant_kernel, qweight.view(torch.int32), dict(FIVE_BITS=qtype == "Q5_K")
     elif qtype == "Q6_K":
         kernel, w, extra = _q6_k_kernel, qweight.view(torch.int16), {}
-    elif qtype == "Q8_0":
-        kernel, w, extra = _q8_0_kernel, qweight.view(torch.int16), {}
     else:
         kernel, w, extra = _block32_kernel, qweight.view(torch.int16), dict(QTYPE=BLOCK32_IDS[qtype])
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), splits)

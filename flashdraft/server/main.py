@@ -278,7 +278,7 @@ def serve(settings: Settings) -> int:
     log.info("listening on http://%s:%d (the model loads in the background; /health says when it is ready)",
              settings.host, settings.port)
     try:
-        server.run()  # uvicorn raises the SIGINT it shut down on again as it returns
+        server.run()
     finally:
         scheduler, engine = app.state.server.scheduler, app.state.server.engine
         if scheduler is not None:

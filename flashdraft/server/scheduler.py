@@ -74,14 +74,12 @@ class Scheduler:
     async def run(self, req: Request) -> AsyncIterator[tuple[Job, Delta | Completion]]:
         """Yield (job, event) for each engine event. Use under `contextlib.aclosing` so that a client
         that goes away cancels its generation at once."""
-        if self.closing:
-            raise ShuttingDown()
         self.metrics.requests_deferred += 1
         try:
             await self._free.acquire()
         finally:
             self.metrics.requests_deferred -= 1
-        if self.closing:
+        if self.closing:  # also while waiting for a slot: the cancelled generations free theirs at once
             self._free.release()
             raise ShuttingDown()
         job = Job(req, self.slots.index(None), next(self._task_ids))
@@ -117,10 +115,9 @@ class Scheduler:
                 except RuntimeError:
                     pass
                 post(_END)
-                self._threads.discard(threading.current_thread())
 
         thread = threading.Thread(target=work, name=f"slot-{job.slot}", daemon=True)
-        self._threads.add(thread)
+        self._threads = {t for t in self._threads if t.is_alive()} | {thread}  # on the event loop only
         thread.start()
         try:
             while (item := await events.get()) is not _END:
