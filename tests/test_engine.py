@@ -95,6 +95,58 @@ def test_greedy_rollback_with_partial_acceptance(monkeypatch, corrupt_every):
     assert len(lengths) > 2 and max(lengths) > 2, lengths  # acceptance really varied
 
 
+PENALTY_CASES = [SamplingParams(max_tokens=70, repeat_penalty=1.5, repeat_last_n=8),
+                 SamplingParams(max_tokens=70, frequency_penalty=0.7, presence_penalty=0.5, repeat_last_n=-1),
+                 SamplingParams(max_tokens=70, logit_bias={3: 2.0, 7: float("-inf")}, repeat_penalty=1.2)]
+
+
+@pytest.mark.parametrize("params", PENALTY_CASES)
+def test_greedy_penalties_follow_each_position_and_stay_lossless(monkeypatch, params):
+    """Greedy with logit_bias and penalties: plain decoding equals a step-by-step oracle applying llama.cpp's
+    samplers to the full-prefix logits, and speculative decoding (partial acceptance) equals plain."""
+    target = random_target()
+    prompt = torch.randint(0, 90, (12,))
+    plain = run(target, prompt, params)
+    ids = prompt.tolist()
+    for _ in range(params.max_tokens):
+        with torch.no_grad():
+            logits, _ = forward1(target, target.state, torch.tensor(ids), torch.arange(len(ids)))
+        ids.append(int(llama_cpp_penalties(logits[-1], ids, params).argmax()))
+    assert plain == ids[len(prompt):]
+    assert plain != run(target, prompt, SamplingParams(max_tokens=70))  # the adjustments changed the output
+    draft = random_draft(target)
+    draft.setup_cache(target.state.max_len)
+    oracle_proposals(monkeypatch, draft, plain, len(prompt), 4)
+    stats = SpecStats()
+    assert run(target, prompt, params, draft=draft, stats=stats) == plain
+    assert max(stats.acceptance_lengths) > 2
+
+
+def test_logprobs_are_the_models_own_and_equal_under_speculation(monkeypatch):
+    target = random_target()
+    prompt = torch.randint(0, 90, (12,))
+    params = SamplingParams(max_tokens=30, logprobs=3)
+    plain_lp: list = []
+    plain = run(target, prompt, params, logprobs=plain_lp)
+    ids = torch.cat([prompt, torch.tensor(plain)])
+    with torch.no_grad():
+        logits, _ = forward1(target, target.state, ids, torch.arange(len(ids)))
+    ref = logits[len(prompt) - 1:-1].double().log_softmax(-1)
+    assert [t for t, _, _ in plain_lp] == plain
+    for row, (tok, lp, top) in zip(ref, plain_lp):
+        assert abs(lp - float(row[tok])) < 1e-4
+        assert [i for i, _ in top] == row.topk(3).indices.tolist()
+        assert all(abs(v - float(row[i])) < 1e-4 for i, v in top)
+    draft = random_draft(target)
+    draft.setup_cache(target.state.max_len)
+    oracle_proposals(monkeypatch, draft, plain, len(prompt), 3)
+    spec_lp: list = []
+    assert run(target, prompt, params, draft=draft, logprobs=spec_lp) == plain
+    assert len(spec_lp) == len(plain_lp)
+    for (t1, a, top1), (t2, b, top2) in zip(plain_lp, spec_lp):
+        assert t1 == t2 and abs(a - b) < 1e-4 and [i for i, _ in top1] == [i for i, _ in top2]
+
+
 def test_max_tokens_and_context_limits():
     target = random_target(max_len=64)
     draft = random_draft(target)
@@ -162,6 +214,20 @@ def beellama_rule(drafted, logits, params, generator):
     return len(drafted), int(posterior[-1])
 
 
+def llama_cpp_penalties(logits: torch.Tensor, ids: list[int], p: SamplingParams) -> torch.Tensor:
+    """llama.cpp's logit-bias and penalties samplers for one row, written out token by token (the oracle for the
+    engine's batched version): the window is the last repeat_last_n ids."""
+    out = logits.clone().float()
+    for tok, b in p.logit_bias.items():
+        out[tok] += b
+    window = ids if p.repeat_last_n < 0 else ids[max(0, len(ids) - p.repeat_last_n):] if p.repeat_last_n else []
+    for tok in set(window):
+        count = window.count(tok)
+        out[tok] = out[tok] * p.repeat_penalty if out[tok] <= 0 else out[tok] / p.repeat_penalty
+        out[tok] -= count * p.frequency_penalty + p.presence_penalty
+    return out
+
+
 def exact_first_tokens(target, prompt, params, n) -> dict[tuple, float]:
     """Exact probability of every n-token continuation without speculation."""
     out = {}
@@ -169,7 +235,9 @@ def exact_first_tokens(target, prompt, params, n) -> dict[tuple, float]:
         ids = torch.cat([prompt, torch.tensor(seq[:-1], dtype=torch.long)])
         with torch.no_grad():
             logits, _ = forward1(target, target.state, ids, torch.arange(len(ids)))
-        probs = filtered_probs(logits[len(prompt) - 1:], params)
+        rows = logits[len(prompt) - 1:]
+        rows = torch.stack([llama_cpp_penalties(r, ids[:len(prompt) + i].tolist(), params) for i, r in enumerate(rows)])
+        probs = filtered_probs(rows, params)
         out[seq] = float(torch.prod(probs[torch.arange(n), torch.tensor(seq)]))
     return out
 
@@ -203,7 +271,9 @@ def small_vocab_pair():
     return target, draft
 
 
-SAMPLING_CASES = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.5, top_k=2, top_p=0.95, min_p=0.05)]
+SAMPLING_CASES = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.5, top_k=2, top_p=0.95, min_p=0.05),
+                  SamplingParams(temperature=1.0, repeat_penalty=1.3, frequency_penalty=1.5, presence_penalty=0.5,
+                                 repeat_last_n=3, logit_bias={1: 0.8})]  # short window: drafted rows slide it
 
 
 def check_lossless(pair, params, samples):

@@ -50,10 +50,15 @@ class Timings:
         return d
 
 
+# One generated token's log-probability: (token id, log-probability, [(alternative id, log-probability)]).
+TokenLogprob = tuple[int, float, list[tuple[int, float]]]
+
+
 @dataclass
 class Delta:
     text: str
     token_ids: list[int]
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of the tokens not reported before (no EOS)
 
 
 @dataclass
@@ -65,6 +70,7 @@ class Completion:
     stop_word: str | None
     timings: Timings
     spec: SpecStats
+    logprobs: list[TokenLogprob] | None = None  # per generated token, EOS left out (when the request asks)
 
     def speculative_summary(self) -> dict:
         """Per-request acceptance statistics (acceptance length includes the bonus token)."""
@@ -315,9 +321,11 @@ class Engine:
         if draft is not None and self.adaptive and not req.block_size:
             from flashdraft.engine.adaptive import WidthController
             controller = WidthController(self.width_costs or self.measure_width_costs(slot))
+        logprobs: list[TokenLogprob] | None = [] if p.logprobs is not None else None
+        reported = 0  # logprobs already handed out in deltas
         steps = decode(self.steps, prompt, p, slot=slot, speculative=draft is not None,
                        block_size=req.block_size or self.block_size, stats=stats, max_len=self.ctx_size, generator=gen,
-                       controller=controller)
+                       controller=controller, logprobs=logprobs)
         if self.world_size > 1:
             steps = in_lockstep(steps, self.device)
         try:
@@ -326,8 +334,10 @@ class Engine:
                     self._sync()
                     t_first = time.perf_counter()
                 end = next((i for i, t in enumerate(new) if t in eos), None)
-                if end is not None:  # keep the EOS token in the ids, not in the text
+                if end is not None:  # keep the EOS token in the ids, not in the text (nor its logprob)
                     new, finish = new[:end + 1], "stop"
+                    if logprobs is not None:
+                        del logprobs[len(tokens) + end:]
                 tokens += new
                 text += detok.push(new if end is None else new[:end])
                 hit = _stop_hit(text, p.stop)
@@ -335,8 +345,8 @@ class Engine:
                     text, stop_word, finish = text[:hit[0]], hit[1], "stop"
                 safe = len(text) if finish == "stop" else len(text) - _held_back(text, p.stop)
                 if safe > emitted:
-                    yield Delta(text[emitted:safe], new)
-                    emitted = safe
+                    yield Delta(text[emitted:safe], new, logprobs[reported:] if logprobs is not None else [])
+                    emitted, reported = safe, len(logprobs or ())
                 if finish == "stop":
                     break
                 if req.cancel.is_set():
@@ -350,10 +360,12 @@ class Engine:
         timings = Timings(prompt_n=len(req.prompt_ids), prompt_ms=1e3 * (t_first - t0), predicted_n=len(tokens),
                           predicted_ms=1e3 * (t_end - t_first), draft_n=stats.draft_n,
                           draft_n_accepted=stats.draft_n_accepted)
-        if emitted < len(text):
-            yield Delta(text[emitted:], [])
+        if logprobs is not None:
+            del logprobs[len(tokens):]  # a cancelled step may have reported tokens it never handed out
+        if emitted < len(text) or logprobs and reported < len(logprobs):
+            yield Delta(text[emitted:], [], logprobs[reported:] if logprobs is not None else [])
         yield Completion(text=text, token_ids=tokens, prompt_ids=list(req.prompt_ids), finish_reason=finish,
-                         stop_word=stop_word, timings=timings, spec=stats)
+                         stop_word=stop_word, timings=timings, spec=stats, logprobs=logprobs)
 
     def _sync(self) -> None:
         if self.device.startswith("cuda"):

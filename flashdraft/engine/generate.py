@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from flashdraft.engine.adaptive import WidthController
-from flashdraft.engine.sampling import SamplingParams, sample
+from flashdraft.engine.sampling import SamplingParams, adjust_logits, logit_bias_row, sample, token_logprobs
 from flashdraft.engine.steps import Steps
 
 PREFILL_CHUNK = 1024
@@ -74,11 +74,13 @@ def prefill(target, state, prompt_ids: Tensor, slot: int, capture: list[int] | N
 def decode(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int = 0, speculative: bool = True,
            block_size: int | None = None, stats: SpecStats | None = None, max_len: int | None = None,
            generator: torch.Generator | None = None, accept_rule: AcceptRule = accept_matching_samples,
-           controller: WidthController | None = None) -> Iterator[list[int]]:
+           controller: WidthController | None = None, logprobs: list | None = None) -> Iterator[list[int]]:
     """Yield the committed tokens of each step until `params.max_tokens` are out (the caller stops
     earlier on EOS or stop strings by closing the generator). With a draft (and `speculative`), each step
     drafts a whole block and verifies `controller.width()` of it (default: all); width 1 is a plain step that
-    still hands its features to the draft."""
+    still hands its features to the draft. logit_bias and the penalties apply to every verified row with
+    that row's own prefix, so speculation stays lossless under them. With `params.logprobs` set, `logprobs`
+    receives one sampling.token_logprobs entry per committed token, before the tokens are yielded."""
     target, state = steps.target, steps.state
     draft = steps.draft if speculative else None
     device = prompt_ids.device
@@ -91,7 +93,20 @@ def decode(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int =
         return
     capture = draft.cfg.target_layer_ids if draft is not None else None
     logits, features = prefill(target, state, prompt_ids, slot, capture)
-    token = int(sample(logits, params, generator)[0])
+    history = prompt_ids.tolist() if params.penalized else []  # the penalties' window: prompt and output
+    bias = logit_bias_row(params, logits.shape[-1], device)
+
+    def choose(rows: Tensor, drafted: Tensor | None = None) -> Tensor:
+        return adjust_logits(rows, params, bias, history, drafted) if params.adjusted else rows
+
+    def report(rows: Tensor, tokens: list[int]) -> None:
+        if params.penalized:
+            history.extend(tokens)
+        if logprobs is not None and params.logprobs is not None:
+            logprobs.extend(token_logprobs(rows[:len(tokens)], tokens, params.logprobs))
+
+    token = int(sample(choose(logits), params, generator)[0])
+    report(logits, [token])
     if draft is not None:
         draft.reset(slot)
         draft.append_context(features, torch.arange(n, device=device), slot)
@@ -114,7 +129,8 @@ def decode(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int =
             follow = draft is not None and room > 1  # the draft needs this position's features later
             positions = torch.tensor([pos], device=device)
             out = steps.plain(slot, torch.tensor([token], device=device), positions, attn_len, follow)
-            new = [int(sample(out[0], params, generator)[0])]
+            new = [int(sample(choose(out[0]), params, generator)[0])]
+            report(out[0], new[:budget - produced])
             if follow:
                 steps.append_context(slot, out[1], positions)
                 if controller is not None:
@@ -130,7 +146,7 @@ def decode(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int =
             drafted, logits, feats = steps.speculative(slot, block_ids, positions, live_t, attn_len, width, block)
             checked = min(width, live)  # rows past `live` hold no wanted token: they neither count nor commit
             drafted, logits = drafted[:checked - 1], logits[:checked]
-            accepted, bonus = accept_rule(drafted, logits, params, generator)
+            accepted, bonus = accept_rule(drafted, choose(logits, drafted), params, generator)
             proposed = drafted.tolist()
             if stats is not None:
                 stats.record(proposed, accepted)
@@ -140,6 +156,7 @@ def decode(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int =
             state.commit(slot, pos + n_new)
             steps.append_context(slot, feats[:n_new], positions[:n_new])
             new = proposed[:accepted] + [bonus]
+            report(logits, new[:budget - produced])
             pos += accepted + 1
         new = new[:budget - produced]
         produced += len(new)

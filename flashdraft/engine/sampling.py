@@ -15,10 +15,27 @@ class SamplingParams:
     max_tokens: int = 256
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    logit_bias: dict[int, float] = field(default_factory=dict)  # added to a token's logit; -inf bans it
+    # llama.cpp's penalties over the last `repeat_last_n` tokens of prompt and output (-1: all of them; 0: off)
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repeat_last_n: int = 64
+    logprobs: int | None = None  # report each token's log-probability and this many alternatives (None: no)
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        return self.repeat_last_n != 0 and (self.repeat_penalty != 1 or self.presence_penalty != 0
+                                            or self.frequency_penalty != 0)
+
+    @property
+    def adjusted(self) -> bool:
+        """Whether logits change before the filters (logit_bias or penalties)."""
+        return bool(self.logit_bias) or self.penalized
 
     def validate(self) -> None:
         if self.temperature < 0:
@@ -31,6 +48,70 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
+        if not self.repeat_penalty > 0:
+            raise ValueError(f"repeat_penalty must be > 0, got {self.repeat_penalty}")
+        if self.repeat_last_n < -1:
+            raise ValueError(f"repeat_last_n must be >= -1, got {self.repeat_last_n}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"the number of top log-probabilities must be between 0 and {MAX_LOGPROBS}, "
+                             f"got {self.logprobs}")
+
+
+MAX_LOGPROBS = 100
+
+
+def logit_bias_row(p: SamplingParams, vocab_size: int, device: torch.device | str) -> Tensor | None:
+    """logit_bias as one [V] row to add (ids outside the vocabulary are the caller's to reject)."""
+    if not p.logit_bias:
+        return None
+    row = torch.zeros(vocab_size, device=device)
+    ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+    row[ids.to(device)] = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32).to(device)
+    return row
+
+
+def penalty_counts(history: list[int], drafted: Tensor, rows: int, p: SamplingParams, vocab_size: int) -> Tensor:
+    """[rows, V] occurrences of each token in the penalty window of every row: row i's window is the last
+    `repeat_last_n` tokens of `history` followed by drafted[:i] (the prefix that row's logits were computed on)."""
+    device = drafted.device
+    extra = drafted[:rows - 1]
+    width = p.repeat_last_n if p.repeat_last_n > 0 else len(history) + rows - 1
+    tail = history[-width:] if width else []
+    seq = torch.cat([torch.full((width - len(tail),), vocab_size, dtype=torch.long, device=device),
+                     torch.tensor(tail, dtype=torch.long, device=device), extra.long()])
+    windows = seq[len(seq) - (rows - 1) - width:].unfold(0, width, 1)  # [rows, width]; vocab_size pads
+    counts = torch.zeros(rows, vocab_size + 1, device=device)
+    return counts.scatter_add_(1, windows, torch.ones_like(windows, dtype=counts.dtype))[:, :vocab_size]
+
+
+def adjust_logits(logits: Tensor, p: SamplingParams, bias: Tensor | None, history: list[int],
+                  drafted: Tensor | None = None) -> Tensor:
+    """logit_bias, then llama.cpp's repeat / frequency / presence penalties, per row of logits [R, V]: row i
+    follows `history` + drafted[:i] (a verify block), so every position is penalised by its own prefix."""
+    logits = logits.float()
+    if bias is not None:
+        logits = logits + bias[:logits.shape[-1]]
+    if p.penalized and (history or drafted is not None and len(drafted)):
+        if drafted is None:
+            drafted = torch.empty(0, dtype=torch.long, device=logits.device)
+        counts = penalty_counts(history, drafted, logits.shape[0], p, logits.shape[-1])
+        seen = counts > 0
+        repeated = torch.where(logits <= 0, logits * p.repeat_penalty, logits / p.repeat_penalty)
+        logits = torch.where(seen, repeated, logits) - counts * p.frequency_penalty - seen * p.presence_penalty
+    return logits
+
+
+def token_logprobs(logits: Tensor, tokens: list[int], top: int) -> list[tuple[int, float, list[tuple[int, float]]]]:
+    """(token, its log-probability, the `top` most likely (token, log-probability)) per row of the model's own
+    distribution (raw logits, before bias, penalties and filters, as llama-server's default and vLLM's)."""
+    logp = logits.float().log_softmax(-1)
+    chosen = logp.gather(-1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0]
+    best = logp.topk(min(top, logp.shape[-1]), dim=-1) if top else None
+    chosen_l = chosen.tolist()
+    if best is None:
+        return [(t, c, []) for t, c in zip(tokens, chosen_l)]
+    ids, values = best.indices.tolist(), best.values.tolist()
+    return [(t, c, list(zip(i, v))) for t, c, i, v in zip(tokens, chosen_l, ids, values)]
 
 
 def filtered_probs(logits: Tensor, p: SamplingParams) -> Tensor:
