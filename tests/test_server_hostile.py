@@ -72,9 +72,7 @@ def test_head_is_answered_where_get_is(url, path):
 
 
 @pytest.mark.parametrize("field,value", [("best_of", 2), ("suffix", '"x"'), ("echo", "true"), ("mirostat", 2),
-                                         ("response_format", '{"type": "json_object"}'), ("grammar", '"root ::= x"'),
-                                         ("logprobs", "true"), ("n_probs", 3), ("logit_bias", '{"5": 10}'),
-                                         ("presence_penalty", 0.5), ("repeat_penalty", 1.1)])
+                                         ("response_format", '{"type": "json_object"}'), ("grammar", '"root ::= x"')])
 def test_fields_not_supported_are_a_400_naming_them(url, field, value):
     body = '{"prompt": "hi", "max_tokens": 2, "%s": %s}' % (field, value)
     assert_400(post_raw(url, "/v1/completions", body), f"'{field}'", "not supported")
@@ -219,3 +217,41 @@ def test_template_kwargs_the_server_sets_are_a_400_without_python_names(url, nam
                                                         "chat_template_kwargs": {name: False}}, timeout=60)
     assert_400(r, f"chat_template_kwargs.{name}")
     assert "flashdraft." not in r.text and "()" not in r.text
+
+
+def test_text_that_cannot_fit_is_rejected_before_it_is_tokenized(url):
+    """15 MB in one message: the answer comes from the length bound (no exact token count), not a tokenization."""
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "fox jumps " * 1_500_000}]}),
+                       ("/v1/completions", {"prompt": "fox jumps " * 1_500_000})):
+        r = httpx.post(url + path, json=body, timeout=60)
+        assert_400(r, "exceeds the available context size", "at least")
+        assert r.json()["error"]["type"] == "exceed_context_size_error"
+
+
+def test_long_tokenization_leaves_the_server_answering(url):
+    """A 2 MB /tokenize (seconds of work) runs while /health keeps answering at once: the tokenizer lets go of
+    the interpreter while it works (before: every other request waited for it)."""
+    import threading
+    import time
+    done = threading.Event()
+    took: list[float] = []
+
+    def tokenize() -> None:
+        t0 = time.perf_counter()
+        r = httpx.post(url + "/tokenize", json={"content": "fox jumps over " * 150_000}, timeout=120)
+        took.append(time.perf_counter() - t0)
+        assert r.status_code == 200
+        done.set()
+
+    worker = threading.Thread(target=tokenize)
+    worker.start()
+    time.sleep(0.3)  # the body is sent and tokenizing
+    latencies = []
+    while not done.is_set():
+        t0 = time.perf_counter()
+        assert httpx.get(url + "/health", timeout=60).status_code == 200
+        latencies.append(time.perf_counter() - t0)
+        time.sleep(0.05)
+    worker.join()
+    assert took[0] > 1.0 and len(latencies) > 5, (took, latencies)  # the test saw a long tokenization
+    assert max(latencies) < 0.5, latencies

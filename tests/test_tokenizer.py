@@ -266,3 +266,36 @@ def test_incremental_detokenizer_specials_and_cut_sequences(smollm2_tokenizer):
     detok = IncrementalDetokenizer(tok)
     assert detok.push(emoji[:-1]) == ""
     assert detok.flush() == tok.decode(emoji[:-1])  # a stream cut mid-character ends with U+FFFD, like decode
+
+
+@pytest.mark.parametrize("which", ["byte_level", "sentencepiece"])
+def test_token_bytes_concatenate_to_the_text(which, smollm2_tokenizer, spm_gguf):
+    """Each token's own bytes (a piece of a UTF-8 character stays a piece): joined, they are the decoded text."""
+    tok = smollm2_tokenizer if which == "byte_level" else Tokenizer.from_gguf(read_gguf(spm_gguf))
+    ids = tok.encode(MULTIBYTE + " and more", add_special=False)
+    pieces = [tok.token_bytes(i) for i in ids]
+    assert b"".join(pieces).decode().lstrip() == tok.decode(ids)
+    assert any(len(p) and not _utf8_whole(p) for p in pieces) or which == "sentencepiece"
+
+
+def _utf8_whole(raw: bytes) -> bool:
+    try:
+        raw.decode()
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def test_long_texts_encode_as_short_ones_and_the_length_bound(smollm2_tokenizer):
+    from flashdraft.formats.tokenizer import LONG_TEXT, TooManyTokens
+    tok = smollm2_tokenizer
+    text = "def f(x):\n    return x  # héllo 日本 😀\n" * 3000
+    assert len(text) > LONG_TEXT
+    ids = tok.encode(text, add_special=False)
+    assert ids == tok.backend.encode(text, add_special_tokens=False).ids
+    assert tok.encode(text, add_special=False, limit=len(ids)) == ids  # fits exactly: no false rejection
+    worst = max(range(tok.vocab_size), key=lambda i: len(tok.token_bytes(i)))
+    dense = tok.decode([worst] * 100, skip_special=False)  # as many characters per token as a text can have
+    assert len(dense) <= 100 * tok.max_token_chars
+    with pytest.raises(TooManyTokens, match="at least"):
+        tok.encode(text, limit=len(text) // tok.max_token_chars - 1)

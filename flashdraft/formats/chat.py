@@ -8,7 +8,8 @@ def template_kwargs(reasoning: str | None, extra: dict | None = None) -> dict:
     return kwargs
 
 
-def chat_ids(tokenizer, messages: list[dict], reasoning: str | None = None, extra: dict | None = None) -> list[int]:
+def chat_ids(tokenizer, messages: list[dict], reasoning: str | None = None, extra: dict | None = None,
+             limit: int | None = None) -> list[int]:
     if not tokenizer.chat_template:
         raise ValueError("this model has no chat template; use a raw prompt instead")
     kwargs = template_kwargs(reasoning, extra)
@@ -23,7 +24,7 @@ def chat_ids(tokenizer, messages: list[dict], reasoning: str | None = None, extr
     else:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
     # the template writes BOS itself where the model wants one
-    return tokenizer.encode(text, add_special=False)
+    return tokenizer.encode(text, add_special=False, limit=limit)
 
 
 def render_prompt(tokenizer, prompt: str, chat: bool = False, system: str | None = None,

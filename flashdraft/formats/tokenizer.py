@@ -3,8 +3,9 @@ jinja2 the way transformers does, and an incremental detokenizer for streaming t
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -23,6 +24,15 @@ END_OF_GENERATION = {"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", 
                      "<|end_of_text|>", "<|return|>", "<|call|>", "<EOT>", "<|END_OF_TURN_TOKEN|>"}
 
 
+LONG_TEXT = 1 << 16  # characters
+
+
+class TooManyTokens(ValueError):
+    def __init__(self, at_least: int, limit: int):
+        super().__init__(f"the text has at least {at_least} tokens, more than the {limit} allowed")
+        self.at_least, self.limit = at_least, limit
+
+
 class Tokenizer:
     def __init__(self, backend: Backend, bos_id: int | None = None, eos_ids: Iterable[int] = (),
                  add_bos: bool = False, add_eos: bool = False, chat_template: str | None = None,
@@ -39,10 +49,16 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_special: bool = True) -> list[int]:
+    def encode(self, text: str, add_special: bool = True, limit: int | None = None) -> list[int]:
+        """Token ids of `text`; TooManyTokens, before any work, when it cannot fit in `limit` tokens."""
+        if limit is not None and len(text) > limit * self.max_token_chars:
+            raise TooManyTokens(-(-len(text) // self.max_token_chars), limit)
+        # encode_batch lets go of the GIL (encode does not), so other threads run while a long text is encoded
+        encoded = (self.backend.encode_batch([text], add_special_tokens=False)[0] if len(text) > LONG_TEXT
+                   else self.backend.encode(text, add_special_tokens=False))
+        ids = encoded.ids
         # BOS/EOS are added here rather than by the backend's post-processor, so that a prompt rendered from a
         # chat template that already starts with BOS does not get a second one.
-        ids = self.backend.encode(text, add_special_tokens=False).ids
         if add_special and self.add_bos and ids[:1] != [self.bos_id]:
             ids.insert(0, self.bos_id)
         if add_special and self.add_eos:
@@ -57,6 +73,17 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
+
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for (its spelling is at least as long as its text)."""
+        vocab = self.backend.get_vocab(with_added_tokens=True)
+        return max(map(len, vocab), default=1)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for on its own (a piece of a UTF-8 character stays a piece), as
+        llama.cpp's token_to_piece and OpenAI's logprob `bytes`."""
+        return _token_bytes(self.backend, token_id)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, documents: list[dict] | None = None, **kwargs) -> str:
@@ -205,6 +232,22 @@ def _unique(values: Iterable[int]) -> list[int]:
         if v is not None and int(v) not in out:
             out.append(int(v))
     return out
+
+
+@lru_cache(maxsize=1 << 16)
+def _token_bytes(backend: Backend, token_id: int) -> bytes:
+    token = backend.id_to_token(token_id)
+    if token is None:
+        return b""
+    if isinstance(backend.decoder, decoders.ByteLevel):
+        spelled = {c: b for b, c in bytes_to_unicode().items()}
+        if all(c in spelled for c in token):
+            return bytes(spelled[c] for c in token)
+    elif re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", token):  # SentencePiece byte fallback
+        return bytes([int(token[3:5], 16)])
+    else:
+        token = token.replace("\u2581", " ")
+    return token.encode("utf-8")
 
 
 # ------------------------------------------------------------------------------------ GGUF vocabularies

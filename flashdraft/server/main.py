@@ -65,6 +65,14 @@ def build_parser() -> Parser:
     ap.add_argument("--top-k", type=int, default=d.top_k, help=f"default top-k (default {d.top_k}; 0 = off)")
     ap.add_argument("--top-p", type=float, default=d.top_p, help=f"default top-p (default {d.top_p})")
     ap.add_argument("--min-p", type=float, default=d.min_p, help=f"default min-p (default {d.min_p})")
+    ap.add_argument("--repeat-penalty", type=float, default=d.repeat_penalty,
+                    help=f"default repeat penalty (default {d.repeat_penalty}; 1 = off)")
+    ap.add_argument("--repeat-last-n", type=int, default=d.repeat_last_n,
+                    help=f"tokens the penalties look back over (default {d.repeat_last_n}; -1 = all, 0 = off)")
+    ap.add_argument("--presence-penalty", type=float, default=d.presence_penalty,
+                    help=f"default presence penalty (default {d.presence_penalty})")
+    ap.add_argument("--frequency-penalty", type=float, default=d.frequency_penalty,
+                    help=f"default frequency penalty (default {d.frequency_penalty})")
     ap.add_argument("-s", "--seed", type=int, default=d.seed, help="default seed (-1 = random per request)")
     ap.add_argument("--jinja", action="store_true", help="accepted; chat templates always run through jinja")
     ap.add_argument("--chat-template-file", help="jinja chat template to use instead of the model's")
@@ -121,7 +129,9 @@ def parse_settings(argv: list[str]) -> tuple[Settings, list[str]]:
             ap.error(f"{flag} {value} is not supported: the KV cache can be {', '.join(KV_CACHE_TYPES)} "
                      f"(quantized KV cache types come later)")
     for name, value, ok in (("-np", args.n_slots, args.n_slots >= 1), ("--ctx-size", args.ctx_size, args.ctx_size >= 0),
-                            ("--port", args.port, 0 <= args.port < 65536), ("--tp", args.tp, args.tp >= 1)):
+                            ("--port", args.port, 0 <= args.port < 65536), ("--tp", args.tp, args.tp >= 1),
+                            ("--repeat-penalty", args.repeat_penalty, args.repeat_penalty > 0),
+                            ("--repeat-last-n", args.repeat_last_n, args.repeat_last_n >= -1)):
         if not ok:
             ap.error(f"{name} {value} is out of range")
     if args.tp > 1 and args.n_slots != 1:
@@ -145,6 +155,8 @@ def parse_settings(argv: list[str]) -> tuple[Settings, list[str]]:
         n_slots=args.n_slots, ctx_size=args.ctx_size, device=args.device, dtype=args.dtype, compile=args.compile, adaptive=args.adaptive, dequantize=args.dequantize, quantized=args.quantized,
         tp=args.tp,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         n_predict=args.n_predict, seed=args.seed, chat_template_file=args.chat_template_file,
         reasoning=args.reasoning, reasoning_format=args.reasoning_format, metrics=args.metrics,
         api_key=api_key, alias=args.alias, webui=args.webui, log_timestamps=args.log_timestamps,

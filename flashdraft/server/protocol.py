@@ -4,8 +4,9 @@ import string
 import time
 from typing import Any
 
-from flashdraft.engine.engine import Completion, Timings
+from flashdraft.engine.engine import Completion, Timings, TokenLogprob
 from flashdraft.engine.sampling import SamplingParams
+from flashdraft.formats.tokenizer import IncrementalDetokenizer, TooManyTokens
 from flashdraft.server.scheduler import Job
 from flashdraft.server.settings import Settings
 
@@ -101,7 +102,10 @@ def max_tokens(body: dict, names: tuple[str, ...], settings: Settings) -> int:
     return settings.slot_ctx if settings.n_predict < 0 else settings.n_predict
 
 
-def sampling_params(body: dict, settings: Settings, token_limit_names: tuple[str, ...]) -> SamplingParams:
+def sampling_params(body: dict, settings: Settings, token_limit_names: tuple[str, ...], tokenizer,
+                    vocab_size: int, top_logprobs: int | None = None) -> SamplingParams:
+    """The request's sampling fields over the server's defaults; `top_logprobs` is what the route read from
+    its own logprobs field (see chat_logprobs_count, text_logprobs_count, native_probs_count)."""
     if get_int(body, "n", 1) != 1:
         raise ApiError(400, "only n=1 is supported")
     top_k = get_int(body, "top_k", settings.top_k)
@@ -119,10 +123,109 @@ def sampling_params(body: dict, settings: Settings, token_limit_names: tuple[str
         max_tokens=max_tokens(body, token_limit_names, settings),
         stop=get_stop(body),
         ignore_eos=get_bool(body, "ignore_eos", False),
+        logit_bias=logit_bias(body, tokenizer, vocab_size),
+        repeat_penalty=get_number(body, "repeat_penalty", settings.repeat_penalty),
+        presence_penalty=get_number(body, "presence_penalty", settings.presence_penalty),
+        frequency_penalty=get_number(body, "frequency_penalty", settings.frequency_penalty),
+        repeat_last_n=get_int(body, "repeat_last_n", settings.repeat_last_n),
+        logprobs=top_logprobs,
     )
     if top_p == 0:  # only the most likely token survives
         params.top_k = 1
     return params
+
+
+def logit_bias(body: dict, tokenizer, vocab_size: int) -> dict[int, float]:
+    """OpenAI's `{"token id": bias}` or llama.cpp's `[[token id or text, bias], ...]`; a bias of `false` bans the
+    token (-inf), a text biases each of its tokens."""
+    value = body.get("logit_bias")
+    if value is None:
+        return {}
+    if isinstance(value, dict):
+        pairs = list(value.items())
+    elif isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 for p in value):
+        pairs = [tuple(p) for p in value]
+    else:
+        raise ApiError(400, "'logit_bias' must be an object of token id -> bias or an array of [token, bias] pairs")
+    out: dict[int, float] = {}
+    for key, bias in pairs:
+        if bias is False:
+            bias = float("-inf")
+        elif isinstance(bias, bool) or not isinstance(bias, int | float):
+            raise ApiError(400, f"'logit_bias' values must be numbers or false, got {_type_name(bias)} for {key!r}")
+        if isinstance(key, str) and key.lstrip("-").isdigit():
+            ids = [int(key)]
+        elif isinstance(key, int) and not isinstance(key, bool):
+            ids = [key]
+        elif isinstance(key, str) and isinstance(value, list):
+            ids = tokenizer.encode(key, add_special=False)
+        else:
+            raise ApiError(400, f"'logit_bias' keys must be token ids, got {key!r}")
+        check_token_ids(ids, vocab_size, "'logit_bias'")
+        out.update(dict.fromkeys(ids, float(bias)))
+    return out
+
+
+def chat_logprobs_count(body: dict) -> int | None:
+    """OpenAI chat: `logprobs: true` with `top_logprobs` alternatives per token."""
+    top = get_int(body, "top_logprobs", None, lo=0)
+    if not get_bool(body, "logprobs", False):
+        if top:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true")
+        return None
+    return top or 0
+
+
+def text_logprobs_count(body: dict) -> int | None:
+    """OpenAI completions: `logprobs: N` alternatives per token (false or null: none)."""
+    return None if body.get("logprobs") is False else get_int(body, "logprobs", None, lo=0)
+
+
+def native_probs_count(body: dict) -> int | None:
+    """llama.cpp: `n_probs: N` > 0 adds completion_probabilities with N alternatives per token."""
+    if get_bool(body, "post_sampling_probs", False):
+        raise ApiError(400, "'post_sampling_probs' is not supported yet")
+    return get_int(body, "n_probs", 0, lo=0) or None
+
+
+LOGPROB_FLOOR = -9999.0  # OpenAI's value for a token the model gives no chance (JSON has no -inf)
+
+
+def _piece(tokenizer, token: int) -> tuple[str, list[int]]:
+    raw = tokenizer.token_bytes(token)
+    return raw.decode("utf-8", errors="replace"), list(raw)
+
+
+def _lp(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
+def chat_logprobs(tokenizer, entries: list[TokenLogprob]) -> dict:
+    """OpenAI chat's `logprobs` object of a response or a chunk."""
+    def item(token: int, lp: float) -> dict:
+        text, raw = _piece(tokenizer, token)
+        return {"token": text, "logprob": _lp(lp), "bytes": raw}
+    return {"content": [item(t, lp) | {"top_logprobs": [item(i, v) for i, v in top]} for t, lp, top in entries]}
+
+
+def text_logprobs(tokenizer, entries: list[TokenLogprob], offset: int = 0) -> dict:
+    """OpenAI completions' `logprobs` object; text_offset counts characters from `offset` (the text before)."""
+    detok, tokens, offsets = IncrementalDetokenizer(tokenizer), [], []
+    for t, _, _ in entries:
+        offsets.append(offset)
+        tokens.append(_piece(tokenizer, t)[0])
+        offset += len(detok.push(t))
+    return {"tokens": tokens, "token_logprobs": [_lp(lp) for _, lp, _ in entries],
+            "top_logprobs": [{_piece(tokenizer, i)[0]: _lp(v) for i, v in top} for _, _, top in entries],
+            "text_offset": offsets}
+
+
+def native_probs(tokenizer, entries: list[TokenLogprob]) -> list[dict]:
+    """llama.cpp's `completion_probabilities` (n_probs)."""
+    def item(token: int, lp: float) -> dict:
+        text, raw = _piece(tokenizer, token)
+        return {"id": token, "token": text, "bytes": raw, "logprob": _lp(lp)}
+    return [item(t, lp) | {"top_logprobs": [item(i, v) for i, v in top]} for t, lp, top in entries]
 
 
 def message_text(content: Any, index: int) -> str:
@@ -147,11 +250,8 @@ def message_text(content: Any, index: int) -> str:
 
 # Fields of OpenAI's and llama.cpp's APIs that change what a caller gets back and are not implemented yet: a 400
 # naming the field, never a 200 that silently breaks the caller's contract.
-UNSUPPORTED_FIELDS = ("best_of", "suffix", "echo", "mirostat", "response_format", "grammar", "json_schema",
-                      "logprobs", "top_logprobs", "n_probs", "logit_bias", "presence_penalty", "frequency_penalty",
-                      "repeat_penalty")
-NEUTRAL_VALUES = {"echo": False, "logprobs": False, "n_probs": 0, "presence_penalty": 0, "frequency_penalty": 0,
-                  "repeat_penalty": 1, "mirostat": 0, "best_of": 1, "logit_bias": {}, "top_logprobs": 0}
+UNSUPPORTED_FIELDS = ("best_of", "suffix", "echo", "mirostat", "response_format", "grammar", "json_schema")
+NEUTRAL_VALUES = {"echo": False, "mirostat": 0, "best_of": 1}
 
 
 def check_supported(body: dict) -> None:
@@ -187,15 +287,19 @@ def is_token_list(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
-def prompt_ids(body: dict, tokenizer, vocab_size: int) -> list[int]:
-    """`prompt` as a string, token ids, or an array holding one of those (one prompt per request)."""
+def prompt_ids(body: dict, tokenizer, vocab_size: int, limit: int) -> list[int]:
+    """`prompt` as a string, token ids, or an array holding one of those (one prompt per request); a string
+    that cannot fit in `limit` tokens is rejected before it is tokenized."""
     prompt = body.get("prompt")
     if prompt is None:
         raise ApiError(400, "'prompt' is required")
     if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or is_token_list(prompt[0])):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt, add_special=True)
+        try:
+            ids = tokenizer.encode(prompt, add_special=True, limit=limit)
+        except TooManyTokens as e:
+            raise too_long(e) from None
     elif is_token_list(prompt):
         ids = list(prompt)
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_token_list(p) for p in prompt):
@@ -219,9 +323,18 @@ def check_fits(ids: list[int], slot_ctx: int) -> None:
     if not ids:
         raise ApiError(400, "the prompt is empty")
     if len(ids) >= slot_ctx:
-        raise ApiError(400, f"the request exceeds the available context size: the prompt has {len(ids)} tokens "
-                            f"and a slot holds {slot_ctx}, try increasing it (--ctx-size)",
-                       "exceed_context_size_error", n_prompt_tokens=len(ids), n_ctx=slot_ctx)
+        raise context_exceeded(str(len(ids)), len(ids), slot_ctx)
+
+
+def context_exceeded(count: str, n_prompt: int, slot_ctx: int) -> ApiError:
+    return ApiError(400, f"the request exceeds the available context size: the prompt has {count} tokens and a "
+                         f"slot holds {slot_ctx}, try increasing it (--ctx-size)",
+                    "exceed_context_size_error", n_prompt_tokens=n_prompt, n_ctx=slot_ctx)
+
+
+def too_long(e: TooManyTokens) -> ApiError:
+    """A text rejected before it was tokenized: it cannot fit, whatever its exact token count."""
+    return context_exceeded(f"at least {e.at_least}", e.at_least, e.limit)
 
 
 def new_id(prefix: str) -> str:
@@ -255,9 +368,9 @@ class Envelope:
                 "system_fingerprint": self.fingerprint, "object": obj or self.object, **extra}
 
 
-def chat_response(env: Envelope, c: Completion, content: str, reasoning: str) -> dict:
+def chat_response(env: Envelope, c: Completion, content: str, reasoning: str, logprobs: dict | None = None) -> dict:
     message = {"role": "assistant", "content": content} | ({"reasoning_content": reasoning} if reasoning else {})
-    choice = {"finish_reason": c.finish_reason, "index": 0, "message": message}
+    choice = {"finish_reason": c.finish_reason, "index": 0, "message": message, "logprobs": logprobs}
     return add_stats(env.make([choice], "chat.completion", usage=usage(c)), c)
 
 
@@ -278,17 +391,17 @@ def running_timings(job: Job) -> dict:
                    predicted_n=job.n_decoded, predicted_ms=1e3 * (now - first)).to_dict()
 
 
-def chat_chunk(env: Envelope, delta: dict, finish_reason: str | None = None) -> dict:
-    return env.make([{"finish_reason": finish_reason, "index": 0, "delta": delta}])
+def chat_chunk(env: Envelope, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
+    return env.make([{"finish_reason": finish_reason, "index": 0, "delta": delta, "logprobs": logprobs}])
 
 
-def text_response(env: Envelope, c: Completion) -> dict:
-    choice = {"text": c.text, "index": 0, "logprobs": None, "finish_reason": c.finish_reason}
+def text_response(env: Envelope, c: Completion, logprobs: dict | None = None) -> dict:
+    choice = {"text": c.text, "index": 0, "logprobs": logprobs, "finish_reason": c.finish_reason}
     return add_stats(env.make([choice], "text_completion", usage=usage(c)), c)
 
 
-def text_chunk(env: Envelope, text: str, finish_reason: str | None = None) -> dict:
-    return env.make([{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}])
+def text_chunk(env: Envelope, text: str, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
+    return env.make([{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish_reason}])
 
 
 def stop_type(c: Completion) -> str:
@@ -299,22 +412,30 @@ def stop_type(c: Completion) -> str:
     return "none"
 
 
-def native_chunk(text: str, tokens: list[int], slot: int, n_predicted: int, n_prompt: int) -> dict:
+def native_chunk(text: str, tokens: list[int], slot: int, n_predicted: int, n_prompt: int,
+                 probs: list[dict] | None = None) -> dict:
     return {"index": 0, "content": text, "tokens": tokens, "stop": False, "id_slot": slot,
-            "tokens_predicted": n_predicted, "tokens_evaluated": n_prompt}
+            "tokens_predicted": n_predicted, "tokens_evaluated": n_prompt} | (
+        {"completion_probabilities": probs} if probs is not None else {})
 
 
 def native_final(c: Completion, slot: int, model: str, settings: dict, prompt: str, with_text: bool,
-                 return_tokens: bool) -> dict:
+                 return_tokens: bool, probs: list[dict] | None = None) -> dict:
     obj = {"index": 0, "content": c.text if with_text else "", "tokens": c.token_ids if return_tokens else [],
            "id_slot": slot, "stop": True, "model": model, "tokens_predicted": len(c.token_ids),
            "tokens_evaluated": len(c.prompt_ids), "generation_settings": settings, "prompt": prompt,
            "has_new_line": "\n" in c.text, "truncated": False, "stop_type": stop_type(c),
            "stopping_word": c.stop_word or "", "tokens_cached": len(c.prompt_ids) + len(c.token_ids)}
+    if probs is not None:
+        obj["completion_probabilities"] = probs
     return add_stats(obj, c)
 
 
 def generation_settings(p: SamplingParams, slot_ctx: int, speculative: bool) -> dict:
     return {"n_ctx": slot_ctx, "temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
             "min_p": p.min_p, "seed": -1 if p.seed is None else p.seed, "n_predict": p.max_tokens,
-            "stop": p.stop, "ignore_eos": p.ignore_eos, "speculative": speculative}
+            "stop": p.stop, "ignore_eos": p.ignore_eos, "repeat_penalty": p.repeat_penalty,
+            "repeat_last_n": p.repeat_last_n, "presence_penalty": p.presence_penalty,
+            "frequency_penalty": p.frequency_penalty, "n_probs": p.logprobs or 0,
+            "logit_bias": [[t, False if b == float("-inf") else b] for t, b in p.logit_bias.items()],
+            "speculative": speculative}

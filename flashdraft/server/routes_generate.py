@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from flashdraft.engine.engine import Completion, Delta, Engine
 from flashdraft.engine.engine import Request as EngineRequest
 from flashdraft.formats.chat import chat_ids
+from flashdraft.formats.tokenizer import TooManyTokens
 from flashdraft.server import protocol as P
 from flashdraft.server.protocol import ApiError
 from flashdraft.server.reasoning import ThinkSplitter, prompt_opens_thinking, split_reasoning
@@ -37,7 +38,7 @@ def log_completion(path: str, job: Job, c: Completion) -> None:
 TEMPLATE_RESERVED = ("messages", "add_generation_prompt")  # chat_ids passes these itself
 
 
-def chat_prompt_ids(state: ServerState, engine: Engine, body: dict) -> list[int]:
+def chat_prompt_ids(state: ServerState, engine: Engine, body: dict, limit: int | None) -> list[int]:
     messages = P.parse_messages(body)
     extra = dict(P.get_object(body, "chat_template_kwargs"))
     if isinstance(body.get("tools"), list) and body["tools"]:
@@ -46,7 +47,9 @@ def chat_prompt_ids(state: ServerState, engine: Engine, body: dict) -> list[int]
         if name in extra:
             raise ApiError(400, f"chat_template_kwargs.{name} is set by the server, not by the request")
     try:
-        return chat_ids(engine.tokenizer, messages, state.settings.reasoning, extra)
+        return chat_ids(engine.tokenizer, messages, state.settings.reasoning, extra, limit=limit)
+    except TooManyTokens as e:
+        raise P.too_long(e) from None
     except jinja2.TemplateError as e:  # the template's own errors (raise_exception, undefined names)
         raise ApiError(400, f"the chat template failed on these messages: {e}") from None
     except ValueError as e:  # ours: no template, a prefill the template changed
@@ -56,10 +59,12 @@ def chat_prompt_ids(state: ServerState, engine: Engine, body: dict) -> list[int]
         raise ApiError(400, "the chat template could not render these messages (a value of an unexpected "
                             "type?)") from None
 
-def engine_request(state: ServerState, ids: list[int], body: dict, limit_names: tuple[str, ...]) -> EngineRequest:
+def engine_request(state: ServerState, ids: list[int], body: dict, limit_names: tuple[str, ...],
+                   top_logprobs: int | None) -> EngineRequest:
     engine, _ = state.require()
     P.check_supported(body)
-    params = P.sampling_params(body, state.settings, limit_names)
+    params = P.sampling_params(body, state.settings, limit_names, engine.tokenizer, engine.target.cfg.vocab_size,
+                               top_logprobs)
     try:
         params.validate()
     except ValueError as e:
@@ -124,7 +129,7 @@ async def apply_template(request: Request) -> dict:
     state = server_state(request)
     engine, _ = state.require()
     body = await read_json(request)
-    ids = await asyncio.to_thread(chat_prompt_ids, state, engine, body)
+    ids = await asyncio.to_thread(chat_prompt_ids, state, engine, body, None)
     return {"prompt": await asyncio.to_thread(engine.tokenizer.decode, ids, skip_special=False)}
 
 @router.post("/v1/chat/completions")
@@ -133,30 +138,42 @@ async def chat_completions(request: Request) -> Response:
     state = server_state(request)
     body = await read_json(request)
     engine, _ = state.require()
-    ids = await asyncio.to_thread(chat_prompt_ids, state, engine, body)  # off the event loop: may be large
-    req = engine_request(state, ids, body, ("max_completion_tokens", "max_tokens", "n_predict"))
+    ids = await asyncio.to_thread(chat_prompt_ids, state, engine, body, engine.ctx_size)  # may be large
+    req = engine_request(state, ids, body, ("max_completion_tokens", "max_tokens", "n_predict"),
+                         P.chat_logprobs_count(body))
     env = P.Envelope("chatcmpl-", "chat.completion.chunk", state.model_name, FINGERPRINT)
     split = P.reasoning_format(body, state.settings.reasoning_format) != "none"
     thinking_open = split and prompt_opens_thinking(engine.tokenizer.decode(ids[-16:], skip_special=False))
+    with_logprobs = req.params.logprobs is not None
     if not P.get_bool(body, "stream", False):
         done = await generate(request, req)
         if done is None:
             return Response(status_code=499)
-        reasoning, content = split_reasoning(done[1].text, thinking_open) if split else ("", done[1].text)
-        return JSONResponse(P.chat_response(env, done[1], content, reasoning))
+        c = done[1]
+        reasoning, content = split_reasoning(c.text, thinking_open) if split else ("", c.text)
+        logprobs = P.chat_logprobs(engine.tokenizer, c.logprobs) if with_logprobs else None
+        return JSONResponse(P.chat_response(env, c, content, reasoning, logprobs))
     splitter = ThinkSplitter(thinking_open) if split else None
+    pending: list = []  # logprobs of tokens whose text the splitter still holds
 
     def deltas(event: Delta | Completion) -> Iterator[dict]:
-        """Reasoning and content chunks of what the splitter lets out; at the end, all it still holds."""
+        """Reasoning and content chunks of what the splitter lets out; at the end, all it still holds. The
+        logprobs of the tokens so far ride on the first chunk out (a chunk of their own at the end)."""
         final = isinstance(event, Completion)
         text = "" if final else event.text
+        if not final:
+            pending.extend(event.logprobs)
         reasoning, content = ("", text) if splitter is None else splitter.push(text)
         if final and splitter is not None:
             r, c = splitter.flush()
             reasoning, content = reasoning + r, content + c
-        for key, value in (("reasoning_content", reasoning), ("content", content)):
-            if value:
-                yield P.chat_chunk(env, {key: value})
+        parts = [{key: value} for key, value in (("reasoning_content", reasoning), ("content", content)) if value]
+        if final and pending and not parts:
+            parts = [{}]
+        for delta in parts:
+            logprobs = P.chat_logprobs(engine.tokenizer, pending) if with_logprobs and pending else None
+            pending.clear()
+            yield P.chat_chunk(env, delta, logprobs=logprobs)
 
     return openai_stream(request, req, env, body, deltas, lambda reason: P.chat_chunk(env, {}, reason),
                          opening=P.chat_chunk(env, {"role": "assistant", "content": ""}),
@@ -167,16 +184,25 @@ async def completions(request: Request) -> Response:
     state = server_state(request)
     body = await read_json(request)
     engine, _ = state.require()
-    ids = await asyncio.to_thread(P.prompt_ids, body, engine.tokenizer, engine.target.cfg.vocab_size)
-    req = engine_request(state, ids, body, ("max_tokens", "n_predict"))
+    ids = await asyncio.to_thread(P.prompt_ids, body, engine.tokenizer, engine.target.cfg.vocab_size,
+                                  engine.ctx_size)
+    req = engine_request(state, ids, body, ("max_tokens", "n_predict"), P.text_logprobs_count(body))
     env = P.Envelope("cmpl-", "text_completion", state.model_name, FINGERPRINT)
+    with_logprobs = req.params.logprobs is not None
     if not P.get_bool(body, "stream", False):
         done = await generate(request, req)
-        return JSONResponse(P.text_response(env, done[1])) if done else Response(status_code=499)
+        if done is None:
+            return Response(status_code=499)
+        c = done[1]
+        logprobs = P.text_logprobs(engine.tokenizer, c.logprobs) if with_logprobs else None
+        return JSONResponse(P.text_response(env, c, logprobs))
+    sent = [0]  # characters of text sent so far (text_offset of the next chunk)
 
     def pieces(event: Delta | Completion) -> Iterator[dict]:
-        if isinstance(event, Delta) and event.text:
-            yield P.text_chunk(env, event.text)
+        if isinstance(event, Delta) and (event.text or event.logprobs):
+            logprobs = P.text_logprobs(engine.tokenizer, event.logprobs, sent[0]) if with_logprobs else None
+            sent[0] += len(event.text)
+            yield P.text_chunk(env, event.text, logprobs=logprobs)
 
     return openai_stream(request, req, env, body, pieces, lambda reason: P.text_chunk(env, "", reason))
 
@@ -187,8 +213,10 @@ async def native_completion(request: Request) -> Response:
     state = server_state(request)
     body = await read_json(request)
     engine, _ = state.require()
-    ids = await asyncio.to_thread(P.prompt_ids, body, engine.tokenizer, engine.target.cfg.vocab_size)
-    req = engine_request(state, ids, body, ("n_predict", "max_tokens"))
+    ids = await asyncio.to_thread(P.prompt_ids, body, engine.tokenizer, engine.target.cfg.vocab_size,
+                                  engine.ctx_size)
+    req = engine_request(state, ids, body, ("n_predict", "max_tokens"), P.native_probs_count(body))
+    with_probs = req.params.logprobs is not None
     return_tokens = P.get_bool(body, "return_tokens", False)
     per_token = P.get_bool(body, "timings_per_token", False)
     settings = P.generation_settings(req.params, engine.ctx_size, req.speculative)
@@ -198,15 +226,17 @@ async def native_completion(request: Request) -> Response:
         if done is None:
             return Response(status_code=499)
         job, c = done
+        probs = P.native_probs(engine.tokenizer, c.logprobs) if with_probs else None
         return JSONResponse(P.native_final(c, job.slot, state.model_name, settings, prompt_text, True,
-                                           return_tokens))
+                                           return_tokens, probs))
 
     async def chunks() -> AsyncIterator[bytes]:
         async for job, event in stream_events(request, req):
             if isinstance(event, Delta):
-                if event.text:
+                if event.text or event.logprobs:
+                    probs = P.native_probs(engine.tokenizer, event.logprobs) if with_probs else None
                     chunk = P.native_chunk(event.text, event.token_ids if return_tokens else [], job.slot,
-                                           job.n_decoded, len(ids))
+                                           job.n_decoded, len(ids), probs)
                     yield sse(chunk | {"timings": P.running_timings(job)} if per_token else chunk)
                 continue
             yield sse(P.native_final(event, job.slot, state.model_name, settings, prompt_text, False,

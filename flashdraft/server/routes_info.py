@@ -63,7 +63,7 @@ async def slots(request: Request) -> list[dict]:
     engine, scheduler = state.require()
     if request.query_params.get("fail_on_no_slot") in ("1", "true") and scheduler.free_slots == 0:
         raise ApiError(503, "no slot available")
-    defaults = P.sampling_params({}, state.settings, ())
+    defaults = P.sampling_params({}, state.settings, (), engine.tokenizer, engine.target.cfg.vocab_size)
     out = []
     spec = engine.draft is not None and state.settings.speculative
     for i, job in enumerate(scheduler.slots):

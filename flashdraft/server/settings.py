@@ -27,6 +27,10 @@ class Settings:
     top_k: int = 40
     top_p: float = 0.95
     min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     n_predict: int = -1
     seed: int = -1
     chat_template_file: str | None = None
