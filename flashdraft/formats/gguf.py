@@ -101,14 +101,23 @@ def gguf_to_hf_config(gguf: GGUFFile | Mapping[str, Any], tensors: Mapping[str, 
     kv_heads = get("attention.head_count_kv", heads)
     kv_heads = int(max(kv_heads) if isinstance(kv_heads, list) else kv_heads)
     head_dim = int(get("attention.key_length") or get("rope.dimension_count") or hidden // heads)
-    rope_theta = float(get("rope.freq_base", 10000.0))
     context = int(get("context_length", 4096))
     # the embedding's rows are what the weights need; the vocab keys can be shorter (unpadded)
     embedding = tensors.get("token_embd.weight")
     vocab = embedding.shape[0] if embedding is not None else get("vocab_size") or len(metadata.get("tokenizer.ggml.tokens") or ())
     eos_ids = _unique(metadata.get(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom"))
+    family = family_for_gguf(arch)
+    if family.gguf_config is not None:  # the family reads its own keys (and rope_freqs) over the shared ones
+        base = {"num_hidden_layers": int(get("block_count")), "hidden_size": hidden, "num_attention_heads": heads,
+                "head_dim": head_dim, "intermediate_size": int(get("feed_forward_length")),
+                "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+                "max_position_embeddings": context, "vocab_size": int(vocab),
+                "tie_word_embeddings": "output.weight" not in tensors,
+                "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
+                "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None)}
+        return family.gguf_config(metadata, tensors, base)
     return {
-        "architectures": [family_for_gguf(arch).hf_classes[model_type]],
+        "architectures": [family.hf_classes[model_type]],
         "model_type": model_type,
         "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length")),
@@ -118,8 +127,8 @@ def gguf_to_hf_config(gguf: GGUFFile | Mapping[str, Any], tensors: Mapping[str, 
         "head_dim": head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": rope_theta,
-        "rope_scaling": _rope_scaling(metadata, arch, tensors, rope_theta, head_dim),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "rope_scaling": _rope_scaling(metadata, arch, tensors, float(get("rope.freq_base", 10000.0)), head_dim),
         "max_position_embeddings": context,
         "vocab_size": int(vocab),
         "tie_word_embeddings": "output.weight" not in tensors,
@@ -152,7 +161,7 @@ def _rope_scaling(metadata: Mapping[str, Any], arch: str, tensors: Mapping[str, 
                   theta: float, head_dim: int) -> dict | None:
     original = metadata.get(f"{arch}.rope.scaling.original_context_length")
     if "rope_freqs.weight" in tensors:  # llama3-style: the converter stores the per-frequency factors
-        factors = _to_float_array(tensors["rope_freqs.weight"])
+        factors = tensor_values(tensors["rope_freqs.weight"])
         return _llama3_rope_scaling(factors, theta, head_dim, original)
     kind = metadata.get(f"{arch}.rope.scaling.type")
     if kind in (None, "none"):
@@ -371,7 +380,8 @@ def tensor_bytes(t: GGUFTensor) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(t.data).view(np.uint8).reshape(-1).copy())
 
 
-def _to_float_array(t: GGUFTensor) -> np.ndarray:
+def tensor_values(t: GGUFTensor) -> np.ndarray:
+    """A (small) tensor's values as float32."""
     return dequantize(tensor_bytes(t), t.qtype, t.shape, torch.float32).numpy()
 
 
@@ -387,6 +397,8 @@ def hf_name(gguf_name: str, family: Family) -> str | None:
         return None
     if m := _LAYER_TENSOR.fullmatch(gguf_name):
         layer, part, kind = m.groups()
+        if f"{part}.{kind}" in family.gguf_layer_names:  # a bare parameter (no .weight in HF's name)
+            return f"model.layers.{layer}.{family.gguf_layer_names[f'{part}.{kind}']}"
         if part in family.gguf_layer_names:
             return f"model.layers.{layer}.{family.gguf_layer_names[part]}.{kind}"
     else:
@@ -416,6 +428,7 @@ def iter_gguf_tensors(gguf: GGUFFile | str | Path, dtype: torch.dtype = torch.fl
         gguf = read_gguf(gguf)
     config = gguf_to_hf_config(gguf)
     family = family_for_gguf(gguf.architecture)
+    norm_shift = family.gguf_norm_shift.get(gguf.architecture, 0.0)
     permute_heads = {}
     if gguf.architecture in family.gguf_permuted_qk:
         permute_heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
@@ -434,10 +447,12 @@ def iter_gguf_tensors(gguf: GGUFFile | str | Path, dtype: torch.dtype = torch.fl
         if keeps_quantized(t, kept):
             yield name, QuantizedWeight(raw.view(t.shape[0], -1).to(device), t.qtype.name, tuple(t.shape))
             continue
+        shifted = name.endswith("norm.weight") and norm_shift != 0
         try:
-            yield name, dequantize(raw, t.qtype, t.shape, dtype, device)
+            tensor = dequantize(raw, t.qtype, t.shape, torch.float32 if shifted else dtype, device)
         except ValueError as e:
             raise ValueError(f"tensor {t.name}: {e}") from None
+        yield name, (tensor - norm_shift).to(dtype) if shifted else tensor
 
 
 def _unpermute(raw: torch.Tensor, rows: int, n_heads: int) -> torch.Tensor:

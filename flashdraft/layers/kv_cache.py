@@ -4,6 +4,7 @@ another shape, a sliding ring or a quantized store is a new kind here, not a new
 - `KVCache`: rows indexed by position (the target's layers). A forward writes the rows of its positions and
   attends to rows at positions <= its own, so rows past the committed length are stale and harmless: rolling
   back is resetting a length.
+- `WindowKVCache`: a sliding-window layer's ring of window + step rows (row p % rows).
 - `RingKVCache`: a window ring (row p % window) after scratch rows that a step's own block K/V go into, with
   the position each ring row holds (the DFlash draft's context)."""
 import torch
@@ -66,6 +67,60 @@ class KVCache:
     def read(self, slots: Slots, length: int, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         """The first `length` rows of the slots: [B, KV, length, D] (views for an int or a slice)."""
         return self.view(slots).read(length, dtype)
+
+
+def window_positions(end: Tensor, rows: int) -> Tensor:
+    """[B, rows]: the position each row of a WindowKVCache holds once positions up to `end` [B] are written (the
+    latest p <= end with p % rows == row; negative: nothing yet)."""
+    row = torch.arange(rows, device=end.device)
+    return end[:, None] - (end[:, None] - row) % rows
+
+
+class WindowSlots:
+    """A WindowKVCache as one forward sees it (see KVSlots)."""
+
+    def __init__(self, cache: "WindowKVCache", slots: Slots):
+        self.dtype, self.rows = cache.dtype, cache.rows
+        self.single = isinstance(slots, int)
+        if self.single:
+            self.k, self.v = cache.k[slots], cache.v[slots]  # [KV, rows, D]
+        else:
+            self.k, self.v = cache.k, cache.v
+            self.index = torch.arange(cache.k.shape[0], device=cache.k.device)[slots]
+
+    def write(self, positions: Tensor, k: Tensor, v: Tensor) -> None:
+        """k/v [B, T, KV, D] at positions [B, T] (increasing): the last `rows` of them land at rows p % rows."""
+        positions, k, v = positions[:, -self.rows:], k[:, -self.rows:], v[:, -self.rows:]
+        rows = positions % self.rows
+        if self.single:
+            self.k.index_copy_(1, rows[0], k[0].transpose(0, 1).to(self.dtype))
+            self.v.index_copy_(1, rows[0], v[0].transpose(0, 1).to(self.dtype))
+            return
+        self.k[self.index[:, None], :, rows] = k.to(self.dtype)
+        self.v[self.index[:, None], :, rows] = v.to(self.dtype)
+
+    def read(self, length: int | None = None, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+        """Every row: [B, KV, rows, D]; which position each holds is window_positions' (`length` is unused: the
+        ring is read whole)."""
+        k, v = (self.k[None], self.v[None]) if self.single else (self.k[self.index], self.v[self.index])
+        return (k, v) if dtype is None else (k.to(dtype), v.to(dtype))
+
+
+class WindowKVCache:
+    """A sliding-window layer's K/V: a ring of `window + extra` rows (row p % rows) instead of the whole context,
+    enough for the window behind every query of a step of up to `extra` tokens. Which position a row holds
+    follows from the step's last position (window_positions); rows an earlier, longer step wrote past it (the
+    rejected part of a verify block) then come out more than a window back, so the window mask drops them."""
+
+    def __init__(self, n_slots: int, kv_heads: int, window: int, extra: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str):
+        self.rows, self.window, self.extra = window + extra, window, extra
+        self.k = torch.zeros((n_slots, kv_heads, self.rows, head_dim), device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.kv_heads, self.head_dim, self.dtype = kv_heads, head_dim, dtype
+
+    def view(self, slots: Slots) -> WindowSlots:
+        return WindowSlots(self, slots)
 
 
 class RingKVCache:

@@ -3,7 +3,7 @@ names and tensor-parallel rules. A new family is its own file plus an entry here
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from flashdraft.models import llama
+from flashdraft.models import gemma, llama
 
 
 @dataclass(frozen=True)
@@ -18,6 +18,8 @@ class Family:
     gguf_permuted_qk: tuple[str, ...] = ()             # GGUF architectures whose q/k rows llama.cpp permutes
     tp_row_split: tuple[str, ...] = ()                 # modules split by output features (heads or columns)
     tp_column_split: tuple[str, ...] = ()              # modules split by input features (summed by all-reduce)
+    gguf_config: Callable[[dict, dict, dict], dict] | None = None  # (metadata, tensors, shared keys) -> HF config
+    gguf_norm_shift: dict[str, float] = field(default_factory=dict)  # GGUF arch -> subtracted from norm weights
 
     @property
     def model_types(self) -> tuple[str, ...]:
@@ -43,7 +45,26 @@ LLAMA = Family(
     tp_column_split=("o_proj", "down_proj"),
 )
 
-FAMILIES: list[Family] = [LLAMA]
+GEMMA = Family(
+    name="gemma",
+    model_class=gemma.Gemma,
+    read_config=gemma.GemmaConfig.from_hf,
+    hf_classes=gemma.HF_CLASSES,
+    gguf_architectures={"gemma3": "gemma3", "gemma4": "gemma4"},
+    gguf_global_names={"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"},
+    gguf_layer_names={
+        "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+        "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+        "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+        "layer_output_scale.weight": "layer_scalar",
+    },
+    gguf_config=gemma.gguf_config,
+    gguf_norm_shift={"gemma3": 1.0},  # llama.cpp bakes Gemma 3's (1 + w) into the file; HF stores w
+)
+
+FAMILIES: list[Family] = [LLAMA, GEMMA]
 
 
 def register(family: Family) -> None:

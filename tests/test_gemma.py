@@ -1,0 +1,120 @@
+"""Gemma 3 and Gemma 4 dense targets against transformers' own modeling on random small configs: logits of a whole
+sequence, the same sequence through the cache in pieces (long chunks, single steps and a rejected verify block
+over the sliding layers' window rings), greedy continuations, and speculative = plain decoding."""
+import pytest
+import torch
+from test_engine import oracle_proposals, random_draft
+from tiny import decode_tokens, forward1
+
+from flashdraft.engine.generate import SpecStats
+from flashdraft.engine.sampling import SamplingParams
+from flashdraft.models.gemma import Gemma, GemmaConfig
+
+transformers = pytest.importorskip("transformers")
+
+BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, rms_norm_eps=1e-6)
+CONFIGS = {
+    "gemma3": dict(model_type="gemma3_text", sliding_window=8, query_pre_attn_scalar=24),
+    "gemma3-softcap": dict(model_type="gemma3_text", sliding_window=5, attn_logit_softcapping=20.0,
+                           final_logit_softcapping=15.0, rope_parameters=dict(
+                               full_attention=dict(rope_type="linear", factor=4.0, rope_theta=1e6),
+                               sliding_attention=dict(rope_type="default", rope_theta=1e4))),
+    "gemma4": dict(model_type="gemma4_text", sliding_window=8, global_head_dim=32, num_global_key_value_heads=1,
+                   attention_k_eq_v=True, final_logit_softcapping=30.0, hidden_size_per_layer_input=0),
+    "gemma4-separate-v": dict(model_type="gemma4_text", sliding_window=6, global_head_dim=32,
+                              attention_k_eq_v=False, hidden_size_per_layer_input=0,
+                              layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                           "sliding_attention", "sliding_attention", "full_attention"]),
+}
+
+
+def hf_model(name: str, std: float = 0.3):
+    hf_cfg = transformers.AutoConfig.for_model(**BASE, **CONFIGS[name])
+    hf_cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(hf_cfg).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, std)
+    return model, hf_cfg.to_dict()
+
+
+def ours_from(hf, cfg: dict, max_len: int = 512) -> Gemma:
+    model = Gemma(GemmaConfig.from_hf(cfg)).float()
+    missing, unexpected = model.load_state_dict(hf.state_dict(), strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    model.state = model.new_state(1, max_len)
+    return model.eval()
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_logits_match_transformers_whole_and_through_the_cache(name):
+    hf, cfg = hf_model(name)
+    ours = ours_from(hf, cfg)
+    n = 160
+    ids = torch.randint(0, BASE["vocab_size"], (n,))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+        whole, _ = forward1(ours, ours.state, ids, torch.arange(n), fresh=True)
+        pieces = [forward1(ours, ours.state, ids[:30], torch.arange(30), fresh=True)[0],
+                  forward1(ours, ours.state, ids[30:110], torch.arange(30, 110))[0]]  # longer than a ring step
+        # a verify block whose last 5 rows are rejected: its K/V stay in the rings, then decoding goes on
+        forward1(ours, ours.state, torch.randint(0, 300, (8,)), torch.arange(113, 121))
+        pieces.append(forward1(ours, ours.state, ids[110:113], torch.arange(110, 113))[0])
+        pieces += [forward1(ours, ours.state, ids[p:p + 1], torch.tensor([p]))[0] for p in range(113, 130)]
+        pieces.append(forward1(ours, ours.state, ids[130:], torch.arange(130, n))[0])
+    scale = ref.abs().max()
+    assert (whole - ref).abs().max() / scale < 1e-4
+    assert (torch.cat(pieces) - ref).abs().max() / scale < 1e-4
+    assert all(c.rows == cfg["sliding_window"] + Gemma.WINDOW_STEP for c, t in
+               zip(ours.state.layers, ours.cfg.layer_types) if t == "sliding_attention")  # windows, not the context
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gemma4"])
+def test_greedy_continuation_matches_transformers(name):
+    hf, cfg = hf_model(name, std=0.2)
+    ours = ours_from(hf, cfg)
+    prompt = torch.randint(0, BASE["vocab_size"], (12,))
+    with torch.no_grad():
+        ref = hf.generate(prompt[None], max_new_tokens=64, do_sample=False, min_new_tokens=64)[0, 12:]
+        logits, _ = forward1(ours, ours.state, prompt, torch.arange(12), fresh=True)
+        out = [int(logits[-1].argmax())]
+        for pos in range(12, 12 + 63):
+            logits, _ = forward1(ours, ours.state, torch.tensor([out[-1]]), torch.tensor([pos]))
+            out.append(int(logits[-1].argmax()))
+    assert out == ref.tolist()
+
+
+def test_captured_features_are_after_the_layer_scalar():
+    hf, cfg = hf_model("gemma4")
+    ours = ours_from(hf, cfg)
+    ids = torch.randint(0, BASE["vocab_size"], (10,))
+    with torch.no_grad():
+        hidden = hf(ids[None], output_hidden_states=True).hidden_states
+        _, feats = forward1(ours, ours.state, ids, torch.arange(10), capture=[1, 3], fresh=True)
+    assert torch.allclose(feats, torch.cat([hidden[2][0], hidden[4][0]], dim=-1), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_speculative_equals_plain_on_gemma4(monkeypatch, block_size):
+    hf, cfg = hf_model("gemma4", std=0.2)
+    target = ours_from(hf, cfg)
+    prompt = torch.randint(0, BASE["vocab_size"], (20,))
+    params = SamplingParams(max_tokens=60)
+    plain = decode_tokens(target, target.state, prompt, params)
+    draft = random_draft(target, block_size=block_size)
+    draft.setup_cache(target.state.max_len)
+    oracle_proposals(monkeypatch, draft, plain, len(prompt), 3)
+    stats = SpecStats()
+    assert decode_tokens(target, target.state, prompt, params, draft=draft, stats=stats) == plain
+    assert max(stats.acceptance_lengths) > 2
+
+
+@pytest.mark.parametrize("key,value,words", [("hidden_size_per_layer_input", 16, "per-layer embeddings"),
+                                             ("enable_moe_block", True, "mixture of experts"),
+                                             ("num_kv_shared_layers", 2, "shared KV layers")])
+def test_gemma4_features_not_supported_yet_are_named(key, value, words):
+    cfg = transformers.AutoConfig.for_model(**BASE, **CONFIGS["gemma4"]).to_dict()
+    with pytest.raises(ValueError, match=words):
+        GemmaConfig.from_hf({**cfg, key: value})
