@@ -74,6 +74,26 @@ def load_draft_folder(
     # BeeLlama's converter strips a `model.` prefix when present; accept checkpoints that have one.
     tensors = {name.removeprefix("model."): t
                for name, t in dequantize_int8(dict(iter_tensors(folder, None, device))).items()}
+    return build_draft(cfg, tensors, folder, device, dtype)
+
+
+def load_draft_gguf(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+                    vocab_size: int | None = None, num_target_layers: int | None = None) -> DFlashDraft:
+    """Load a draft GGUF (BeeLlama's dflash-draft or llama.cpp's dflash; formats/gguf_draft.py); block types are
+    dequantized. `vocab_size`, `num_target_layers`: the target's, which the files do not always say."""
+    from flashdraft.formats.gguf import read_gguf
+    from flashdraft.formats.gguf_draft import draft_hf_config, iter_draft_tensors
+    g = read_gguf(path)
+    config = draft_hf_config(g)
+    config["vocab_size"] = config["vocab_size"] or vocab_size
+    config["num_target_layers"] = num_target_layers or config["num_target_layers"]
+    return build_draft(DraftConfig.from_hf(config), dict(iter_draft_tensors(g, dtype, device)), Path(path), device,
+                       dtype)
+
+
+def build_draft(cfg: DraftConfig, tensors: dict[str, torch.Tensor], source: Path, device: torch.device | str,
+                dtype: torch.dtype | None) -> DFlashDraft:
+    """The draft of `cfg` holding `tensors` (z-lab names), after checking they are exactly its tensors."""
     with torch.device("meta"):
         model = DFlashDraft(cfg)
     expected = model.state_dict()
@@ -85,14 +105,14 @@ def load_draft_folder(
             problems.append(f"missing tensors: {_name_list(missing)}")
         if unexpected:
             problems.append(f"unexpected tensors: {_name_list(unexpected)}")
-        raise ValueError(f"{folder}: checkpoint does not match its config; " + "; ".join(problems))
+        raise ValueError(f"{source}: checkpoint does not match its config; " + "; ".join(problems))
     wrong_shapes = [
         f"{name} {tuple(tensors[name].shape)} (expected {tuple(t.shape)})"
         for name, t in expected.items()
         if tensors[name].shape != t.shape
     ]
     if wrong_shapes:
-        raise ValueError(f"{folder}: tensors with wrong shapes: {_name_list(wrong_shapes)}")
+        raise ValueError(f"{source}: tensors with wrong shapes: {_name_list(wrong_shapes)}")
     if dtype is not None:
         tensors = {name: t.to(dtype) for name, t in tensors.items()}
     model.load_state_dict(tensors, assign=True)

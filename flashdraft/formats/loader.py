@@ -84,13 +84,17 @@ def load_target(model: str, device: str = "cpu", dtype: torch.dtype = torch.floa
 
 
 def load_draft(path: str, target, device: str = "cpu", dtype: torch.dtype = torch.float32):
-    from flashdraft.draft.load import check_compatible, load_draft_folder
+    from flashdraft.draft.load import check_compatible, load_draft_folder, load_draft_gguf
     from flashdraft.formats.named import resolve_model
 
-    folder = Path(resolve_model(path))
-    if not folder.is_dir():
-        raise ValueError(f"{path}: a DFlash draft must be a z-lab HF folder (config.json + safetensors)")
-    draft = load_draft_folder(folder, device=device, dtype=dtype)
+    source = Path(resolve_model(path))
     cfg = target.cfg
+    if source.is_dir():
+        draft = load_draft_folder(source, device=device, dtype=dtype)
+    elif source.is_file():
+        draft = load_draft_gguf(source, device=device, dtype=dtype, vocab_size=cfg.vocab_size,
+                                num_target_layers=cfg.num_layers)
+    else:
+        raise FileNotFoundError(f"draft not found: {path} (a z-lab HF folder or a DFlash draft GGUF)")
     check_compatible(draft.cfg, cfg.hidden_size, cfg.vocab_size, cfg.num_layers)
     return draft.requires_grad_(False)  # for inference, as the target (training loads the folder itself)
