@@ -24,6 +24,39 @@ def write_tokenizer(folder: Path, vocab_size: int) -> None:
         bos_token=None, eos_token="<|im_end|>", chat_template=CHATML, add_bos_token=False)))
 
 
+GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>", "<|channel>", "<channel|>",
+                  "<|tool_call>", "<tool_call|>", "<|think|>"]
+GEMMA_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}"
+                  "\n{{ m['content'] }}<turn|>\n{% endfor %}{% if add_generation_prompt %}<|turn>model\n"
+                  "{% if not enable_thinking | default(false) %}<|channel>thought\n<channel|>{% endif %}{% endif %}")
+
+
+def write_gemma_tokenizer(folder: Path, merges: int = 80) -> int:
+    """A Gemma-4-style tokenizer (transformers' GemmaTokenizer: BPE with byte fallback, spaces as "▁") with
+    Gemma's special tokens first, the 256 byte tokens, then `merges` learned merges; returns its size."""
+    import transformers
+    from tokenizers import Tokenizer, models, normalizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    trainer = trainers.BpeTrainer(vocab_size=1000, show_progress=False)
+    tok.train_from_iterator([TEXT], trainer)
+    learned = json.loads(tok.to_str())["model"]
+    vocab = {t: i for i, t in enumerate(GEMMA_SPECIALS + [f"<0x{b:02X}>" for b in range(256)])}
+    for t in sorted(learned["vocab"], key=learned["vocab"].get):
+        if len(t) == 1:
+            vocab.setdefault(t, len(vocab))
+    merge_list = []
+    for m in learned["merges"][:merges]:
+        a, b = m if isinstance(m, list) else m.split(" ")
+        if a + b not in vocab:
+            vocab[a + b] = len(vocab)
+            merge_list.append((a, b))
+    hf = transformers.GemmaTokenizer(vocab=vocab, merges=merge_list, additional_special_tokens=GEMMA_SPECIALS[5:])
+    hf.chat_template = GEMMA_TEMPLATE
+    hf.save_pretrained(folder)
+    return len(vocab)
+
+
 def make_target(folder: Path, arch: str = "llama", vocab_size: int = 320, layers: int = 4, seed: int = 0,
                 std: float = 0.15) -> Path:
     import transformers

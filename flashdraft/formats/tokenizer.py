@@ -13,14 +13,14 @@ import jinja2
 import jinja2.ext
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 # GGUF token types (llama.cpp's llama_token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 # Control tokens that end a turn even when the file names another eos (llama.cpp treats them the same way).
-END_OF_GENERATION = {"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",
+END_OF_GENERATION = {"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<turn|>",
                      "<|end_of_text|>", "<|return|>", "<|call|>", "<EOT>", "<|END_OF_TURN_TOKEN|>"}
 
 
@@ -129,8 +129,10 @@ class Tokenizer:
             backend = _byte_level_bpe(md, tokens, types)
         elif kind == "llama":
             backend = _sentencepiece_bpe(md, tokens, types)
+        elif kind == "gemma4":
+            backend = _gemma4_bpe(md, tokens, types)
         else:
-            raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2, llama)")
+            raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2, llama, gemma4)")
         ids = {name: md.get(f"tokenizer.ggml.{key}_token_id") for name, key in
                (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding"))}
         specials = {name: tokens[i] for name, i in ids.items() if i is not None and 0 <= i < len(tokens)}
@@ -325,6 +327,20 @@ def _sentencepiece_bpe(md: Mapping[str, Any], tokens: list[str], types: list[int
                                                      split=False)
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if space_prefix else []))
+    _add_special_tokens(backend, tokens, types, lambda t: True)
+    return backend
+
+
+def _gemma4_bpe(md: Mapping[str, Any], tokens: list[str], types: list[int]) -> Backend:
+    """Gemma 4's vocabulary: BPE with byte fallback over the whole text with spaces spelled "▁" (transformers'
+    GemmaTokenizer; llama.cpp's `gemma4` tokenizer model)."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = [tuple(m.split(" ", 1)) for m in md.get("tokenizer.ggml.merges") or []]
+    unk = md.get("tokenizer.ggml.unknown_token_id")
+    backend = Backend(models.BPE(vocab, merges, fuse_unk=True, byte_fallback=True,
+                                 unk_token=tokens[unk] if unk is not None else None))
+    backend.normalizer = normalizers.Replace(" ", "▁")
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
     _add_special_tokens(backend, tokens, types, lambda t: True)
     return backend
 
