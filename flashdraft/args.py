@@ -12,7 +12,8 @@ def add_engine_args(ap: argparse.ArgumentParser, model: bool = True, context: bo
     --spec-dflash-cross-ctx the window)."""
     if model:
         ap.add_argument("-m", "--model", required=True, help="target: GGUF file, HF folder, or a named model")
-        ap.add_argument("-md", "--draft", help="DFlash draft (z-lab HF folder); a named model brings its own")
+        ap.add_argument("-md", "--draft", help="DFlash draft (z-lab HF folder or draft GGUF); a named model brings "
+                                               "its own")
     if context:
         ap.add_argument("--ctx-size", type=int, default=4096)
         ap.add_argument("--block-size", type=int, default=None, help="verify block (at most the draft's)")
@@ -26,6 +27,10 @@ def add_engine_args(ap: argparse.ArgumentParser, model: bool = True, context: bo
                     help="keep a GGUF file's matrices in their block format on the GPU even where expanded ones fit")
     ap.add_argument("--compile", action="store_true",
                     help="fuse each layer's small ops with torch.compile for decode/verify steps (slower start)")
+    ap.add_argument("--spec-draft-embed-scale", dest="draft_embed_scale", type=float, default=None, metavar="X",
+                    help="scale of the draft's input token embeddings (default: the draft's input_embedding_scale, "
+                         "1.0 when its config has none; Gemma drafts trained on the target's scaled embedding "
+                         "want sqrt(hidden size))")
     ap.add_argument("--spec-dm-adaptive", dest="adaptive", action=argparse.BooleanOptionalAction, default=True,
                     help="choose each verify step's width from the draft's recent acceptance and measured step costs, "
                          "down to plain decoding when drafting does not pay (default on; off: always the full block)")
@@ -40,6 +45,6 @@ def engine_config(args: argparse.Namespace, draft: str | None, device: str, **ov
     """The EngineConfig of parsed engine flags (the draft is resolved by the caller: named models bring one)."""
     fields = dict(model=args.model, draft=draft, device=device, dtype=args.dtype, ctx_size=args.ctx_size,
                   draft_window=args.draft_window, block_size=args.block_size, compile=args.compile,
-                  adaptive=args.adaptive,
+                  adaptive=args.adaptive, draft_embed_scale=args.draft_embed_scale,
                   weights="dequantized" if args.dequantize else "quantized" if args.quantized else "auto")
     return EngineConfig(**(fields | overrides))

@@ -118,3 +118,21 @@ def test_gemma4_features_not_supported_yet_are_named(key, value, words):
     cfg = transformers.AutoConfig.for_model(**BASE, **CONFIGS["gemma4"]).to_dict()
     with pytest.raises(ValueError, match=words):
         GemmaConfig.from_hf({**cfg, key: value})
+
+
+@pytest.mark.parametrize("scale", [1.0, 64 ** 0.5])
+def test_draft_input_is_the_stored_embedding_times_its_scale(scale):
+    """z-lab's reference feeds the draft F.embedding(ids, target embedding weight) * input_embedding_scale: the
+    raw rows, not Gemma's scaled input (the scale is the draft's, e.g. --spec-draft-embed-scale)."""
+    from flashdraft.engine.steps import speculative_step
+    hf, cfg = hf_model("gemma4", std=0.2)
+    target = ours_from(hf, cfg)
+    draft = random_draft(target, block_size=4, input_embedding_scale=scale)
+    draft.setup_cache(target.state.max_len)
+    seen = []
+    forward = draft.forward
+    draft.forward = lambda noise, *a, **k: seen.append(noise) or forward(noise, *a, **k)
+    block = torch.tensor([5, 3, 3, 3])
+    speculative_step(target, target.state, draft, block, torch.arange(10, 14), 0, 14)
+    assert torch.equal(seen[0], hf.model.embed_tokens.weight[block] * scale)
+    assert not torch.allclose(target.embed(block), target.token_embedding(block))  # Gemma scales its own input

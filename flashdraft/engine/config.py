@@ -20,3 +20,6 @@ class EngineConfig:
     # to `dtype` (--dequantize); "auto": on CUDA, quantized only where the expanded weights would not fit the
     # free GPU memory (the kernels still decode slower than bf16 weights: docs/PERF.md), elsewhere dequantized
     weights: str = "auto"
+    # the draft's input embedding: token rows times this (None: the draft config's input_embedding_scale, 1.0
+    # when absent, as z-lab's reference and BeeLlama; vLLM applies a Gemma target's sqrt(hidden) instead)
+    draft_embed_scale: float | None = None

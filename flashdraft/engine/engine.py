@@ -180,6 +180,8 @@ class Engine:
         target, tokenizer, model_path = load_target(config.model, config.device, torch_dtype, progress=config.progress,
                                                     quantized=keep_quantized(config, torch_dtype))
         draft_model = load_draft(config.draft, target, config.device, torch_dtype) if config.draft else None
+        if draft_model is not None and config.draft_embed_scale is not None:
+            draft_model.cfg.input_embedding_scale = config.draft_embed_scale
         engine = Engine(target, tokenizer, draft_model, dataclasses.replace(config, model=str(model_path)))
         if config.compile and config.device.startswith("cuda"):  # shapes are static only where graphs bucket them
             widths = {1} | ({engine.draft_block} if draft_model is not None else set())

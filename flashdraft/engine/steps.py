@@ -59,7 +59,7 @@ def speculative_step(target, state, draft, block: Tensor, positions: Tensor, slo
     The draft always sees the whole block (its first `live` rows, see DFlashDraft.forward), so a narrower verify
     checks the same proposals. Returns (drafted [verify - 1], logits [verify, V], features [verify, L*H])."""
     verify = verify or len(block)
-    noise = target.embed(block) * draft.cfg.input_embedding_scale
+    noise = target.token_embedding(block) * draft.cfg.input_embedding_scale
     hidden = draft(noise, positions, slot, live, attn_len)  # the ring rows past the bucket hold no context yet
     drafted = argmax_rows(draft.compute_logits(hidden[1:verify], target.logits))
     checked = torch.cat([block[:1], drafted])

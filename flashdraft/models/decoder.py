@@ -53,6 +53,11 @@ class DecoderLM(nn.Module):
         self.compiled_widths = set(widths)
 
     def embed(self, ids: Tensor) -> Tensor:
+        """The first layer's input (a family may scale the rows)."""
+        return self.model.embed_tokens(ids)
+
+    def token_embedding(self, ids: Tensor) -> Tensor:
+        """The embedding's rows as stored (what a DFlash draft's input starts from)."""
         return self.model.embed_tokens(ids)
 
     def logits(self, hidden: Tensor) -> Tensor:

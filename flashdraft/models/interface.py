@@ -49,7 +49,13 @@ class CausalLM(Protocol):
         `last_layer`: stop after that layer (features only; no logits)."""
         ...
 
-    def embed(self, ids: Tensor) -> Tensor: ...
+    def embed(self, ids: Tensor) -> Tensor:
+        """The first decoder layer's input for ids (a family may scale the rows, as Gemma)."""
+        ...
+
+    def token_embedding(self, ids: Tensor) -> Tensor:
+        """The embedding's rows as stored: the DFlash draft's input, times its input_embedding_scale."""
+        ...
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Final-normed hidden states -> full-vocabulary logits (gathered over tensor-parallel ranks)."""

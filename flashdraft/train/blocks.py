@@ -222,7 +222,7 @@ def blocks_step(draft: DFlashDraft, target, batch: Batch, features: Tensor, bloc
     b = cfg.block_size
     inputs = block_inputs(batch, blocks, b, cfg.mask_token_id, gamma)
     n, a, _ = inputs.block_ids.shape
-    noise = target.embed(inputs.block_ids.view(n, a * b)) * cfg.input_embedding_scale
+    noise = target.token_embedding(inputs.block_ids.view(n, a * b)) * cfg.input_embedding_scale
     positions = inputs.positions.view(n, a * b)
     masks = layer_masks(draft, blocks, positions, batch.input_ids.shape[1])
     hidden = draft_blocks_forward(draft, features, noise, positions, masks)
