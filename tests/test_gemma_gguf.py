@@ -166,3 +166,67 @@ def test_gemma3_270m_real_file_matches_transformers():
             logits, _ = target(torch.tensor([[out[-1]]]), torch.tensor([[pos]]), state, 0)
             out.append(int(logits[0, -1].argmax()))
     assert out == expected
+
+
+GUIDE_TARGET, GUIDE_DRAFT = "gemma-4-31B-it-Q4_K_S.gguf", "gemma4-31b-it-dflash-Q5_K_M.gguf"
+
+
+@pytest.fixture(scope="module")
+def guide_files(converter, tmp_path_factory) -> tuple[Path, Path]:
+    """Random-weight Gemma 4 files of small shapes, named as the guide names them: the target converted by
+    llama.cpp (Q8_0), the draft in BeeLlama's dflash-draft layout (z-lab's Gemma draft shape: sliding layers
+    then a full one, mask token <mask>, softcapped head)."""
+    from tiny import write_beellama_draft_gguf
+
+    from flashdraft.draft import DFlashDraft, DraftConfig
+    root = tmp_path_factory.mktemp("guide")
+    folder = root / "gemma4-hf"
+    vocab = write_gemma_tokenizer(folder)
+    random_model(folder, vocab, **GEMMA4)
+    target = convert(converter, folder)
+    target = target.rename(root / GUIDE_TARGET)
+    cfg = DraftConfig.from_hf(dict(architectures=["DFlashDraftModel"], hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   vocab_size=vocab, num_target_layers=6, block_size=8, sliding_window=16,
+                                   use_sliding_window=True, final_logit_softcapping=30.0,
+                                   layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                   dflash_config=dict(mask_token_id=4, target_layer_ids=[1, 3, 4])))
+    torch.manual_seed(3)
+    draft = DFlashDraft(cfg)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else torch.randn_like(p) * 0.2)
+    return target, write_beellama_draft_gguf(root / GUIDE_DRAFT, draft)
+
+
+def test_guide_command_lines_with_gemma4_files(guide_files):
+    """The guide's two llama-server lines with flashdraft serve: the first stops at its quantized KV cache types
+    (one line), the second serves the guide's request shape with DFlash on."""
+    from test_server import LINE_1, LINE_2, REPO, free_port
+    from tiny import interrupt, wait_healthy
+    target, draft = guide_files
+    line = LINE_1.format(target=target, draft=draft, port=free_port())
+    out = subprocess.run([sys.executable, "-m", "flashdraft.cli", "serve", *line.split()], capture_output=True,
+                         text=True, cwd=REPO, timeout=120)
+    assert out.returncode != 0 and "--cache-type-k q5_0" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    port = free_port()
+    cmd = [sys.executable, "-m", "flashdraft.cli", "serve",
+           *LINE_2.format(target=target, draft=draft, port=port).split(), "--device", "cpu"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url)
+        import httpx
+        props = httpx.get(url + "/props").json()
+        assert props["speculative"]["type"] == "dflash" and props["speculative"]["block_size"] == 8
+        prompt = httpx.post(url + "/apply-template", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+        assert prompt["prompt"].endswith("<|turn>model\n<|channel>thought\n<channel|>")  # --reasoning off
+        body = {"model": "gemma", "messages": [{"role": "user", "content": "Write a quicksort in Python."}],
+                "max_tokens": 40, "stream": False, "ignore_eos": True}
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120).json()
+        assert r["usage"]["completion_tokens"] == 40 and r["timings"]["predicted_per_second"] > 0
+        assert r["timings"]["draft_n"] > 0 and r["speculative"]["block_size"] == 8
+    finally:
+        log = interrupt(proc, 30)
+    assert "Traceback" not in log, log[-3000:]

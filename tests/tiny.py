@@ -143,3 +143,49 @@ def decode_tokens(target, state, prompt, params, draft=None, static: bool = Fals
     steps = Steps(target, state, draft, "cpu")
     steps.static = static
     return list(itertools.chain.from_iterable(decode(steps, prompt, params, speculative=draft is not None, **kw)))
+
+
+def write_beellama_draft_gguf(path: Path, draft, qtype: str = "Q8_0") -> Path:
+    """A DFlash draft as BeeLlama's `dflash-draft` GGUF (the keys and names its converter writes, as in the shared
+    fixtures), matrices in `qtype`, norms F32."""
+    import gguf
+    cfg, arch = draft.cfg, "dflash-draft"
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in (("block_count", cfg.num_hidden_layers), ("context_length", cfg.max_position_embeddings),
+                       ("embedding_length", cfg.hidden_size), ("feed_forward_length", cfg.intermediate_size),
+                       ("attention.head_count", cfg.num_attention_heads),
+                       ("attention.head_count_kv", cfg.num_key_value_heads), ("attention.key_length", cfg.head_dim),
+                       ("attention.value_length", cfg.head_dim), ("rope.dimension_count", cfg.head_dim),
+                       ("dflash.block_size", cfg.block_size), ("dflash.mask_token_id", cfg.mask_token_id),
+                       ("dflash.n_target_features", cfg.context_width)):
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_float32(f"{arch}.rope.freq_base", cfg.rope_theta)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    w.add_bool(f"{arch}.attention.causal", False)
+    w.add_array(f"{arch}.dflash.target_layer_ids", list(cfg.target_layer_ids))
+    if cfg.sliding_window:
+        w.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
+        w.add_array(f"{arch}.attention.sliding_window_pattern", [t == "sliding_attention" for t in cfg.layer_types])
+    names = {"fc": "dflash_fc", "hidden_norm": "dflash_hidden_norm", "norm": "output_norm"}
+    parts = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+             "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "post_attention_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for name, t in draft.state_dict().items():
+        base = name.removesuffix(".weight")
+        if base.startswith("layers."):
+            _, i, part = base.split(".", 2)
+            gname = f"blk.{i}.{parts[part]}.weight"
+        else:
+            gname = f"{names[base]}.weight"
+        data = t.float().numpy()
+        if data.ndim == 2:
+            kind = getattr(gguf.GGMLQuantizationType, qtype)
+            w.add_tensor(gname, gguf.quants.quantize(data, kind), raw_dtype=kind)
+        else:
+            w.add_tensor(gname, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
