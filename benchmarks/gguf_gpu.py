@@ -1,6 +1,7 @@
 """Quantized GGUF weights on the GPU against llama.cpp on the same files. Prints tables; writes JSON with --out.
 
   python benchmarks/gguf_gpu.py make --shape llama-3.1-8b --out-dir DIR       random BF16 GGUF of that shape
+  python benchmarks/gguf_gpu.py make --shape gemma-4-31b --out-dir DIR        random blocks in Q4_K_S's layout
   python benchmarks/gguf_gpu.py measure --files A.gguf,B.gguf [--compile]      flashdraft's steps on each file
 
 `make` writes the BF16 file with the `gguf` package (random weights, std 0.02); llama.cpp's own `llama-quantize`
@@ -45,8 +46,109 @@ def more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
+# Gemma 4 31B (google/gemma-4-31B-it's text config) and a tiny stand-in for smoke tests
+GEMMA4 = {"gemma-4-31b": dict(vocab=262144, hidden=5376, ffn=21504, layers=60, heads=32, kv=16, kv_full=4, hd=256,
+                              hd_full=512, window=1024),
+          "tiny": dict(vocab=512, hidden=256, ffn=512, layers=6, heads=4, kv=2, kv_full=1, hd=64, hd_full=128,
+                       window=8)}  # K-quant rows: multiples of 256
+
+
+def random_quantized(w, name: str, qtype: str, rows: int, cols: int) -> None:
+    """Random blocks of `qtype` (sane fp16 scales): a file both engines read, no quantizer needed."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+    from test_gguf_kernels import random_blocks
+    raw = random_blocks(qtype, rows, cols, seed=len(w.tensors[0]))
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+    w.add_tensor(name, raw.reshape(rows, -1), raw_shape=(rows, cols // block * size),
+                 raw_dtype=GGMLQuantizationType[qtype])
+
+
+def make_gemma4(args) -> int:
+    """A Gemma 4 31B-shaped GGUF with random blocks in Q4_K_S's layout as llama-quantize lays it out: Q4_K, the
+    first four attn_v and the first eighth of ffn_down Q5_K, the tied embedding Q6_K (full layers have no attn_v:
+    K = V); gemma4 keys as llama.cpp's converter writes them."""
+    from gguf import GGUFWriter
+    c = GEMMA4["tiny" if args.tiny else "gemma-4-31b"]
+    out = Path(args.out_dir) / ("gemma-4-tiny-Q4_K_S.gguf" if args.tiny else "gemma-4-31B-it-Q4_K_S.gguf")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    n, a = c["layers"], "gemma4"
+    sliding = [(i + 1) % 6 != 0 for i in range(n)]
+    w = GGUFWriter(str(out), a)
+    w.add_string("general.name", "random gemma-4-31B-it shape")
+    for key, value in (("block_count", n), ("context_length", 262144), ("embedding_length", c["hidden"]),
+                       ("feed_forward_length", c["ffn"]), ("attention.head_count", c["heads"]),
+                       ("attention.key_length", c["hd_full"]), ("attention.value_length", c["hd_full"]),
+                       ("attention.key_length_swa", c["hd"]), ("attention.value_length_swa", c["hd"]),
+                       ("rope.dimension_count", c["hd_full"]), ("rope.dimension_count_swa", c["hd"]),
+                       ("attention.sliding_window", c["window"]), ("attention.shared_kv_layers", 0),
+                       ("embedding_length_per_layer_input", 0)):
+        w.add_uint32(f"{a}.{key}", value)
+    w.add_array(f"{a}.attention.head_count_kv", [c["kv"] if s else c["kv_full"] for s in sliding])
+    w.add_array(f"{a}.attention.sliding_window_pattern", sliding)
+    w.add_float32(f"{a}.rope.freq_base", 1e6)
+    w.add_float32(f"{a}.rope.freq_base_swa", 1e4)
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)
+    w.add_float32(f"{a}.final_logit_softcapping", 30.0)
+    w.add_uint32("general.file_type", 14)  # MOSTLY_Q4_K_S
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_string("tokenizer.ggml.pre", "default")
+    w.add_array("tokenizer.ggml.tokens", byte_level_tokens(c["vocab"]))
+    w.add_array("tokenizer.ggml.token_type", [1] * c["vocab"])
+    w.add_array("tokenizer.ggml.merges", ["Ġ t"])
+    w.add_uint32("tokenizer.ggml.bos_token_id", 257)
+    w.add_uint32("tokenizer.ggml.eos_token_id", 258)
+    H = c["hidden"]
+    random_quantized(w, "token_embd.weight", "Q6_K", c["vocab"], H)
+    w.add_tensor("output_norm.weight", np.ones(H, dtype=np.float32))
+    rotated = c["hd_full"] // 8  # proportional RoPE: a quarter of the pairs rotate, the rest get factor 1e30
+    w.add_tensor("rope_freqs.weight", np.array([1.0] * rotated + [1e30] * (c["hd_full"] // 2 - rotated), np.float32))
+    v_seen = 0
+    for i in range(n):
+        p, hd, kv = f"blk.{i}.", (c["hd"] if sliding[i] else c["hd_full"]), (c["kv"] if sliding[i] else c["kv_full"])
+        for norm, size in (("attn_norm", H), ("post_attention_norm", H), ("ffn_norm", H), ("post_ffw_norm", H),
+                           ("attn_q_norm", hd), ("attn_k_norm", hd)):
+            w.add_tensor(p + norm + ".weight", np.ones(size, dtype=np.float32))
+        w.add_tensor(p + "layer_output_scale.weight", np.ones(1, dtype=np.float32))
+        random_quantized(w, p + "attn_q.weight", "Q4_K", c["heads"] * hd, H)
+        random_quantized(w, p + "attn_k.weight", "Q4_K", kv * hd, H)
+        if sliding[i]:
+            random_quantized(w, p + "attn_v.weight", "Q5_K" if v_seen < 4 else "Q4_K", kv * hd, H)
+            v_seen += 1
+        random_quantized(w, p + "attn_output.weight", "Q4_K", H, c["heads"] * hd)
+        random_quantized(w, p + "ffn_gate.weight", "Q4_K", c["ffn"], H)
+        random_quantized(w, p + "ffn_up.weight", "Q4_K", c["ffn"], H)
+        random_quantized(w, p + "ffn_down.weight", "Q5_K" if i < n // 8 else "Q4_K", H, c["ffn"])
+    t = time.perf_counter()
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    print(f"wrote {out} ({out.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - t:.1f} s")
+    return 0
+
+
+def gemma4_draft(target_cfg, device: str, dtype: torch.dtype, tiny: bool):
+    """A random draft of z-lab's gemma-4-31B-it-DFlash shape: 5 Qwen3-style layers (4 sliding, window 2048, then
+    a full one), 64 heads / 8 KV of 128, MLP 10752, block 16, six target layers, softcapped head."""
+    from flashdraft.draft import DFlashDraft, DraftConfig
+    hf = dict(architectures=["DFlashDraftModel"], hidden_size=target_cfg.hidden_size,
+              intermediate_size=128 if tiny else 10752, num_hidden_layers=5, num_attention_heads=4 if tiny else 64,
+              num_key_value_heads=2 if tiny else 8, head_dim=16 if tiny else 128, vocab_size=target_cfg.vocab_size,
+              rope_theta=1e6, num_target_layers=target_cfg.num_layers, block_size=16, rms_norm_eps=1e-6,
+              layer_types=["sliding_attention"] * 4 + ["full_attention"], use_sliding_window=True,
+              sliding_window=8 if tiny else 2048, final_logit_softcapping=30.0,
+              dflash_config=dict(mask_token_id=4, target_layer_ids=[1, 2, 3, 4] if tiny else [1, 12, 23, 35, 46, 57]))
+    torch.manual_seed(1)
+    with torch.device(device):
+        draft = DFlashDraft(DraftConfig.from_hf(hf)).to(dtype)
+    return draft.eval()
+
+
 def make(args) -> int:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+    if args.shape.startswith("gemma"):
+        return make_gemma4(args)
     cfg = (TINY if args.tiny else SHAPES)[args.shape]
     kind = args.random_quant or "BF16"
     out = Path(args.out_dir) / f"{args.shape}-{kind}.gguf"
@@ -166,7 +268,7 @@ def measure(args) -> int:
         load_s = time.perf_counter() - t0
         weights = sum({b.data_ptr(): b.numel() * b.element_size()
                        for b in [*target.parameters(), *target.buffers()]}.values())
-        draft = draft_for(target.cfg, dev, torch.bfloat16, args.tiny)
+        draft = (gemma4_draft if target.cfg.arch == "gemma4" else draft_for)(target.cfg, dev, torch.bfloat16, args.tiny)
         max_len = max(ctxs) + 256
         state = target.new_state(1, max_len)
         draft.setup_cache(max_len)
@@ -197,7 +299,7 @@ def measure(args) -> int:
 
                 def draft_step():
                     def fn(b, p):
-                        h = draft(target.embed(b), p, 0, None, bucket)
+                        h = draft(target.token_embedding(b) * draft.cfg.input_embedding_scale, p, 0, None, bucket)
                         return (argmax_rows(draft.compute_logits(h[1:], target.logits)),)
                     return graphs.run("draft", fn, [block, positions])
 
