@@ -40,14 +40,23 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--file", help="a GGUF file (matrices kept quantized) instead of a random --model")
     ap.add_argument("--out")
     args = ap.parse_args()
     dev, dtype = args.device, torch.bfloat16
-    cfg = (TINY if args.tiny else SHAPES)[args.model]
     ctx = 64 if args.tiny else args.ctx
     results = {}
     with torch.inference_mode():
-        target, draft = random_target(cfg, dev, dtype), draft_for(cfg, dev, dtype, args.tiny)
+        if args.file:
+            from flashdraft.formats.loader import load_target
+            from gguf_gpu import gemma4_draft
+            target = load_target(args.file, dev, dtype, quantized=True)[0]
+            cfg = target.cfg
+            draft = (gemma4_draft if cfg.arch == "gemma4" else draft_for)(cfg, dev, dtype, args.tiny)
+            args.model = args.file.rsplit("/", 1)[-1]
+        else:
+            cfg = (TINY if args.tiny else SHAPES)[args.model]
+            target, draft = random_target(cfg, dev, dtype), draft_for(cfg, dev, dtype, args.tiny)
         max_len = ctx + 256
         state = target.new_state(1, max_len)
         draft.setup_cache(min(ctx, 1024))
@@ -64,7 +73,7 @@ def main() -> int:
         steps = {
             "decode": lambda: target(tok[None], pos[None], state, attn_len=bucket),
             "verify16": lambda: target(block[None], positions[None], state, capture=ids, attn_len=bucket),
-            "draft": lambda: argmax_rows(draft.compute_logits(draft(target.embed(block), positions, 0, None, bucket)[1:], target.logits)),
+            "draft": lambda: argmax_rows(draft.compute_logits(draft(target.token_embedding(block), positions, 0, None, bucket)[1:], target.logits)),
         }
         n = 5
         for name, fn in steps.items():

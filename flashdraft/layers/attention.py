@@ -11,6 +11,9 @@ from torch import Tensor
 from torch.nn import functional as F
 
 SMALL_QUERY = 64  # up to this many query tokens a step takes the few-query path instead of SDPA
+# Gemma's 256- and 512-wide heads overflow the split kernel's shared memory (K and V tiles of 64 keys, pipelined)
+# and take the batched matrix products until the kernel tiles the head dimension.
+MAX_SPLIT_HEAD = 128
 KERNEL = os.environ.get("FLASHDRAFT_ATTENTION", "split")  # "split" or "matmul"; benchmarks switch it
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter runs the kernel on CPU tensors (tests)
 
@@ -107,7 +110,7 @@ def uses_split_kernel(q: Tensor) -> bool:
     """q: [T, H, D]."""
     D = q.shape[-1]
     return (SPLIT_KERNEL_LOADED and KERNEL == "split" and (q.is_cuda or INTERPRETED) and q.shape[0] <= SMALL_QUERY
-            and D >= 16 and D & (D - 1) == 0)
+            and 16 <= D <= MAX_SPLIT_HEAD and D & (D - 1) == 0)
 
 
 def few_query_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float,
