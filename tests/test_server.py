@@ -21,7 +21,7 @@ from flashdraft.engine.engine import EngineConfig, Completion, Engine
 from flashdraft.engine.engine import Request as EngineRequest
 from flashdraft.engine.sampling import SamplingParams
 from flashdraft.server.app import create_app
-from flashdraft.server.reasoning import ThinkSplitter, split_reasoning
+from flashdraft.server.reasoning import ThinkSplitter, prompt_opens_thinking, split_reasoning
 from flashdraft.server.scheduler import Scheduler, TurnLock
 from flashdraft.server.settings import Settings
 from tiny import CHATML, interrupt, make_draft, make_target, wait_healthy
@@ -363,8 +363,9 @@ def test_reasoning_flag_reaches_the_template(models):
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 3, 7, 100])
-def test_think_splitter(chunk):
-    text = "<think>\nLet me see: 2 + 2.</think>\n\nIt is 4."
+@pytest.mark.parametrize("opening,closing", [("<think>", "</think>"), ("<|channel>thought", "<channel|>")])
+def test_think_splitter(chunk, opening, closing):
+    text = f"{opening}\nLet me see: 2 + 2.{closing}\n\nIt is 4."  # <think>, or Gemma 4's thought channel
     splitter, reasoning, content = ThinkSplitter(), "", ""
     for i in range(0, len(text), chunk):
         r, c = splitter.push(text[i:i + chunk])
@@ -374,6 +375,10 @@ def test_think_splitter(chunk):
     assert split_reasoning("No <think> here</think>") == ("", "No <think> here</think>")
     assert split_reasoning("<thi") == ("", "<thi")
     assert split_reasoning("still thinking", thinking_open=True) == ("still thinking", "")
+    assert split_reasoning("<|chan") == ("", "<|chan")
+    assert split_reasoning("more<channel|>answer", prompt_opens_thinking("<|turn>model\n<|channel>thought\n")) == \
+        ("more", "answer")
+    assert prompt_opens_thinking("<|turn>model\n<|channel>thought\n<channel|>") is None  # --reasoning off
 
 
 def test_reasoning_content_and_timings_per_token(models):
