@@ -1,7 +1,7 @@
 """The engine's command-line flags, declared once for generate, serve and bench, and the EngineConfig they give."""
 import argparse
 
-from flashdraft.engine.config import EngineConfig
+from flashdraft.engine.config import KV_CACHE_TYPES, EngineConfig
 
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
 
@@ -27,6 +27,11 @@ def add_engine_args(ap: argparse.ArgumentParser, model: bool = True, context: bo
                     help="keep a GGUF file's matrices in their block format on the GPU even where expanded ones fit")
     ap.add_argument("--compile", action="store_true",
                     help="fuse each layer's small ops with torch.compile for decode/verify steps (slower start)")
+    ap.add_argument("-ctk", "--cache-type-k", default="auto", choices=("auto", *KV_CACHE_TYPES),
+                    help="KV cache storage for K, as llama.cpp's (default auto: the model's dtype); q8_0, q5_0, "
+                         "q5_1, q4_0, q4_1 are 32-value blocks with fp16 scales, quantized as rows are written")
+    ap.add_argument("-ctv", "--cache-type-v", default="auto", choices=("auto", *KV_CACHE_TYPES),
+                    help="KV cache storage for V (as --cache-type-k)")
     ap.add_argument("--spec-draft-embed-scale", dest="draft_embed_scale", type=float, default=None, metavar="X",
                     help="scale of the draft's input token embeddings (default: the draft's input_embedding_scale, "
                          "1.0 when its config has none; Gemma drafts trained on the target's scaled embedding "
@@ -46,5 +51,6 @@ def engine_config(args: argparse.Namespace, draft: str | None, device: str, **ov
     fields = dict(model=args.model, draft=draft, device=device, dtype=args.dtype, ctx_size=args.ctx_size,
                   draft_window=args.draft_window, block_size=args.block_size, compile=args.compile,
                   adaptive=args.adaptive, draft_embed_scale=args.draft_embed_scale,
+                  cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
                   weights="dequantized" if args.dequantize else "quantized" if args.quantized else "auto")
     return EngineConfig(**(fields | overrides))

@@ -58,10 +58,11 @@ def convert(converter: Path, folder: Path) -> Path:
 
 
 def random_model(folder: Path, vocab_size: int, **config):
+    config = dict(dict(head_dim=16), **config)
     cfg = transformers.AutoConfig.for_model(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
                                             num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
-                                            head_dim=16, max_position_embeddings=1024, eos_token_id=1,
-                                            bos_token_id=2, pad_token_id=0, **config)
+                                            max_position_embeddings=1024, eos_token_id=1, bos_token_id=2,
+                                            pad_token_id=0, **config)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
     with torch.no_grad():
@@ -182,7 +183,7 @@ def guide_files(converter, tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("guide")
     folder = root / "gemma4-hf"
     vocab = write_gemma_tokenizer(folder)
-    random_model(folder, vocab, **GEMMA4)
+    random_model(folder, vocab, **GEMMA4 | dict(head_dim=32, global_head_dim=64))  # heads of q5_0/q4_1 blocks
     target = convert(converter, folder)
     target = target.rename(root / GUIDE_TARGET)
     cfg = DraftConfig.from_hf(dict(architectures=["DFlashDraftModel"], hidden_size=64, intermediate_size=96,
@@ -199,19 +200,18 @@ def guide_files(converter, tmp_path_factory) -> tuple[Path, Path]:
     return target, write_beellama_draft_gguf(root / GUIDE_DRAFT, draft)
 
 
-def test_guide_command_lines_with_gemma4_files(guide_files):
-    """The guide's two llama-server lines with flashdraft serve: the first stops at its quantized KV cache types
-    (one line), the second serves the guide's request shape with DFlash on."""
-    from test_server import LINE_1, LINE_2, REPO, free_port
+@pytest.mark.parametrize("line", ["LINE_1", "LINE_2"])
+def test_guide_command_lines_with_gemma4_files(guide_files, line):
+    """The guide's two llama-server lines with flashdraft serve: the first (q5_0 K and q4_1 V cache, no draft)
+    and the second (DFlash) serve the guide's request shape."""
+    import test_server
+    from test_server import REPO, free_port
     from tiny import interrupt, wait_healthy
     target, draft = guide_files
-    line = LINE_1.format(target=target, draft=draft, port=free_port())
-    out = subprocess.run([sys.executable, "-m", "flashdraft.cli", "serve", *line.split()], capture_output=True,
-                         text=True, cwd=REPO, timeout=120)
-    assert out.returncode != 0 and "--cache-type-k q5_0" in out.stderr and len(out.stderr.strip().splitlines()) == 1
     port = free_port()
     cmd = [sys.executable, "-m", "flashdraft.cli", "serve",
-           *LINE_2.format(target=target, draft=draft, port=port).split(), "--device", "cpu"]
+           *getattr(test_server, line).format(target=target, draft=draft, port=port).split(), "--device", "cpu"]
+    speculative = line == "LINE_2"
     proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -219,14 +219,18 @@ def test_guide_command_lines_with_gemma4_files(guide_files):
         wait_healthy(proc, url)
         import httpx
         props = httpx.get(url + "/props").json()
-        assert props["speculative"]["type"] == "dflash" and props["speculative"]["block_size"] == 8
+        if speculative:
+            assert props["speculative"]["type"] == "dflash" and props["speculative"]["block_size"] == 8
+        else:  # 32-value blocks of K (22 bytes) and V (20 bytes) per head; sliding layers hold their window only
+            assert props["memory_bytes"]["kv_per_token"] == 2 * 5 * (1 * 22 + 1 * 20) + 1 * (2 * 22 + 2 * 20)
         prompt = httpx.post(url + "/apply-template", json={"messages": [{"role": "user", "content": "hi"}]}).json()
         assert prompt["prompt"].endswith("<|turn>model\n<|channel>thought\n<channel|>")  # --reasoning off
         body = {"model": "gemma", "messages": [{"role": "user", "content": "Write a quicksort in Python."}],
                 "max_tokens": 40, "stream": False, "ignore_eos": True}
         r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120).json()
         assert r["usage"]["completion_tokens"] == 40 and r["timings"]["predicted_per_second"] > 0
-        assert r["timings"]["draft_n"] > 0 and r["speculative"]["block_size"] == 8
+        if speculative:
+            assert r["timings"]["draft_n"] > 0 and r["speculative"]["block_size"] == 8
     finally:
         log = interrupt(proc, 30)
     assert "Traceback" not in log, log[-3000:]

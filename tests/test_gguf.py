@@ -191,8 +191,8 @@ def test_mistral_and_unknown_architectures(tmp_path):
     g.metadata["general.architecture"] = "phi3"
     with pytest.raises(ValueError, match="phi3"):
         gguf_to_hf_config(g)
-    with pytest.raises(ValueError, match="gemma3"):
-        gguf_to_hf_config({"general.architecture": "gemma3"}, {})
+    with pytest.raises(ValueError, match="falcon"):
+        gguf_to_hf_config({"general.architecture": "falcon"}, {})
 
 
 def test_llama3_rope_scaling_from_rope_freqs(tmp_path):

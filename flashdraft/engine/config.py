@@ -2,6 +2,10 @@
 from dataclasses import dataclass
 
 
+# KV cache storage types, by llama.cpp's names (layers/kv_quant.py implements them; "auto": the model's dtype)
+KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q5_0", "q5_1", "q4_0", "q4_1")
+
+
 @dataclass
 class EngineConfig:
     """How to build an engine; passed whole (the command lines fill it through flashdraft.args)."""
@@ -23,3 +27,5 @@ class EngineConfig:
     # the draft's input embedding: token rows times this (None: the draft config's input_embedding_scale, 1.0
     # when absent, as z-lab's reference and BeeLlama; vLLM applies a Gemma target's sqrt(hidden) instead)
     draft_embed_scale: float | None = None
+    cache_type_k: str = "auto"  # KV_CACHE_TYPES (--cache-type-k / -ctk)
+    cache_type_v: str = "auto"

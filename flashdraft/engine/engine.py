@@ -164,7 +164,7 @@ class Engine:
         self.width_costs: dict[int, float] | None = None
         if self.world_size > 1 and config.n_slots != 1:
             raise ValueError("tensor parallelism runs one request at a time: use one slot")
-        self.state = target.new_state(config.n_slots, config.ctx_size)
+        self.state = target.new_state(config.n_slots, config.ctx_size, (config.cache_type_k, config.cache_type_v))
         if draft is not None:
             draft.setup_cache(min(draft_window or config.ctx_size, config.ctx_size), config.n_slots)
         self.steps = Steps(target, self.state, draft, config.device)
@@ -208,7 +208,8 @@ class Engine:
         def size(module) -> int:  # parameters and quantized weight bytes, each tensor once (tied ones share)
             tensors = [*module.parameters(), *module.buffers()]
             return sum({t.data_ptr(): t.numel() * t.element_size() for t in tensors}.values())
-        out = dict(weights=size(self.target), kv_cache=self.state.bytes)
+        out = dict(weights=size(self.target), kv_cache=self.state.bytes,
+                   kv_per_token=sum(c.bytes_per_token for c in self.state.layers) // max(self.n_slots, 1))
         if self.draft is not None:
             out["draft_weights"] = size(self.draft)
             out["draft_cache"] = sum(2 * c.k.numel() * c.k.element_size() for c in self.draft.caches)

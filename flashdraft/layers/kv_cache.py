@@ -4,11 +4,14 @@ another shape, a sliding ring or a quantized store is a new kind here, not a new
 - `KVCache`: rows indexed by position (the target's layers). A forward writes the rows of its positions and
   attends to rows at positions <= its own, so rows past the committed length are stale and harmless: rolling
   back is resetting a length.
-- `WindowKVCache`: a sliding-window layer's ring of window + step rows (row p % rows).
+- `window_cache`: a sliding-window layer's ring of window + step rows (row p % rows).
+Both store K and V through codecs (f32/f16/bf16, or llama.cpp's block types: layers/kv_quant.py).
 - `RingKVCache`: a window ring (row p % window) after scratch rows that a step's own block K/V go into, with
   the position each ring row holds (the DFlash draft's context)."""
 import torch
 from torch import Tensor
+
+from flashdraft.layers.kv_quant import KVCodec, kv_codecs
 
 Slots = int | slice | Tensor  # one slot (a Python int: a fixed index for CUDA graphs), a range, or one per batch row
 
@@ -16,46 +19,57 @@ Slots = int | slice | Tensor  # one slot (a Python int: a fixed index for CUDA g
 class KVSlots:
     """One layer's cache as one forward sees it: the rows of its slots. Made outside compiled layers, so that a
     compiled layer receives the slot's own view as an input and writes it in place (indexing a slot out of the
-    whole cache inside the graph would make torch.compile copy the whole cache back after the write)."""
+    whole cache inside the graph would make torch.compile copy the whole cache back after the write). Rows are
+    stored through the cache's codecs (layers/kv_quant.py): quantized as written, expanded as read."""
 
     def __init__(self, cache: "KVCache", slots: Slots):
-        self.dtype = cache.dtype
+        self.codecs, self.window = cache.codecs, cache.window
         self.single = isinstance(slots, int)
         if self.single:
-            self.k, self.v = cache.k[slots], cache.v[slots]  # [KV, rows, D]
+            self.k, self.v = cache.k[slots], cache.v[slots]  # [KV, rows, row size]
         else:
             self.k, self.v, self.slots = cache.k, cache.v, slots
             self.index = torch.arange(cache.k.shape[0], device=cache.k.device)[slots]
 
     def write(self, positions: Tensor, k: Tensor, v: Tensor) -> None:
-        """k/v [B, T, KV, D] at positions [B, T]."""
+        """k/v [B, T, KV, D] at positions [B, T]; a window ring keeps the last of them at rows p % rows."""
+        if self.window:
+            rows = self.k.shape[-2]
+            positions, k, v = positions[:, -rows:] % rows, k[:, -rows:], v[:, -rows:]
+        k, v = self.codecs[0].encode(k), self.codecs[1].encode(v)
         if self.single:  # along the row axis of the slot's own view
-            self.k.index_copy_(1, positions[0], k[0].transpose(0, 1).to(self.dtype))
-            self.v.index_copy_(1, positions[0], v[0].transpose(0, 1).to(self.dtype))
+            self.k.index_copy_(1, positions[0], k[0].transpose(0, 1))
+            self.v.index_copy_(1, positions[0], v[0].transpose(0, 1))
             return
-        self.k[self.index[:, None], :, positions] = k.to(self.dtype)
-        self.v[self.index[:, None], :, positions] = v.to(self.dtype)
+        self.k[self.index[:, None], :, positions] = k
+        self.v[self.index[:, None], :, positions] = v
 
     def read(self, length: int, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
-        """The first `length` rows: [B, KV, length, D] (views for one slot or a range)."""
+        """The first `length` rows (a window ring: all its rows, see window_positions): [B, KV, length, D]."""
+        rows = slice(None) if self.window else slice(None, length)
         if self.single:
-            k, v = self.k[None, :, :length], self.v[None, :, :length]
+            k, v = self.k[None, :, rows], self.v[None, :, rows]
         else:
-            k, v = self.k[self.slots, :, :length], self.v[self.slots, :, :length]
-        return (k, v) if dtype is None else (k.to(dtype), v.to(dtype))
+            k, v = self.k[self.slots, :, rows], self.v[self.slots, :, rows]
+        return self.codecs[0].decode(k, dtype), self.codecs[1].decode(v, dtype)
 
 
 class KVCache:
+    """Rows by position, or (`window`) a sliding-window layer's ring of `rows` = window + step rows."""
+
     def __init__(self, n_slots: int, kv_heads: int, rows: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str):
-        shape = (n_slots, kv_heads, rows, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros_like(self.k)
-        self.rows, self.kv_heads, self.head_dim, self.dtype = rows, kv_heads, head_dim, dtype
+                 device: torch.device | str, codecs: tuple[KVCodec, KVCodec] | None = None, window: int = 0):
+        self.codecs = codecs or kv_codecs(None, dtype)
+        k, v = self.codecs
+        self.k = torch.zeros((n_slots, kv_heads, rows, k.row_size(head_dim)), device=device, dtype=k.storage_dtype)
+        self.v = torch.zeros((n_slots, kv_heads, rows, v.row_size(head_dim)), device=device, dtype=v.storage_dtype)
+        self.rows, self.kv_heads, self.head_dim, self.dtype, self.window = rows, kv_heads, head_dim, dtype, window
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.kv_heads * self.head_dim * self.k.element_size() * self.k.shape[0]
+        """Bytes of K and V one position takes in every slot (a window ring takes them for its rows only)."""
+        k, v = self.codecs
+        return self.kv_heads * (k.bytes_per_row(self.head_dim) + v.bytes_per_row(self.head_dim)) * self.k.shape[0]
 
     def view(self, slots: Slots) -> KVSlots:
         return KVSlots(self, slots)
@@ -69,58 +83,20 @@ class KVCache:
         return self.view(slots).read(length, dtype)
 
 
-def window_positions(end: Tensor, rows: int) -> Tensor:
-    """[B, rows]: the position each row of a WindowKVCache holds once positions up to `end` [B] are written (the
-    latest p <= end with p % rows == row; negative: nothing yet)."""
-    row = torch.arange(rows, device=end.device)
-    return end[:, None] - (end[:, None] - row) % rows
-
-
-class WindowSlots:
-    """A WindowKVCache as one forward sees it (see KVSlots)."""
-
-    def __init__(self, cache: "WindowKVCache", slots: Slots):
-        self.dtype, self.rows = cache.dtype, cache.rows
-        self.single = isinstance(slots, int)
-        if self.single:
-            self.k, self.v = cache.k[slots], cache.v[slots]  # [KV, rows, D]
-        else:
-            self.k, self.v = cache.k, cache.v
-            self.index = torch.arange(cache.k.shape[0], device=cache.k.device)[slots]
-
-    def write(self, positions: Tensor, k: Tensor, v: Tensor) -> None:
-        """k/v [B, T, KV, D] at positions [B, T] (increasing): the last `rows` of them land at rows p % rows."""
-        positions, k, v = positions[:, -self.rows:], k[:, -self.rows:], v[:, -self.rows:]
-        rows = positions % self.rows
-        if self.single:
-            self.k.index_copy_(1, rows[0], k[0].transpose(0, 1).to(self.dtype))
-            self.v.index_copy_(1, rows[0], v[0].transpose(0, 1).to(self.dtype))
-            return
-        self.k[self.index[:, None], :, rows] = k.to(self.dtype)
-        self.v[self.index[:, None], :, rows] = v.to(self.dtype)
-
-    def read(self, length: int | None = None, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
-        """Every row: [B, KV, rows, D]; which position each holds is window_positions' (`length` is unused: the
-        ring is read whole)."""
-        k, v = (self.k[None], self.v[None]) if self.single else (self.k[self.index], self.v[self.index])
-        return (k, v) if dtype is None else (k.to(dtype), v.to(dtype))
-
-
-class WindowKVCache:
+def window_cache(n_slots: int, kv_heads: int, window: int, extra: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str, codecs: tuple[KVCodec, KVCodec] | None = None) -> KVCache:
     """A sliding-window layer's K/V: a ring of `window + extra` rows (row p % rows) instead of the whole context,
     enough for the window behind every query of a step of up to `extra` tokens. Which position a row holds
     follows from the step's last position (window_positions); rows an earlier, longer step wrote past it (the
     rejected part of a verify block) then come out more than a window back, so the window mask drops them."""
+    return KVCache(n_slots, kv_heads, window + extra, head_dim, dtype, device, codecs, window=window)
 
-    def __init__(self, n_slots: int, kv_heads: int, window: int, extra: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str):
-        self.rows, self.window, self.extra = window + extra, window, extra
-        self.k = torch.zeros((n_slots, kv_heads, self.rows, head_dim), device=device, dtype=dtype)
-        self.v = torch.zeros_like(self.k)
-        self.kv_heads, self.head_dim, self.dtype = kv_heads, head_dim, dtype
 
-    def view(self, slots: Slots) -> WindowSlots:
-        return WindowSlots(self, slots)
+def window_positions(end: Tensor, rows: int) -> Tensor:
+    """[B, rows]: the position each row of a window ring holds once positions up to `end` [B] are written (the
+    latest p <= end with p % rows == row; negative: nothing yet)."""
+    row = torch.arange(rows, device=end.device)
+    return end[:, None] - (end[:, None] - row) % rows
 
 
 class RingKVCache:
@@ -162,4 +138,4 @@ class KVState:
 
     @property
     def bytes(self) -> int:
-        return sum(c.k.numel() * c.k.element_size() * 2 for c in self.layers)
+        return sum(c.k.numel() * c.k.element_size() + c.v.numel() * c.v.element_size() for c in self.layers)

@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from flashdraft.layers.compile import compile_layer_forward
 from flashdraft.layers.kv_cache import KVCache, KVState, Slots
+from flashdraft.layers.kv_quant import KVCodec, kv_codecs
 from flashdraft.models.interface import LogitsAt
 from flashdraft.models.tp import gather_vocab
 
@@ -21,7 +22,7 @@ class DecoderLM(nn.Module):
         self.compiled_widths: set[int] = set()
 
     # -------------------------------------------------------------------------------- for the family to say
-    def layer_cache(self, i: int, n_slots: int, max_len: int) -> KVCache:
+    def layer_cache(self, i: int, n_slots: int, max_len: int, codecs: tuple[KVCodec, KVCodec]) -> KVCache:
         raise NotImplementedError
 
     def layer_inputs(self, positions: Tensor, attn_len: int, fresh: bool) -> list[tuple]:
@@ -40,9 +41,10 @@ class DecoderLM(nn.Module):
     def device(self) -> torch.device:
         return self.model.norm.weight.device
 
-    def new_state(self, n_slots: int, max_len: int) -> KVState:
+    def new_state(self, n_slots: int, max_len: int, cache_types: tuple[str, str] | None = None) -> KVState:
         self.prepare(max_len)
-        return KVState([self.layer_cache(i, n_slots, max_len) for i in range(len(self.model.layers))], max_len)
+        codecs = kv_codecs(cache_types, self.dtype)
+        return KVState([self.layer_cache(i, n_slots, max_len, codecs) for i in range(len(self.model.layers))], max_len)
 
     def compile_layers(self, widths: tuple[int, ...] = (1, 16)) -> None:
         """Steps of `widths` tokens over the cache (decode and verify: the shapes CUDA graphs capture) run each

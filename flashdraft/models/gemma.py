@@ -6,7 +6,7 @@ attention by query_pre_attn_scalar^-0.5. Gemma 4 uses plain w, attention scale 1
 size and KV-head count whose V is the K projection (`attention_k_eq_v`) normalised without weight,
 proportional RoPE on full layers, a per-layer output scalar and a softcapped LM head.
 
-Sliding layers keep only their window (layers.kv_cache.WindowKVCache). Module names mirror HF's."""
+Sliding layers keep only their window (layers.kv_cache.window_cache). Module names mirror HF's."""
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from flashdraft.layers.attention import SMALL_QUERY, AttentionSpec, attend, position_mask
-from flashdraft.layers.kv_cache import KVCache, WindowKVCache, window_positions
+from flashdraft.layers.kv_cache import KVCache, window_cache, window_positions
 from flashdraft.layers.linear import Linear, fuse_linears_on_load
 from flashdraft.layers.mlp import GatedMLP
 from flashdraft.layers.norm import RMSNorm
@@ -225,12 +225,12 @@ class Gemma(DecoderLM):
             if table is None or table.shape[0] < max_len or table.device != self.device:
                 self.ropes[kind] = rope_table(spec, max_len).to(self.device)
 
-    def layer_cache(self, i: int, n_slots: int, max_len: int) -> KVCache | WindowKVCache:
+    def layer_cache(self, i: int, n_slots: int, max_len: int, codecs) -> KVCache:
         cfg = self.cfg
         kv, dim = cfg.kv_heads[i], cfg.head_dims[i]
         if cfg.layer_types[i] == SLIDING:
-            return WindowKVCache(n_slots, kv, cfg.sliding_window, self.WINDOW_STEP, dim, self.dtype, self.device)
-        return KVCache(n_slots, kv, max_len, dim, self.dtype, self.device)
+            return window_cache(n_slots, kv, cfg.sliding_window, self.WINDOW_STEP, dim, self.dtype, self.device, codecs)
+        return KVCache(n_slots, kv, max_len, dim, self.dtype, self.device, codecs)
 
     def embed(self, ids: Tensor) -> Tensor:
         x = self.model.embed_tokens(ids)

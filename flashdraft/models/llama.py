@@ -155,9 +155,10 @@ class Llama(DecoderLM):
         if self.rope.shape[0] < max_len or self.rope.device != self.device:
             self.rope = rope_table(self.cfg, max_len).to(self.device)
 
-    def layer_cache(self, i: int, n_slots: int, max_len: int) -> KVCache:
+    def layer_cache(self, i: int, n_slots: int, max_len: int, codecs) -> KVCache:
         cfg = self.cfg
-        return KVCache(n_slots, cfg.num_kv_heads // self.world_size, max_len, cfg.head_dim, self.dtype, self.device)
+        return KVCache(n_slots, cfg.num_kv_heads // self.world_size, max_len, cfg.head_dim, self.dtype, self.device,
+                       codecs)
 
     def layer_inputs(self, positions: Tensor, attn_len: int, fresh: bool) -> list[tuple]:
         self.prepare(int(positions.shape[1]) if fresh else attn_len)

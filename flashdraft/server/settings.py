@@ -22,6 +22,8 @@ class Settings:
     quantized: bool = False  # --quantized: GGUF matrices kept in their block format on the GPU
     adaptive: bool = True  # adaptive verify width (--spec-dm-adaptive)
     draft_embed_scale: float | None = None  # --spec-draft-embed-scale
+    cache_type_k: str = "auto"  # -ctk / -ctv
+    cache_type_v: str = "auto"
     tp: int = 1  # tensor-parallel ranks (processes); more than one serves one request at a time
     # request defaults (llama-server's), overridden per request
     temperature: float = 0.8
@@ -56,5 +58,6 @@ class Settings:
         return EngineConfig(model=self.model, draft=draft, device=device, dtype=self.dtype, ctx_size=slot_ctx,
                             n_slots=self.n_slots, draft_window=self.draft_window, block_size=self.block_size,
                             compile=self.compile, adaptive=self.adaptive, progress=progress,
-                            draft_embed_scale=self.draft_embed_scale,
+                            draft_embed_scale=self.draft_embed_scale, cache_type_k=self.cache_type_k,
+                            cache_type_v=self.cache_type_v,
                             weights="dequantized" if self.dequantize else "quantized" if self.quantized else "auto")
