@@ -223,6 +223,7 @@ def test_guide_command_lines_with_gemma4_files(guide_files, line):
             assert props["speculative"]["type"] == "dflash" and props["speculative"]["block_size"] == 8
         else:  # 32-value blocks of K (22 bytes) and V (20 bytes) per head; sliding layers hold their window only
             assert props["memory_bytes"]["kv_per_token"] == 2 * 5 * (1 * 22 + 1 * 20) + 1 * (2 * 22 + 2 * 20)
+            assert "flashdraft:kv_per_token_bytes 504" in httpx.get(url + "/metrics").text
         prompt = httpx.post(url + "/apply-template", json={"messages": [{"role": "user", "content": "hi"}]}).json()
         assert prompt["prompt"].endswith("<|turn>model\n<|channel>thought\n<channel|>")  # --reasoning off
         body = {"model": "gemma", "messages": [{"role": "user", "content": "Write a quicksort in Python."}],

@@ -213,7 +213,8 @@ def load_engine(s: Settings):
             spec += ", adaptive verify width" + (f" (step cost by width: {costs})" if costs else "")
     log.info("loaded in %.1f s: %d slot(s) of %d tokens%s%s", time.perf_counter() - t0, engine.n_slots,
              engine.ctx_size, spec, f", tensor-parallel over {engine.world_size} ranks" if engine.world_size > 1 else "")
-    log.info("memory: %s", ", ".join(f"{name} {n / 2 ** 20:.1f} MiB" for name, n in engine.memory.items()))
+    log.info("memory: %s", ", ".join(f"{name} {n} bytes" if name == "kv_per_token" else f"{name} {n / 2 ** 20:.1f} MiB"
+                                     for name, n in engine.memory.items()))
     return engine
 
 

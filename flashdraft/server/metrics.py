@@ -39,7 +39,8 @@ class Metrics:
         for i, n in enumerate(per_pos):
             self.spec_accepted_per_position[i] += n
 
-    def prometheus(self) -> str:
+    def prometheus(self, memory: dict[str, int] | None = None) -> str:
+        """memory: the engine's byte counts (weights, kv_cache, kv_per_token, ...), reported as flashdraft: gauges."""
         prompt_rate = self.prompt_tokens_total / self.prompt_seconds_total if self.prompt_seconds_total else 0.0
         gen_rate = (self.tokens_predicted_total / self.tokens_predicted_seconds_total
                     if self.tokens_predicted_seconds_total else 0.0)
@@ -70,4 +71,7 @@ class Metrics:
         name = "llamacpp:spec_decode_num_accepted_tokens_per_pos_total"
         lines += [f"# HELP {name} Number of accepted draft tokens at each draft position.", f"# TYPE {name} counter"]
         lines += [f'{name}{{position="{i}"}} {n}' for i, n in enumerate(self.spec_accepted_per_position)]
+        for key, value in (memory or {}).items():
+            lines += [f"# HELP flashdraft:{key}_bytes GPU/CPU memory: {key.replace('_', ' ')} (bytes).",
+                      f"# TYPE flashdraft:{key}_bytes gauge", f"flashdraft:{key}_bytes {value}"]
         return "\n".join(lines) + "\n"

@@ -84,7 +84,8 @@ async def metrics(request: Request) -> Response:
     if not state.settings.metrics:
         raise ApiError(501, "This server does not support metrics endpoint. Start it with `--metrics`")
     _, scheduler = state.require()
-    return PlainTextResponse(scheduler.metrics.prometheus(), media_type="text/plain; version=0.0.4")
+    engine = scheduler.engine
+    return PlainTextResponse(scheduler.metrics.prometheus(engine.memory), media_type="text/plain; version=0.0.4")
 
 @router.post("/tokenize")
 async def tokenize(request: Request) -> dict:
