@@ -64,6 +64,16 @@ def random_quantized(w, name: str, qtype: str, rows: int, cols: int) -> None:
                  raw_dtype=GGMLQuantizationType[qtype])
 
 
+def write_out(w, out: Path) -> int:
+    t = time.perf_counter()
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    print(f"wrote {out} ({out.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - t:.1f} s")
+    return 0
+
+
 def make_gemma4(args) -> int:
     """A Gemma 4 31B-shaped GGUF with random blocks in Q4_K_S's layout as llama-quantize lays it out: Q4_K, the
     first four attn_v and the first eighth of ffn_down Q5_K, the tied embedding Q6_K (full layers have no attn_v:
@@ -119,13 +129,7 @@ def make_gemma4(args) -> int:
         random_quantized(w, p + "ffn_gate.weight", "Q4_K", c["ffn"], H)
         random_quantized(w, p + "ffn_up.weight", "Q4_K", c["ffn"], H)
         random_quantized(w, p + "ffn_down.weight", "Q5_K" if i < n // 8 else "Q4_K", H, c["ffn"])
-    t = time.perf_counter()
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    print(f"wrote {out} ({out.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - t:.1f} s")
-    return 0
+    return write_out(w, out)
 
 
 def gemma4_draft(target_cfg, device: str, dtype: torch.dtype, tiny: bool):
@@ -210,13 +214,7 @@ def make(args) -> int:
         add(p + "ffn_gate.weight", cfg.intermediate_size, H)
         add(p + "ffn_up.weight", cfg.intermediate_size, H)
         add(p + "ffn_down.weight", H, cfg.intermediate_size)
-    t = time.perf_counter()
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    print(f"wrote {out} ({out.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - t:.1f} s")
-    return 0
+    return write_out(w, out)
 
 
 def file_matrix_bytes(path: str) -> tuple[int, int, dict]:

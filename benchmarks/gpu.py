@@ -162,12 +162,16 @@ def section_synthetic(args, results):
         nbytes = weight_bytes(target)
         max_len = max(ctxs) + 256
         t0 = time.perf_counter()
-        state = target.new_state(1, max_len)
         draft.setup_cache(max_len)
         compiled = [False] + ([True] if name in args.compile.split(",") else [])
-        variants = [(c, kernel) for c in compiled for kernel in args.attention.split(",")]
-        for use_compile, kernel in variants:
+        caches = [tuple(p.split("/")) for p in args.cache_types.split(",")]
+        variants = [(c, kernel, kv) for c in compiled for kernel in args.attention.split(",") for kv in caches]
+        for use_compile, kernel, kv in variants:
             label = name + ("+compile" if use_compile else "") + f" ({kernel} attention)"
+            label += "" if kv == ("auto", "auto") else f" KV {kv[0]}/{kv[1]}"
+            state = None
+            torch.cuda.empty_cache() if dev == "cuda" else None
+            state = target.new_state(1, max_len, kv)
             attention.KERNEL = kernel
             if use_compile and target.compiled_layer is None:
                 target.compile_layers((1, 16))
@@ -199,7 +203,7 @@ def section_synthetic(args, results):
 
                 def draft_step():
                     def fn(b, p):
-                        h = draft(target.embed(b), p, 0, None, bucket)  # as the engine: the ring up to the bucket
+                        h = draft(target.token_embedding(b), p, 0, None, bucket)  # the ring up to the bucket
                         return (argmax_rows(draft.compute_logits(h[1:], target.logits)),)
                     return graphs.run(("draft", label), fn, [block, positions])
 
@@ -382,6 +386,8 @@ def main():
                     help="attention kernels of the few-token steps to compare: split (Triton split-K), matmul")
     ap.add_argument("--hf-static", action="store_true",
                     help="also time HF generate with a static cache (transformers then torch.compiles the forward)")
+    ap.add_argument("--cache-types", default="auto/auto",
+                    help="KV cache K/V type pairs of the synthetic section, comma-separated (e.g. auto/auto,q8_0/q8_0)")
     ap.add_argument("--out")
     args = ap.parse_args()
     results = dict(date=time.strftime("%Y-%m-%d"), torch=torch.__version__, device=args.device)

@@ -26,6 +26,14 @@ class Family:
         return tuple(self.hf_classes)
 
 
+# llama.cpp's names of the attention and MLP tensors every family here shares (blk.N.<name>)
+DECODER_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+}
+GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
 LLAMA = Family(
     name="llama",
     model_class=llama.Llama,
@@ -33,13 +41,8 @@ LLAMA = Family(
     hf_classes={"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                 "qwen3": "Qwen3ForCausalLM"},
     gguf_architectures={"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"},
-    gguf_global_names={"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"},
-    gguf_layer_names={
-        "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-        "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-        "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-        "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    },
+    gguf_global_names=GLOBAL_NAMES,
+    gguf_layer_names={**DECODER_LAYER_NAMES, "ffn_norm": "post_attention_layernorm"},
     gguf_permuted_qk=("llama",),  # the converter permutes q/k for `llama` (and so Mistral) only
     tp_row_split=("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"),
     tp_column_split=("o_proj", "down_proj"),
@@ -51,12 +54,9 @@ GEMMA = Family(
     read_config=gemma.GemmaConfig.from_hf,
     hf_classes=gemma.HF_CLASSES,
     gguf_architectures={"gemma3": "gemma3", "gemma4": "gemma4"},
-    gguf_global_names={"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"},
+    gguf_global_names=GLOBAL_NAMES,
     gguf_layer_names={
-        "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-        "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-        "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-        "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+        **DECODER_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
         "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
         "layer_output_scale.weight": "layer_scalar",
     },

@@ -1,0 +1,90 @@
+"""What a quantized KV cache costs in quality: the next-token distribution with each K/V type pair against the
+f16 cache, on real text, as mean KL divergence and top-1 agreement. Prints a table; writes JSON with --out.
+
+  python benchmarks/kv_quality.py [-m smollm2-135m] [--tokens 2048] [--texts 4] [--types q8_0/q8_0,q4_1/q4_1]
+
+Text: HumanEval prompts with their canonical solutions and MT-Bench questions (../shared/data), joined until each
+context holds --tokens tokens. Every context runs through the cache in chunks of 32 positions (each chunk's K/V
+are written into the cache first and read back from it, as llama.cpp's batches do), so the stored types shape
+every attention read.
+"""
+import argparse
+import gzip
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from flashdraft.formats.loader import load_target
+from flashdraft.formats.named import resolve_model
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+CHUNK = 32
+DEFAULT_TYPES = "f16/f16,q8_0/q8_0,q5_0/q4_1,q5_1/q5_1,q4_1/q4_1,q4_0/q4_0"
+
+
+def texts(n: int) -> list[str]:
+    with gzip.open(DATA / "HumanEval.jsonl.gz", "rt") as f:
+        code = [json.loads(line) for line in f]
+    chats = [json.loads(line) for line in (DATA / "mt_bench_question.jsonl").read_text().splitlines()]
+    out = []
+    for i in range(n):
+        source = code[i * 10:(i + 1) * 10] if i % 2 == 0 else chats[i * 10:(i + 1) * 10]
+        out.append("\n\n".join(p["prompt"] + p["canonical_solution"] if "prompt" in p else "\n".join(p["turns"])
+                               for p in source))
+    return out
+
+
+@torch.inference_mode()
+def log_probs(target, ids: torch.Tensor, types: tuple[str, str]) -> torch.Tensor:
+    state = target.new_state(1, len(ids) + CHUNK, types)
+    rows = []
+    for start in range(0, len(ids), CHUNK):
+        chunk = ids[start:start + CHUNK]
+        positions = torch.arange(start, start + len(chunk))
+        logits, _ = target(chunk[None], positions[None], state, 0, attn_len=start + len(chunk))
+        rows.append(logits[0].float().log_softmax(-1))
+    return torch.cat(rows)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("-m", "--model", default="smollm2-135m")
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--texts", type=int, default=4)
+    ap.add_argument("--types", default=DEFAULT_TYPES, help="K/V pairs, comma-separated; the first is the reference")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    target, tok, path = load_target(str(resolve_model(args.model)), "cpu", torch.float32)
+    pairs = [tuple(p.split("/")) for p in args.types.split(",")]
+    contexts = []
+    for text in texts(args.texts):
+        ids = tok.encode(text)[:args.tokens]
+        contexts.append(torch.tensor(ids))
+    results = dict(model=Path(path).name, tokens=[len(c) for c in contexts], date=time.strftime("%Y-%m-%d"), rows=[])
+    reference = [log_probs(target, ids, pairs[0]) for ids in contexts]
+    for pair in pairs[1:]:
+        kl, agree, n = 0.0, 0, 0
+        for ids, ref in zip(contexts, reference):
+            got = log_probs(target, ids, pair)
+            kl += float((ref.exp() * (ref - got)).sum(-1).sum())
+            agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
+            n += len(ids)
+        row = dict(k=pair[0], v=pair[1], mean_kl=kl / n, top1_agreement=agree / n, positions=n)
+        results["rows"].append(row)
+        print(f"{pair[0]}/{pair[1]}: mean KL {row['mean_kl']:.2e}, top-1 agreement {row['top1_agreement']:.2%}",
+              flush=True)
+    print(f"\n{results['model']}, {len(contexts)} contexts of {results['tokens']} tokens, against {'/'.join(pairs[0])}")
+    print("| K / V | mean KL | top-1 agreement |\n|---|---|---|")
+    for r in results["rows"]:
+        print(f"| {r['k']} / {r['v']} | {r['mean_kl']:.2e} | {r['top1_agreement']:.2%} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
