@@ -86,6 +86,9 @@ def random_llama(head_dim: int = 32) -> Llama:
 @pytest.mark.parametrize("types", [("q8_0", "q8_0"), ("q5_0", "q4_1"), ("q4_0", "q4_0"), ("q5_1", "f16"),
                                    ("bf16", "q8_0")])
 def test_greedy_speculative_equals_plain_with_each_cache_type(monkeypatch, types):
+    """Rollback over quantized rows (stale rows of rejected tokens, rewritten positions) keeps the tokens. On a
+    real model a verify step's batched K/V projection can differ from a plain step's in the last bits, and a
+    value on a rounding boundary then quantizes a step apart (docs/PERF.md): this small model has no such case."""
     target = random_llama()
     target.state = target.new_state(1, 256, types)
     assert target.state.layers[0].k.dtype == (torch.uint8 if types[0] in BLOCK_KV_TYPES else torch.bfloat16)
