@@ -100,7 +100,7 @@ def test_unknown_type_and_bad_shapes_are_clear_errors():
 
 def check_smollm2_logits() -> None:
     """SmolLM2's real Q4_1 file with its matrices kept quantized (the GPU path, interpreted): last-token logits
-    close to the dequantized model's."""
+    close to the dequantized model's, the same top token."""
     from test_smollm2 import PROMPT
     from tiny import forward1
 
@@ -119,7 +119,10 @@ def check_smollm2_logits() -> None:
         state = target.new_state(1, 128)
         with torch.no_grad():
             logits.append(forward1(target, state, ids, torch.arange(len(ids)), fresh=True, logits_at="last")[0])
-    assert ((logits[1] - logits[0]).norm() / logits[0].norm()).item() < 1e-4
+    # The last token's rows take the integer kernels, which round x to 8 bits per 32 values as llama.cpp's mmvq
+    # does: 4.2e-3 measured on 2026-12-04 (1e-4 held before those kernels; the same argmax either way).
+    err = ((logits[1] - logits[0]).norm() / logits[0].norm()).item()
+    assert err < 1e-2 and int(logits[1].argmax()) == int(logits[0].argmax()), err
 
 
 def check_engine(folder: str, device: str = "cpu") -> None:
