@@ -18,7 +18,7 @@ from flashdraft.formats.loader import load_target
 
 transformers = pytest.importorskip("transformers")
 SDIST = "llama-cpp-python==0.3.36"
-CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "models/templates/google-gemma-4")
 
 
 @pytest.fixture(scope="session")
@@ -26,7 +26,7 @@ def converter() -> Path:
     """llama.cpp's convert_hf_to_gguf.py from the sdist (FLASHDRAFT_LLAMA_CPP: an unpacked vendor/llama.cpp)."""
     given = os.environ.get("FLASHDRAFT_LLAMA_CPP")
     root = Path(given) if given else Path.home() / ".cache" / "flashdraft" / "llama-cpp-0.3.36"
-    if not (root / "convert_hf_to_gguf.py").is_file():
+    if not (root / "models/templates/google-gemma-4-31B-it.jinja").is_file():
         if given:
             pytest.skip(f"FLASHDRAFT_LLAMA_CPP={given} has no convert_hf_to_gguf.py")
         work = root.with_name(root.name + ".download")
@@ -235,3 +235,28 @@ def test_guide_command_lines_with_gemma4_files(guide_files, line):
     finally:
         log = interrupt(proc, 30)
     assert "Traceback" not in log, log[-3000:]
+
+
+def test_the_real_gemma4_template_renders_thinking_on_and_off(converter):
+    """gemma-4-31B-it's own chat template (as llama.cpp ships it) through flashdraft's jinja path: --reasoning off
+    gives the empty thought channel, on the <|think|> system flag; tools render."""
+    from flashdraft.formats.chat import chat_ids
+    from flashdraft.formats.tokenizer import Tokenizer
+    from flashdraft.server.reasoning import prompt_opens_thinking
+    template = (converter / "models/templates/google-gemma-4-31B-it.jinja").read_text()
+
+    class Echo(Tokenizer):  # renders, and "tokenizes" to the text itself
+        def __init__(self):
+            super().__init__(None, chat_template=template, special_tokens={"bos_token": "<bos>"})
+
+        def encode(self, text, add_special=True, limit=None):
+            return text
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    off = chat_ids(Echo(), messages, "off")
+    on = chat_ids(Echo(), messages, "on")
+    assert off.endswith("<|turn>model\n<|channel>thought\n<channel|>") and prompt_opens_thinking(off) is None
+    assert on.endswith("<|turn>model\n") and "<|think|>" in on and "<|think|>" not in off
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    assert "get_weather" in chat_ids(Echo(), messages, "off", {"tools": tools})
