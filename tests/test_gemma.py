@@ -4,7 +4,7 @@ over the sliding layers' window rings), greedy continuations, and speculative = 
 import pytest
 import torch
 from test_engine import oracle_proposals, random_draft
-from tiny import decode_tokens, forward1
+from tiny import decode_tokens, forward1, greedy_continuation
 
 from flashdraft.engine.generate import SpecStats
 from flashdraft.engine.sampling import SamplingParams
@@ -78,11 +78,7 @@ def test_greedy_continuation_matches_transformers(name):
     prompt = torch.randint(0, BASE["vocab_size"], (12,))
     with torch.no_grad():
         ref = hf.generate(prompt[None], max_new_tokens=64, do_sample=False, min_new_tokens=64)[0, 12:]
-        logits, _ = forward1(ours, ours.state, prompt, torch.arange(12), fresh=True)
-        out = [int(logits[-1].argmax())]
-        for pos in range(12, 12 + 63):
-            logits, _ = forward1(ours, ours.state, torch.tensor([out[-1]]), torch.tensor([pos]))
-            out.append(int(logits[-1].argmax()))
+        out = greedy_continuation(ours, ours.state, prompt, 64, fresh=True)
     assert out == ref.tolist()
 
 

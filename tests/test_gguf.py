@@ -2,6 +2,7 @@ import math
 
 import numpy as np
 import pytest
+from tiny import finish_gguf
 import torch
 from gguf import GGML_QUANT_SIZES, GGUFWriter, quants
 from gguf import GGMLQuantizationType as Q
@@ -149,10 +150,7 @@ def write_tiny_gguf(path, arch: str, sd: dict[str, np.ndarray], heads=4, kv_head
         w.add_tensor(gguf_name, array)
     for gguf_name, array in (extra_tensors or {}).items():
         w.add_tensor(gguf_name, array)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return path
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flashdraft.models.llama import LlamaConfig
-from tiny import decode_tokens, forward1
+from tiny import decode_tokens, forward1, greedy_continuation
 from flashdraft.layers.rope import rope_inv_freq
 from flashdraft.models.llama import Llama
 
@@ -74,11 +74,7 @@ def test_greedy_continuation_matches_hf(name):
     prompt = torch.randint(0, BASE["vocab_size"], (12,))
     with torch.no_grad():
         ref = hf.generate(prompt[None], max_new_tokens=64, do_sample=False, min_new_tokens=64)[0, 12:]
-        logits, _ = forward1(ours, ours.state, prompt, torch.arange(12))
-        out = [int(logits[-1].argmax())]
-        for pos in range(12, 12 + 63):
-            logits, _ = forward1(ours, ours.state, torch.tensor([out[-1]]), torch.tensor([pos]))
-            out.append(int(logits[-1].argmax()))
+        out = greedy_continuation(ours, ours.state, prompt, 64)
     assert out == ref.tolist()
 
 

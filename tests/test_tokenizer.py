@@ -3,6 +3,7 @@ import random
 
 import numpy as np
 import pytest
+from tiny import finish_gguf
 from gguf import GGUFWriter
 
 from flashdraft.formats.gguf import read_gguf
@@ -203,10 +204,7 @@ def write_spm_gguf(path):
     w.add_bool("tokenizer.ggml.add_bos_token", True)
     w.add_string("tokenizer.chat_template", "{{ bos_token }}{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}")
     w.add_tensor("token_embd.weight", np.zeros((len(tokens), 32), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return path
 
 

@@ -133,6 +133,18 @@ def forward1(target, state, ids, positions, **kw):
     return None if logits is None else logits[0], None if feats is None else feats[0]
 
 
+def greedy_continuation(target, state, prompt, n: int, **prefill_kw) -> list[int]:
+    """n greedy tokens after prompt [T]: the prompt in one forward (prefill_kw, e.g. fresh=True), then one token a
+    step through the cache."""
+    import torch
+    logits, _ = forward1(target, state, prompt, torch.arange(len(prompt)), **prefill_kw)
+    out = [int(logits[-1].argmax())]
+    for pos in range(len(prompt), len(prompt) + n - 1):
+        logits, _ = forward1(target, state, torch.tensor([out[-1]]), torch.tensor([pos]))
+        out.append(int(logits[-1].argmax()))
+    return out
+
+
 def decode_tokens(target, state, prompt, params, draft=None, static: bool = False, **kw) -> list[int]:
     """Every token the engine's decode loop commits. static: bucketed shapes, as under CUDA graphs (on the CPU
     the same functions run eagerly)."""
@@ -143,6 +155,14 @@ def decode_tokens(target, state, prompt, params, draft=None, static: bool = Fals
     steps = Steps(target, state, draft, "cpu")
     steps.static = static
     return list(itertools.chain.from_iterable(decode(steps, prompt, params, speculative=draft is not None, **kw)))
+
+
+def finish_gguf(w) -> None:
+    """Write a gguf.GGUFWriter's header, metadata and tensors, and close it."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
 
 
 def write_beellama_draft_gguf(path: Path, draft, qtype: str = "Q8_0") -> Path:
@@ -184,8 +204,5 @@ def write_beellama_draft_gguf(path: Path, draft, qtype: str = "Q8_0") -> Path:
             w.add_tensor(gname, gguf.quants.quantize(data, kind), raw_dtype=kind)
         else:
             w.add_tensor(gname, data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return path

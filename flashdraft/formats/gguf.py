@@ -101,41 +101,37 @@ def gguf_to_hf_config(gguf: GGUFFile | Mapping[str, Any], tensors: Mapping[str, 
     kv_heads = get("attention.head_count_kv", heads)
     kv_heads = int(max(kv_heads) if isinstance(kv_heads, list) else kv_heads)
     head_dim = int(get("attention.key_length") or get("rope.dimension_count") or hidden // heads)
-    context = int(get("context_length", 4096))
     # the embedding's rows are what the weights need; the vocab keys can be shorter (unpadded)
     embedding = tensors.get("token_embd.weight")
     vocab = embedding.shape[0] if embedding is not None else get("vocab_size") or len(metadata.get("tokenizer.ggml.tokens") or ())
     eos_ids = _unique(metadata.get(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom"))
-    family = family_for_gguf(arch)
-    if family.gguf_config is not None:  # the family reads its own keys (and rope_freqs) over the shared ones
-        base = {"num_hidden_layers": int(get("block_count")), "hidden_size": hidden, "num_attention_heads": heads,
-                "head_dim": head_dim, "intermediate_size": int(get("feed_forward_length")),
-                "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-                "max_position_embeddings": context, "vocab_size": int(vocab),
-                "tie_word_embeddings": "output.weight" not in tensors,
-                "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
-                "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None)}
-        return family.gguf_config(metadata, tensors, base)
-    return {
-        "architectures": [family.hf_classes[model_type]],
-        "model_type": model_type,
+    shared = {  # what every architecture's keys say alike
         "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length")),
         "num_hidden_layers": int(get("block_count")),
         "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "hidden_act": "silu",
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(get("rope.freq_base", 10000.0)),
-        "rope_scaling": _rope_scaling(metadata, arch, tensors, float(get("rope.freq_base", 10000.0)), head_dim),
-        "max_position_embeddings": context,
+        "max_position_embeddings": int(get("context_length", 4096)),
         "vocab_size": int(vocab),
         "tie_word_embeddings": "output.weight" not in tensors,
-        "attention_bias": model_type != "qwen2" and "blk.0.attn_q.bias" in tensors,
-        "mlp_bias": "blk.0.ffn_up.bias" in tensors,
         "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None),
+    }
+    family = family_for_gguf(arch)
+    if family.gguf_config is not None:  # the family reads its own keys (and rope_freqs) over the shared ones
+        return family.gguf_config(metadata, tensors, shared)
+    rope_theta = float(get("rope.freq_base", 10000.0))
+    return {
+        **shared,
+        "architectures": [family.hf_classes[model_type]],
+        "model_type": model_type,
+        "num_key_value_heads": kv_heads,
+        "hidden_act": "silu",
+        "rope_theta": rope_theta,
+        "rope_scaling": _rope_scaling(metadata, arch, tensors, rope_theta, head_dim),
+        "attention_bias": model_type != "qwen2" and "blk.0.attn_q.bias" in tensors,
+        "mlp_bias": "blk.0.ffn_up.bias" in tensors,
         "sliding_window": get("attention.sliding_window"),
     }
 

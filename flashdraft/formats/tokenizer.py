@@ -242,7 +242,7 @@ def _token_bytes(backend: Backend, token_id: int) -> bytes:
     if token is None:
         return b""
     if isinstance(backend.decoder, decoders.ByteLevel):
-        spelled = {c: b for b, c in bytes_to_unicode().items()}
+        spelled = unicode_to_bytes()
         if all(c in spelled for c in token):
             return bytes(spelled[c] for c in token)
     elif re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", token):  # SentencePiece byte fallback
@@ -266,6 +266,11 @@ def bytes_to_unicode() -> dict[int, str]:
             chars.append(256 + extra)
             extra += 1
     return dict(zip(printable, map(chr, chars)))
+
+
+@lru_cache(maxsize=1)
+def unicode_to_bytes() -> dict[str, int]:
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"

@@ -5,9 +5,9 @@ another shape, a sliding ring or a quantized store is a new kind here, not a new
   attends to rows at positions <= its own, so rows past the committed length are stale and harmless: rolling
   back is resetting a length.
 - `window_cache`: a sliding-window layer's ring of window + step rows (row p % rows).
-Both store K and V through codecs (f32/f16/bf16, or llama.cpp's block types: layers/kv_quant.py).
 - `RingKVCache`: a window ring (row p % window) after scratch rows that a step's own block K/V go into, with
-  the position each ring row holds (the DFlash draft's context)."""
+  the position each ring row holds (the DFlash draft's context).
+The target's caches store K and V through codecs (f32/f16/bf16, or llama.cpp's block types: layers/kv_quant.py)."""
 import torch
 from torch import Tensor
 

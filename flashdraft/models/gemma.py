@@ -209,6 +209,11 @@ class Gemma(DecoderLM):
     # ring from before the chunk and then its own keys.
     WINDOW_STEP = SMALL_QUERY
 
+    @property
+    def window_rows(self) -> int:
+        """Rows of a sliding layer's ring."""
+        return self.cfg.sliding_window + self.WINDOW_STEP
+
     def __init__(self, cfg: GemmaConfig, rank: int = 0, world_size: int = 1):
         if world_size > 1:
             raise ValueError("tensor parallelism is not supported for Gemma models yet")
@@ -243,7 +248,7 @@ class Gemma(DecoderLM):
 
     def layer_inputs(self, positions: Tensor, attn_len: int, fresh: bool) -> list[tuple]:
         cfg = self.cfg
-        B, T = positions.shape
+        T = positions.shape[1]
         self.prepare(T if fresh else attn_len)
         cos_sin = {kind: table[positions][:, :, None] for kind, table in self.ropes.items()}
         window = cfg.sliding_window
@@ -252,7 +257,7 @@ class Gemma(DecoderLM):
             sliding = (position_mask(positions, positions, True, window), "chunk")
         else:
             full = (position_mask(positions, torch.arange(attn_len, device=positions.device)), "cache")
-            rows = window + self.WINDOW_STEP
+            rows = self.window_rows
             if T <= self.WINDOW_STEP:
                 key_pos, keys_from = window_positions(positions.max(dim=1).values, rows), "cache"
             else:
@@ -301,11 +306,9 @@ def gguf_config(metadata: dict[str, Any], tensors: dict[str, Any], base: dict) -
     full_dim, swa_dim = int(get("attention.key_length")), int(get("attention.key_length_swa"))
     full_kv = [k for k, t in zip(kv_per_layer, types) if t == FULL]
     swa_kv = [k for k, t in zip(kv_per_layer, types) if t == SLIDING]
-    factors = tensors.get("rope_freqs.weight")
-    rotated = full_dim // 2 if factors is None else None  # read from the factors below when stored
-    if factors is not None:
-        from flashdraft.formats.gguf import tensor_values
-        rotated = int((tensor_values(factors) < 1e10).sum())
+    from flashdraft.formats.gguf import tensor_values
+    factors = tensors.get("rope_freqs.weight")  # 1 for a rotated frequency, 1e30 for one that stands still
+    rotated = full_dim // 2 if factors is None else int((tensor_values(factors) < 1e10).sum())
     cfg.update(head_dim=swa_dim, global_head_dim=full_dim, num_key_value_heads=int(swa_kv[0] if swa_kv else kv_per_layer[0]),
                num_global_key_value_heads=int(full_kv[0]) if full_kv else None,
                attention_k_eq_v=not any(f"blk.{i}.attn_v.weight" in tensors for i, t in enumerate(types) if t == FULL),

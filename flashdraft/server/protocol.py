@@ -200,12 +200,17 @@ def _lp(value: float) -> float:
     return max(value, LOGPROB_FLOOR)
 
 
-def chat_logprobs(tokenizer, entries: list[TokenLogprob]) -> dict:
-    """OpenAI chat's `logprobs` object of a response or a chunk."""
+def _items(tokenizer, entries: list[TokenLogprob], with_id: bool) -> list[dict]:
+    """One {token, bytes, logprob, top_logprobs} object per entry (and its id, as llama.cpp's)."""
     def item(token: int, lp: float) -> dict:
         text, raw = _piece(tokenizer, token)
-        return {"token": text, "logprob": _lp(lp), "bytes": raw}
-    return {"content": [item(t, lp) | {"top_logprobs": [item(i, v) for i, v in top]} for t, lp, top in entries]}
+        return ({"id": token} if with_id else {}) | {"token": text, "bytes": raw, "logprob": _lp(lp)}
+    return [item(t, lp) | {"top_logprobs": [item(i, v) for i, v in top]} for t, lp, top in entries]
+
+
+def chat_logprobs(tokenizer, entries: list[TokenLogprob]) -> dict:
+    """OpenAI chat's `logprobs` object of a response or a chunk."""
+    return {"content": _items(tokenizer, entries, with_id=False)}
 
 
 def text_logprobs(tokenizer, entries: list[TokenLogprob], offset: int = 0) -> dict:
@@ -222,10 +227,7 @@ def text_logprobs(tokenizer, entries: list[TokenLogprob], offset: int = 0) -> di
 
 def native_probs(tokenizer, entries: list[TokenLogprob]) -> list[dict]:
     """llama.cpp's `completion_probabilities` (n_probs)."""
-    def item(token: int, lp: float) -> dict:
-        text, raw = _piece(tokenizer, token)
-        return {"id": token, "token": text, "bytes": raw, "logprob": _lp(lp)}
-    return [item(t, lp) | {"top_logprobs": [item(i, v) for i, v in top]} for t, lp, top in entries]
+    return _items(tokenizer, entries, with_id=True)
 
 
 def message_text(content: Any, index: int) -> str:
