@@ -2,6 +2,12 @@
 f16 cache, on real text, as mean KL divergence and top-1 agreement. Prints a table; writes JSON with --out.
 
   python benchmarks/kv_quality.py [-m smollm2-135m] [--tokens 2048] [--texts 4] [--types q8_0/q8_0,q4_1/q4_1]
+      [--llama-perplexity BUILD/bin/llama-perplexity]
+
+With --llama-perplexity, llama.cpp's `llama-perplexity --kl-divergence` runs on the same GGUF file and the same
+texts (joined into one file) with each type pair against its own f16 run, and its mean KLD and same-top-token rate
+stand beside ours. Its protocol is its own: chunks of --ctx tokens from a fresh cache, the second half of each
+chunk scored; ours scores every position of each context.
 
 Text: HumanEval prompts with their canonical solutions and MT-Bench questions (../shared/data), joined until each
 context holds --tokens tokens. Every context runs through the cache in chunks of 32 positions (each chunk's K/V
@@ -11,7 +17,10 @@ every attention read.
 import argparse
 import gzip
 import json
+import re
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -49,12 +58,36 @@ def log_probs(target, ids: torch.Tensor, types: tuple[str, str]) -> torch.Tensor
     return torch.cat(rows)
 
 
+def llama_cpp_kl(binary: str, model: str, text: str, pairs: list[tuple[str, str]], ctx: int) -> dict:
+    """(K, V) -> (mean KLD, same top token) from llama-perplexity against its run with pairs[0]."""
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus, base = Path(tmp) / "text.txt", Path(tmp) / "base.kld"
+        corpus.write_text(text)
+        common = [binary, "-m", model, "-f", str(corpus), "-c", str(ctx), "-b", str(ctx), "-fa", "on", "-t", "2",
+                  "--kl-divergence-base", str(base)]
+        for i, (k, v) in enumerate(pairs):
+            cmd = common + ["-ctk", k, "-ctv", v] + ([] if i == 0 else ["--kl-divergence"])
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode:
+                raise SystemExit(f"llama-perplexity failed for {k}/{v}: {proc.stderr[-2000:]}")
+            if i:
+                log = proc.stdout + proc.stderr
+                kld = float(re.search(r"Mean\s+KLD:\s+([-\d.e]+)", log).group(1))
+                same = float(re.search(r"Same top p:\s+([\d.]+)", log).group(1)) / 100
+                out[(k, v)] = (kld, same)
+                print(f"llama.cpp {k}/{v}: mean KLD {kld:.2e}, same top token {same:.2%}", flush=True)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("-m", "--model", default="smollm2-135m")
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--texts", type=int, default=4)
     ap.add_argument("--types", default=DEFAULT_TYPES, help="K/V pairs, comma-separated; the first is the reference")
+    ap.add_argument("--llama-perplexity", help="llama.cpp's llama-perplexity binary: its KL figures beside ours")
+    ap.add_argument("--ctx", type=int, default=512, help="llama-perplexity's chunk size")
     ap.add_argument("--out")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -77,10 +110,16 @@ def main() -> int:
         results["rows"].append(row)
         print(f"{pair[0]}/{pair[1]}: mean KL {row['mean_kl']:.2e}, top-1 agreement {row['top1_agreement']:.2%}",
               flush=True)
+    if args.llama_perplexity:
+        theirs = llama_cpp_kl(args.llama_perplexity, str(path), "\n\n".join(texts(args.texts)), pairs, args.ctx)
+        for r in results["rows"]:
+            r["llama_cpp_mean_kld"], r["llama_cpp_same_top"] = theirs[(r["k"], r["v"])]
     print(f"\n{results['model']}, {len(contexts)} contexts of {results['tokens']} tokens, against {'/'.join(pairs[0])}")
-    print("| K / V | mean KL | top-1 agreement |\n|---|---|---|")
+    print("| K / V | mean KL | top-1 agreement | llama.cpp mean KLD | llama.cpp same top |\n|---|---|---|---|---|")
     for r in results["rows"]:
-        print(f"| {r['k']} / {r['v']} | {r['mean_kl']:.2e} | {r['top1_agreement']:.2%} |")
+        lc = (f"{r['llama_cpp_mean_kld']:.2e} | {r['llama_cpp_same_top']:.2%}" if "llama_cpp_mean_kld" in r
+              else "- | -")
+        print(f"| {r['k']} / {r['v']} | {r['mean_kl']:.2e} | {r['top1_agreement']:.2%} | {lc} |")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     return 0

@@ -1,7 +1,7 @@
 """The engine's command-line flags, declared once for generate, serve and bench, and the EngineConfig they give."""
 import argparse
 
-from flashdraft.engine.config import KV_CACHE_TYPES, EngineConfig
+from flashdraft.engine.config import DRAFT_KV_CACHE_TYPES, KV_CACHE_TYPES, EngineConfig
 
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
 
@@ -29,9 +29,15 @@ def add_engine_args(ap: argparse.ArgumentParser, model: bool = True, context: bo
                     help="fuse each layer's small ops with torch.compile for decode/verify steps (slower start)")
     ap.add_argument("-ctk", "--cache-type-k", default="auto", choices=("auto", *KV_CACHE_TYPES),
                     help="KV cache storage for K, as llama.cpp's (default auto: the model's dtype); q8_0, q5_0, "
-                         "q5_1, q4_0, q4_1 are 32-value blocks with fp16 scales, quantized as rows are written")
+                         "q5_1, q4_0, q4_1, iq4_nl are 32-value blocks with fp16 scales, quantized as rows are "
+                         "written; turbo3/turbo4: 3/4 bits per value after a randomised Hadamard rotation")
     ap.add_argument("-ctv", "--cache-type-v", default="auto", choices=("auto", *KV_CACHE_TYPES),
                     help="KV cache storage for V (as --cache-type-k)")
+    ap.add_argument("--spec-draft-type-k", "-ctkd", "--cache-type-k-draft", dest="draft_cache_type_k", default="auto",
+                    choices=("auto", *DRAFT_KV_CACHE_TYPES),
+                    help="the draft's context cache storage for K (default auto: the draft's dtype)")
+    ap.add_argument("--spec-draft-type-v", "-ctvd", "--cache-type-v-draft", dest="draft_cache_type_v", default="auto",
+                    choices=("auto", *DRAFT_KV_CACHE_TYPES), help="the draft's context cache storage for V")
     ap.add_argument("--spec-draft-embed-scale", dest="draft_embed_scale", type=float, default=None, metavar="X",
                     help="scale of the draft's input token embeddings (default: the draft's input_embedding_scale, "
                          "1.0 when its config has none; Gemma drafts trained on the target's scaled embedding "
@@ -52,5 +58,6 @@ def engine_config(args: argparse.Namespace, draft: str | None, device: str, **ov
                   draft_window=args.draft_window, block_size=args.block_size, compile=args.compile,
                   adaptive=args.adaptive, draft_embed_scale=args.draft_embed_scale,
                   cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
+                  draft_cache_type_k=args.draft_cache_type_k, draft_cache_type_v=args.draft_cache_type_v,
                   weights="dequantized" if args.dequantize else "quantized" if args.quantized else "auto")
     return EngineConfig(**(fields | overrides))

@@ -1,6 +1,8 @@
-"""Quantized KV cache types (llama.cpp's q8_0/q5_0/q5_1/q4_0/q4_1): bit-equal to the gguf package's quantizers,
-within each type's error bound, attention over the stored cache equal to attention over its expansion, and greedy
-speculative decoding equal to plain decoding with every type pair."""
+"""Quantized KV cache types (llama.cpp's q8_0/q5_0/q5_1/q4_0/q4_1/iq4_nl and the rotated turbo3/turbo4): bit-equal
+to the gguf package's quantizers (iq4_nl: to a port of llama.cpp's CUDA copy kernel, decoded by the gguf package),
+within each type's error bound, the rotated types' inverse exact up to their codebook, attention over the stored
+cache equal to attention over its expansion, and greedy speculative decoding equal to plain decoding with every
+type pair."""
 import numpy as np
 import pytest
 import torch
@@ -12,7 +14,8 @@ from flashdraft.engine.config import KV_CACHE_TYPES as CONFIG_TYPES
 from flashdraft.engine.generate import SpecStats
 from flashdraft.engine.sampling import SamplingParams
 from flashdraft.layers.kv_cache import KVCache, window_cache
-from flashdraft.layers.kv_quant import BLOCK_KV_TYPES, KV_CACHE_TYPES, KVCodec, kv_codecs
+from flashdraft.layers.kv_quant import (BLOCK_KV_TYPES, IQ4_NL_VALUES, KV_CACHE_TYPES, KVCodec, kv_codecs,
+                                        lloyd_max_codebook, rotation)
 from flashdraft.models.llama import Llama, LlamaConfig
 
 # the largest |error| of a block in units of its largest |value| (q8_0, q5_0, q4_0) or half its range (q5_1,
@@ -26,7 +29,7 @@ def test_the_command_lines_and_the_codecs_name_the_same_types():
     assert CONFIG_TYPES == KV_CACHE_TYPES
 
 
-@pytest.mark.parametrize("name", list(BLOCK_KV_TYPES))
+@pytest.mark.parametrize("name", [name for name in BLOCK_KV_TYPES if name != "iq4_nl"])
 def test_quantize_equals_gguf_reference_and_round_trip_within_bound(name):
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((96, 128)) * rng.uniform(1e-3, 30, (96, 1))).astype(np.float32)
@@ -43,14 +46,101 @@ def test_quantize_equals_gguf_reference_and_round_trip_within_bound(name):
     assert (np.abs(err).max(-1) <= BOUNDS[name] * scale + 1e-6).all()
 
 
+def iq4_nl_reference(block: np.ndarray) -> bytes:
+    """llama.cpp's quantize_f32_iq4_nl_block (ggml-cuda/cpy-utils.cuh) with best_index_int8, line by line."""
+    values = IQ4_NL_VALUES
+    amax = vmax = 0.0
+    for v in block:
+        if amax < abs(v):
+            amax, vmax = abs(v), v
+    d = np.float32(vmax) / np.float32(values[0])
+    inv = np.float32(1) / d if d else np.float32(0)
+
+    def best_index(x):
+        if x <= values[0]:
+            return 0
+        if x >= values[15]:
+            return 15
+        lo, hi = 0, 15
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if x < values[mid]:
+                hi = mid
+            else:
+                lo = mid
+        return hi - 1 if x - values[hi - 1] < values[hi] - x else hi
+
+    qs, sumqx, sumq2 = [], np.float32(0), np.float32(0)
+    for j in range(16):
+        i0, i1 = best_index(block[j] * inv), best_index(block[16 + j] * inv)
+        qs.append(i0 | (i1 << 4))
+        for i, x in ((i0, block[j]), (i1, block[16 + j])):
+            sumqx += x * x * values[i] * x
+            sumq2 += x * x * values[i] * values[i]
+    d = sumqx / sumq2 if sumq2 > 0 else d
+    return np.float16(d).tobytes() + bytes(qs)
+
+
+def test_iq4_nl_equals_llama_cpp_and_decodes_as_gguf():
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((40, 64)) * rng.uniform(1e-2, 10, (40, 1))).astype(np.float32)
+    x[0] = 0
+    codec = KVCodec("iq4_nl", torch.float32)
+    stored = codec.encode(torch.from_numpy(x)).numpy()
+    want = np.frombuffer(b"".join(iq4_nl_reference(b) for b in x.reshape(-1, 32)), np.uint8).reshape(stored.shape)
+    # the least-squares scale sums in another order than the C loop: allow its last fp16 bit
+    scales = stored.reshape(-1, 18)[:, :2].copy().view(np.float16).astype(np.float32)
+    want_scales = want.reshape(-1, 18)[:, :2].copy().view(np.float16).astype(np.float32)
+    assert np.array_equal(stored.reshape(-1, 18)[:, 2:], want.reshape(-1, 18)[:, 2:])
+    assert np.allclose(scales, want_scales, rtol=1e-3, atol=0)
+    back = codec.decode(torch.from_numpy(stored)).numpy()
+    assert np.array_equal(back, quants.dequantize(stored, BLOCK_KV_TYPES["iq4_nl"]))
+    blocks, err = x.reshape(-1, 32), (back - x).reshape(-1, 32)
+    assert (np.abs(err).max(-1) <= 0.13 * np.abs(blocks).max(-1) + 1e-6).all()  # half the widest level gap
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_rotated_type_is_exact_up_to_its_codebook(bits, head_dim):
+    """Read back independently (numpy): each group stores the index of the codebook level nearest to each
+    coordinate of sqrt(g) R x / |x| (R orthogonal) and a scale |x| / |levels|; decoding is exactly R^T (levels x
+    scale), so the decoded group keeps the norm, and random vectors lose the Lloyd-Max distortion of a Gaussian."""
+    group = min(head_dim, 128)
+    r = rotation(group).double().numpy()
+    assert np.allclose(r @ r.T, np.eye(group), atol=1e-6)
+    levels = np.array(lloyd_max_codebook(bits))
+    x = torch.randn(200, head_dim, generator=torch.Generator().manual_seed(bits)) * 3
+    codec = KVCodec(f"turbo{bits}", torch.float32)
+    stored = codec.encode(x).numpy().reshape(200, head_dim // group, -1)
+    assert stored.shape[-1] == 2 + group * bits // 8
+    scale = stored[..., :2].copy().view(np.float16).astype(np.float64)  # [200, groups, 1]
+    bit = np.unpackbits(stored[..., 2:], axis=-1, bitorder="little").reshape(200, head_dim // group, group, bits)
+    codes = (bit << np.arange(bits)).sum(-1)
+    groups = x.double().numpy().reshape(200, head_dim // group, group)
+    unit = groups / np.linalg.norm(groups, axis=-1, keepdims=True) @ r.T * np.sqrt(group)
+    nearest = np.abs(unit[..., None] - levels).argmin(-1)
+    near_tie = np.abs(np.abs(unit[..., None] - levels).min(-1) - np.sort(np.abs(unit[..., None] - levels), -1)[..., 1])
+    assert ((codes == nearest) | (near_tie < 1e-5)).all()
+    assert np.allclose(scale[..., 0], np.linalg.norm(groups, axis=-1) / np.linalg.norm(levels[codes], axis=-1),
+                       rtol=1e-3)
+    want = (levels[codes] * scale) @ r
+    back = codec.decode(codec.encode(x)).double().numpy().reshape(want.shape)
+    assert np.allclose(back, want, atol=1e-5)
+    assert np.allclose(np.linalg.norm(back, axis=-1), np.linalg.norm(groups, axis=-1), rtol=1e-3)
+    distortion = ((back - groups) ** 2).sum() / (groups ** 2).sum()
+    expected = {3: 0.03455, 4: 0.009497}[bits]  # Lloyd-Max mean squared error for a unit Gaussian
+    assert abs(distortion - expected) < 0.2 * expected, distortion
+
+
 def test_bytes_per_token_are_the_layouts():
-    for name, per_block in (("q8_0", 34), ("q5_0", 22), ("q5_1", 24), ("q4_0", 18), ("q4_1", 20), ("f16", 64),
-                            ("bf16", 64), ("f32", 128)):
+    for name, per_block in (("q8_0", 34), ("q5_0", 22), ("q5_1", 24), ("q4_0", 18), ("q4_1", 20), ("iq4_nl", 18),
+                            ("turbo3", 50 / 4), ("turbo4", 66 / 4), ("f16", 64), ("bf16", 64), ("f32", 128)):
         cache = KVCache(1, 2, 16, 128, torch.float32, "cpu", kv_codecs((name, "q4_1"), torch.float32))
         assert cache.bytes_per_token == 2 * (4 * per_block + 4 * 20), name  # 2 heads x (K + V), 128 = 4 blocks
 
 
-@pytest.mark.parametrize("types", [("q8_0", "q8_0"), ("q5_0", "q4_1"), ("q4_0", "q5_1")])
+@pytest.mark.parametrize("types", [("q8_0", "q8_0"), ("q5_0", "q4_1"), ("q4_0", "q5_1"), ("iq4_nl", "turbo3"),
+                                   ("turbo4", "f16")])
 @pytest.mark.parametrize("window", [0, 8])
 def test_rows_are_stored_quantized_and_read_expanded(types, window):
     """What a write stores is the quantization of the rows (at p, or p % rows in a window ring), and a read
@@ -84,14 +174,14 @@ def random_llama(head_dim: int = 32) -> Llama:
 
 
 @pytest.mark.parametrize("types", [("q8_0", "q8_0"), ("q5_0", "q4_1"), ("q4_0", "q4_0"), ("q5_1", "f16"),
-                                   ("bf16", "q8_0")])
+                                   ("bf16", "q8_0"), ("iq4_nl", "iq4_nl"), ("turbo4", "turbo3")])
 def test_greedy_speculative_equals_plain_with_each_cache_type(monkeypatch, types):
     """Rollback over quantized rows (stale rows of rejected tokens, rewritten positions) keeps the tokens. On a
     real model a verify step's batched K/V projection can differ from a plain step's in the last bits, and a
     value on a rounding boundary then quantizes a step apart (docs/PERF.md): this small model has no such case."""
     target = random_llama()
     target.state = target.new_state(1, 256, types)
-    assert target.state.layers[0].k.dtype == (torch.uint8 if types[0] in BLOCK_KV_TYPES else torch.bfloat16)
+    assert target.state.layers[0].k.dtype == (torch.bfloat16 if types[0] == "bf16" else torch.uint8)
     prompt = torch.randint(0, 90, (20,))
     params = SamplingParams(max_tokens=50)
     plain = decode_tokens(target, target.state, prompt, params)
@@ -106,3 +196,29 @@ def test_greedy_speculative_equals_plain_with_each_cache_type(monkeypatch, types
 def test_a_head_size_the_blocks_do_not_divide_is_named():
     with pytest.raises(ValueError, match="head size divisible by 32, got 16"):
         random_llama(head_dim=16).new_state(1, 64, ("q8_0", "f16"))
+
+
+def test_the_draft_ring_keeps_its_own_types(tmp_path):
+    """--spec-draft-type-k/-v reach the draft's rings through the command line's config; the target's answer is
+    unchanged (the draft only proposes) and the draft still proposes what it did with its own dtype."""
+    from tiny import make_draft, make_target
+
+    from flashdraft.args import add_engine_args, engine_config
+    from flashdraft.engine.engine import Engine, Request
+    import argparse
+    folder = make_target(tmp_path / "t", layers=3)
+    draft = make_draft(tmp_path / "d", folder)
+    ap = argparse.ArgumentParser()
+    add_engine_args(ap)
+    runs = {}
+    for flags in ([], ["--spec-draft-type-k", "f16", "-ctvd", "bf16"]):
+        args = ap.parse_args(["-m", str(folder), *flags])
+        engine = Engine.load(engine_config(args, str(draft), "cpu", ctx_size=256, adaptive=False))
+        ring = engine.draft.caches[0]
+        assert (ring.k.dtype, ring.v.dtype) == ((torch.float16, torch.bfloat16) if flags else (torch.float32,) * 2)
+        params = SamplingParams(max_tokens=24, ignore_eos=True)
+        plain = engine.generate(Request([5, 6, 7, 8], params, speculative=False))
+        spec = engine.generate(Request([5, 6, 7, 8], params))
+        assert spec.token_ids == plain.token_ids
+        runs[bool(flags)] = spec.spec.acceptance_lengths
+    assert runs[True] == runs[False]

@@ -151,6 +151,46 @@ def check_row_invariance(device: str, dtype: torch.dtype) -> None:
             assert torch.equal(one[0], verify[i]), (i, keys)
 
 
+QUANTIZED_PAIRS = [("q8_0", "q4_0"), ("q4_1", "q5_0"), ("q5_1", "iq4_nl"), ("turbo3", "turbo4"), ("turbo4", "q8_0"),
+                   ("f16", "turbo3"), ("bf16", "q4_1")]
+
+
+def check_quantized(device: str, dtype: torch.dtype, tol: float) -> None:
+    """The kernel reading each stored KV type (through attend_cache, which rotates q and the output for the
+    rotated types) against attention over the cache's expansion (KVSlots.read + the matmul path)."""
+    from flashdraft.layers import attention
+    from flashdraft.layers.attention import AttentionSpec, attend_cache, grouped_attention
+    from flashdraft.layers.kv_cache import KVCache
+    from flashdraft.layers.kv_quant import kv_codecs
+    assert attention.SPLIT_KERNEL_LOADED
+    gen = torch.Generator().manual_seed(2)
+    for (T, H, KV, D, L), types in zip([(1, 8, 2, 64, 150), (16, 8, 4, 128, 333), (3, 4, 1, 32, 100)] * 3,
+                                       QUANTIZED_PAIRS):
+        cache = KVCache(1, KV, L + 20, D, dtype, device, kv_codecs(types, dtype))
+        k, v = torch.randn(2, 1, L, KV, D, generator=gen).to(device, dtype)
+        view = cache.view(0)
+        view.write(torch.arange(L, device=device)[None], k, v)
+        q = torch.randn(1, T, H, D, generator=gen).to(device, dtype)
+        mask = (torch.rand(1, T, L, generator=gen) > 0.2).to(device)
+        spec = AttentionSpec(scale=D ** -0.5)
+        out = attend_cache(q, view, L, mask, spec)
+        keys, values = view.read(L, torch.float32)
+        ref = grouped_attention(q[0].float(), keys[0], values[0], mask[0], spec.scale)
+        err = (out[0].float() - ref).abs().max().item()
+        assert out.dtype == dtype and err < tol, f"{types}, D={D}: max error {err}"
+        # the comparison can fail: the rows read as floats would be the unquantized ones
+        if types[0] not in ("f16", "bf16"):
+            keys_f = k[0].transpose(0, 1).float()
+            far = grouped_attention(q[0].float(), keys_f, values[0], mask[0], spec.scale)
+            assert (far - ref).abs().max() > tol, types
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+                    reason="needs a GPU and triton")
+def test_split_attention_reads_quantized_rows_on_gpu():
+    check_quantized("cuda", torch.bfloat16, 0.05)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
                     reason="needs a GPU and triton")
 def test_split_attention_rows_are_invariant_on_gpu():
@@ -161,9 +201,11 @@ if __name__ == "__main__":
     device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
     if device == "cpu":
         check("cpu", torch.float32, 1e-5)
+        check_quantized("cpu", torch.float32, 1e-5)
     elif device.startswith("engine"):
         check_engine(compiled=device == "engine-compiled")
     else:
         check(device, torch.bfloat16, 0.05)
+        check_quantized(device, torch.bfloat16, 0.05)
         check_row_invariance(device, torch.bfloat16)
     print(f"split attention matches on {device}")

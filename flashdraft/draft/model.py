@@ -94,7 +94,8 @@ class DraftAttention(nn.Module):
         values[..., :block_len, :].copy_(block_v)
         if q.dim() == 3 and mask is not None and uses_split_kernel(q.transpose(0, 1)):  # else SDPA, as z-lab's
             return self.o_proj(few_query_attention(q.transpose(0, 1), keys, values, mask, self.scale))
-        return self.o_proj(masked_attention(q, keys, values, mask, self.scale))
+        # a ring stored in another float type (--spec-draft-type-k/-v) meets q in q's
+        return self.o_proj(masked_attention(q, keys.to(q.dtype), values.to(q.dtype), mask, self.scale))
 
 
 class DraftLayer(nn.Module):
@@ -149,18 +150,20 @@ class DFlashDraft(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         max_block_size: int | None = None,
+        cache_dtypes: tuple[torch.dtype | None, torch.dtype | None] = (None, None),
     ) -> None:
         """Context K/V ring of `window` rows per slot and layer (`layers.kv_cache.RingKVCache`, one position table
         shared by all layers), after `max_block_size` scratch rows where each forward writes the block's transient
         K/V: attention reads one contiguous view, the block's rows and then as much of the ring as holds context
-        (a prefix of it until the ring wraps)."""
+        (a prefix of it until the ring wraps). `cache_dtypes`: the rings' K and V storage (None: `dtype`)."""
         device = self.fc.weight.device if device is None else device
         dtype = self.fc.weight.dtype if dtype is None else dtype
         max_block_size = self.cfg.block_size if max_block_size is None else max_block_size
         cfg = self.cfg
         self.row_positions = torch.full((n_slots, window), -1, device=device, dtype=torch.long)
-        self.caches = [RingKVCache(n_slots, cfg.num_key_value_heads, window, max_block_size, cfg.head_dim, dtype,
-                                   device, self.row_positions) for _ in range(cfg.num_hidden_layers)]
+        k_dtype, v_dtype = (d or dtype for d in cache_dtypes)
+        self.caches = [RingKVCache(n_slots, cfg.num_key_value_heads, window, max_block_size, cfg.head_dim, k_dtype,
+                                   device, self.row_positions, v_dtype) for _ in range(cfg.num_hidden_layers)]
         self.window = window
         self.scratch = max_block_size
 

@@ -3,7 +3,8 @@ from dataclasses import dataclass
 
 
 # KV cache storage types, by llama.cpp's names (layers/kv_quant.py implements them; "auto": the model's dtype)
-KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q5_0", "q5_1", "q4_0", "q4_1")
+KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q5_0", "q5_1", "q4_0", "q4_1", "iq4_nl", "turbo3", "turbo4")
+DRAFT_KV_CACHE_TYPES = ("f32", "f16", "bf16")  # the draft's context ring (--spec-draft-type-k/-v)
 
 
 @dataclass
@@ -29,3 +30,5 @@ class EngineConfig:
     draft_embed_scale: float | None = None
     cache_type_k: str = "auto"  # KV_CACHE_TYPES (--cache-type-k / -ctk)
     cache_type_v: str = "auto"
+    draft_cache_type_k: str = "auto"  # DRAFT_KV_CACHE_TYPES (--spec-draft-type-k); auto: the draft's dtype
+    draft_cache_type_v: str = "auto"

@@ -15,6 +15,7 @@ from flashdraft.engine.generate import SpecStats, decode
 from flashdraft.engine.lockstep import from_rank0, in_lockstep
 from flashdraft.engine.sampling import SamplingParams
 from flashdraft.engine.steps import Steps
+from flashdraft.layers.kv_quant import FLOAT_KV_TYPES
 
 log = logging.getLogger("flashdraft")
 
@@ -166,7 +167,9 @@ class Engine:
             raise ValueError("tensor parallelism runs one request at a time: use one slot")
         self.state = target.new_state(config.n_slots, config.ctx_size, (config.cache_type_k, config.cache_type_v))
         if draft is not None:
-            draft.setup_cache(min(draft_window or config.ctx_size, config.ctx_size), config.n_slots)
+            draft.setup_cache(min(draft_window or config.ctx_size, config.ctx_size), config.n_slots,
+                              cache_dtypes=(FLOAT_KV_TYPES.get(config.draft_cache_type_k),
+                                            FLOAT_KV_TYPES.get(config.draft_cache_type_v)))
         self.steps = Steps(target, self.state, draft, config.device)
         self.startup_s = {}
         self.free_slots: queue.Queue[int] = queue.Queue()

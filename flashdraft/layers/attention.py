@@ -121,6 +121,25 @@ def few_query_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, s
     return grouped_attention(q, keys, values, mask, scale, softcap)
 
 
+def attend_cache(q: Tensor, cache, length: int, mask: Tensor, spec: AttentionSpec) -> Tensor:
+    """q [B, T, H, D] over the first `length` rows of a cache view (layers.kv_cache.KVSlots); mask [B, T, length].
+    The split kernel reads one slot's rows as stored (quantized types included: a rotated type's keys meet q in
+    the rotated domain, and the output is rotated back); elsewhere the rows are expanded first."""
+    if mask is not None and q.shape[0] == 1 and q.shape[1] <= SMALL_QUERY and cache.single and uses_split_kernel(q[0]):
+        from flashdraft.kernels.split_attention import ROW_TYPES
+        from flashdraft.layers.kv_quant import rotate
+        keys, values = cache.stored(length)
+        k_codec, v_codec = cache.codecs
+        query = rotate(q[0]) if k_codec.bits else q[0]
+        out = torch.ops.flashdraft.split_attention(query, keys, values, mask[0], spec.scale, spec.softcap or 0.0,
+                                                   ROW_TYPES.get(k_codec.name, 0), ROW_TYPES.get(v_codec.name, 0))
+        if v_codec.bits:
+            out = rotate(out.view(*q.shape[1:]), inverse=True).flatten(-2)
+        return out[None]
+    keys, values = cache.read(length, q.dtype)
+    return attend(q, keys, values, mask, spec)
+
+
 def attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, spec: AttentionSpec) -> Tensor:
     """q [B, T, H, D] over keys/values [B, KV, L, D]; mask [B, T, L] bool, or None for plain causal attention over
     a chunk's own keys (L == T, a fresh prefill: flash kernels). Returns [B, T, H*D]."""

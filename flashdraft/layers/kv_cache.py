@@ -44,6 +44,11 @@ class KVSlots:
         self.k[self.index[:, None], :, positions] = k
         self.v[self.index[:, None], :, positions] = v
 
+    def stored(self, length: int) -> tuple[Tensor, Tensor]:
+        """One slot's first `length` rows (a window ring: all) as stored: [KV, length, row size] views."""
+        rows = slice(None) if self.window else slice(None, length)
+        return self.k[:, rows], self.v[:, rows]
+
     def read(self, length: int, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         """The first `length` rows (a window ring: all its rows, see window_positions): [B, KV, length, D]."""
         rows = slice(None) if self.window else slice(None, length)
@@ -101,13 +106,13 @@ def window_positions(end: Tensor, rows: int) -> Tensor:
 
 class RingKVCache:
     def __init__(self, n_slots: int, kv_heads: int, window: int, scratch: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str, row_positions: Tensor | None = None):
+                 device: torch.device | str, row_positions: Tensor | None = None, v_dtype: torch.dtype | None = None):
         """`row_positions` [n_slots, window] (-1: empty) may be shared by the rings of several layers that are
-        always written together."""
+        always written together. `dtype` stores K, `v_dtype` V (default: `dtype`)."""
         shape = (n_slots, kv_heads, scratch + window, head_dim)
         # Zeros, not empty: masked rows still meet V in the softmax-weighted sum, and 0 * NaN would be NaN.
         self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros_like(self.k)
+        self.v = torch.zeros(shape, device=device, dtype=v_dtype or dtype)
         self.window, self.scratch, self.dtype = window, scratch, dtype
         self.row_positions = row_positions if row_positions is not None else \
             torch.full((n_slots, window), -1, device=device, dtype=torch.long)
@@ -116,8 +121,8 @@ class RingKVCache:
         """k/v [KV, n, D] of increasing positions [n] (n <= window) into the ring rows p % window. The owner of
         `row_positions` records the positions (once for all the rings that share the table)."""
         rows = positions % self.window
-        self.k[slot, :, self.scratch + rows] = k.to(self.dtype)
-        self.v[slot, :, self.scratch + rows] = v.to(self.dtype)
+        self.k[slot, :, self.scratch + rows] = k.to(self.k.dtype)
+        self.v[slot, :, self.scratch + rows] = v.to(self.v.dtype)
 
     def block_view(self, slot: int, block_len: int, ring_rows: int) -> tuple[Tensor, Tensor]:
         """One contiguous view [KV, block_len + ring_rows, D]: `block_len` scratch rows (for the step's own K/V),

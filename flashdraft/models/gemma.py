@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from flashdraft.layers.attention import SMALL_QUERY, AttentionSpec, attend, position_mask
+from flashdraft.layers.attention import SMALL_QUERY, AttentionSpec, attend, attend_cache, position_mask
 from flashdraft.layers.kv_cache import KVCache, window_cache, window_positions
 from flashdraft.layers.linear import Linear, fuse_linears_on_load
 from flashdraft.layers.mlp import GatedMLP
@@ -171,7 +171,7 @@ class GemmaAttention(nn.Module):
         if keys_from == "chunk":
             keys, values = k.transpose(1, 2), v.transpose(1, 2)
         elif keys_from == "cache":
-            keys, values = cache.read(attn_len, q.dtype)
+            return self.o_proj(attend_cache(q, cache, attn_len, mask, self.spec))
         return self.o_proj(attend(q, keys, values, mask, self.spec))
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from flashdraft.layers.attention import AttentionSpec, attend, position_mask
+from flashdraft.layers.attention import AttentionSpec, attend, attend_cache, position_mask
 from flashdraft.layers.kv_cache import KVCache, KVSlots
 from flashdraft.layers.linear import Linear, fuse_linears_on_load
 from flashdraft.layers.mlp import GatedMLP
@@ -108,10 +108,8 @@ class LlamaAttention(nn.Module):
         if cache is not None:
             cache.write(positions, k, v)
         if mask is None or cache is None:  # a fresh prefill from position 0 (or training): the chunk's own keys
-            keys, values = k.transpose(1, 2), v.transpose(1, 2)
-        else:
-            keys, values = cache.read(attn_len, q.dtype)
-        return self.o_proj(attend(q, keys, values, mask, self.spec))
+            return self.o_proj(attend(q, k.transpose(1, 2), v.transpose(1, 2), mask, self.spec))
+        return self.o_proj(attend_cache(q, cache, attn_len, mask, self.spec))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -24,6 +24,8 @@ class Settings:
     draft_embed_scale: float | None = None  # --spec-draft-embed-scale
     cache_type_k: str = "auto"  # -ctk / -ctv
     cache_type_v: str = "auto"
+    draft_cache_type_k: str = "auto"  # --spec-draft-type-k / -v
+    draft_cache_type_v: str = "auto"
     tp: int = 1  # tensor-parallel ranks (processes); more than one serves one request at a time
     # request defaults (llama-server's), overridden per request
     temperature: float = 0.8
@@ -59,5 +61,6 @@ class Settings:
                             n_slots=self.n_slots, draft_window=self.draft_window, block_size=self.block_size,
                             compile=self.compile, adaptive=self.adaptive, progress=progress,
                             draft_embed_scale=self.draft_embed_scale, cache_type_k=self.cache_type_k,
-                            cache_type_v=self.cache_type_v,
+                            cache_type_v=self.cache_type_v, draft_cache_type_k=self.draft_cache_type_k,
+                            draft_cache_type_v=self.draft_cache_type_v,
                             weights="dequantized" if self.dequantize else "quantized" if self.quantized else "auto")
