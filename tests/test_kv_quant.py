@@ -38,9 +38,9 @@ def test_quantize_equals_gguf_reference_and_round_trip_within_bound(name):
     codec = KVCodec(name, torch.float32)
     stored = codec.encode(torch.from_numpy(x))
     assert stored.dtype == torch.uint8 and stored.shape == (96, codec.row_size(128))
-    assert np.array_equal(stored.numpy(), quants.quantize(x, qtype))
+    assert np.array_equal(codec.to_blocks(stored).reshape(96, -1).numpy(), quants.quantize(x, qtype))
     back = codec.decode(stored)
-    assert np.array_equal(back.numpy(), quants.dequantize(stored.numpy(), qtype))
+    assert np.array_equal(back.numpy(), quants.dequantize(codec.to_blocks(stored).reshape(96, -1).numpy(), qtype))
     blocks, err = x.reshape(-1, 32), (back.numpy() - x).reshape(-1, 32)
     scale = np.abs(blocks).max(-1) if name in ("q8_0", "q5_0", "q4_0") else np.ptp(blocks, -1) / 2
     assert (np.abs(err).max(-1) <= BOUNDS[name] * scale + 1e-6).all()
@@ -86,14 +86,14 @@ def test_iq4_nl_equals_llama_cpp_and_decodes_as_gguf():
     x = (rng.standard_normal((40, 64)) * rng.uniform(1e-2, 10, (40, 1))).astype(np.float32)
     x[0] = 0
     codec = KVCodec("iq4_nl", torch.float32)
-    stored = codec.encode(torch.from_numpy(x)).numpy()
+    stored = codec.to_blocks(codec.encode(torch.from_numpy(x))).reshape(40, -1).numpy()
     want = np.frombuffer(b"".join(iq4_nl_reference(b) for b in x.reshape(-1, 32)), np.uint8).reshape(stored.shape)
     # the least-squares scale sums in another order than the C loop: allow its last fp16 bit
     scales = stored.reshape(-1, 18)[:, :2].copy().view(np.float16).astype(np.float32)
     want_scales = want.reshape(-1, 18)[:, :2].copy().view(np.float16).astype(np.float32)
     assert np.array_equal(stored.reshape(-1, 18)[:, 2:], want.reshape(-1, 18)[:, 2:])
     assert np.allclose(scales, want_scales, rtol=1e-3, atol=0)
-    back = codec.decode(torch.from_numpy(stored)).numpy()
+    back = codec.decode(codec.encode(torch.from_numpy(x))).numpy()
     assert np.array_equal(back, quants.dequantize(stored, BLOCK_KV_TYPES["iq4_nl"]))
     blocks, err = x.reshape(-1, 32), (back - x).reshape(-1, 32)
     assert (np.abs(err).max(-1) <= 0.13 * np.abs(blocks).max(-1) + 1e-6).all()  # half the widest level gap
@@ -111,11 +111,18 @@ def test_rotated_type_is_exact_up_to_its_codebook(bits, head_dim):
     levels = np.array(lloyd_max_codebook(bits))
     x = torch.randn(200, head_dim, generator=torch.Generator().manual_seed(bits)) * 3
     codec = KVCodec(f"turbo{bits}", torch.float32)
-    stored = codec.encode(x).numpy().reshape(200, head_dim // group, -1)
-    assert stored.shape[-1] == 2 + group * bits // 8
-    scale = stored[..., :2].copy().view(np.float16).astype(np.float64)  # [200, groups, 1]
-    bit = np.unpackbits(stored[..., 2:], axis=-1, bitorder="little").reshape(200, head_dim // group, group, bits)
-    codes = (bit << np.arange(bits)).sum(-1)
+    n = head_dim // group
+    stored = codec.encode(x).numpy()
+    assert stored.shape == (200, n * (2 + group * bits // 8))
+    packed = stored[:, :n * group * bits // 8].reshape(200, n, -1).astype(np.int64)  # each group's code bytes
+    scale = stored[:, n * group * bits // 8:].copy().view(np.float16).astype(np.float64)[..., None]  # [200, n, 1]
+    c = np.arange(group)
+    if bits == 4:  # value c: byte c % (g/2), the high nibble for the second half
+        codes = (packed[..., c % (group // 2)] >> (4 * (c // (group // 2)))) & 15
+    else:  # 2-bit planes: byte c % (g/4), bits 2 (c // (g/4)); then a bit plane: byte c % (g/8), bit c // (g/8)
+        low = (packed[..., c % (group // 4)] >> (2 * (c // (group // 4)))) & 3
+        high = (packed[..., group // 4 + c % (group // 8)] >> (c // (group // 8))) & 1
+        codes = low | (high << 2)
     groups = x.double().numpy().reshape(200, head_dim // group, group)
     unit = groups / np.linalg.norm(groups, axis=-1, keepdims=True) @ r.T * np.sqrt(group)
     nearest = np.abs(unit[..., None] - levels).argmin(-1)

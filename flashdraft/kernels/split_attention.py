@@ -27,83 +27,126 @@ TARGET_PROGRAMS = 264  # about two programs per SM of an H100/H200
 ROW_TYPES = {"q8_0": 8, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "iq4_nl": 20, "turbo3": 103, "turbo4": 104}
 
 
-@triton.jit
-def _half_at(p, ok):
-    """Little-endian fp16 at byte pointers p -> float32."""
-    lo = tl.load(p, mask=ok, other=0).to(tl.uint16)
-    hi = tl.load(p + 1, mask=ok, other=0).to(tl.uint16)
-    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+def planes(row_type: int) -> int:
+    """How many planes a stored type's row is read in: 2 for nibbles (low, high), 4 for turbo3's 2-bit fields."""
+    return 1 if row_type in (0, 8) else 4 if row_type == 103 else 2
 
 
 @triton.jit
-def _rows(base, cols, col_ok, stride_l, lut, TYPE: tl.constexpr, D: tl.constexpr):
-    """Rows `cols` [BLOCK_N] of one KV head's stored cache (base: its first row) -> [BLOCK_N, D] float32."""
-    d = tl.arange(0, D)
-    ok = col_ok[:, None]
+def _plane_cols(j, p: tl.constexpr, TYPE: tl.constexpr, D: tl.constexpr):
+    """The head-dimension columns of plane p's entries j (layers/kv_quant.py's planar rows)."""
+    if TYPE == 0 or TYPE == 8:
+        cols = j
+    elif TYPE > 100:
+        G: tl.constexpr = 128 if D > 128 else D
+        W: tl.constexpr = G // 2 if TYPE == 104 else G // 4
+        cols = (j // W) * G + p * W + j % W
+    else:
+        cols = (j // 16) * 32 + p * 16 + j % 16
+    return cols
+
+
+@triton.jit
+def _plane(base, n, n_ok, p: tl.constexpr, lut, TYPE: tl.constexpr, D: tl.constexpr, ROW: tl.constexpr,
+           PLANES: tl.constexpr):
+    """Plane p of stored rows n [BLOCK_N] of one KV head (base: its row 0; ROW: elements per stored row) ->
+    [BLOCK_N, D / PLANES] float32, columns _plane_cols."""
+    j = tl.arange(0, D // PLANES)[None, :]
+    row = base + n[:, None] * ROW
+    ok = n_ok[:, None]
     if TYPE == 0:
-        x = tl.load(base + cols[:, None] * stride_l + d[None, :], mask=ok, other=0.0).to(tl.float32)
-    elif TYPE > 100:  # rotated: per group of G values, an fp16 scale then BITS-bit codebook indices
+        x = tl.load(row + j, mask=ok, other=0.0).to(tl.float32)
+    elif TYPE == 8:
+        q = tl.load(row + j, mask=ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        x = q * tl.load((row + D).to(tl.pointer_type(tl.float16)) + j // 32, mask=ok, other=0.0).to(tl.float32)
+    elif TYPE > 100:
         BITS: tl.constexpr = TYPE - 100
         G: tl.constexpr = 128 if D > 128 else D
-        GROUP_BYTES: tl.constexpr = 2 + G * BITS // 8
-        start = base + cols[:, None] * stride_l + (d // G)[None, :] * GROUP_BYTES
-        bit = (d % G) * BITS
-        at = start + 2 + (bit // 8)[None, :]
-        shift = (bit % 8)[None, :]
-        word = tl.load(at, mask=ok, other=0).to(tl.int32)
-        word = word | (tl.load(at + 1, mask=ok & (shift > 8 - BITS), other=0).to(tl.int32) << 8)
-        code = (word >> shift) & ((1 << BITS) - 1)
-        x = tl.load(lut + code) * _half_at(start, ok)
-    else:
-        BYTES: tl.constexpr = 34 if TYPE == 8 else (20 if TYPE == 3 else (22 if TYPE == 6 else (24 if TYPE == 7 else 18)))
-        start = base + cols[:, None] * stride_l + (d // 32)[None, :] * BYTES
-        i = (d % 32)[None, :]
-        scale = _half_at(start, ok)
-        if TYPE == 8:
-            x = tl.load(start + 2 + i, mask=ok, other=0).to(tl.int8, bitcast=True).to(tl.float32) * scale
+        W: tl.constexpr = G // 2 if BITS == 4 else G // 4
+        g = j // W
+        if BITS == 4:
+            code = (tl.load(row + j, mask=ok, other=0) >> (4 * p)) & 15
         else:
-            HAS_MIN: tl.constexpr = TYPE == 3 or TYPE == 7
-            FIVE: tl.constexpr = TYPE == 6 or TYPE == 7
-            QS: tl.constexpr = 2 + 2 * HAS_MIN + 4 * FIVE
-            nib = ((tl.load(start + QS + i % 16, mask=ok, other=0) >> (4 * (i // 16)).to(tl.uint8)) & 15).to(tl.int32)
-            if TYPE == 20:
-                x = tl.load(lut + nib) * scale
-            else:
-                if FIVE:
-                    qh = tl.load(start + 2 + 2 * HAS_MIN + i // 8, mask=ok, other=0).to(tl.int32)
-                    nib = nib | (((qh >> (i % 8)) & 1) << 4)
-                if HAS_MIN:
-                    x = nib.to(tl.float32) * scale + _half_at(start + 2, ok)
-                else:
-                    x = (nib - (16 if FIVE else 8)).to(tl.float32) * scale
+            jr = j % W
+            at = row + g * (3 * G // 8)
+            low = (tl.load(at + jr, mask=ok, other=0) >> (2 * p)) & 3
+            high = (tl.load(at + G // 4 + jr % (G // 8), mask=ok, other=0) >> (2 * p + jr // (G // 8)).to(tl.uint8)) & 1
+            code = low | (high << 2)
+        scale = tl.load((row + D * BITS // 8).to(tl.pointer_type(tl.float16)) + g, mask=ok, other=0.0)
+        x = tl.load(lut + code.to(tl.int32)) * scale.to(tl.float32)
+    else:  # 32-value blocks: quants (D / 2 nibble bytes), scales, [mins], [fifth bits]
+        NB: tl.constexpr = D // 32
+        HAS_MIN: tl.constexpr = TYPE == 3 or TYPE == 7
+        FIVE: tl.constexpr = TYPE == 6 or TYPE == 7
+        b = j // 16
+        nib = ((tl.load(row + j, mask=ok, other=0) >> (4 * p)) & 15).to(tl.int32)
+        d = tl.load((row + D // 2).to(tl.pointer_type(tl.float16)) + b, mask=ok, other=0.0).to(tl.float32)
+        if FIVE:
+            i = p * 16 + j % 16  # the value's index in its block
+            qh = tl.load(row + D // 2 + 2 * NB * (1 + HAS_MIN) + 4 * b + i // 8, mask=ok, other=0).to(tl.int32)
+            nib = nib | (((qh >> (i % 8)) & 1) << 4)
+        if TYPE == 20:
+            x = tl.load(lut + nib) * d
+        elif HAS_MIN:
+            x = nib.to(tl.float32) * d + tl.load((row + D // 2 + 2 * NB).to(tl.pointer_type(tl.float16)) + b,
+                                                 mask=ok, other=0.0).to(tl.float32)
+        else:
+            x = (nib - (16 if FIVE else 8)).to(tl.float32) * d
     return x
+
+
+@triton.jit
+def _query_plane(q_ptr, t, head, row_ok, stride_qt, stride_qh, p: tl.constexpr, TYPE: tl.constexpr, D: tl.constexpr,
+                 PLANES: tl.constexpr):
+    cols = _plane_cols(tl.arange(0, D // PLANES), p, TYPE, D)
+    return tl.load(q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + cols[None, :], mask=row_ok[:, None],
+                   other=0.0)
 
 
 # Query count, group size, key count and the mask's row stride are runtime values, never specialised on: a plain
 # step (T=1) and a verify step (T=16) run the same machine code, so a row's arithmetic cannot differ between them.
 @triton.jit(do_not_specialize=["stride_mt", "L", "blocks_per_split", "T", "G"])
 def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, k_lut, v_lut,
-                    stride_qt, stride_qh, stride_kh, stride_kl, stride_vh, stride_vl, stride_mt,
+                    stride_qt, stride_qh, stride_kh, stride_vh, stride_mt,
                     L, blocks_per_split, n_kv, scale, softcap, T, G,
                     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
-                    K_TYPE: tl.constexpr, V_TYPE: tl.constexpr):
+                    K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, K_ROW: tl.constexpr, V_ROW: tl.constexpr,
+                    K_PLANES: tl.constexpr, V_PLANES: tl.constexpr):
+    """Keys and values are read in planes (one for float rows and q8_0; low and high nibbles; turbo3's four 2-bit
+    fields): q is loaded once per plane in that plane's column order, the scores are the sum of the planes'
+    products, and each plane of V has its own accumulator, stored to its columns at the end."""
     kv = tl.program_id(0)
     split = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)  # row r holds query token r % T of head kv * G + r // T
     t = rows % T
     head = kv * G + rows // T
     row_ok = rows < G * T
-    d = tl.arange(0, D)
-    q = tl.load(q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
+    q0 = _query_plane(q_ptr, t, head, row_ok, stride_qt, stride_qh, 0, K_TYPE, D, K_PLANES)
+    q1 = _query_plane(q_ptr, t, head, row_ok, stride_qt, stride_qh, 1 % K_PLANES, K_TYPE, D, K_PLANES)
+    q2 = _query_plane(q_ptr, t, head, row_ok, stride_qt, stride_qh, 2 % K_PLANES, K_TYPE, D, K_PLANES)
+    q3 = _query_plane(q_ptr, t, head, row_ok, stride_qt, stride_qh, 3 % K_PLANES, K_TYPE, D, K_PLANES)
     m_i = tl.full([BLOCK_M], -1e30, tl.float32)  # finite: a split with every key masked stays NaN-free
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    WV: tl.constexpr = D // V_PLANES
+    acc0 = tl.zeros([BLOCK_M, WV], tl.float32)
+    acc1 = tl.zeros([BLOCK_M, WV], tl.float32)
+    acc2 = tl.zeros([BLOCK_M, WV], tl.float32)
+    acc3 = tl.zeros([BLOCK_M, WV], tl.float32)
+    k_base, v_base = k_ptr + kv * stride_kh, v_ptr + kv * stride_vh
     start = split * blocks_per_split * BLOCK_N
     for i in range(0, blocks_per_split):
         cols = start + i * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < L
-        k = _rows(k_ptr + kv * stride_kh, cols, col_ok, stride_kl, k_lut, K_TYPE, D).to(q.dtype)
-        s = tl.dot(q, tl.trans(k)) * scale
+        k0 = _plane(k_base, cols, col_ok, 0, k_lut, K_TYPE, D, K_ROW, K_PLANES).to(q0.dtype)
+        s = tl.dot(q0, tl.trans(k0))
+        if K_PLANES > 1:
+            k1 = _plane(k_base, cols, col_ok, 1, k_lut, K_TYPE, D, K_ROW, K_PLANES).to(q0.dtype)
+            s += tl.dot(q1, tl.trans(k1))
+        if K_PLANES > 2:
+            k2 = _plane(k_base, cols, col_ok, 2, k_lut, K_TYPE, D, K_ROW, K_PLANES).to(q0.dtype)
+            k3 = _plane(k_base, cols, col_ok, 3, k_lut, K_TYPE, D, K_ROW, K_PLANES).to(q0.dtype)
+            s += tl.dot(q2, tl.trans(k2)) + tl.dot(q3, tl.trans(k3))
+        s = s * scale
         if SOFTCAP:  # softcap * tanh(s / softcap), tanh through exp (no libdevice call: the interpreter runs it too)
             s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)
         allowed = tl.load(mask_ptr + t[:, None] * stride_mt + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
@@ -113,11 +156,27 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, k_lut,
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _rows(v_ptr + kv * stride_vh, cols, col_ok, stride_vl, v_lut, V_TYPE, D).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        p = p.to(q0.dtype)
+        acc0 = acc0 * alpha[:, None] + tl.dot(p, _plane(v_base, cols, col_ok, 0, v_lut, V_TYPE, D, V_ROW,
+                                                        V_PLANES).to(q0.dtype))
+        if V_PLANES > 1:
+            acc1 = acc1 * alpha[:, None] + tl.dot(p, _plane(v_base, cols, col_ok, 1, v_lut, V_TYPE, D, V_ROW,
+                                                            V_PLANES).to(q0.dtype))
+        if V_PLANES > 2:
+            acc2 = acc2 * alpha[:, None] + tl.dot(p, _plane(v_base, cols, col_ok, 2, v_lut, V_TYPE, D, V_ROW,
+                                                            V_PLANES).to(q0.dtype))
+            acc3 = acc3 * alpha[:, None] + tl.dot(p, _plane(v_base, cols, col_ok, 3, v_lut, V_TYPE, D, V_ROW,
+                                                            V_PLANES).to(q0.dtype))
         m_i = m_new
     base = split * n_kv + kv
-    tl.store(acc_ptr + (base * BLOCK_M + rows[:, None]) * D + d[None, :], acc, mask=row_ok[:, None])
+    out = acc_ptr + (base * BLOCK_M + rows[:, None]) * D
+    jv = tl.arange(0, WV)
+    tl.store(out + _plane_cols(jv, 0, V_TYPE, D)[None, :], acc0, mask=row_ok[:, None])
+    if V_PLANES > 1:
+        tl.store(out + _plane_cols(jv, 1, V_TYPE, D)[None, :], acc1, mask=row_ok[:, None])
+    if V_PLANES > 2:
+        tl.store(out + _plane_cols(jv, 2, V_TYPE, D)[None, :], acc2, mask=row_ok[:, None])
+        tl.store(out + _plane_cols(jv, 3, V_TYPE, D)[None, :], acc3, mask=row_ok[:, None])
     tl.store(m_ptr + base * BLOCK_M + rows, m_i, mask=row_ok)
     tl.store(l_ptr + base * BLOCK_M + rows, l_i, mask=row_ok)
 
@@ -147,17 +206,11 @@ def triton_matmul_ready(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (8, 0)
 
 
-_LUTS: dict[tuple[int, str], Tensor] = {}
-
-
 def _lut(row_type: int, device: torch.device) -> Tensor:
-    """The value table a stored type indexes (iq4_nl's levels, a rotated type's codebook); a dummy otherwise."""
-    key = (row_type, str(device))
-    if key not in _LUTS:
-        from flashdraft.layers.kv_quant import IQ4_NL_VALUES, lloyd_max_codebook
-        values = IQ4_NL_VALUES if row_type == 20 else lloyd_max_codebook(row_type - 100) if row_type > 100 else (0,)
-        _LUTS[key] = torch.tensor(values, dtype=torch.float32, device=device)
-    return _LUTS[key]
+    """The value table a stored type indexes (iq4_nl's levels, a rotated type's codebook; any table for the others:
+    unread). layers/kv_quant.py makes them once per device, when a cache is allocated."""
+    from flashdraft.layers.kv_quant import table
+    return table("levels", row_type - 100, device) if row_type > 100 else table("iq4_nl", 0, device)
 
 
 @torch.library.custom_op("flashdraft::split_attention", mutates_args=())
@@ -190,12 +243,16 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale
     acc = torch.empty(splits, KV, block_m, D, device=q.device, dtype=torch.float32)
     m = torch.empty(splits, KV, block_m, device=q.device, dtype=torch.float32)
     lse = torch.empty_like(m)
+    if keys.stride(1) != keys.shape[2]:  # the kernel steps rows by their size (a compile-time constant)
+        keys = keys.contiguous()
+    if values.stride(1) != values.shape[2]:
+        values = values.contiguous()
     _partial_kernel[(KV, splits)](q, keys, values, mask, acc, m, lse, _lut(k_type, q.device), _lut(v_type, q.device),
-                                  q.stride(0), q.stride(1), keys.stride(0), keys.stride(1),
-                                  values.stride(0), values.stride(1), mask.stride(0),
+                                  q.stride(0), q.stride(1), keys.stride(0), values.stride(0), mask.stride(0),
                                   L, blocks_per_split, KV, scale, softcap or 1.0, T, G,
                                   D=D, BLOCK_M=block_m, BLOCK_N=BLOCK_N, SOFTCAP=softcap > 0,
-                                  K_TYPE=k_type, V_TYPE=v_type)
+                                  K_TYPE=k_type, V_TYPE=v_type, K_ROW=keys.shape[2], V_ROW=values.shape[2],
+                                  K_PLANES=planes(k_type), V_PLANES=planes(v_type))
     out = torch.empty(T, H, D, device=q.device, dtype=q.dtype)
     _merge_kernel[(KV, G * T)](acc, m, lse, out, out.stride(0), out.stride(1), splits, KV, T, G,
                                D=D, BLOCK_M=block_m, SPLITS=max(2, triton.next_power_of_2(max_splits)))

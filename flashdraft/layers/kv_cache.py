@@ -66,6 +66,7 @@ class KVCache:
                  device: torch.device | str, codecs: tuple[KVCodec, KVCodec] | None = None, window: int = 0):
         self.codecs = codecs or kv_codecs(None, dtype)
         k, v = self.codecs
+        k.prepare(device, head_dim), v.prepare(device, head_dim)
         self.k = torch.zeros((n_slots, kv_heads, rows, k.row_size(head_dim)), device=device, dtype=k.storage_dtype)
         self.v = torch.zeros((n_slots, kv_heads, rows, v.row_size(head_dim)), device=device, dtype=v.storage_dtype)
         self.rows, self.kv_heads, self.head_dim, self.dtype, self.window = rows, kv_heads, head_dim, dtype, window

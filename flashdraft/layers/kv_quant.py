@@ -7,6 +7,13 @@ makes its coordinates nearly Gaussian, N(0, 1/group)), and each coordinate is st
 entry of a 3- or 4-bit Lloyd-Max codebook for that Gaussian, with one fp16 scale that gives the decoded group
 the original norm. Attention can consume them in the rotated domain (rotate q, un-rotate the output).
 
+A stored row holds exactly its type's bytes, but laid out by field rather than by block, so that the attention
+kernel reads the quantized values with wide aligned loads: a block type's row is every block's quants, then every
+scale, then every min, then every block's fifth bits (`to_blocks` gives back ggml's blocks); a rotated type's row
+is every group's codes, then every group's scale, with a 4-bit group's codes as two nibble planes (value c in byte
+c % (g/2), the high nibble for the second half) and a 3-bit group's as four 2-bit planes (value c in byte c % (g/4),
+bits 2 (c // (g/4))) followed by one bit plane (byte c % (g/8), bit c // (g/8)).
+
 A `KVCodec` turns rows [..., head_dim] into what the cache stores and back."""
 import functools
 import math
@@ -25,6 +32,23 @@ KV_CACHE_TYPES = (*FLOAT_KV_TYPES, *BLOCK_KV_TYPES, *ROTATED_KV_TYPES)
 IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # kvalues_iq4nl
 ROTATION_GROUP = 128  # values per rotated group (a smaller power-of-two head is one group)
 ROTATION_SEED = 42
+
+
+_TABLES: dict[tuple, Tensor] = {}
+
+
+def table(kind: str, arg: int, device: torch.device | str) -> Tensor:
+    """Constant tables on a device, made once (KVCache makes them before any CUDA graph capture)."""
+    key = (kind, arg, str(torch.device(device)))
+    if key not in _TABLES:
+        if kind == "iq4_nl":
+            table = torch.tensor(IQ4_NL_VALUES, dtype=torch.float32)
+        elif kind == "levels":
+            table = torch.tensor(lloyd_max_codebook(arg), dtype=torch.float32)
+        else:
+            table = _rotation_cpu(arg)
+        _TABLES[key] = table.to(device)
+    return _TABLES[key]
 
 
 def _fp16_bytes(x: Tensor) -> Tensor:
@@ -54,7 +78,7 @@ def _signed_max(blocks: Tensor) -> Tensor:
 def _quantize_iq4_nl(blocks: Tensor) -> Tensor:
     """As llama.cpp's quantize_f32_iq4_nl_block: the scale from the value of largest magnitude, each value to the
     nearest table entry (a tie to the upper one), then the least-squares scale for those entries weighted by x^2."""
-    values = torch.tensor(IQ4_NL_VALUES, dtype=torch.float32, device=blocks.device)
+    values = table("iq4_nl", 0, blocks.device)
     d = _signed_max(blocks) / values[0]
     x = blocks * _inverse(d)
     upper = torch.searchsorted(values, x.contiguous(), right=True).clamp(1, 15)
@@ -117,7 +141,7 @@ def _rotation_cpu(group: int) -> Tensor:
 
 
 def rotation(group: int, device: torch.device | str = "cpu") -> Tensor:
-    return _rotation_cpu(group).to(device)
+    return table("rotation", group, device)
 
 
 def rotate(x: Tensor, inverse: bool = False) -> Tensor:
@@ -136,38 +160,64 @@ def rotation_group(head_dim: int) -> int:
     return group
 
 
-def _pack_bits(codes: Tensor, bits: int) -> Tensor:
-    """codes [n, g] (< 2^bits) -> [n, g * bits / 8] bytes, little-endian: value i at bits bits*i .. bits*i+bits-1."""
-    n, g = codes.shape
-    bit = (codes.long()[:, :, None] >> torch.arange(bits, device=codes.device)) & 1  # [n, g, bits]
-    return (bit.reshape(n, -1, 8) << torch.arange(8, device=codes.device)).sum(-1).to(torch.uint8)
+# (offset, size) of each field in a ggml block, in the order a planar row stores them: quants, scale, min, fifth bits
+BLOCK_FIELDS = {Q.Q8_0: ((2, 32), (0, 2)), Q.Q4_0: ((2, 16), (0, 2)), Q.IQ4_NL: ((2, 16), (0, 2)),
+                Q.Q4_1: ((4, 16), (0, 2), (2, 2)), Q.Q5_0: ((6, 16), (0, 2), (2, 4)),
+                Q.Q5_1: ((8, 16), (0, 2), (2, 2), (4, 4))}
 
 
-def _unpack_bits(packed: Tensor, bits: int, g: int) -> Tensor:
-    n = packed.shape[0]
-    bit = (packed.long()[:, :, None] >> torch.arange(8, device=packed.device)) & 1  # [n, bytes, 8]
-    return (bit.reshape(n, g, bits) << torch.arange(bits, device=packed.device)).sum(-1)
+def blocks_to_row(blocks: Tensor, qtype: GGMLQuantizationType) -> Tensor:
+    """ggml blocks [..., n, size] -> planar rows [..., n * size]."""
+    return torch.cat([blocks[..., off:off + size].flatten(-2) for off, size in BLOCK_FIELDS[qtype]], -1)
 
 
-def quantize_rotated(groups: Tensor, bits: int) -> Tensor:
-    """float32 groups [n, g] -> [n, 2 + g * bits / 8] bytes: the fp16 scale, then the packed codebook indices of
-    the rotated, normalised group."""
+def row_to_blocks(rows: Tensor, qtype: GGMLQuantizationType) -> Tensor:
+    """Planar rows [..., n * size] -> ggml blocks [..., n, size]."""
+    _, size = GGML_QUANT_SIZES[qtype]
+    n = rows.shape[-1] // size
+    fields, at = {}, 0
+    for off, width in BLOCK_FIELDS[qtype]:
+        fields[off] = rows[..., at:at + n * width].unflatten(-1, (n, width))
+        at += n * width
+    return torch.cat([fields[off] for off in sorted(fields)], -1)
+
+
+def _pack_codes(codes: Tensor, bits: int) -> Tensor:
+    """codes [n, g] (< 2^bits) -> [n, g * bits / 8] bytes in the planes of the module docstring."""
+    g = codes.shape[-1]
+    c = codes.to(torch.uint8)
+    if bits == 4:
+        return c[:, :g // 2] | (c[:, g // 2:] << 4)
+    low = c & 3
+    q = g // 4
+    planes = low[:, :q] | (low[:, q:2 * q] << 2) | (low[:, 2 * q:3 * q] << 4) | (low[:, 3 * q:] << 6)
+    high = (c >> 2).view(c.shape[0], 8, g // 8)  # bit plane: value c at byte c % (g/8), bit c // (g/8)
+    bit_plane = (high << torch.arange(8, device=c.device, dtype=torch.uint8)[None, :, None]).sum(1, dtype=torch.uint8)
+    return torch.cat([planes, bit_plane], -1)
+
+
+def _unpack_codes(packed: Tensor, bits: int, g: int) -> Tensor:
+    p = packed.long()
+    if bits == 4:
+        return torch.cat([p & 15, p >> 4], -1)
+    q = g // 4
+    low = torch.cat([(p[:, :q] >> (2 * u)) & 3 for u in range(4)], -1)
+    bit_plane = p[:, q:]  # [n, g / 8]
+    high = ((bit_plane[:, None, :] >> torch.arange(8, device=p.device)[None, :, None]) & 1).flatten(1)
+    return low | (high << 2)
+
+
+def quantize_rotated(groups: Tensor, bits: int) -> tuple[Tensor, Tensor]:
+    """float32 groups [n, g] -> (packed codes [n, g * bits / 8] of the rotated, normalised group, fp16 scale
+    bytes [n, 2])."""
     g = groups.shape[1]
-    levels = torch.tensor(lloyd_max_codebook(bits), dtype=torch.float32, device=groups.device)
+    levels = table("levels", bits, groups.device)
     norm = groups.norm(dim=-1, keepdim=True)
     unit = groups * _inverse(norm)
     rotated = unit @ rotation(g, groups.device).T * math.sqrt(g)  # coordinates ~ N(0, 1)
     codes = torch.bucketize(rotated.contiguous(), (levels[1:] + levels[:-1]) / 2)
-    decoded = levels[codes]
-    scale = norm * _inverse(decoded.norm(dim=-1, keepdim=True))  # the decoded group keeps the norm
-    return torch.cat([_fp16_bytes(scale), _pack_bits(codes, bits)], -1)
-
-
-def rotated_values(stored: Tensor, bits: int, g: int) -> Tensor:
-    """Stored groups [n, bytes] -> the decoded group in the rotated domain [n, g] (scale x codebook level)."""
-    levels = torch.tensor(lloyd_max_codebook(bits), dtype=torch.float32, device=stored.device)
-    scale = stored[:, :2].contiguous().view(torch.float16).float()
-    return levels[_unpack_bits(stored[:, 2:], bits, g)] * scale
+    scale = norm * _inverse(levels[codes].norm(dim=-1, keepdim=True))  # the decoded group keeps the norm
+    return _pack_codes(codes, bits), _fp16_bytes(scale)
 
 
 @dataclass(frozen=True)
@@ -209,17 +259,32 @@ class KVCodec:
     def bytes_per_row(self, head_dim: int) -> int:
         return self.row_size(head_dim) * torch.empty(0, dtype=self.storage_dtype).element_size()
 
-    def encode(self, x: Tensor) -> Tensor:
-        """Rows [..., head_dim] -> stored [..., row_size]."""
+    def prepare(self, device: torch.device | str, head_dim: int) -> None:
+        """Make the type's constant tables on `device` now (not inside a CUDA graph capture)."""
+        table("iq4_nl", 0, device)  # also the split attention kernel's placeholder table
         if self.bits is not None:
-            group = rotation_group(x.shape[-1])
-            raw = quantize_rotated(x.float().reshape(-1, group), self.bits)
-            return raw.reshape(*x.shape[:-1], -1)
+            table("levels", self.bits, device)
+            rotation(rotation_group(head_dim), device)
+
+    def encode(self, x: Tensor) -> Tensor:
+        """Rows [..., head_dim] -> stored [..., row_size] (planar rows: module docstring)."""
+        head_dim = x.shape[-1]
+        if self.bits is not None:
+            group = rotation_group(head_dim)
+            codes, scales = quantize_rotated(x.float().reshape(-1, group), self.bits)
+            n = head_dim // group
+            rows = torch.cat([codes.reshape(-1, n * codes.shape[-1]), scales.reshape(-1, 2 * n)], -1)
+            return rows.reshape(*x.shape[:-1], -1)
         if self.qtype is None:
             return x.to(self.storage_dtype)
         block, _ = GGML_QUANT_SIZES[self.qtype]
         raw = quantize_blocks(x.float().reshape(-1, block), self.qtype)
-        return raw.reshape(*x.shape[:-1], -1)
+        return blocks_to_row(raw.reshape(-1, head_dim // block, raw.shape[-1]), self.qtype).reshape(
+            *x.shape[:-1], -1)
+
+    def to_blocks(self, stored: Tensor) -> Tensor:
+        """A block type's stored rows [..., row_size] -> ggml's blocks [..., head_dim / 32, block size]."""
+        return row_to_blocks(stored, self.qtype)
 
     def decode(self, stored: Tensor, dtype: torch.dtype | None = None) -> Tensor:
         """Stored [..., row_size] -> rows [..., head_dim] in `dtype` (default: the stored float type)."""
@@ -232,19 +297,28 @@ class KVCodec:
             return stored if dtype is None else stored.to(dtype)
         from flashdraft.formats.gguf import BLOCK_DEQUANTISERS  # (formats imports the model families)
         _, size = GGML_QUANT_SIZES[self.qtype]
-        values = BLOCK_DEQUANTISERS[self.qtype](stored.reshape(-1, size))
+        values = BLOCK_DEQUANTISERS[self.qtype](self.to_blocks(stored).reshape(-1, size))
         return values.reshape(*stored.shape[:-1], -1).to(dtype or self.dtype)
 
+    def head_dim(self, row_size: int) -> int:
+        if self.bits is not None:  # 2 + group * bits / 8 bytes per group; heads under 128 are one group
+            full = 2 + ROTATION_GROUP * self.bits // 8
+            return row_size // full * ROTATION_GROUP if row_size >= full else (row_size - 2) * 8 // self.bits
+        if self.qtype is None:
+            return row_size
+        block, size = GGML_QUANT_SIZES[self.qtype]
+        return row_size // size * block
 
     def decode_rotated(self, stored: Tensor) -> Tensor:
         """A rotated type's rows [..., row_size] -> float32 rows in the rotated domain [..., head_dim]."""
-        per_group = 2 + ROTATION_GROUP * self.bits // 8
-        row = stored.shape[-1]
-        # one group per row for small heads: row = 2 + head_dim * bits / 8
-        group = ROTATION_GROUP if row % per_group == 0 and row >= per_group else (row - 2) * 8 // self.bits
-        g_bytes = 2 + group * self.bits // 8
-        values = rotated_values(stored.reshape(-1, g_bytes), self.bits, group)
-        return values.reshape(*stored.shape[:-1], -1)
+        head_dim = self.head_dim(stored.shape[-1])
+        group = rotation_group(head_dim)
+        n, code_bytes = head_dim // group, group * self.bits // 8
+        flat = stored.reshape(-1, stored.shape[-1])
+        codes = _unpack_codes(flat[:, :n * code_bytes].reshape(-1, code_bytes), self.bits, group)
+        scales = flat[:, n * code_bytes:].contiguous().view(torch.float16).float().reshape(-1, 1)
+        values = table("levels", self.bits, stored.device)[codes] * scales
+        return values.reshape(*stored.shape[:-1], head_dim)
 
 
 def kv_codecs(cache_types: tuple[str, str] | None, dtype: torch.dtype) -> tuple[KVCodec, KVCodec]:
