@@ -178,8 +178,8 @@ def check_quantized(device: str, dtype: torch.dtype, tol: float) -> None:
         ref = grouped_attention(q[0].float(), keys[0], values[0], mask[0], spec.scale)
         err = (out[0].float() - ref).abs().max().item()
         assert out.dtype == dtype and err < tol, f"{types}, D={D}: max error {err}"
-        # the comparison can fail: the rows read as floats would be the unquantized ones
-        if types[0] not in ("f16", "bf16"):
+        # the comparison can fail: read as unquantized floats, 3-5-bit keys would be off by more than tol
+        if types[0] not in ("f16", "bf16", "q8_0") and dtype == torch.float32:  # (bf16 rounds by about tol)
             keys_f = k[0].transpose(0, 1).float()
             far = grouped_attention(q[0].float(), keys_f, values[0], mask[0], spec.scale)
             assert (far - ref).abs().max() > tol, types

@@ -47,10 +47,16 @@ def _plane_cols(j, p: tl.constexpr, TYPE: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
+def _spread(x, per: tl.constexpr):
+    """[N, B] per-block values -> [N, B * per]: each repeated for its block's `per` entries."""
+    return tl.reshape(tl.broadcast_to(x[:, :, None], (x.shape[0], x.shape[1], per)), (x.shape[0], x.shape[1] * per))
+
+
+@triton.jit
 def _plane(base, n, n_ok, p: tl.constexpr, lut, TYPE: tl.constexpr, D: tl.constexpr, ROW: tl.constexpr,
            PLANES: tl.constexpr):
     """Plane p of stored rows n [BLOCK_N] of one KV head (base: its row 0; ROW: elements per stored row) ->
-    [BLOCK_N, D / PLANES] float32, columns _plane_cols."""
+    [BLOCK_N, D / PLANES] float32, columns _plane_cols. Scales are loaded once per block and spread."""
     j = tl.arange(0, D // PLANES)[None, :]
     row = base + n[:, None] * ROW
     ok = n_ok[:, None]
@@ -58,38 +64,41 @@ def _plane(base, n, n_ok, p: tl.constexpr, lut, TYPE: tl.constexpr, D: tl.conste
         x = tl.load(row + j, mask=ok, other=0.0).to(tl.float32)
     elif TYPE == 8:
         q = tl.load(row + j, mask=ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-        x = q * tl.load((row + D).to(tl.pointer_type(tl.float16)) + j // 32, mask=ok, other=0.0).to(tl.float32)
+        d = tl.load((row + D).to(tl.pointer_type(tl.float16)) + tl.arange(0, D // 32)[None, :], mask=ok, other=0.0)
+        x = q * _spread(d.to(tl.float32), 32)
     elif TYPE > 100:
         BITS: tl.constexpr = TYPE - 100
         G: tl.constexpr = 128 if D > 128 else D
         W: tl.constexpr = G // 2 if BITS == 4 else G // 4
-        g = j // W
         if BITS == 4:
             code = (tl.load(row + j, mask=ok, other=0) >> (4 * p)) & 15
         else:
+            g = j // W
             jr = j % W
             at = row + g * (3 * G // 8)
             low = (tl.load(at + jr, mask=ok, other=0) >> (2 * p)) & 3
             high = (tl.load(at + G // 4 + jr % (G // 8), mask=ok, other=0) >> (2 * p + jr // (G // 8)).to(tl.uint8)) & 1
             code = low | (high << 2)
-        scale = tl.load((row + D * BITS // 8).to(tl.pointer_type(tl.float16)) + g, mask=ok, other=0.0)
-        x = tl.load(lut + code.to(tl.int32)) * scale.to(tl.float32)
+        scale = tl.load((row + D * BITS // 8).to(tl.pointer_type(tl.float16)) + tl.arange(0, D // G)[None, :],
+                        mask=ok, other=0.0)
+        x = tl.load(lut + code.to(tl.int32)) * _spread(scale.to(tl.float32), W)
     else:  # 32-value blocks: quants (D / 2 nibble bytes), scales, [mins], [fifth bits]
         NB: tl.constexpr = D // 32
         HAS_MIN: tl.constexpr = TYPE == 3 or TYPE == 7
         FIVE: tl.constexpr = TYPE == 6 or TYPE == 7
-        b = j // 16
+        b = tl.arange(0, NB)[None, :]
         nib = ((tl.load(row + j, mask=ok, other=0) >> (4 * p)) & 15).to(tl.int32)
-        d = tl.load((row + D // 2).to(tl.pointer_type(tl.float16)) + b, mask=ok, other=0.0).to(tl.float32)
-        if FIVE:
-            i = p * 16 + j % 16  # the value's index in its block
-            qh = tl.load(row + D // 2 + 2 * NB * (1 + HAS_MIN) + 4 * b + i // 8, mask=ok, other=0).to(tl.int32)
-            nib = nib | (((qh >> (i % 8)) & 1) << 4)
+        d = _spread(tl.load((row + D // 2).to(tl.pointer_type(tl.float16)) + b, mask=ok, other=0.0).to(tl.float32), 16)
+        if FIVE:  # block b's 32 fifth bits as one word; bit i for the block's value i = 16 p + r
+            qh = tl.load((row + D // 2 + 2 * NB * (1 + HAS_MIN)).to(tl.pointer_type(tl.int32)) + b, mask=ok, other=0)
+            r = tl.arange(0, 16)[None, None, :]
+            bits = (qh[:, :, None] >> (16 * p + r)) & 1
+            nib = nib | tl.reshape(bits, (qh.shape[0], NB * 16)) << 4
         if TYPE == 20:
             x = tl.load(lut + nib) * d
         elif HAS_MIN:
-            x = nib.to(tl.float32) * d + tl.load((row + D // 2 + 2 * NB).to(tl.pointer_type(tl.float16)) + b,
-                                                 mask=ok, other=0.0).to(tl.float32)
+            m = tl.load((row + D // 2 + 2 * NB).to(tl.pointer_type(tl.float16)) + b, mask=ok, other=0.0)
+            x = nib.to(tl.float32) * d + _spread(m.to(tl.float32), 16)
         else:
             x = (nib - (16 if FIVE else 8)).to(tl.float32) * d
     return x

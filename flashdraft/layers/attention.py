@@ -121,11 +121,19 @@ def few_query_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, s
     return grouped_attention(q, keys, values, mask, scale, softcap)
 
 
+def kernel_reads(v_codec, head_dim: int, cuda: bool) -> bool:
+    """Whether the split kernel reads this V storage directly. On the H200 (Triton 3.6) its V sums came out wrong
+    for the 32-value nibble types (q4_0, q4_1, q5_0, q5_1, iq4_nl) at head sizes under 128 (docs/PERF.md; right
+    under the interpreter and at 128): such caches are expanded first there."""
+    return not (cuda and head_dim < 128 and v_codec.qtype is not None and v_codec.name != "q8_0")
+
+
 def attend_cache(q: Tensor, cache, length: int, mask: Tensor, spec: AttentionSpec) -> Tensor:
     """q [B, T, H, D] over the first `length` rows of a cache view (layers.kv_cache.KVSlots); mask [B, T, length].
     The split kernel reads one slot's rows as stored (quantized types included: a rotated type's keys meet q in
     the rotated domain, and the output is rotated back); elsewhere the rows are expanded first."""
-    if mask is not None and q.shape[0] == 1 and q.shape[1] <= SMALL_QUERY and cache.single and uses_split_kernel(q[0]):
+    if (mask is not None and q.shape[0] == 1 and q.shape[1] <= SMALL_QUERY and cache.single and uses_split_kernel(q[0])
+            and kernel_reads(cache.codecs[1], q.shape[-1], q.is_cuda)):
         from flashdraft.kernels.split_attention import ROW_TYPES
         from flashdraft.layers.kv_quant import rotate
         keys, values = cache.stored(length)
