@@ -115,7 +115,7 @@ def check_stats(obj: dict, n_tokens: int, n_prompt: int, speculative: bool) -> N
     t = obj["timings"]
     assert set(t) >= {"cache_n", "prompt_n", "prompt_ms", "prompt_per_token_ms", "prompt_per_second", "predicted_n",
                       "predicted_ms", "predicted_per_token_ms", "predicted_per_second"}
-    assert t["predicted_n"] == n_tokens and t["prompt_n"] == n_prompt
+    assert t["predicted_n"] == n_tokens and t["prompt_n"] + t["cache_n"] == n_prompt and t["prompt_n"] >= 1
     if not speculative:
         assert "speculative" not in obj and "draft_n" not in t
         return

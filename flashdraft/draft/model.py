@@ -167,8 +167,10 @@ class DFlashDraft(nn.Module):
         self.window = window
         self.scratch = max_block_size
 
-    def reset(self, slot: int = 0) -> None:
-        self.row_positions[slot] = -1
+    def reset(self, slot: int = 0, keep: int = 0) -> None:
+        """Forget the slot's context from position `keep` on (0: all of it)."""
+        rows = self.row_positions[slot]
+        rows.masked_fill_(rows >= keep, -1)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """Target features [..., L*H] -> context vectors [..., H]."""

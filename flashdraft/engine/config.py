@@ -30,5 +30,6 @@ class EngineConfig:
     draft_embed_scale: float | None = None
     cache_type_k: str = "auto"  # KV_CACHE_TYPES (--cache-type-k / -ctk)
     cache_type_v: str = "auto"
+    slot_prompt_similarity: float = 0.1  # a request takes the slot sharing this much of its prompt (-sps)
     draft_cache_type_k: str = "auto"  # DRAFT_KV_CACHE_TYPES (--spec-draft-type-k); auto: the draft's dtype
     draft_cache_type_v: str = "auto"

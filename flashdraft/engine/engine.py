@@ -2,7 +2,6 @@
 import dataclasses
 import logging
 import math
-import queue
 import threading
 import time
 from collections.abc import Iterator
@@ -26,7 +25,51 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     speculative: bool = True
     block_size: int | None = None
+    cache_prompt: bool = True  # reuse the K/V of a slot's previous tokens that start this prompt (llama-server's)
     cancel: threading.Event = field(default_factory=threading.Event)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+class SlotPool:
+    """The free cache slots and the tokens whose K/V each slot holds (llama-server's prompt cache). A request
+    takes the free slot whose tokens share the longest prefix with its prompt, when that prefix is at least
+    `similarity` of the prompt (--slot-prompt-similarity), else the free slot used least recently."""
+
+    def __init__(self, n_slots: int, similarity: float):
+        self.cond = threading.Condition()
+        self.free = list(range(n_slots))
+        self.tokens: list[list[int]] = [[] for _ in range(n_slots)]
+        self.similarity = similarity
+
+    def count(self) -> int:
+        with self.cond:
+            return len(self.free)
+
+    def acquire(self, prompt: list[int], reuse: bool, timeout: float | None = None) -> tuple[int, int]:
+        """(slot, how many leading prompt tokens its cache already holds: never the whole prompt, whose last
+        token must run to give the first logits)."""
+        with self.cond:
+            if not self.cond.wait_for(lambda: self.free, timeout):
+                raise TimeoutError("no free slot")
+            shared = {s: common_prefix(self.tokens[s], prompt) for s in self.free}
+            best = max(self.free, key=lambda s: shared[s])  # the first such in least-recently-used order
+            slot = best if shared[best] > 0 and shared[best] >= self.similarity * len(prompt) else self.free[0]
+            self.free.remove(slot)
+            cached = min(shared[slot], len(prompt) - 1) if reuse else 0
+            self.tokens[slot] = prompt[:cached]  # what stays valid while the request overwrites the rest
+            return slot, cached
+
+    def release(self, slot: int, tokens: list[int] | None = None) -> None:
+        """Return a slot whose cache now holds `tokens` (None: as at acquire)."""
+        with self.cond:
+            if tokens is not None:
+                self.tokens[slot] = tokens
+            self.free.append(slot)  # the end: most recently used
+            self.cond.notify()
 
 
 @dataclass
@@ -172,9 +215,7 @@ class Engine:
                                             FLOAT_KV_TYPES.get(config.draft_cache_type_v)))
         self.steps = Steps(target, self.state, draft, config.device)
         self.startup_s = {}
-        self.free_slots: queue.Queue[int] = queue.Queue()
-        for s in range(config.n_slots):
-            self.free_slots.put(s)
+        self.slots = SlotPool(config.n_slots, config.slot_prompt_similarity)
 
     @staticmethod
     def load(config: EngineConfig) -> "Engine":
@@ -254,7 +295,7 @@ class Engine:
 
     @property
     def free_slot_count(self) -> int:
-        return self.free_slots.qsize()
+        return self.slots.count()
 
     def stream(self, req: Request) -> Iterator[Delta | Completion]:
         """Yield text deltas, then the Completion. Closing the iterator early frees the slot.
@@ -277,15 +318,16 @@ class Engine:
 
     def stop_followers(self, timeout: float = 60.0) -> None:
         """Rank 0: end the other ranks' `follow`, once the request in progress (if any) is over."""
-        slot = self.free_slots.get(timeout=timeout)
+        slot, _ = self.slots.acquire([], reuse=False, timeout=timeout)
         try:
             self._share_request(None, None)
         finally:
-            self.free_slots.put(slot)
+            self.slots.release(slot)
 
     def _share_request(self, req: Request | None, seed: int | None) -> tuple[Request, int | None] | None:
         """Rank 0's request and seed on every rank (None: rank 0 has no more)."""
-        fields = None if req is None else (req.prompt_ids, req.params, req.speculative, req.block_size)
+        fields = None if req is None else (req.prompt_ids, req.params, req.speculative, req.block_size,
+                                           req.cache_prompt)
         shared = from_rank0(None if fields is None else (fields, seed))
         if shared is None:
             return None
@@ -295,11 +337,12 @@ class Engine:
         return Request(*fields), seed
 
     def _stream_in_slot(self, req: Request, seed: int | None) -> Iterator[Delta | Completion]:
-        slot = self.free_slots.get()
+        slot, cached = self.slots.acquire(req.prompt_ids, req.cache_prompt)
+        held: list[int] = list(req.prompt_ids[:cached])  # the tokens the slot's cache holds (grows as it runs)
         try:
-            yield from self._run(req, slot, seed)
+            yield from self._run(req, slot, seed, cached, held)
         finally:
-            self.free_slots.put(slot)
+            self.slots.release(slot, held)
 
     def generate(self, req: Request) -> Completion:
         for event in self.stream(req):
@@ -307,7 +350,10 @@ class Engine:
                 return event
         raise RuntimeError("generation ended without a result")
 
-    def _run(self, req: Request, slot: int, seed: int | None) -> Iterator[Delta | Completion]:
+    def _run(self, req: Request, slot: int, seed: int | None, cached: int = 0,
+             held: list[int] | None = None) -> Iterator[Delta | Completion]:
+        """`cached`: leading prompt tokens the slot's cache already holds; `held` receives the tokens it holds
+        as the run goes (the prompt, then every output token but the last, whose K/V no step has written)."""
         from flashdraft.formats.tokenizer import IncrementalDetokenizer
         p = req.params
         draft = self.draft if req.speculative else None
@@ -331,7 +377,8 @@ class Engine:
         reported = 0  # logprobs already handed out in deltas
         steps = decode(self.steps, prompt, p, slot=slot, speculative=draft is not None,
                        block_size=req.block_size or self.block_size, stats=stats, max_len=self.ctx_size, generator=gen,
-                       controller=controller, logprobs=logprobs)
+                       controller=controller, logprobs=logprobs, cached=cached)
+        held = [] if held is None else held
         if self.world_size > 1:
             steps = in_lockstep(steps, self.device)
         try:
@@ -345,6 +392,10 @@ class Engine:
                     if logprobs is not None:
                         del logprobs[len(tokens) + end:]
                 tokens += new
+                # in the cache now: the prompt and every output token but the last (no step has run it yet)
+                if len(held) < len(req.prompt_ids):
+                    held[:] = req.prompt_ids
+                held[len(req.prompt_ids):] = tokens[:-1]
                 text += detok.push(new if end is None else new[:end])
                 hit = _stop_hit(text, p.stop)
                 if hit is not None:
@@ -363,7 +414,8 @@ class Engine:
         self._sync()
         t_end = time.perf_counter()
         t_first = t_first or t_end
-        timings = Timings(prompt_n=len(req.prompt_ids), prompt_ms=1e3 * (t_first - t0), predicted_n=len(tokens),
+        timings = Timings(prompt_n=len(req.prompt_ids) - cached, cache_n=cached, prompt_ms=1e3 * (t_first - t0),
+                          predicted_n=len(tokens),
                           predicted_ms=1e3 * (t_end - t_first), draft_n=stats.draft_n,
                           draft_n_accepted=stats.draft_n_accepted)
         if logprobs is not None:

@@ -57,10 +57,12 @@ def accept_matching_samples(drafted: Tensor, logits: Tensor, params: SamplingPar
     return accepted, target_tokens[accepted]
 
 
-def prefill(target, state, prompt_ids: Tensor, slot: int, capture: list[int] | None) -> tuple[Tensor, Tensor | None]:
-    """Run the prompt through the target in chunks; returns the last logits [1, V] and all captured features."""
+def prefill(target, state, prompt_ids: Tensor, slot: int, capture: list[int] | None,
+            cached: int = 0) -> tuple[Tensor, Tensor | None]:
+    """Run the prompt from position `cached` on (the cache holds the K/V before it) through the target in chunks;
+    returns the last logits [1, V] and the captured features of the positions it ran."""
     features = []
-    for start in range(0, len(prompt_ids), PREFILL_CHUNK):
+    for start in range(cached, len(prompt_ids), PREFILL_CHUNK):
         chunk = prompt_ids[start:start + PREFILL_CHUNK]
         positions = torch.arange(start, start + len(chunk), device=prompt_ids.device)
         logits, feats = target(chunk[None], positions[None], state, slot, capture=capture or (),
@@ -74,13 +76,15 @@ def prefill(target, state, prompt_ids: Tensor, slot: int, capture: list[int] | N
 def decode(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int = 0, speculative: bool = True,
            block_size: int | None = None, stats: SpecStats | None = None, max_len: int | None = None,
            generator: torch.Generator | None = None, accept_rule: AcceptRule = accept_matching_samples,
-           controller: WidthController | None = None, logprobs: list | None = None) -> Iterator[list[int]]:
+           controller: WidthController | None = None, logprobs: list | None = None,
+           cached: int = 0) -> Iterator[list[int]]:
     """Yield the committed tokens of each step until `params.max_tokens` are out (the caller stops
     earlier on EOS or stop strings by closing the generator). With a draft (and `speculative`), each step
     drafts a whole block and verifies `controller.width()` of it (default: all); width 1 is a plain step that
     still hands its features to the draft. logit_bias and the penalties apply to every verified row with
     that row's own prefix, so speculation stays lossless under them. With `params.logprobs` set, `logprobs`
-    receives one sampling.token_logprobs entry per committed token, before the tokens are yielded."""
+    receives one sampling.token_logprobs entry per committed token, before the tokens are yielded. `cached`: the
+    slot's cache (and the draft's ring) already hold the first `cached` prompt tokens (a prompt cache hit)."""
     target, state = steps.target, steps.state
     draft = steps.draft if speculative else None
     device = prompt_ids.device
@@ -92,7 +96,9 @@ def decode(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int =
     if budget <= 0:
         return
     capture = draft.cfg.target_layer_ids if draft is not None else None
-    logits, features = prefill(target, state, prompt_ids, slot, capture)
+    if not 0 <= cached < n:
+        raise ValueError(f"cached {cached} of a {n}-token prompt: the last prompt token must run")
+    logits, features = prefill(target, state, prompt_ids, slot, capture, cached)
     history = prompt_ids.tolist() if params.penalized else []  # the penalties' window: prompt and output
     bias = logit_bias_row(params, logits.shape[-1], device)
 
@@ -108,8 +114,8 @@ def decode(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int =
     token = int(sample(choose(logits), params, generator)[0])
     report(logits, [token])
     if draft is not None:
-        draft.reset(slot)
-        draft.append_context(features, torch.arange(n, device=device), slot)
+        draft.reset(slot, keep=cached)
+        draft.append_context(features, torch.arange(cached, n, device=device), slot)
     yield [token]
     produced, pos = 1, n  # pos: position of `token`, committed but not yet in the target cache
     block = (block_size or draft.cfg.block_size) if draft is not None else 1

@@ -52,6 +52,9 @@ def build_parser() -> Parser:
     ap.add_argument("--block-size", type=int, default=None, help="verify block size (at most the draft's)")
     ap.add_argument("--host", default=d.host, help=f"address to listen on (default {d.host})")
     ap.add_argument("--port", type=int, default=d.port, help=f"port to listen on (default {d.port})")
+    ap.add_argument("-sps", "--slot-prompt-similarity", type=float, default=d.slot_prompt_similarity, metavar="F",
+                    help="a request takes the free slot whose cached tokens start with at least this fraction of its "
+                         "prompt (the longest such prefix; else the least recently used slot)")
     ap.add_argument("-np", "--parallel", dest="n_slots", type=int, default=d.n_slots, metavar="N",
                     help="number of slots: requests served at once, the rest wait in a queue (default 1)")
     ap.add_argument("-c", "--ctx-size", type=int, default=d.ctx_size, metavar="N",
@@ -142,7 +145,7 @@ def parse_settings(argv: list[str]) -> tuple[Settings, list[str]]:
     settings = Settings(
         model=args.model, draft=args.draft, speculative=args.spec_type != "none",
         draft_window=args.draft_window, block_size=args.block_size, host=args.host, port=args.port,
-        n_slots=args.n_slots, ctx_size=args.ctx_size, device=args.device, dtype=args.dtype, compile=args.compile, adaptive=args.adaptive,
+        n_slots=args.n_slots, slot_prompt_similarity=args.slot_prompt_similarity, ctx_size=args.ctx_size, device=args.device, dtype=args.dtype, compile=args.compile, adaptive=args.adaptive,
         draft_embed_scale=args.draft_embed_scale, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
         draft_cache_type_k=args.draft_cache_type_k, draft_cache_type_v=args.draft_cache_type_v, dequantize=args.dequantize, quantized=args.quantized,
         tp=args.tp,

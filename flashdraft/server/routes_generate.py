@@ -70,7 +70,8 @@ def engine_request(state: ServerState, ids: list[int], body: dict, limit_names: 
     except ValueError as e:
         raise ApiError(400, str(e)) from None
     P.check_fits(ids, engine.ctx_size)
-    return EngineRequest(prompt_ids=ids, params=params, speculative=state.settings.speculative)
+    return EngineRequest(prompt_ids=ids, params=params, speculative=state.settings.speculative,
+                         cache_prompt=P.get_bool(body, "cache_prompt", True))
 
 async def generate(request: Request, req: EngineRequest) -> tuple[Job, Completion] | None:
     async def run() -> tuple[Job, Completion]:

@@ -14,6 +14,7 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8080
     n_slots: int = 1
+    slot_prompt_similarity: float = 0.1  # -sps
     ctx_size: int = 4096  # total over all slots, as llama-server's -c; each slot gets ctx_size // n_slots
     device: str | None = None
     dtype: str = "auto"
@@ -58,7 +59,8 @@ class Settings:
 
     def engine_config(self, draft: str | None, device: str, slot_ctx: int, progress: bool = False) -> EngineConfig:
         return EngineConfig(model=self.model, draft=draft, device=device, dtype=self.dtype, ctx_size=slot_ctx,
-                            n_slots=self.n_slots, draft_window=self.draft_window, block_size=self.block_size,
+                            n_slots=self.n_slots, slot_prompt_similarity=self.slot_prompt_similarity,
+                            draft_window=self.draft_window, block_size=self.block_size,
                             compile=self.compile, adaptive=self.adaptive, progress=progress,
                             draft_embed_scale=self.draft_embed_scale, cache_type_k=self.cache_type_k,
                             cache_type_v=self.cache_type_v, draft_cache_type_k=self.draft_cache_type_k,
