@@ -11,6 +11,7 @@ import torch
 
 from flashdraft.engine.config import EngineConfig
 from flashdraft.engine.generate import SpecStats, decode
+from flashdraft.engine.grammar import Grammar
 from flashdraft.engine.lockstep import from_rank0, in_lockstep
 from flashdraft.engine.sampling import SamplingParams
 from flashdraft.engine.steps import Steps
@@ -26,6 +27,7 @@ class Request:
     speculative: bool = True
     block_size: int | None = None
     cache_prompt: bool = True  # reuse the K/V of a slot's previous tokens that start this prompt (llama-server's)
+    grammar: Grammar | None = None  # constrain the output (engine/grammar.py)
     cancel: threading.Event = field(default_factory=threading.Event)
 
 
@@ -327,7 +329,7 @@ class Engine:
     def _share_request(self, req: Request | None, seed: int | None) -> tuple[Request, int | None] | None:
         """Rank 0's request and seed on every rank (None: rank 0 has no more)."""
         fields = None if req is None else (req.prompt_ids, req.params, req.speculative, req.block_size,
-                                           req.cache_prompt)
+                                           req.cache_prompt, req.grammar)
         shared = from_rank0(None if fields is None else (fields, seed))
         if shared is None:
             return None
@@ -374,10 +376,14 @@ class Engine:
             from flashdraft.engine.adaptive import WidthController
             controller = WidthController(self.width_costs or self.measure_width_costs(slot))
         logprobs: list[TokenLogprob] | None = [] if p.logprobs is not None else None
+        constraint = None
+        if req.grammar is not None:
+            from flashdraft.engine.grammar import Constraint
+            constraint = Constraint(self.tokenizer, req.grammar, self.target.cfg.vocab_size)
         reported = 0  # logprobs already handed out in deltas
         steps = decode(self.steps, prompt, p, slot=slot, speculative=draft is not None,
                        block_size=req.block_size or self.block_size, stats=stats, max_len=self.ctx_size, generator=gen,
-                       controller=controller, logprobs=logprobs, cached=cached)
+                       controller=controller, logprobs=logprobs, cached=cached, constraint=constraint)
         held = [] if held is None else held
         if self.world_size > 1:
             steps = in_lockstep(steps, self.device)

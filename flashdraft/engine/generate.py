@@ -6,6 +6,7 @@ only ever receives features of committed positions, so it never rolls back.
 """
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -13,6 +14,9 @@ from torch import Tensor
 from flashdraft.engine.adaptive import WidthController
 from flashdraft.engine.sampling import SamplingParams, adjust_logits, logit_bias_row, sample, token_logprobs
 from flashdraft.engine.steps import Steps
+
+if TYPE_CHECKING:
+    from flashdraft.engine.grammar import Constraint
 
 PREFILL_CHUNK = 1024
 
@@ -77,14 +81,16 @@ def decode(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int =
            block_size: int | None = None, stats: SpecStats | None = None, max_len: int | None = None,
            generator: torch.Generator | None = None, accept_rule: AcceptRule = accept_matching_samples,
            controller: WidthController | None = None, logprobs: list | None = None,
-           cached: int = 0) -> Iterator[list[int]]:
+           cached: int = 0, constraint: "Constraint | None" = None) -> Iterator[list[int]]:
     """Yield the committed tokens of each step until `params.max_tokens` are out (the caller stops
     earlier on EOS or stop strings by closing the generator). With a draft (and `speculative`), each step
     drafts a whole block and verifies `controller.width()` of it (default: all); width 1 is a plain step that
     still hands its features to the draft. logit_bias and the penalties apply to every verified row with
     that row's own prefix, so speculation stays lossless under them. With `params.logprobs` set, `logprobs`
     receives one sampling.token_logprobs entry per committed token, before the tokens are yielded. `cached`: the
-    slot's cache (and the draft's ring) already hold the first `cached` prompt tokens (a prompt cache hit)."""
+    slot's cache (and the draft's ring) already hold the first `cached` prompt tokens (a prompt cache hit).
+    `constraint` (engine/grammar.py) masks every verified row with the grammar's state after that row's own
+    prefix, so a constrained answer stays lossless too."""
     target, state = steps.target, steps.state
     draft = steps.draft if speculative else None
     device = prompt_ids.device
@@ -103,9 +109,15 @@ def decode(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int =
     bias = logit_bias_row(params, logits.shape[-1], device)
 
     def choose(rows: Tensor, drafted: Tensor | None = None) -> Tensor:
-        return adjust_logits(rows, params, bias, history, drafted) if params.adjusted else rows
+        if params.adjusted:
+            rows = adjust_logits(rows, params, bias, history, drafted)
+        if constraint is not None:
+            rows = constraint.apply(rows, [] if drafted is None else drafted.tolist())
+        return rows
 
     def report(rows: Tensor, tokens: list[int]) -> None:
+        if constraint is not None:
+            constraint.commit(tokens)
         if params.penalized:
             history.extend(tokens)
         if logprobs is not None and params.logprobs is not None:

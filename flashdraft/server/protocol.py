@@ -252,7 +252,7 @@ def message_text(content: Any, index: int) -> str:
 
 # Fields of OpenAI's and llama.cpp's APIs that change what a caller gets back and are not implemented yet: a 400
 # naming the field, never a 200 that silently breaks the caller's contract.
-UNSUPPORTED_FIELDS = ("best_of", "suffix", "echo", "mirostat", "response_format", "grammar", "json_schema")
+UNSUPPORTED_FIELDS = ("best_of", "suffix", "echo", "mirostat")
 NEUTRAL_VALUES = {"echo": False, "mirostat": 0, "best_of": 1}
 
 
@@ -263,8 +263,6 @@ def check_supported(body: dict) -> None:
         neutral = NEUTRAL_VALUES.get(name)
         if value is None or (neutral is not None and value == neutral
                              and isinstance(value, bool) == isinstance(neutral, bool)):
-            continue
-        if name == "response_format" and isinstance(value, dict) and value.get("type") == "text":
             continue
         raise ApiError(400, f"'{name}' is not supported yet")
 
@@ -339,6 +337,12 @@ def too_long(e: TooManyTokens) -> ApiError:
     return context_exceeded(f"at least {e.at_least}", e.at_least, e.limit)
 
 
+def openai_calls(calls: list[dict]) -> list[dict]:
+    """Parsed calls {"name", "arguments"} as OpenAI's tool_calls entries."""
+    return [{"id": new_id("call_")[:29], "type": "function",
+             "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
+
+
 def new_id(prefix: str) -> str:
     alphabet = string.ascii_letters + string.digits
     return prefix + "".join(secrets.choice(alphabet) for _ in range(32))
@@ -370,9 +374,13 @@ class Envelope:
                 "system_fingerprint": self.fingerprint, "object": obj or self.object, **extra}
 
 
-def chat_response(env: Envelope, c: Completion, content: str, reasoning: str, logprobs: dict | None = None) -> dict:
-    message = {"role": "assistant", "content": content} | ({"reasoning_content": reasoning} if reasoning else {})
-    choice = {"finish_reason": c.finish_reason, "index": 0, "message": message, "logprobs": logprobs}
+def chat_response(env: Envelope, c: Completion, content: str, reasoning: str, logprobs: dict | None = None,
+                  calls: list[dict] | None = None) -> dict:
+    message = {"role": "assistant", "content": content or (None if calls else "")}
+    message |= ({"reasoning_content": reasoning} if reasoning else {}) | ({"tool_calls": openai_calls(calls)}
+                                                                          if calls else {})
+    finish = "tool_calls" if calls else c.finish_reason
+    choice = {"finish_reason": finish, "index": 0, "message": message, "logprobs": logprobs}
     return add_stats(env.make([choice], "chat.completion", usage=usage(c)), c)
 
 

@@ -18,6 +18,8 @@ from flashdraft.server.reasoning import ThinkSplitter, prompt_opens_thinking, sp
 from flashdraft.server.scheduler import Job
 from flashdraft.server.state import FINGERPRINT, ServerState, read_json, server_state
 from flashdraft.server.streaming import EventStream, guarded, sse, until_disconnect
+from flashdraft.server.structured import request_grammar
+from flashdraft.server.tools import ToolError, ToolPlan, template_messages, tool_plan
 
 log = logging.getLogger("flashdraft.server")
 router = APIRouter()
@@ -38,11 +40,20 @@ def log_completion(path: str, job: Job, c: Completion) -> None:
 TEMPLATE_RESERVED = ("messages", "add_generation_prompt")  # chat_ids passes these itself
 
 
+def tools_of(engine: Engine, body: dict) -> ToolPlan | None:
+    try:
+        return tool_plan(engine.tokenizer.chat_template, body)
+    except ToolError as e:
+        raise ApiError(400, str(e)) from None
+
+
 def chat_prompt_ids(state: ServerState, engine: Engine, body: dict, limit: int | None) -> list[int]:
     messages = P.parse_messages(body)
     extra = dict(P.get_object(body, "chat_template_kwargs"))
-    if isinstance(body.get("tools"), list) and body["tools"]:
+    plan = tools_of(engine, body)
+    if plan is not None and plan.choice != "none":
         extra.setdefault("tools", body["tools"])
+    messages = template_messages(messages)
     for name in TEMPLATE_RESERVED:
         if name in extra:
             raise ApiError(400, f"chat_template_kwargs.{name} is set by the server, not by the request")
@@ -60,9 +71,10 @@ def chat_prompt_ids(state: ServerState, engine: Engine, body: dict, limit: int |
                             "type?)") from None
 
 def engine_request(state: ServerState, ids: list[int], body: dict, limit_names: tuple[str, ...],
-                   top_logprobs: int | None) -> EngineRequest:
+                   top_logprobs: int | None, plan: ToolPlan | None = None) -> EngineRequest:
     engine, _ = state.require()
     P.check_supported(body)
+    grammar = request_grammar(engine.tokenizer, body, None if plan is None else plan.grammar)
     params = P.sampling_params(body, state.settings, limit_names, engine.tokenizer, engine.target.cfg.vocab_size,
                                top_logprobs)
     try:
@@ -71,7 +83,7 @@ def engine_request(state: ServerState, ids: list[int], body: dict, limit_names: 
         raise ApiError(400, str(e)) from None
     P.check_fits(ids, engine.ctx_size)
     return EngineRequest(prompt_ids=ids, params=params, speculative=state.settings.speculative,
-                         cache_prompt=P.get_bool(body, "cache_prompt", True))
+                         cache_prompt=P.get_bool(body, "cache_prompt", True), grammar=grammar)
 
 async def generate(request: Request, req: EngineRequest) -> tuple[Job, Completion] | None:
     async def run() -> tuple[Job, Completion]:
@@ -140,8 +152,10 @@ async def chat_completions(request: Request) -> Response:
     body = await read_json(request)
     engine, _ = state.require()
     ids = await asyncio.to_thread(chat_prompt_ids, state, engine, body, engine.ctx_size)  # may be large
+    plan = tools_of(engine, body)
+    plan = plan if plan is not None and plan.choice != "none" else None
     req = engine_request(state, ids, body, ("max_completion_tokens", "max_tokens", "n_predict"),
-                         P.chat_logprobs_count(body))
+                         P.chat_logprobs_count(body), plan)
     env = P.Envelope("chatcmpl-", "chat.completion.chunk", state.model_name, FINGERPRINT)
     split = P.reasoning_format(body, state.settings.reasoning_format) != "none"
     thinking_open = split and prompt_opens_thinking(engine.tokenizer.decode(ids[-16:], skip_special=False))
@@ -153,9 +167,13 @@ async def chat_completions(request: Request) -> Response:
         c = done[1]
         reasoning, content = split_reasoning(c.text, thinking_open) if split else ("", c.text)
         logprobs = P.chat_logprobs(engine.tokenizer, c.logprobs) if with_logprobs else None
-        return JSONResponse(P.chat_response(env, c, content, reasoning, logprobs))
+        calls = []
+        if plan is not None:
+            content, calls = plan.parse(content)
+        return JSONResponse(P.chat_response(env, c, content, reasoning, logprobs, calls))
     splitter = ThinkSplitter(thinking_open) if split else None
     pending: list = []  # logprobs of tokens whose text the splitter still holds
+    held = {"text": "", "sent": 0, "calls": []}  # with tools: the content so far, how much went out, the calls
 
     def deltas(event: Delta | Completion) -> Iterator[dict]:
         """Reasoning and content chunks of what the splitter lets out; at the end, all it still holds. The
@@ -168,7 +186,21 @@ async def chat_completions(request: Request) -> Response:
         if final and splitter is not None:
             r, c = splitter.flush()
             reasoning, content = reasoning + r, content + c
+        tool_parts = []
+        if plan is not None:  # content goes out only up to where a tool call may begin
+            held["text"] += content
+            if final:
+                rest, calls = plan.parse(held["text"])
+                sent = held["text"][:held["sent"]].strip()
+                content = rest[len(sent):] if calls and rest.startswith(sent) else "" if calls else \
+                    held["text"][held["sent"]:]
+                held["calls"] = P.openai_calls(calls)
+                tool_parts = [{"tool_calls": [{"index": i, **call}]} for i, call in enumerate(held["calls"])]
+            else:
+                safe = max(held["sent"], plan.safe(held["text"]))
+                content, held["sent"] = held["text"][held["sent"]:safe], safe
         parts = [{key: value} for key, value in (("reasoning_content", reasoning), ("content", content)) if value]
+        parts += tool_parts
         if final and pending and not parts:
             parts = [{}]
         for delta in parts:
@@ -176,7 +208,8 @@ async def chat_completions(request: Request) -> Response:
             pending.clear()
             yield P.chat_chunk(env, delta, logprobs=logprobs)
 
-    return openai_stream(request, req, env, body, deltas, lambda reason: P.chat_chunk(env, {}, reason),
+    return openai_stream(request, req, env, body, deltas,
+                         lambda reason: P.chat_chunk(env, {}, "tool_calls" if held["calls"] else reason),
                          opening=P.chat_chunk(env, {"role": "assistant", "content": ""}),
                          per_token=P.get_bool(body, "timings_per_token", False))
 

@@ -1,0 +1,122 @@
+"""Constrained decoding (JSON schemas, Lark and GBNF grammars) with llguidance, kept lossless under speculation.
+
+The matcher follows the committed tokens. For a verify block it walks the drafted tokens too: row i's mask is the
+grammar's state after the committed tokens and the first i drafted ones, so each verified row is sampled from the
+target's distribution under the constraint, exactly as a plain step would; a drafted token the grammar forbids is
+masked out of its row and so rejected like any mismatch. The walk is rolled back before the accepted tokens are
+committed. The draft itself proposes freely.
+
+Why llguidance (benchmarks/grammar_cost.py, docs/PERF.md): its masks are computed lazily per token from the
+lexer's state, with no per-schema compilation step of the whole vocabulary, so a request's first mask comes at
+once; per-token mask cost measured below xgrammar's for the JSON schemas of the tests on both vocabularies.
+"""
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+KINDS = ("json_schema", "lark", "gbnf")
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """What a request constrains its output to: a JSON schema (as JSON text), a Lark grammar (llguidance's dialect,
+    which can embed `%json {...}` schemas) or a GBNF grammar (llama.cpp's)."""
+    kind: str
+    text: str
+
+
+def _ll_tokenizer(tokenizer):
+    """The llguidance view of a tokenizer (made once per tokenizer: about a second for a large vocabulary)."""
+    cached = getattr(tokenizer, "_llguidance", None)
+    if cached is None:
+        import llguidance
+        cached = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=tokenizer.vocab_size,
+                                        eos_token=list(tokenizer.eos_ids) or None)
+        tokenizer._llguidance = cached
+    return cached
+
+
+# Whitespace between JSON tokens as llama.cpp's schema grammars allow it (up to two newlines and 20 spaces or tabs):
+# unbounded whitespace lets a weak model pad forever instead of closing the object.
+JSON_WHITESPACE = r"(\n{1,2}[ \t]{0,20}| )?"
+
+
+def lark_source(grammar: Grammar) -> str:
+    import llguidance
+    if grammar.kind == "json_schema":
+        return llguidance.LLMatcher.grammar_from_json_schema(grammar.text,
+                                                             overrides={"whitespace_pattern": JSON_WHITESPACE})
+    if grammar.kind == "gbnf":
+        from llguidance.gbnf_to_lark import gbnf_to_lark
+        return llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(grammar.text))
+    return llguidance.LLMatcher.grammar_from_lark(grammar.text)
+
+
+def check(tokenizer, grammar: Grammar) -> None:
+    """Raise ValueError naming what is wrong with a grammar (before a request takes a slot)."""
+    import llguidance
+    if grammar.kind not in KINDS:
+        raise ValueError(f"unknown grammar kind {grammar.kind!r} (kinds: {', '.join(KINDS)})")
+    try:
+        source = lark_source(grammar)
+    except Exception as e:  # gbnf_to_lark's own errors
+        raise ValueError(f"invalid {grammar.kind}: {e}") from None
+    message = llguidance.LLMatcher.validate_grammar(source, _ll_tokenizer(tokenizer))
+    if message:
+        raise ValueError(f"invalid {grammar.kind}: {message}")
+
+
+class Constraint:
+    """One request's grammar state over the model's vocabulary of `n_logits` rows (padding rows are never
+    allowed). Once the grammar is complete only the end-of-generation tokens are allowed."""
+
+    def __init__(self, tokenizer, grammar: Grammar, n_logits: int):
+        import llguidance
+        self.matcher = llguidance.LLMatcher(_ll_tokenizer(tokenizer), lark_source(grammar), log_level=0)
+        if self.matcher.is_error():
+            raise ValueError(f"invalid {grammar.kind}: {self.matcher.get_error()}")
+        self.n_logits = n_logits
+        self.eos = list(tokenizer.eos_ids)
+        self.words = (n_logits + 31) // 32
+
+    def _allowed(self) -> Tensor:
+        """The next token's allowed set as a bool row [n_logits] (on the CPU)."""
+        if self.matcher.is_stopped() or self.matcher.is_error():
+            row = torch.zeros(self.n_logits, dtype=torch.bool)
+            row[self.eos] = True
+            return row
+        bits = torch.empty(self.words, dtype=torch.int32)
+        self.matcher.unsafe_compute_mask_ptr(bits.data_ptr(), 4 * self.words)
+        shifts = torch.arange(32, dtype=torch.int32)
+        return ((bits[:, None] >> shifts) & 1).bool().flatten()[:self.n_logits]
+
+    def masks(self, drafted: list[int]) -> Tensor:
+        """[len(drafted) + 1, n_logits] bool: row i allowed after the committed tokens and drafted[:i]. Rows past
+        a drafted token the grammar forbids allow everything: that token is rejected, they are never used."""
+        rows = [self._allowed()]
+        walked = 0
+        for token in drafted:
+            if not (token < self.n_logits and rows[-1][token]) or not self.matcher.consume_token(token):
+                break
+            walked += 1
+            rows.append(self._allowed())
+        if walked:
+            self.matcher.rollback(walked)
+        rows += [torch.ones(self.n_logits, dtype=torch.bool)] * (len(drafted) + 1 - len(rows))
+        return torch.stack(rows)
+
+    def apply(self, logits: Tensor, drafted: list[int]) -> Tensor:
+        """logits [k, V] with the forbidden tokens of each row at -inf."""
+        allowed = self.masks(drafted).to(logits.device)
+        return logits.masked_fill(~allowed[:, :logits.shape[-1]], float("-inf"))
+
+    def commit(self, tokens: list[int]) -> None:
+        for token in tokens:
+            if self.matcher.is_stopped():
+                return
+            self.matcher.consume_token(token)
+
+    @property
+    def done(self) -> bool:
+        return self.matcher.is_stopped()
