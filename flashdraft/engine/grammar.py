@@ -24,6 +24,7 @@ class Grammar:
     which can embed `%json {...}` schemas) or a GBNF grammar (llama.cpp's)."""
     kind: str
     text: str
+    compact: bool = False  # a JSON schema's output without whitespace between tokens (machine-read JSON)
 
 
 def _ll_tokenizer(tokenizer):
@@ -45,8 +46,8 @@ JSON_WHITESPACE = r"(\n{1,2}[ \t]{0,20}| )?"
 def lark_source(grammar: Grammar) -> str:
     import llguidance
     if grammar.kind == "json_schema":
-        return llguidance.LLMatcher.grammar_from_json_schema(grammar.text,
-                                                             overrides={"whitespace_pattern": JSON_WHITESPACE})
+        options = {"whitespace_flexible": False} if grammar.compact else {"whitespace_pattern": JSON_WHITESPACE}
+        return llguidance.LLMatcher.grammar_from_json_schema(grammar.text, overrides=options)
     if grammar.kind == "gbnf":
         from llguidance.gbnf_to_lark import gbnf_to_lark
         return llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(grammar.text))

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from flashdraft.engine.grammar import Grammar
 
+MAX_PARALLEL_CALLS = 8
 OPENERS = {"hermes": ("<tool_call>",), "mistral": ("[TOOL_CALLS]",), "llama3": ("<|python_tag|>",),
            "gemma4": ("<|tool_call>", "call:"), "json": ()}
 
@@ -73,8 +74,10 @@ def choice_grammar(tools: list, choice: str, parallel: bool) -> Grammar | None:
         calls.append({"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": params},
                       "required": ["name", "arguments"], "additionalProperties": False})
     call = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    schema = {"type": "array", "items": call, "minItems": 1} if parallel and choice == "required" else call
-    return Grammar("json_schema", json.dumps(schema))
+    # parallel calls: an array of at most MAX_PARALLEL_CALLS (a bound, so that a weak model cannot list forever)
+    schema = ({"type": "array", "items": call, "minItems": 1, "maxItems": MAX_PARALLEL_CALLS}
+              if parallel and choice == "required" else call)
+    return Grammar("json_schema", json.dumps(schema), compact=True)
 
 
 def template_messages(messages: list[dict]) -> list[dict]:

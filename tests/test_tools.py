@@ -1,0 +1,190 @@
+"""OpenAI tool calls: each format's output parsed back into calls (Hermes/Qwen, Llama 3 JSON, Mistral, Gemma 4, bare
+JSON), over real HTTP with the OpenAI SDK (streaming and not, with and without a draft) on a tiny model whose
+template takes tools, `tool_choice` variants (required and named ones are grammar-constrained), the tool result sent
+back through the template, a template without tools answered with a clear 400; and, slow, the real
+Qwen2.5-Coder-0.5B GGUF calling a weather tool by itself."""
+import json
+import shutil
+from pathlib import Path
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from test_server import load, models, serving, settings  # noqa: F401  (models: a fixture)
+
+from flashdraft.server.app import create_app
+from flashdraft.server.tools import held_back, parse_tool_calls, tool_format
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+NAMES = ["get_weather", "get_time"]
+# a ChatML template that takes tools as Qwen 2.5's does (Hermes markers)
+HERMES = ("{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>\n"
+          "Call with <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{% endif %}"
+          "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] %}{{ m['content'] }}{% endif %}"
+          "{% for c in m.get('tool_calls') or [] %}<tool_call>{\"name\": \"{{ c['function']['name'] }}\", "
+          "\"arguments\": {{ c['function']['arguments'] | tojson }}}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("fmt, text, content, calls", [
+    ("hermes", 'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', "Sure.",
+     [("get_weather", {"city": "Paris"})]),
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "A"}}</tool_call>\n<tool_call>{"name": '
+               '"get_time", "arguments": {"zone": "UTC"}}</tool_call>', "",
+     [("get_weather", {"city": "A"}), ("get_time", {"zone": "UTC"})]),
+    ("hermes", '{"name": "get_weather", "arguments": {"city": "Paris"}}', "", [("get_weather", {"city": "Paris"})]),
+    ("llama3", '<|python_tag|>{"name": "get_time", "parameters": {"zone": "CET"}}', "", [("get_time", {"zone": "CET"})]),
+    ("llama3", '{"name": "get_time", "parameters": {"zone": "UTC"}}; {"name": "get_weather", "parameters": {"city": '
+               '"B"}}', "", [("get_time", {"zone": "UTC"}), ("get_weather", {"city": "B"})]),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome"}}]', "",
+     [("get_weather", {"city": "Rome"})]),
+    ("mistral", 'ok [TOOL_CALLS]get_time[ARGS]{"zone": "UTC"}', "ok", [("get_time", {"zone": "UTC"})]),
+    ("gemma4", 'Let me check.<|tool_call>call:get_weather{city:<|"|>Paris, FR<|"|>,days:3,hourly:true,'
+               'spots:[<|"|>a<|"|>,<|"|>b<|"|>]}<tool_call|>', "Let me check.",
+     [("get_weather", {"city": "Paris, FR", "days": 3, "hourly": True, "spots": ["a", "b"]})]),
+    # not calls: plain content, never an error
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>', None, []),
+    ("hermes", '{"name": "rm_rf", "arguments": {}}', None, []),
+    ("json", "The weather is fine.", None, []),
+    ("gemma4", "call:get_weather{city:<|\"|>unterminated", None, []),
+])
+def test_each_format_parses_into_calls(fmt, text, content, calls):
+    got_content, got_calls = parse_tool_calls(text, fmt, NAMES)
+    assert got_content == (text if content is None else content)
+    assert [(c["name"], json.loads(c["arguments"])) for c in got_calls] == calls
+
+
+def test_stream_holds_back_from_where_a_call_may_start():
+    assert held_back("Hello there", "hermes") == len("Hello there")
+    assert held_back("Hello <tool_", "hermes") == len("Hello ")
+    assert held_back("Hi <tool_call>{", "hermes") == len("Hi ")
+    assert held_back('  {"name"', "hermes") == 0
+    assert held_back("x [TOOL_CA", "mistral") == 2
+    assert tool_format("{{ messages }}") is None and tool_format(HERMES) == "hermes"
+
+
+@pytest.fixture(scope="module")
+def tool_models(models, tmp_path_factory) -> tuple[Path, Path]:
+    target, draft = models
+    folder = tmp_path_factory.mktemp("hermes") / "target"
+    shutil.copytree(target, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=HERMES)))
+    return folder, draft
+
+
+@pytest.fixture(scope="module")
+def tool_urls(tool_models, models):
+    engines = [load(tool_models, draft=True, n_slots=2, slot_ctx=1024), load(tool_models, n_slots=2, slot_ctx=1024)]
+    plain_template = load(models)
+    with serving(create_app(engines[0], settings())) as a, serving(create_app(engines[1], settings())) as b, \
+            serving(create_app(plain_template, settings())) as c:
+        yield a, b, c
+
+
+def ask(url: str, stream: bool, **kw):
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    kw = dict(model="x", messages=[{"role": "user", "content": "What is the weather in Paris?"}], temperature=0,
+              max_tokens=800, tools=[WEATHER, TIME]) | kw
+    if not stream:
+        r = client.chat.completions.create(**kw)
+        m = r.choices[0].message
+        calls = [(c.function.name, c.function.arguments, c.id) for c in m.tool_calls or []]
+        return m.content, calls, r.choices[0].finish_reason
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    calls = [(t.function.name, t.function.arguments, t.id) for c in chunks if c.choices
+             for t in c.choices[0].delta.tool_calls or []]
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    return content or None, calls, finish[-1]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_and_named_tool_choice_give_valid_calls(tool_urls, stream):
+    spec, plain, _ = tool_urls
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    answers = []
+    for url in (spec, plain):
+        content, calls, finish = ask(url, stream, tool_choice="required")
+        assert finish == "tool_calls" and calls and not content
+        for name, args, call_id in calls:
+            jsonschema.validate(json.loads(args), schemas[name])
+            assert call_id.startswith("call_")
+        answers.append([c[:2] for c in calls])
+        content, calls, finish = ask(url, stream, tool_choice={"type": "function", "function": {"name": "get_time"}})
+        assert finish == "tool_calls" and [c[0] for c in calls] == ["get_time"]
+        jsonschema.validate(json.loads(calls[0][1]), schemas["get_time"])
+        content, calls, finish = ask(url, stream, tool_choice="required", parallel_tool_calls=False)
+        assert finish == "tool_calls" and len(calls) == 1
+    assert answers[0] == answers[1]  # speculation is lossless under the call's grammar too
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_and_none_give_content_and_the_result_goes_back(tool_urls, stream):
+    spec, plain, _ = tool_urls
+    for url in (spec, plain):
+        for choice in ("auto", "none"):  # this random model writes no call: its text comes back as content
+            content, calls, finish = ask(url, stream, tool_choice=choice, max_tokens=20)
+            assert calls == [] and finish == "length"  # (its text may be special tokens only: no content)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "{\"temperature\": 21}"}]
+    content, calls, finish = ask(spec, stream, messages=messages, max_tokens=10)
+    assert finish == "length" and not calls
+    rendered = httpx.post(spec + "/apply-template", json={"messages": messages, "tools": [WEATHER]}).json()["prompt"]
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in rendered
+    assert "<|im_start|>tool\n{\"temperature\": 21}" in rendered
+
+
+@pytest.mark.parametrize("body, status, message", [
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400, "not among the tools"),
+    ({"tool_choice": "sometimes"}, 400, "'tool_choice' must be"),
+    ({"tools": [{"type": "function"}]}, 400, "tools[0] must be"),
+    ({"tools": "get_weather"}, 400, "'tools' must be an array"),
+    ({"tools": None, "tool_choice": "required"}, 400, "'tool_choice' needs 'tools'"),
+])
+def test_bad_tools_are_400s(tool_urls, body, status, message):
+    r = httpx.post(tool_urls[0] + "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER], "max_tokens": 4} | body, timeout=60)
+    assert r.status_code == status and message in r.json()["error"]["message"], r.text
+
+
+def test_a_template_without_tools_is_a_clear_400(tool_urls):
+    r = httpx.post(tool_urls[2] + "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER]}, timeout=60)
+    assert r.status_code == 400 and "does not support tools" in r.json()["error"]["message"]
+
+
+QWEN = Path.home() / ".cache" / "flashdraft" / "models" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+
+
+@pytest.mark.slow  # a 0.5B model on the CPU: about a minute
+@pytest.mark.skipif(not QWEN.exists(), reason="fetch it with ../shared/tools/fetch_models.sh ~/.cache/flashdraft/models qwen05")
+@pytest.mark.parametrize("stream", [False, True])
+def test_qwen_calls_the_weather_tool_and_answers_from_its_result(stream):
+    from flashdraft.engine.engine import Engine, EngineConfig
+    engine = Engine.load(EngineConfig(str(QWEN), device="cpu", ctx_size=2048))
+    with serving(create_app(engine, settings())) as url:
+        content, calls, finish = ask(url, stream, max_tokens=60)
+        assert finish == "tool_calls" and [c[0] for c in calls] == ["get_weather"]
+        assert json.loads(calls[0][1])["city"] == "Paris"
+        messages = [{"role": "user", "content": "What is the weather in Paris?"},
+                    {"role": "assistant", "content": None, "tool_calls": [
+                        {"id": calls[0][2], "type": "function",
+                         "function": {"name": "get_weather", "arguments": calls[0][1]}}]},
+                    {"role": "tool", "tool_call_id": calls[0][2], "content": "{\"temperature_c\": 21, \"sky\": \"sunny\"}"}]
+        content, calls, finish = ask(url, stream, messages=messages, max_tokens=60)
+        assert finish == "stop" and not calls and "21" in content
+        content, calls, finish = ask(url, stream, tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                     max_tokens=60)
+        assert finish == "tool_calls" and calls[0][0] == "get_time"
