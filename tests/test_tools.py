@@ -41,6 +41,7 @@ HERMES = ("{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %
                '"get_time", "arguments": {"zone": "UTC"}}</tool_call>', "",
      [("get_weather", {"city": "A"}), ("get_time", {"zone": "UTC"})]),
     ("hermes", '{"name": "get_weather", "arguments": {"city": "Paris"}}', "", [("get_weather", {"city": "Paris"})]),
+    ("hermes", '```json\n{"name": "get_weather", "arguments": {"city": "P"}}\n```', "", [("get_weather", {"city": "P"})]),
     ("llama3", '<|python_tag|>{"name": "get_time", "parameters": {"zone": "CET"}}', "", [("get_time", {"zone": "CET"})]),
     ("llama3", '{"name": "get_time", "parameters": {"zone": "UTC"}}; {"name": "get_weather", "parameters": {"city": '
                '"B"}}', "", [("get_time", {"zone": "UTC"}), ("get_weather", {"city": "B"})]),
@@ -183,7 +184,8 @@ def test_qwen_calls_the_weather_tool_and_answers_from_its_result(stream):
                         {"id": calls[0][2], "type": "function",
                          "function": {"name": "get_weather", "arguments": calls[0][1]}}]},
                     {"role": "tool", "tool_call_id": calls[0][2], "content": "{\"temperature_c\": 21, \"sky\": \"sunny\"}"}]
-        content, calls, finish = ask(url, stream, messages=messages, max_tokens=60)
+        # (with both tools declared this 0.5B model calls again and again; with the one it used, it answers)
+        content, calls, finish = ask(url, stream, messages=messages, max_tokens=80, tools=[WEATHER])
         assert finish == "stop" and not calls and "21" in content
         content, calls, finish = ask(url, stream, tool_choice={"type": "function", "function": {"name": "get_time"}},
                                      max_tokens=60)

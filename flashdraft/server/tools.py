@@ -6,7 +6,8 @@ Formats (the template's own markers decide): Hermes / Qwen `<tool_call>{"name": 
 Llama 3 JSON (`{"name": .., "parameters": {..}}`, after `<|python_tag|>` or alone), Mistral `[TOOL_CALLS][{..}]`
 (or `[TOOL_CALLS]name[ARGS]{..}`), Gemma 4 `<|tool_call>call:name{key:value,..}<tool_call|>` with its own value
 syntax (strings between `<|"|>`). A bare JSON object (or array of them) naming a declared tool is read as a call in
-every format: small models often drop the markers, and the constrained `required` output is one. Output that does
+every format (a Markdown code fence around it too): small models often drop the markers, and the constrained
+`required` output is one. Output that does
 not parse into calls of declared tools stays plain content, never an error.
 """
 import json
@@ -121,8 +122,11 @@ def _call_from_object(obj, names: list[str]) -> dict | None:
 
 
 def _json_calls(text: str, names: list[str]) -> list[dict] | None:
-    """Calls from text that is wholly one JSON object, an array of them, or objects separated by ';' / lines."""
+    """Calls from text that is wholly one JSON object, an array of them, or objects separated by ';' / lines (also
+    inside one Markdown code fence, as small models write it)."""
     text = text.strip()
+    fence = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", text, flags=re.S)
+    text = fence.group(1) if fence else text
     if not text:
         return None
     candidates = [text] + ([part for part in re.split(r";\s*|\n+", text)] if ";" in text or "\n" in text else [])
