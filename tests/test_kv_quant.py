@@ -3,6 +3,10 @@ to the gguf package's quantizers (iq4_nl: to a port of llama.cpp's CUDA copy ker
 within each type's error bound, the rotated types' inverse exact up to their codebook, attention over the stored
 cache equal to attention over its expansion, and greedy speculative decoding equal to plain decoding with every
 type pair."""
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -229,3 +233,38 @@ def test_the_draft_ring_keeps_its_own_types(tmp_path):
         assert spec.token_ids == plain.token_ids
         runs[bool(flags)] = spec.spec.acceptance_lengths
     assert runs[True] == runs[False]
+
+
+def check_quantize_kernel(device: str) -> None:
+    """kernels/kv_quantize.py (the CUDA write path) bit for bit against the torch quantizers above, with an
+    all-zero block, a constant one and a tie in magnitude (the first value of largest magnitude sets the scale)."""
+    from flashdraft.kernels.kv_quantize import TYPE_IDS, quantize_rows
+    gen = torch.Generator().manual_seed(0)
+    for name in TYPE_IDS:
+        for head_dim in (64, 128, 256):
+            x = torch.randn(7, 3, head_dim, generator=gen) * torch.rand(7, 3, 1, generator=gen) * 10
+            x[0, 0], x[1, 0, :32] = 0, 2.5
+            x[2, 0, 5], x[2, 0, 9] = -x[2, 0].abs().max(), x[2, 0].abs().max()
+            want = KVCodec(name, torch.float32).encode(x)
+            got = quantize_rows(x.to(device), name).cpu()
+            assert torch.equal(got, want), (name, head_dim, int((got != want).sum()))
+
+
+def test_quantize_kernel_interpreted_equals_the_torch_quantizers():
+    pytest.importorskip("triton")
+    from test_split_attention import INTERPRETER
+    if INTERPRETER is not None:
+        pytest.skip(INTERPRETER)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, __file__, "cpu"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_quantize_kernel_on_gpu_equals_the_torch_quantizers():
+    check_quantize_kernel("cuda")
+
+
+if __name__ == "__main__":
+    check_quantize_kernel(sys.argv[1] if len(sys.argv) > 1 else "cpu")
+    print("the quantize kernel matches")

@@ -28,6 +28,7 @@ FLOAT_KV_TYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bflo
 BLOCK_KV_TYPES = {"q8_0": Q.Q8_0, "q5_0": Q.Q5_0, "q5_1": Q.Q5_1, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1,
                   "iq4_nl": Q.IQ4_NL}
 ROTATED_KV_TYPES = {"turbo3": 3, "turbo4": 4}  # bits per stored value
+KERNEL_QUANTIZED = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")  # on CUDA, written by kernels/kv_quantize.py
 KV_CACHE_TYPES = (*FLOAT_KV_TYPES, *BLOCK_KV_TYPES, *ROTATED_KV_TYPES)
 IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # kvalues_iq4nl
 ROTATION_GROUP = 128  # values per rotated group (a smaller power-of-two head is one group)
@@ -277,6 +278,9 @@ class KVCodec:
             return rows.reshape(*x.shape[:-1], -1)
         if self.qtype is None:
             return x.to(self.storage_dtype)
+        if x.is_cuda and self.name in KERNEL_QUANTIZED and head_dim & (head_dim - 1) == 0:
+            from flashdraft.kernels.kv_quantize import quantize_rows  # one kernel instead of ~30 torch ops
+            return quantize_rows(x, self.name)
         block, _ = GGML_QUANT_SIZES[self.qtype]
         raw = quantize_blocks(x.float().reshape(-1, block), self.qtype)
         return blocks_to_row(raw.reshape(-1, head_dim // block, raw.shape[-1]), self.qtype).reshape(

@@ -1,0 +1,82 @@
+"""New K/V rows quantized in one kernel per write (CUDA): llama.cpp's q8_0, q4_0, q4_1, q5_0 and q5_1 with the same
+rounding as layers/kv_quant.py's torch quantizers (and so the gguf package's), written straight into the planar row
+layout the cache stores (every block's quants, then scales, then mins, then fifth bits). The torch path takes ~30
+small kernels per row batch; inside a decode step's graph that was ~2 ms over a 32-layer model (docs/PERF.md)."""
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+TYPE_IDS = {"q8_0": 8, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7}  # GGML ids
+
+
+@triton.jit
+def _store_half(ptr, value, mask=None):
+    """fp16 of float32 `value` [NB] as two little-endian bytes at byte pointers ptr [NB]."""
+    bits = value.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    tl.store(ptr, (bits & 0xFF).to(tl.uint8))
+    tl.store(ptr + 1, (bits >> 8).to(tl.uint8))
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, out_ptr, stride_x, stride_o, TYPE: tl.constexpr, D: tl.constexpr):
+    row = tl.program_id(0)
+    NB: tl.constexpr = D // 32
+    b = tl.arange(0, NB)
+    i = tl.arange(0, 32)
+    x = tl.load(x_ptr + row * stride_x + b[:, None] * 32 + i[None, :]).to(tl.float32)  # [NB, 32]
+    out = out_ptr + row * stride_o
+    if TYPE == 8:
+        d = tl.max(tl.abs(x), axis=1) / 127.0
+        inv = tl.where(d != 0, 1.0 / tl.where(d != 0, d, 1.0), 0.0)
+        v = x * inv[:, None]
+        q = tl.where(v < 0, -tl.floor(-v + 0.5), tl.floor(v + 0.5)).to(tl.int32)
+        tl.store(out + b[:, None] * 32 + i[None, :], (q & 0xFF).to(tl.uint8))
+        _store_half(out + D + 2 * b, d)
+    else:
+        HAS_MIN: tl.constexpr = TYPE == 3 or TYPE == 7
+        FIVE: tl.constexpr = TYPE == 6 or TYPE == 7
+        if HAS_MIN:
+            TOP: tl.constexpr = 31.0 if FIVE else 15.0
+            lo = tl.min(x, axis=1)
+            d = (tl.max(x, axis=1) - lo) / TOP
+            inv = tl.where(d != 0, 1.0 / tl.where(d != 0, d, 1.0), 0.0)
+            q = tl.floor((x - lo[:, None]) * inv[:, None] + 0.5)
+            q = tl.minimum(tl.maximum(q, 0.0), TOP).to(tl.int32)
+        else:
+            LEVELS: tl.constexpr = 16.0 if FIVE else 8.0
+            ax = tl.abs(x)
+            first = tl.argmax(ax, axis=1, tie_break_left=True)  # the first value of largest magnitude, sign kept
+            vmax = tl.sum(tl.where(i[None, :] == first[:, None], x, 0.0), axis=1)
+            d = vmax / -LEVELS
+            inv = tl.where(d != 0, 1.0 / tl.where(d != 0, d, 1.0), 0.0)
+            v = x * inv[:, None] + (LEVELS + 0.5)
+            q = tl.where(v < 0, -tl.floor(-v), tl.floor(v))  # trunc
+            q = tl.minimum(tl.maximum(q, 0.0), 2 * LEVELS - 1).to(tl.int32)
+        # byte j of block b: value j in the low nibble, value j + 16 in the high one
+        j = tl.arange(0, 16)
+        low = tl.sum(tl.where(i[None, None, :] == j[None, :, None], q[:, None, :], 0), axis=2)  # [NB, 16]
+        high = tl.sum(tl.where(i[None, None, :] == j[None, :, None] + 16, q[:, None, :], 0), axis=2)
+        tl.store(out + b[:, None] * 16 + j[None, :], ((low & 15) | ((high & 15) << 4)).to(tl.uint8))
+        _store_half(out + D // 2 + 2 * b, d)
+        if HAS_MIN:
+            _store_half(out + D // 2 + 2 * NB + 2 * b, lo)
+        if FIVE:  # 32 fifth bits per block, bit i for value i, little-endian
+            bits = ((q >> 4) & 1) << i[None, :]
+            word = tl.sum(bits, axis=1)
+            at = out + D // 2 + 2 * NB * (1 + HAS_MIN) + 4 * b
+            for k in tl.static_range(4):
+                tl.store(at + k, ((word >> (8 * k)) & 0xFF).to(tl.uint8))
+
+
+def quantize_rows(x: Tensor, name: str) -> Tensor:
+    """Rows [..., D] (D a multiple of 32, a power-of-two block count) -> stored planar rows [..., row bytes]."""
+    from flashdraft.layers.kv_quant import KVCodec
+    d = x.shape[-1]
+    flat = x.reshape(-1, d)
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    out = torch.empty(flat.shape[0], KVCodec(name, x.dtype).row_size(d), device=x.device, dtype=torch.uint8)
+    if flat.shape[0]:
+        _quantize_kernel[(flat.shape[0],)](flat, out, flat.stride(0), out.stride(0), TYPE=TYPE_IDS[name], D=d)
+    return out.reshape(*x.shape[:-1], -1)
