@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from flashdraft.engine.engine import Engine
-from flashdraft.server import routes_generate, routes_info
+from flashdraft.server import routes_anthropic, routes_generate, routes_info
 from flashdraft.server.gate import Gate, error_response
 from flashdraft.server.protocol import ApiError
 from flashdraft.server.scheduler import ShuttingDown
@@ -72,6 +72,7 @@ def create_app(engine_or_loader: Engine | Callable[[], Engine], settings: Settin
 
     app.include_router(routes_info.router)
     app.include_router(routes_generate.router)
+    app.include_router(routes_anthropic.router)
 
     # ---- the web page
 
