@@ -11,7 +11,7 @@ TYPE_IDS = {"q8_0": 8, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7}  # GGML ids
 
 
 @triton.jit
-def _store_half(ptr, value, mask=None):
+def _store_half(ptr, value):
     """fp16 of float32 `value` [NB] as two little-endian bytes at byte pointers ptr [NB]."""
     bits = value.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     tl.store(ptr, (bits & 0xFF).to(tl.uint8))
