@@ -100,3 +100,18 @@ def test_openai_sdk_conversation_reports_cached_tokens(models):
             messages += [{"role": "assistant", "content": r.choices[0].message.content},
                          {"role": "user", "content": f"and then {turn}"}]
         assert all(n > 0 for n in cached[1:]), cached
+
+
+def test_a_plain_request_between_leaves_the_draft_no_stale_context(models):
+    """The draft's ring is filled by speculative requests only: after a plain request in the slot, a speculative
+    one reuses only what the ring holds (here nothing), and proposes what it proposes with no cache at all."""
+    engine = load(models, draft=True, n_slots=1, slot_ctx=512)
+    a, b = [5, 6, 7, 8, 9, 10, 11, 12], [30, 31, 32, 33, 34, 35, 36, 37, 38]
+    engine.generate(Request(a, PARAMS))  # the ring: a's context
+    engine.generate(Request(b, PARAMS, speculative=False))  # the target cache: b; the ring still a's
+    hit = engine.generate(Request(b, PARAMS))
+    fresh = engine.generate(Request(b, PARAMS, cache_prompt=False))
+    assert hit.timings.cache_n == 0
+    assert hit.token_ids == fresh.token_ids and hit.spec.draft_steps == fresh.spec.draft_steps
+    again = engine.generate(Request(b, PARAMS))  # now the ring holds b's turn too
+    assert again.timings.cache_n == len(b) - 1 and again.spec.draft_steps == fresh.spec.draft_steps

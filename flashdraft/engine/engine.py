@@ -39,21 +39,26 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class SlotPool:
     """The free cache slots and the tokens whose K/V each slot holds (llama-server's prompt cache). A request
     takes the free slot whose tokens share the longest prefix with its prompt, when that prefix is at least
-    `similarity` of the prompt (--slot-prompt-similarity), else the free slot used least recently."""
+    `similarity` of the prompt (--slot-prompt-similarity), else the free slot used least recently. The draft's
+    context ring is filled by speculative requests only, so each slot also records how many of its tokens the
+    ring holds; a speculative request reuses no more than that."""
 
     def __init__(self, n_slots: int, similarity: float):
         self.cond = threading.Condition()
         self.free = list(range(n_slots))
         self.tokens: list[list[int]] = [[] for _ in range(n_slots)]
+        self.drafted = [0] * n_slots  # leading tokens of `tokens` whose features the draft's ring holds
         self.similarity = similarity
 
     def count(self) -> int:
         with self.cond:
             return len(self.free)
 
-    def acquire(self, prompt: list[int], reuse: bool, timeout: float | None = None) -> tuple[int, int]:
+    def acquire(self, prompt: list[int], reuse: bool, timeout: float | None = None,
+                speculative: bool = False) -> tuple[int, int]:
         """(slot, how many leading prompt tokens its cache already holds: never the whole prompt, whose last
-        token must run to give the first logits)."""
+        token must run to give the first logits; for a speculative request, also no more than its draft ring
+        holds)."""
         with self.cond:
             if not self.cond.wait_for(lambda: self.free, timeout):
                 raise TimeoutError("no free slot")
@@ -62,14 +67,20 @@ class SlotPool:
             slot = best if shared[best] > 0 and shared[best] >= self.similarity * len(prompt) else self.free[0]
             self.free.remove(slot)
             cached = min(shared[slot], len(prompt) - 1) if reuse else 0
+            if speculative:
+                cached = min(cached, self.drafted[slot])
             self.tokens[slot] = prompt[:cached]  # what stays valid while the request overwrites the rest
+            self.drafted[slot] = min(self.drafted[slot], shared[slot])
             return slot, cached
 
-    def release(self, slot: int, tokens: list[int] | None = None) -> None:
-        """Return a slot whose cache now holds `tokens` (None: as at acquire)."""
+    def release(self, slot: int, tokens: list[int] | None = None, speculative: bool = False) -> None:
+        """Return a slot whose cache now holds `tokens` (None: as at acquire); after a speculative request the
+        draft's ring holds them too."""
         with self.cond:
             if tokens is not None:
                 self.tokens[slot] = tokens
+                if speculative:
+                    self.drafted[slot] = len(tokens)
             self.free.append(slot)  # the end: most recently used
             self.cond.notify()
 
@@ -339,12 +350,13 @@ class Engine:
         return Request(*fields), seed
 
     def _stream_in_slot(self, req: Request, seed: int | None) -> Iterator[Delta | Completion]:
-        slot, cached = self.slots.acquire(req.prompt_ids, req.cache_prompt)
+        speculative = req.speculative and self.draft is not None
+        slot, cached = self.slots.acquire(req.prompt_ids, req.cache_prompt, speculative=speculative)
         held: list[int] = list(req.prompt_ids[:cached])  # the tokens the slot's cache holds (grows as it runs)
         try:
             yield from self._run(req, slot, seed, cached, held)
         finally:
-            self.slots.release(slot, held)
+            self.slots.release(slot, held, speculative)
 
     def generate(self, req: Request) -> Completion:
         for event in self.stream(req):
