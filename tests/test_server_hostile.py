@@ -71,11 +71,17 @@ def test_head_is_answered_where_get_is(url, path):
     assert httpx.head(url + path, timeout=30).status_code == 200
 
 
-@pytest.mark.parametrize("field,value", [("best_of", 2), ("suffix", '"x"'), ("echo", "true"), ("mirostat", 2),
-                                         ("response_format", '{"type": "json_object"}'), ("grammar", '"root ::= x"')])
+@pytest.mark.parametrize("field,value", [("best_of", 2), ("suffix", '"x"'), ("echo", "true"), ("mirostat", 2)])
 def test_fields_not_supported_are_a_400_naming_them(url, field, value):
     body = '{"prompt": "hi", "max_tokens": 2, "%s": %s}' % (field, value)
     assert_400(post_raw(url, "/v1/completions", body), f"'{field}'", "not supported")
+
+
+@pytest.mark.parametrize("field,value", [("grammar", '"root ::= x"'), ("response_format", '{"type": "yaml"}'),
+                                         ("json_schema", '"not a schema"')])
+def test_bad_output_constraints_are_a_400_naming_them(url, field, value):
+    body = '{"prompt": "hi", "max_tokens": 2, "%s": %s}' % (field, value)
+    assert_400(post_raw(url, "/v1/completions", body), field)
 
 
 def test_neutral_values_of_those_fields_are_served(url):

@@ -190,3 +190,15 @@ def test_qwen_calls_the_weather_tool_and_answers_from_its_result(stream):
         content, calls, finish = ask(url, stream, tool_choice={"type": "function", "function": {"name": "get_time"}},
                                      max_tokens=60)
         assert finish == "tool_calls" and calls[0][0] == "get_time"
+
+
+def test_smollm2_template_has_no_tools_a_clear_400(smollm2_gguf):
+    from flashdraft.engine.engine import Engine, EngineConfig
+    engine = Engine.load(EngineConfig(str(smollm2_gguf), device="cpu", ctx_size=256))
+    with serving(create_app(engine, settings())) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        with pytest.raises(openai.BadRequestError, match="does not support tools"):
+            client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                           tools=[WEATHER], max_tokens=8)
+        r = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+        assert r.choices[0].finish_reason in ("length", "stop")  # and the server keeps serving
