@@ -33,6 +33,9 @@ def test_messages_match_chat_completions_streamed_and_not(tool_urls):
         streamed = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert streamed == text and final.stop_reason == "max_tokens"
+    count = claude.messages.count_tokens(model="x", system="Be brief.",
+                                         messages=[{"role": "user", "content": "The quick brown fox"}])
+    assert count.input_tokens == chat.usage.prompt_tokens
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -1,7 +1,7 @@
 """Anthropic's Messages API (`POST /v1/messages`), what several coding agents speak, as llama-server serves it: the
 request is turned into the chat route's (system prompt, text blocks, `tool_use` / `tool_result` blocks, tools with
 their `input_schema`, `tool_choice` auto / any / tool / none) and the answer back into content blocks, streamed as
-Anthropic's named events."""
+Anthropic's named events; `/v1/messages/count_tokens` counts a request's prompt."""
 import asyncio
 import json
 from collections.abc import AsyncIterator
@@ -116,6 +116,16 @@ def message(model: str, content: list[dict], stop: tuple[str, str | None], c: Co
 
 def event(name: str, data: dict) -> bytes:
     return f"event: {name}\ndata: {json.dumps(data | {'type': name}, ensure_ascii=False)}\n\n".encode()
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(request: Request) -> dict:
+    """The prompt's token count as the Messages route would render it (agents call this to budget context)."""
+    state = server_state(request)
+    raw = await read_json(request)
+    engine, _ = state.require()
+    body = chat_body({"max_tokens": 1} | raw)
+    return {"input_tokens": len(await asyncio.to_thread(chat_prompt_ids, state, engine, body, None))}
 
 
 @router.post("/v1/messages")
