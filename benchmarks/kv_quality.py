@@ -34,13 +34,15 @@ CHUNK = 32
 DEFAULT_TYPES = "f16/f16,q8_0/q8_0,q5_0/q4_1,q5_1/q5_1,q4_1/q4_1,q4_0/q4_0"
 
 
-def texts(n: int) -> list[str]:
+def texts(n: int, items: int = 10) -> list[str]:
     with gzip.open(DATA / "HumanEval.jsonl.gz", "rt") as f:
         code = [json.loads(line) for line in f]
     chats = [json.loads(line) for line in (DATA / "mt_bench_question.jsonl").read_text().splitlines()]
     out = []
     for i in range(n):
-        source = code[i * 10:(i + 1) * 10] if i % 2 == 0 else chats[i * 10:(i + 1) * 10]
+        pool = code if i % 2 == 0 else chats
+        start = (i * items) % len(pool)  # MT-Bench has 80 questions: long contexts wrap around
+        source = (pool + pool)[start:start + items]
         out.append("\n\n".join(p["prompt"] + p["canonical_solution"] if "prompt" in p else "\n".join(p["turns"])
                                for p in source))
     return out
@@ -87,6 +89,7 @@ def main() -> int:
     ap.add_argument("-m", "--model", default="smollm2-135m")
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--texts", type=int, default=4)
+    ap.add_argument("--items", type=int, default=10, help="HumanEval problems or MT-Bench questions per context")
     ap.add_argument("--types", default=DEFAULT_TYPES, help="K/V pairs, comma-separated; the first is the reference")
     ap.add_argument("--llama-perplexity", help="llama.cpp's llama-perplexity binary: its KL figures beside ours")
     ap.add_argument("--ctx", type=int, default=512, help="llama-perplexity's chunk size")
@@ -96,7 +99,7 @@ def main() -> int:
     target, tok, path = load_target(str(resolve_model(args.model)), "cpu", torch.float32)
     pairs = [tuple(p.split("/")) for p in args.types.split(",")]
     contexts = []
-    for text in texts(args.texts):
+    for text in texts(args.texts, args.items):
         ids = tok.encode(text)[:args.tokens]
         contexts.append(torch.tensor(ids))
     results = dict(model=Path(path).name, tokens=[len(c) for c in contexts], date=time.strftime("%Y-%m-%d"), rows=[])
@@ -113,7 +116,7 @@ def main() -> int:
         print(f"{pair[0]}/{pair[1]}: mean KL {row['mean_kl']:.2e}, top-1 agreement {row['top1_agreement']:.2%}",
               flush=True)
     if args.llama_perplexity:
-        theirs = llama_cpp_kl(args.llama_perplexity, str(path), "\n\n".join(texts(args.texts)), pairs, args.ctx)
+        theirs = llama_cpp_kl(args.llama_perplexity, str(path), "\n\n".join(texts(args.texts, args.items)), pairs, args.ctx)
         for r in results["rows"]:
             if (r["k"], r["v"]) in theirs:
                 r["llama_cpp_mean_kld"], r["llama_cpp_same_top"] = theirs[(r["k"], r["v"])]

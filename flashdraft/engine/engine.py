@@ -66,7 +66,7 @@ class SlotPool:
             best = max(self.free, key=lambda s: shared[s])  # the first such in least-recently-used order
             slot = best if shared[best] > 0 and shared[best] >= self.similarity * len(prompt) else self.free[0]
             self.free.remove(slot)
-            cached = min(shared[slot], len(prompt) - 1) if reuse else 0
+            cached = max(0, min(shared[slot], len(prompt) - 1)) if reuse else 0
             if speculative:
                 cached = min(cached, self.drafted[slot])
             self.tokens[slot] = prompt[:cached]  # what stays valid while the request overwrites the rest
