@@ -160,6 +160,12 @@ def test_bad_tools_are_400s(tool_urls, body, status, message):
     assert r.status_code == status and message in r.json()["error"]["message"], r.text
 
 
+def test_props_name_the_tool_call_format(tool_urls):
+    assert httpx.get(tool_urls[0] + "/props").json()["chat_template_caps"] == {"supports_tools": True,
+                                                                             "tool_call_format": "hermes"}
+    assert httpx.get(tool_urls[2] + "/props").json()["chat_template_caps"]["supports_tools"] is False
+
+
 def test_a_template_without_tools_is_a_clear_400(tool_urls):
     r = httpx.post(tool_urls[2] + "/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER]}, timeout=60)

@@ -7,6 +7,7 @@ from fastapi.responses import PlainTextResponse, Response
 from flashdraft.server import protocol as P
 from flashdraft.server.protocol import ApiError
 from flashdraft.server.state import BUILD_INFO, read_json, server_state
+from flashdraft.server.tools import tool_format
 
 router = APIRouter()
 
@@ -52,6 +53,8 @@ async def props(request: Request) -> dict:
                         "draft_window": engine.draft_window if spec else None},
         "reasoning": s.reasoning,
         "chat_template": engine.tokenizer.chat_template,
+        "chat_template_caps": {"supports_tools": tool_format(engine.tokenizer.chat_template) is not None,
+                               "tool_call_format": tool_format(engine.tokenizer.chat_template)},
         "modalities": {"vision": False, "audio": False},
         "build_info": BUILD_INFO,
         "memory_bytes": engine.memory,
