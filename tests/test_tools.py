@@ -232,3 +232,34 @@ def test_malformed_tool_and_constraint_bodies_never_a_5xx(tool_urls):
         if r.status_code == 200 and body.get("stream") is True:
             assert '"error"' not in r.text, (path, body, r.text[-300:])
     assert httpx.get(url + "/health").status_code == 200
+
+
+def test_stream_sends_content_before_a_call_and_the_call_after(tool_models):
+    """A scripted answer (text, then a Hermes call split across deltas): the stream sends the text as it comes,
+    holds back from the partial opener on, then sends the call as one delta.tool_calls chunk."""
+    from flashdraft.engine.engine import Completion, Delta, Timings
+    from flashdraft.engine.generate import SpecStats
+    engine = load(tool_models, n_slots=1)
+    pieces = ["Sure, ", "checking. <tool_", 'call>{"name": "get_weather", "arguments": {"city": "Rome"}}',
+              "</tool_call>"]
+
+    def scripted(req):
+        for piece in pieces:
+            yield Delta(piece, [1])
+        yield Completion(text="".join(pieces), token_ids=[1] * len(pieces), prompt_ids=list(req.prompt_ids),
+                         finish_reason="stop", stop_word=None, timings=Timings(), spec=SpecStats())
+
+    engine.stream = scripted
+    with serving(create_app(engine, settings())) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        chunks = list(client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Rome?"}],
+                                                     tools=[WEATHER], stream=True))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        texts = [d.content for d in deltas if d.content]
+        calls = [t for d in deltas for t in d.tool_calls or []]
+        assert texts == ["Sure, ", "checking. "]  # the partial "<tool_" was held back
+        assert [(t.function.name, json.loads(t.function.arguments)) for t in calls] == [("get_weather",
+                                                                                        {"city": "Rome"})]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        r = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Rome?"}], tools=[WEATHER])
+        assert r.choices[0].message.content == "Sure, checking." and r.choices[0].finish_reason == "tool_calls"

@@ -191,9 +191,11 @@ async def chat_completions(request: Request) -> Response:
             held["text"] += content
             if final:
                 rest, calls = plan.parse(held["text"])
-                sent = held["text"][:held["sent"]].strip()
-                content = rest[len(sent):] if calls and rest.startswith(sent) else "" if calls else \
-                    held["text"][held["sent"]:]
+                if calls:  # the content around the calls, less what already went out
+                    sent = held["text"][:held["sent"]].strip()
+                    content = rest[len(sent):] if rest.startswith(sent) else ""
+                else:
+                    content = held["text"][held["sent"]:]
                 held["calls"] = P.openai_calls(calls)
                 tool_parts = [{"tool_calls": [{"index": i, **call}]} for i, call in enumerate(held["calls"])]
             else:
