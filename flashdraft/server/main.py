@@ -145,9 +145,11 @@ def parse_settings(argv: list[str]) -> tuple[Settings, list[str]]:
     settings = Settings(
         model=args.model, draft=args.draft, speculative=args.spec_type != "none",
         draft_window=args.draft_window, block_size=args.block_size, host=args.host, port=args.port,
-        n_slots=args.n_slots, slot_prompt_similarity=args.slot_prompt_similarity, ctx_size=args.ctx_size, device=args.device, dtype=args.dtype, compile=args.compile, adaptive=args.adaptive,
+        n_slots=args.n_slots, slot_prompt_similarity=args.slot_prompt_similarity, ctx_size=args.ctx_size,
+        device=args.device, dtype=args.dtype, compile=args.compile, adaptive=args.adaptive,
         draft_embed_scale=args.draft_embed_scale, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
-        draft_cache_type_k=args.draft_cache_type_k, draft_cache_type_v=args.draft_cache_type_v, dequantize=args.dequantize, quantized=args.quantized,
+        draft_cache_type_k=args.draft_cache_type_k, draft_cache_type_v=args.draft_cache_type_v,
+        dequantize=args.dequantize, quantized=args.quantized,
         tp=args.tp,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,

@@ -15,6 +15,7 @@ from flashdraft.server.protocol import ApiError
 from flashdraft.server.routes_generate import chat_prompt_ids, engine_request, generate, stream_events, tools_of
 from flashdraft.server.state import read_json, server_state
 from flashdraft.server.streaming import EventStream, guarded
+from flashdraft.server.tools import CallStream
 
 router = APIRouter()
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "cancelled": "end_turn"}
@@ -125,7 +126,8 @@ async def count_tokens(request: Request) -> dict:
     raw = await read_json(request)
     engine, _ = state.require()
     body = chat_body({"max_tokens": 1} | raw)
-    return {"input_tokens": len(await asyncio.to_thread(chat_prompt_ids, state, engine, body, None))}
+    ids = await asyncio.to_thread(chat_prompt_ids, state, engine, body, None, tools_of(engine, body))
+    return {"input_tokens": len(ids)}
 
 
 @router.post("/v1/messages")
@@ -134,9 +136,8 @@ async def messages(request: Request) -> Response:
     raw = await read_json(request)
     engine, _ = state.require()
     body = chat_body(raw)
-    ids = await asyncio.to_thread(chat_prompt_ids, state, engine, body, engine.ctx_size)
     plan = tools_of(engine, body)
-    plan = plan if plan is not None and plan.choice != "none" else None
+    ids = await asyncio.to_thread(chat_prompt_ids, state, engine, body, engine.ctx_size, plan)
     req = engine_request(state, ids, body, ("max_tokens",), None, plan)
     if not body["stream"]:
         done = await generate(request, req)
@@ -146,31 +147,31 @@ async def messages(request: Request) -> Response:
         content, calls = plan.parse(c.text) if plan is not None else (c.text, [])
         return JSONResponse(message(state.model_name, blocks(content, calls), stop_of(c, calls), c))
 
+    call_stream = CallStream(plan) if plan is not None else None
+
     async def chunks() -> AsyncIterator[bytes]:
         yield event("message_start", {"message": message(state.model_name, [], (None, None), None)})
-        text, sent, index, open_text = "", 0, 0, False
+        index, open_text = 0, False
+
+        def text_events(text: str) -> list[bytes]:
+            nonlocal open_text
+            if not text:
+                return []
+            start = [] if open_text else [event("content_block_start", {"index": index, "content_block": {
+                "type": "text", "text": ""}})]
+            open_text = True
+            return start + [event("content_block_delta", {"index": index, "delta": {"type": "text_delta",
+                                                                                     "text": text}})]
+
         async for _, item in stream_events(request, req):
             if isinstance(item, Delta):
-                text += item.text
-                safe = len(text) if plan is None else max(sent, plan.safe(text))
-                if safe > sent:
-                    if not open_text:
-                        yield event("content_block_start", {"index": index, "content_block": {"type": "text",
-                                                                                             "text": ""}})
-                        open_text = True
-                    yield event("content_block_delta", {"index": index, "delta": {"type": "text_delta",
-                                                                                  "text": text[sent:safe]}})
-                    sent = safe
+                for chunk in text_events(item.text if call_stream is None else call_stream.push(item.text)):
+                    yield chunk
                 continue
             c: Completion = item
-            content, calls = plan.parse(text) if plan is not None else (text, [])
-            rest = text[sent:] if not calls else ""
-            if rest:
-                if not open_text:
-                    yield event("content_block_start", {"index": index, "content_block": {"type": "text",
-                                                                                         "text": ""}})
-                    open_text = True
-                yield event("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": rest}})
+            rest, calls = call_stream.finish() if call_stream is not None else ("", [])
+            for chunk in text_events(rest):
+                yield chunk
             if open_text:
                 yield event("content_block_stop", {"index": index})
                 index += 1

@@ -19,7 +19,7 @@ from flashdraft.server.scheduler import Job
 from flashdraft.server.state import FINGERPRINT, ServerState, read_json, server_state
 from flashdraft.server.streaming import EventStream, guarded, sse, until_disconnect
 from flashdraft.server.structured import request_grammar
-from flashdraft.server.tools import ToolError, ToolPlan, template_messages, tool_plan
+from flashdraft.server.tools import CallStream, ToolError, ToolPlan, template_messages, tool_plan
 
 log = logging.getLogger("flashdraft.server")
 router = APIRouter()
@@ -41,17 +41,19 @@ TEMPLATE_RESERVED = ("messages", "add_generation_prompt")  # chat_ids passes the
 
 
 def tools_of(engine: Engine, body: dict) -> ToolPlan | None:
+    """The request's tools as the server handles them (None: none, or tool_choice "none"); 400s for bad ones."""
     try:
         return tool_plan(engine.tokenizer.chat_template, body)
     except ToolError as e:
         raise ApiError(400, str(e)) from None
 
 
-def chat_prompt_ids(state: ServerState, engine: Engine, body: dict, limit: int | None) -> list[int]:
+def chat_prompt_ids(state: ServerState, engine: Engine, body: dict, limit: int | None,
+                    plan: ToolPlan | None) -> list[int]:
+    """`plan`: tools_of(engine, body): the tools go to the template when there is one."""
     messages = P.parse_messages(body)
     extra = dict(P.get_object(body, "chat_template_kwargs"))
-    plan = tools_of(engine, body)
-    if plan is not None and plan.choice != "none":
+    if plan is not None:
         extra.setdefault("tools", body["tools"])
     messages = template_messages(messages)
     for name in TEMPLATE_RESERVED:
@@ -142,7 +144,7 @@ async def apply_template(request: Request) -> dict:
     state = server_state(request)
     engine, _ = state.require()
     body = await read_json(request)
-    ids = await asyncio.to_thread(chat_prompt_ids, state, engine, body, None)
+    ids = await asyncio.to_thread(chat_prompt_ids, state, engine, body, None, tools_of(engine, body))
     return {"prompt": await asyncio.to_thread(engine.tokenizer.decode, ids, skip_special=False)}
 
 @router.post("/v1/chat/completions")
@@ -151,9 +153,8 @@ async def chat_completions(request: Request) -> Response:
     state = server_state(request)
     body = await read_json(request)
     engine, _ = state.require()
-    ids = await asyncio.to_thread(chat_prompt_ids, state, engine, body, engine.ctx_size)  # may be large
     plan = tools_of(engine, body)
-    plan = plan if plan is not None and plan.choice != "none" else None
+    ids = await asyncio.to_thread(chat_prompt_ids, state, engine, body, engine.ctx_size, plan)  # may be large
     req = engine_request(state, ids, body, ("max_completion_tokens", "max_tokens", "n_predict"),
                          P.chat_logprobs_count(body), plan)
     env = P.Envelope("chatcmpl-", "chat.completion.chunk", state.model_name, FINGERPRINT)
@@ -173,7 +174,8 @@ async def chat_completions(request: Request) -> Response:
         return JSONResponse(P.chat_response(env, c, content, reasoning, logprobs, calls))
     splitter = ThinkSplitter(thinking_open) if split else None
     pending: list = []  # logprobs of tokens whose text the splitter still holds
-    held = {"text": "", "sent": 0, "calls": []}  # with tools: the content so far, how much went out, the calls
+    calls_out: list[dict] = []  # the calls sent (their finish reason is "tool_calls")
+    call_stream = CallStream(plan) if plan is not None else None
 
     def deltas(event: Delta | Completion) -> Iterator[dict]:
         """Reasoning and content chunks of what the splitter lets out; at the end, all it still holds. The
@@ -187,20 +189,13 @@ async def chat_completions(request: Request) -> Response:
             r, c = splitter.flush()
             reasoning, content = reasoning + r, content + c
         tool_parts = []
-        if plan is not None:  # content goes out only up to where a tool call may begin
-            held["text"] += content
+        if call_stream is not None:  # content goes out only up to where a tool call may begin
+            content = call_stream.push(content)
             if final:
-                rest, calls = plan.parse(held["text"])
-                if calls:  # the content around the calls, less what already went out
-                    sent = held["text"][:held["sent"]].strip()
-                    content = rest[len(sent):] if rest.startswith(sent) else ""
-                else:
-                    content = held["text"][held["sent"]:]
-                held["calls"] = P.openai_calls(calls)
-                tool_parts = [{"tool_calls": [{"index": i, **call}]} for i, call in enumerate(held["calls"])]
-            else:
-                safe = max(held["sent"], plan.safe(held["text"]))
-                content, held["sent"] = held["text"][held["sent"]:safe], safe
+                rest, calls = call_stream.finish()
+                content += rest
+                calls_out.extend(P.openai_calls(calls))
+                tool_parts = [{"tool_calls": [{"index": i, **call}]} for i, call in enumerate(calls_out)]
         parts = [{key: value} for key, value in (("reasoning_content", reasoning), ("content", content)) if value]
         parts += tool_parts
         if final and pending and not parts:
@@ -211,7 +206,7 @@ async def chat_completions(request: Request) -> Response:
             yield P.chat_chunk(env, delta, logprobs=logprobs)
 
     return openai_stream(request, req, env, body, deltas,
-                         lambda reason: P.chat_chunk(env, {}, "tool_calls" if held["calls"] else reason),
+                         lambda reason: P.chat_chunk(env, {}, "tool_calls" if calls_out else reason),
                          opening=P.chat_chunk(env, {"role": "assistant", "content": ""}),
                          per_token=P.get_bool(body, "timings_per_token", False))
 

@@ -46,7 +46,7 @@ def tool_names(tools: list) -> list[str]:
     return names
 
 
-def parse_tool_choice(value, names: list[str]) -> str | None:
+def parse_tool_choice(value, names: list[str]) -> str:
     """"auto", "none", "required", or the one function name the call must use."""
     if value is None:
         return "auto"
@@ -64,7 +64,7 @@ def parse_tool_choice(value, names: list[str]) -> str | None:
 def choice_grammar(tools: list, choice: str, parallel: bool) -> Grammar | None:
     """For `required` or a named function: the output is a JSON call object (an array of them when parallel calls
     are allowed), with `arguments` valid for that function's parameters."""
-    if choice in ("auto", "none"):
+    if choice == "auto":
         return None
     calls = []
     for tool in tools:
@@ -241,7 +241,7 @@ class ToolPlan:
     """A chat request's tools as the server handles them."""
     fmt: str
     names: list[str]
-    choice: str  # "auto", "none", "required" or a function name
+    choice: str  # "auto", "required" or a function name
     parallel: bool
     grammar: Grammar | None
 
@@ -249,12 +249,32 @@ class ToolPlan:
         content, calls = parse_tool_calls(text, self.fmt, self.names)
         return content, calls if self.parallel else calls[:1]
 
-    def safe(self, text: str) -> int:
-        return held_back(text, self.fmt)
+
+
+class CallStream:
+    """A streamed answer under tools: content goes out up to where a call may begin (`push`); at the end, the
+    content not sent yet and the calls (`finish`)."""
+
+    def __init__(self, plan: ToolPlan):
+        self.plan, self.text, self.sent = plan, "", 0
+
+    def push(self, text: str) -> str:
+        self.text += text
+        safe = max(self.sent, held_back(self.text, self.plan.fmt))
+        out, self.sent = self.text[self.sent:safe], safe
+        return out
+
+    def finish(self) -> tuple[str, list[dict]]:
+        rest, calls = self.plan.parse(self.text)
+        if not calls:
+            return self.text[self.sent:], []
+        sent = self.text[:self.sent].strip()  # the content around the calls, less what already went out
+        return (rest[len(sent):] if rest.startswith(sent) else ""), calls
 
 
 def tool_plan(template: str | None, body: dict) -> ToolPlan | None:
-    """None without tools; raises ToolError for tools the model's template cannot take or a bad tool_choice."""
+    """None without tools or with tool_choice "none" (then the tools are not rendered either); raises ToolError for
+    tools the model's template cannot take or a bad tool_choice."""
     tools = body.get("tools")
     if tools is None or tools == []:
         if body.get("tool_choice") not in (None, "none", "auto"):
@@ -267,6 +287,8 @@ def tool_plan(template: str | None, body: dict) -> ToolPlan | None:
     if fmt is None:
         raise ToolError("this model's chat template does not support tools")
     choice = parse_tool_choice(body.get("tool_choice"), names)
+    if choice == "none":
+        return None
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise ToolError("'parallel_tool_calls' must be a boolean")
