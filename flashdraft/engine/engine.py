@@ -11,7 +11,7 @@ import torch
 
 from flashdraft.engine.config import EngineConfig
 from flashdraft.engine.generate import SpecStats, decode
-from flashdraft.engine.grammar import Grammar
+from flashdraft.engine.grammar import Constraint, Grammar
 from flashdraft.engine.lockstep import from_rank0, in_lockstep
 from flashdraft.engine.sampling import SamplingParams
 from flashdraft.engine.steps import Steps
@@ -364,10 +364,11 @@ class Engine:
                 return event
         raise RuntimeError("generation ended without a result")
 
-    def _run(self, req: Request, slot: int, seed: int | None, cached: int = 0,
-             held: list[int] | None = None) -> Iterator[Delta | Completion]:
+    def _run(self, req: Request, slot: int, seed: int | None, cached: int,
+             held: list[int]) -> Iterator[Delta | Completion]:
         """`cached`: leading prompt tokens the slot's cache already holds; `held` receives the tokens it holds
-        as the run goes (the prompt, then every output token but the last, whose K/V no step has written)."""
+        when the run ends or is closed (the prompt, then every output token but the last, whose K/V no step has
+        written)."""
         from flashdraft.formats.tokenizer import IncrementalDetokenizer
         p = req.params
         draft = self.draft if req.speculative else None
@@ -388,15 +389,12 @@ class Engine:
             from flashdraft.engine.adaptive import WidthController
             controller = WidthController(self.width_costs or self.measure_width_costs(slot))
         logprobs: list[TokenLogprob] | None = [] if p.logprobs is not None else None
-        constraint = None
-        if req.grammar is not None:
-            from flashdraft.engine.grammar import Constraint
-            constraint = Constraint(self.tokenizer, req.grammar, self.target.cfg.vocab_size)
+        constraint = None if req.grammar is None else Constraint(self.tokenizer, req.grammar,
+                                                                 self.target.cfg.vocab_size)
         reported = 0  # logprobs already handed out in deltas
         steps = decode(self.steps, prompt, p, slot=slot, speculative=draft is not None,
                        block_size=req.block_size or self.block_size, stats=stats, max_len=self.ctx_size, generator=gen,
                        controller=controller, logprobs=logprobs, cached=cached, constraint=constraint)
-        held = [] if held is None else held
         if self.world_size > 1:
             steps = in_lockstep(steps, self.device)
         try:
@@ -410,10 +408,6 @@ class Engine:
                     if logprobs is not None:
                         del logprobs[len(tokens) + end:]
                 tokens += new
-                # in the cache now: the prompt and every output token but the last (no step has run it yet)
-                if len(held) < len(req.prompt_ids):
-                    held[:] = req.prompt_ids
-                held[len(req.prompt_ids):] = tokens[:-1]
                 text += detok.push(new if end is None else new[:end])
                 hit = _stop_hit(text, p.stop)
                 if hit is not None:
@@ -429,6 +423,8 @@ class Engine:
                     break
         finally:
             steps.close()
+            if t_first is not None:  # in the cache: the prompt and every output token but the last (not run yet)
+                held[:] = req.prompt_ids + tokens[:-1]
         self._sync()
         t_end = time.perf_counter()
         t_first = t_first or t_end

@@ -70,6 +70,12 @@ def check(tokenizer, grammar: Grammar) -> None:
         raise ValueError(f"invalid {grammar.kind}: {message}")
 
 
+def pack(allowed: Tensor) -> Tensor:
+    """bool [32 * words] -> int32 bitmask [words] (unpack's inverse)."""
+    words = (allowed.view(-1, 32).long() << torch.arange(32)).sum(1)
+    return (words - (words >> 31 << 32)).to(torch.int32)  # the top bit as int32's sign
+
+
 def unpack(bits: Tensor) -> Tensor:
     """int32 bitmasks [k, words] -> bool [k, 32 * words]."""
     shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
@@ -86,17 +92,17 @@ class Constraint:
         if self.matcher.is_error():
             raise ValueError(f"invalid {grammar.kind}: {self.matcher.get_error()}")
         self.n_logits = n_logits
-        self.eos = list(tokenizer.eos_ids)
         self.words = (n_logits + 31) // 32
+        eos = torch.zeros(self.words * 32, dtype=torch.bool)
+        eos[list(tokenizer.eos_ids)] = True
+        self.eos_bits = pack(eos)
 
     def _bits(self) -> Tensor:
         """The next token's allowed set as llguidance's bitmask [words] int32 (bit t % 32 of word t // 32)."""
-        bits = torch.zeros(self.words, dtype=torch.int32)
         if self.matcher.is_stopped() or self.matcher.is_error():
-            for t in self.eos:
-                bits[t // 32] |= 1 << (t % 32) if t % 32 < 31 else -(1 << 31)
-        else:
-            self.matcher.unsafe_compute_mask_ptr(bits.data_ptr(), 4 * self.words)
+            return self.eos_bits
+        bits = torch.empty(self.words, dtype=torch.int32)
+        self.matcher.unsafe_compute_mask_ptr(bits.data_ptr(), 4 * self.words)
         return bits
 
     def bitmasks(self, drafted: list[int]) -> Tensor:

@@ -7,7 +7,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-TYPE_IDS = {"q8_0": 8, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7}  # GGML ids
+from flashdraft.kernels.split_attention import ROW_TYPES
+from flashdraft.layers.kv_quant import KERNEL_QUANTIZED, KVCodec
+
+TYPE_IDS = {name: ROW_TYPES[name] for name in KERNEL_QUANTIZED}
 
 
 @triton.jit
@@ -71,7 +74,6 @@ def _quantize_kernel(x_ptr, out_ptr, stride_x, stride_o, TYPE: tl.constexpr, D: 
 
 def quantize_rows(x: Tensor, name: str) -> Tensor:
     """Rows [..., D] (D a multiple of 32, a power-of-two block count) -> stored planar rows [..., row bytes]."""
-    from flashdraft.layers.kv_quant import KVCodec
     d = x.shape[-1]
     flat = x.reshape(-1, d)
     if flat.stride(-1) != 1:

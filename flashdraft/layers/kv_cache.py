@@ -44,14 +44,18 @@ class KVSlots:
         self.k[self.index[:, None], :, positions] = k
         self.v[self.index[:, None], :, positions] = v
 
+    def _rows(self, length: int) -> slice:
+        """The first `length` rows (a window ring: all its rows, see window_positions)."""
+        return slice(None) if self.window else slice(None, length)
+
     def stored(self, length: int) -> tuple[Tensor, Tensor]:
-        """One slot's first `length` rows (a window ring: all) as stored: [KV, length, row size] views."""
-        rows = slice(None) if self.window else slice(None, length)
+        """One slot's rows as stored: [KV, length, row size] views."""
+        rows = self._rows(length)
         return self.k[:, rows], self.v[:, rows]
 
     def read(self, length: int, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
-        """The first `length` rows (a window ring: all its rows, see window_positions): [B, KV, length, D]."""
-        rows = slice(None) if self.window else slice(None, length)
+        """The rows expanded: [B, KV, length, D]."""
+        rows = self._rows(length)
         if self.single:
             k, v = self.k[None, :, rows], self.v[None, :, rows]
         else:

@@ -293,10 +293,7 @@ class KVCodec:
     def decode(self, stored: Tensor, dtype: torch.dtype | None = None) -> Tensor:
         """Stored [..., row_size] -> rows [..., head_dim] in `dtype` (default: the stored float type)."""
         if self.bits is not None:
-            rotated = self.decode_rotated(stored)
-            group = rotation_group(rotated.shape[-1])
-            values = (rotated.reshape(-1, group) @ rotation(group, stored.device)).reshape(rotated.shape)
-            return values.to(dtype or self.dtype)
+            return rotate(self.decode_rotated(stored), inverse=True).to(dtype or self.dtype)
         if self.qtype is None:
             return stored if dtype is None else stored.to(dtype)
         from flashdraft.formats.gguf import BLOCK_DEQUANTISERS  # (formats imports the model families)
