@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 from gpu import graphed, timed  # noqa: E402
 
 from flashdraft.kernels import gguf_gemv as G  # noqa: E402
+from flashdraft.layers.quantized import stored_blocks  # noqa: E402
 from flashdraft.kernels import gguf_matmul as K  # noqa: E402
 
 SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)]  # (N, K): q/o, k/v, gate/up, down
@@ -32,9 +33,11 @@ def main() -> int:
     ap.add_argument("--gemv-sweep", action="store_true")
     ap.add_argument("--gemv-configs", default=None, help='integer-kernel configs, "BLOCK_N,SB,warps,programs;..."')
     ap.add_argument("--dot", action="store_true", help="the tensor-core kernel for every row count")
+    ap.add_argument("--shapes", default=None, help='matrix shapes "N,K;..." (default: the 8B\'s four)')
     ap.add_argument("--out")
     ap.add_argument("--best", help="write the fastest config (summed over types and rows) to this JSON")
     args = ap.parse_args()
+    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";")] if args.shapes else SHAPES
     dev = "cuda"
     configs = [(K.BLOCK_N, K.NUM_WARPS, K.TARGET_PROGRAMS)]
     if args.sweep:
@@ -46,6 +49,8 @@ def main() -> int:
     gemv_configs = [tuple(G.CONFIG.values())]
     if args.gemv_sweep:
         gemv_configs = list(itertools.product((2, 4, 8), (2, 4, 8), (4,), (2112,)))
+    if args.gemv_sweep or args.gemv_configs:
+        G.TYPE_CONFIGS.clear()  # every type takes the swept tile
     if args.gemv_configs:
         gemv_configs = [tuple(int(v) for v in c.split(",")) for c in args.gemv_configs.split(";")]
     if len(gemv_configs) > 1:  # sweep the integer kernels with the tensor-core kernel's default tile
@@ -54,11 +59,11 @@ def main() -> int:
         configs = [tuple(c) + gemv_configs[0] for c in configs]
     rows_out = []
     for qtype in args.types.split(","):
-        weights = {s: torch.from_numpy(random_blocks(qtype, s[0], s[1], 0)).to(dev) for s in SHAPES}
-        dense = {s: torch.randn(s, device=dev, dtype=torch.bfloat16) for s in SHAPES}
+        weights = {s: stored_blocks(torch.from_numpy(random_blocks(qtype, *s, 0)), qtype).to(dev) for s in shapes}
+        dense = {s: torch.randn(s, device=dev, dtype=torch.bfloat16) for s in shapes}
         for m in map(int, args.rows.split(",")):
-            xs = {s: torch.randn(m, s[1], device=dev, dtype=torch.bfloat16) for s in SHAPES}
-            ref_ms = timed(graphed(lambda: [F.linear(xs[s], dense[s]) for s in SHAPES], dev), 20, dev)
+            xs = {s: torch.randn(m, s[1], device=dev, dtype=torch.bfloat16) for s in shapes}
+            ref_ms = timed(graphed(lambda: [F.linear(xs[s], dense[s]) for s in shapes], dev), 20, dev)
             qbytes = sum(w.numel() for w in weights.values())
             for bn, warps, target, *gemv in configs:
                 K.BLOCK_N, K.NUM_WARPS, K.TARGET_PROGRAMS = bn, warps, target
@@ -67,7 +72,7 @@ def main() -> int:
                 if qtype in G.GEMV_TYPES and m <= G.MAX_ROWS:
                     bn, sb, warps, target = gemv
                 try:
-                    ms = timed(graphed(lambda: [K.gguf_matmul(xs[s], weights[s], qtype, s[1]) for s in SHAPES], dev),
+                    ms = timed(graphed(lambda: [K.gguf_matmul(xs[s], weights[s], qtype, s[1]) for s in shapes], dev),
                                20, dev)
                 except Exception as e:  # a tile that does not fit: skip it
                     print(f"{qtype} M={m} BN={bn} warps={warps} target={target}: {type(e).__name__}", flush=True)

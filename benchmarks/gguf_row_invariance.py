@@ -10,6 +10,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 from test_gguf_kernels import random_blocks  # noqa: E402
 
 from flashdraft.kernels import gguf_gemv as G  # noqa: E402
+from flashdraft.layers.quantized import stored_blocks  # noqa: E402
 
 
 def main() -> int:
@@ -19,7 +20,7 @@ def main() -> int:
     args = ap.parse_args()
     G.CONFIG.update(SB=args.sb)
     for qtype in args.types.split(","):
-        w = torch.from_numpy(random_blocks(qtype, 4096, 4096, 0)).cuda()
+        w = stored_blocks(torch.from_numpy(random_blocks(qtype, 4096, 4096, 0)), qtype).cuda()
         x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
         one = G.gemv(x[:1], w, qtype, 4096)[0]
         same = {m: torch.equal(one, G.gemv(x[:m], w, qtype, 4096)[0]) for m in (2, 4, 16)}

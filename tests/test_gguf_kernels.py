@@ -39,13 +39,14 @@ def check(device: str, dtype: torch.dtype = torch.float32, tol: float = 1e-5) ->
     """dtype, tol: of x and the product (float32 under the interpreter; bf16 on a GPU, as the engine runs)."""
     from flashdraft.kernels.gguf_gemv import GEMV_TYPES, MAX_ROWS
     from flashdraft.kernels.gguf_matmul import dequantize_gguf, gguf_matmul
+    from flashdraft.layers.quantized import stored_blocks
     gen = torch.Generator().manual_seed(0)
     for i, qtype in enumerate(TYPES):
         # 45 rows: not a multiple of the kernels' row tiles; the older types' rows may end inside a 256 chunk
         n, k = 45, 512 if qtype.endswith("_K") or qtype == "IQ4_XS" else 576
         raw = random_blocks(qtype, n, k, seed=i)
         want = reference(raw, qtype)
-        qweight = torch.from_numpy(raw).to(device)
+        qweight = stored_blocks(torch.from_numpy(raw), qtype).to(device)
         got = dequantize_gguf(qweight, qtype, k, torch.float32).cpu()
         exact = device == "cpu"  # a GPU may fuse the scale's multiply-add
         assert torch.equal(got, want) if exact else torch.allclose(got, want, rtol=1e-6, atol=1e-7), \

@@ -418,7 +418,7 @@ def iter_gguf_tensors(gguf: GGUFFile | str | Path, dtype: torch.dtype = torch.fl
     """(HF name, tensor) pairs in HF layout, dequantised one at a time straight into `dtype` on `device`.
     keep_quantized: matrices of a type the GPU kernels read come as `layers.quantized.QuantizedWeight` (their
     stored bytes, rows in HF order, copied once to `device`); the rest are dequantised as before."""
-    from flashdraft.layers.quantized import QuantizedWeight, kernel_types
+    from flashdraft.layers.quantized import QuantizedWeight, kernel_types, stored_blocks
     kept = kernel_types() if keep_quantized else ()
     if not isinstance(gguf, GGUFFile):
         gguf = read_gguf(gguf)
@@ -441,7 +441,8 @@ def iter_gguf_tensors(gguf: GGUFFile | str | Path, dtype: torch.dtype = torch.fl
         if part in permute_heads:
             raw = _unpermute(raw, t.shape[0], permute_heads[part])
         if keeps_quantized(t, kept):
-            yield name, QuantizedWeight(raw.view(t.shape[0], -1).to(device), t.qtype.name, tuple(t.shape))
+            yield name, QuantizedWeight(stored_blocks(raw.view(t.shape[0], -1).to(device), t.qtype.name), t.qtype.name,
+                                        tuple(t.shape))
             continue
         shifted = name.endswith("norm.weight") and norm_shift != 0
         try:

@@ -9,9 +9,9 @@ unpack, a conversion and a multiply. The sub-block scales and the minimum's term
 per 32 weights. Each row of x goes through the same instructions whatever the row count, so a token's result
 is the same bits in a plain step and in a verify step.
 
-Layouts: ggml-common.h's block_q4_0 ... block_q8_0, block_q4_K, block_q5_K and block_q6_K. Blocks whose size is not
-a multiple of 4 bytes (Q6_K's 210, the older types' 18-34) are only 2-byte aligned, so their words are read as
-two 16-bit halves. The IQ4 types (a table lookup per weight) and Q2_K/Q3_K keep the tensor-core kernel.
+Layouts: ggml-common.h's block_q4_0 ... block_q8_0, block_q4_K, block_q5_K and block_q6_K (kept padded to 212
+bytes, so every block starts on a word). The older types' blocks (18-34 bytes) are only 2-byte aligned, so their
+words are read as two 16-bit halves. The IQ4 types (a table lookup per weight) and Q2_K/Q3_K keep the tensor-core kernel.
 """
 import os
 
@@ -32,6 +32,7 @@ ROW_BUCKETS = (1, 2, 4, 8, 16)  # the kernels are compiled per bucket: rows of x
 # tile: BLOCK_N output rows x SB super-blocks (Q8_0: 8-block groups) per iteration; chosen on an H200 by
 # benchmarks/gguf_kernels.py --gemv-sweep
 CONFIG = {"BLOCK_N": 4, "SB": 16, "num_warps": 4, "target_programs": 2112}
+TYPE_CONFIGS = {"Q6_K": dict(CONFIG, BLOCK_N=8, SB=8)}  # 0.195 ms against 0.218 (8B + Gemma shapes; PERF run 7)
 INTERPRETED = {"BLOCK_N": 64, "SB": 1, "num_warps": 1, "target_programs": 64}  # small tiles: the CPU tests' shapes
 
 
@@ -114,9 +115,9 @@ def _k_scale_bytes(a, b, c, i):
 
 
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
-def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd, stride_wn,
+def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd, stride_wu,
                    stride_os, stride_om, FIVE_BITS: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SB: tl.constexpr, EMULATE: tl.constexpr):
+                   SB: tl.constexpr, ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr):
     """Q4_K (144-byte super-blocks: d, dmin, 12 scale bytes, 128 nibble bytes) or Q5_K (176: the same with 32 bytes
     of fifth bits before the nibbles). w as int32 words; group g's 32 bytes hold sub-block 2g in their low nibbles
     and 2g + 1 in their high ones."""
@@ -130,7 +131,7 @@ def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split
     first = split * sb_per_split
     last = tl.minimum(first + sb_per_split, K // 256)
     acc = tl.zeros([BM, BLOCK_N], tl.float32)
-    row_base = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+    row_base = w_ptr + rows.to(tl.int64)[:, None] * (stride_wu * ROW_ALIGN)
     for s0 in range(first, last, SB):
         s = s0 + sbi
         ok = row_ok[:, None] & (s < last)[None, :]  # [N, SB]
@@ -170,7 +171,7 @@ def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split
             part = d_lo * xd_lo * dot_lo + d_hi * xd_hi * dot_hi - (m_lo * xs_lo + m_hi * xs_hi)
             contrib = tl.sum(tl.sum(part, axis=2), axis=1)
             acc = tl.where(mi[:, None] == m, acc + contrib[None, :], acc)
-    tl.store(out_ptr + split * stride_os + mi[:, None] * stride_om + rows[None, :], acc,
+    tl.store(out_ptr + split * stride_os + mi[:, None] * stride_om + rows[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=(mi < M)[:, None] & row_ok[None, :])
 
 
@@ -198,10 +199,11 @@ def _dot16(v, x, EMULATE: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
-def _q6_k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd, stride_wn,
-                 stride_os, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
-                 EMULATE: tl.constexpr):
-    """Q6_K: 210-byte super-blocks (ql 128 bytes, qh 64, 16 int8 scales, d), w as int16 halves (105 per block).
+def _q6_k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd,
+                 stride_wu, stride_os, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
+                 ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr):
+    """Q6_K: 210-byte super-blocks (ql 128 bytes, qh 64, 16 int8 scales, d) kept padded to 212 bytes (53 words;
+    layers/quantized.py), read as int32 words (w_ptr) and, for the scales and d, as int16 halves (w16_ptr).
     Half h's weight 128h + 32k + l (k = 0..3, l = 0..31) is ql[64h + l + 32 (k & 1)]'s low (k < 2) or high
     nibble with bits 2k..2k+1 of qh[32h + l] above it, minus 32; scale index 8h + 2k + l // 16. Words are
     indexed [h, u, v] with l = 16u + 4v."""
@@ -216,18 +218,19 @@ def _q6_k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, 
     first = split * sb_per_split
     last = tl.minimum(first + sb_per_split, K // 256)
     acc = tl.zeros([BM, BLOCK_N], tl.float32)
-    row_base = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+    row_words = rows.to(tl.int64)[:, None] * (stride_wu * ROW_ALIGN)
     for s0 in range(first, last, SB):
         s = s0 + sbi
         ok = row_ok[:, None] & (s < last)[None, :]
-        base = row_base + s[None, :] * 105  # [N, SB] int16 pointers
+        block_words = row_words + s[None, :] * 53  # [N, SB]
+        base = w16_ptr + 2 * block_words  # int16 pointers
         d = _half(tl.load(base + 104, mask=ok, other=0).to(tl.int32))
         ok5 = ok[:, :, None, None, None]
-        b5 = base[:, :, None, None, None]
-        word = h * 32 + u * 8 + v * 2  # half-word offset of ql bytes 64h + 16u + 4v
-        A = _word16(b5 + word, ok5)  # [N, SB, 2, 2, 4]
-        B = _word16(b5 + word + 16, ok5)  # ql bytes 64h + 32 + 16u + 4v
-        H = _word16(b5 + 64 + h * 16 + u * 8 + v * 2, ok5)  # qh bytes 32h + 16u + 4v
+        b5 = w_ptr + block_words[:, :, None, None, None]
+        word = h * 16 + u * 4 + v  # word of ql bytes 64h + 16u + 4v
+        A = tl.load(b5 + word, mask=ok5, other=0)  # [N, SB, 2, 2, 4]
+        B = tl.load(b5 + word + 8, mask=ok5, other=0)  # ql bytes 64h + 32 + 16u + 4v
+        H = tl.load(b5 + 32 + h * 8 + u * 4 + v, mask=ok5, other=0)  # qh bytes 32h + 16u + 4v
         v0 = _signed6((A & 0x0F0F0F0F) | ((H << 4) & 0x30303030))
         v1 = _signed6((B & 0x0F0F0F0F) | ((H << 2) & 0x30303030))
         v2 = _signed6(((A >> 4) & 0x0F0F0F0F) | (H & 0x30303030))
@@ -257,7 +260,7 @@ def _q6_k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, 
                     _dot16(v3, tl.load(xw + 24, mask=x_ok, other=0), EMULATE))
             contrib = tl.sum(tl.sum(tl.sum(part, axis=3), axis=2), axis=1)
             acc = tl.where(mi[:, None] == m, acc + contrib[None, :], acc)
-    tl.store(out_ptr + split * stride_os + mi[:, None] * stride_om + rows[None, :], acc,
+    tl.store(out_ptr + split * stride_os + mi[:, None] * stride_om + rows[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=(mi < M)[:, None] & row_ok[None, :])
 
 
@@ -268,9 +271,9 @@ def _spread_bits(nib):
 
 
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
-def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd, stride_wn,
+def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd, stride_wu,
                     stride_os, stride_om, QTYPE: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
-                    SB: tl.constexpr, EMULATE: tl.constexpr):
+                    SB: tl.constexpr, ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr):
     """The 32-weight block types, w as int16 halves: Q8_0 (34 bytes: d, 32 int8), Q4_0 (18: d, 16 nibble bytes),
     Q4_1 (20: d, m, ...), Q5_0 (22: d, 32 fifth bits, ...), Q5_1 (24: d, m, fifth bits, ...). A nibble byte l's
     low half is weight l, its high one weight l + 16; fifth bit j belongs to weight j. Q4_0 / Q5_0 store q + 8 /
@@ -290,7 +293,7 @@ def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_spli
     first = split * sb_per_split * 8
     last = tl.minimum(first + sb_per_split * 8, K // 32)
     acc = tl.zeros([BM, BLOCK_N], tl.float32)
-    row_base = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+    row_base = w_ptr + rows.to(tl.int64)[:, None] * (stride_wu * ROW_ALIGN)
     for b0 in range(first, last, SB * 8):
         b = b0 + bi
         ok = row_ok[:, None] & (b < last)[None, :]
@@ -325,7 +328,7 @@ def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_spli
                 dot = tl.sum(_dp4a(lo, x_lo, EMULATE) + _dp4a(hi, x_hi, EMULATE), axis=2).to(tl.float32)
                 contrib = tl.sum(d * xd * dot + dm * xs, axis=1)
             acc = tl.where(mi[:, None] == m, acc + contrib[None, :], acc)
-    tl.store(out_ptr + split * stride_os + mi[:, None] * stride_om + rows[None, :], acc,
+    tl.store(out_ptr + split * stride_os + mi[:, None] * stride_om + rows[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=(mi < M)[:, None] & row_ok[None, :])
 
 
@@ -338,23 +341,49 @@ def splits_for(n: int, k: int, cfg: dict) -> tuple[int, int]:
     return triton.cdiv(sbs, per_split), per_split
 
 
+@triton.jit
+def _sum_splits_kernel(partial_ptr, out_ptr, splits, numel, BLOCK: tl.constexpr):
+    """out = partial.sum(0) in out's dtype, the splits added in order (deterministic), one launch."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < numel
+    acc = tl.load(partial_ptr + i, mask=ok, other=0.0)
+    for s in range(1, splits):
+        acc += tl.load(partial_ptr + s * numel + i, mask=ok, other=0.0)
+    tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def row_align(w: Tensor) -> int:
+    """The most elements, up to 16 bytes' worth, that divide w's row stride: a constant to the kernels, so they
+    know how far each row's start is aligned and can load 16 bytes at once (a runtime stride tells them nothing)."""
+    most = 16 // w.element_size()
+    return next(a for a in (most, most // 2, most // 4, most // 8) if a >= 1 and w.stride(0) % a == 0)
+
+
 def gemv(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:
-    """x [M <= MAX_ROWS, K] @ dequantize(qweight)^T -> [M, N] float32 (x quantized to 8 bits per 32 values)."""
+    """x [M <= MAX_ROWS, K] @ dequantize(qweight)^T -> [M, N] in x's dtype (x quantized to 8 bits per 32 values)."""
     m, n = x.shape[0], qweight.shape[0]
     bm = next(b for b in ROW_BUCKETS if b >= m)
     xq, xd, xs = quantize_rows(x)
     emulate = _emulate()
-    cfg = INTERPRETED if emulate else CONFIG
+    cfg = INTERPRETED if emulate else TYPE_CONFIGS.get(qtype, CONFIG)
     splits, per_split = splits_for(n, k, cfg)
-    partial = torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    partial = out[None] if splits == 1 else torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
     if qtype in ("Q4_K", "Q5_K"):
-        kernel, w, extra = _kquant_kernel, qweight.view(torch.int32), dict(FIVE_BITS=qtype == "Q5_K")
-    elif qtype == "Q6_K":
-        kernel, w, extra = _q6_k_kernel, qweight.view(torch.int16), {}
+        w = qweight.view(torch.int32)
+        kernel, args, extra = _kquant_kernel, (w,), dict(FIVE_BITS=qtype == "Q5_K")
+    elif qtype == "Q6_K":  # 212-byte blocks: whole words
+        w = qweight.view(torch.int32)
+        kernel, args, extra = _q6_k_kernel, (w, qweight.view(torch.int16)), {}
     else:
-        kernel, w, extra = _block32_kernel, qweight.view(torch.int16), dict(QTYPE=BLOCK32_IDS[qtype])
+        w = qweight.view(torch.int16)
+        kernel, args, extra = _block32_kernel, (w,), dict(QTYPE=BLOCK32_IDS[qtype])
+    align = row_align(w)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), splits)
-    kernel[grid](xq, xd, xs, w, partial, m, n, k, per_split, xq.stride(0), xd.stride(0), w.stride(0),
-                 partial.stride(0), partial.stride(1), BM=bm, BLOCK_N=cfg["BLOCK_N"], SB=cfg["SB"],
+    kernel[grid](xq, xd, xs, *args, partial, m, n, k, per_split, xq.stride(0), xd.stride(0), w.stride(0) // align,
+                 partial.stride(0), partial.stride(1), BM=bm, BLOCK_N=cfg["BLOCK_N"], SB=cfg["SB"], ROW_ALIGN=align,
                  EMULATE=emulate, num_warps=cfg["num_warps"], **extra)
-    return partial[0] if splits == 1 else partial.sum(0)
+    if splits > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](partial, out, splits, m * n, BLOCK=block)
+    return out

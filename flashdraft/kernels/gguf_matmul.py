@@ -18,6 +18,7 @@ import triton.language as tl
 from torch import Tensor
 
 from flashdraft.kernels import gguf_gemv
+from flashdraft.layers.quantized import PADDED_BLOCK_BYTES
 
 CHUNK = 256  # weights per K step: one super-block, or eight 32-weight blocks
 BLOCK_M = 16
@@ -30,9 +31,13 @@ TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": 
 TYPE_IDS = {name: ident for name, (ident, _, _) in TYPES.items()}
 
 
+def block_bytes(qtype: str) -> int:
+    """Bytes per block as the kernels keep them (layers/quantized.py pads Q6_K's)."""
+    return PADDED_BLOCK_BYTES.get(qtype, (0, TYPES[qtype][2]))[1]
+
+
 def chunk_bytes(qtype: str) -> int:
-    _, block, size = TYPES[qtype]
-    return size * CHUNK // block
+    return block_bytes(qtype) * CHUNK // TYPES[qtype][1]
 
 
 # ------------------------------------------------------------------------------------------ unpacking
@@ -303,8 +308,7 @@ def _lut(device: torch.device) -> Tensor:
 
 
 def row_bytes(qtype: str, k: int) -> int:
-    _, block, size = TYPES[qtype]
-    return k // block * size
+    return k // TYPES[qtype][1] * block_bytes(qtype)
 
 
 def _check(qweight: Tensor, qtype: str, k: int) -> None:
@@ -318,8 +322,9 @@ def _check(qweight: Tensor, qtype: str, k: int) -> None:
 
 
 # The fastest of benchmarks/gguf_kernels.py --sweep on an H200 (docs/PERF.md, GGUF run 2): BLOCK_N 16-64 x 4-8
-# warps x 528-1056 programs spread 0.79-1.53 ms over the 8B's four matrix shapes.
-BLOCK_N = 64
+# warps x 528-1056 programs spread 0.79-1.53 ms over the 8B's four matrix shapes; BLOCK_N 32 since run 7 (16 rows:
+# Q4_K 0.152 ms against 0.158 at 64, Q6_K 0.194 against 0.225).
+BLOCK_N = 32
 NUM_WARPS = 4
 TARGET_PROGRAMS = 1056  # about eight programs per SM of an H100/H200
 
@@ -343,7 +348,7 @@ def gguf_matmul(x: Tensor, qweight: Tensor, qtype: str, k: int, bias: Tensor | N
     m, n = x.shape[0], qweight.shape[0]
     if qtype in gguf_gemv.GEMV_TYPES and m <= gguf_gemv.MAX_ROWS:
         out = gguf_gemv.gemv(x, qweight, qtype, k)
-        return (out if bias is None else out + bias.float()).to(x.dtype)
+        return out if bias is None else out + bias
     splits, per_split = splits_for(n, k)
     partial = torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, BLOCK_M), splits)

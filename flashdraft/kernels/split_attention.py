@@ -20,9 +20,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-BLOCK_N = 64
+# benchmarks/attention_kernel.py on an H200 (8B shape, 1280 / 16640 keys, docs/PERF.md run 7): 128 keys per tile
+# and two pipeline stages took decode 24.9 -> 14.4 us and 112.7 -> 56.9 us; three stages of 64-key tiles had left
+# one program per SM (131 KB of shared memory, 255 registers).
+BLOCK_N = 128
 MIN_BLOCK_M = 64
 TARGET_PROGRAMS = 264  # about two programs per SM of an H100/H200
+NUM_WARPS, NUM_STAGES = 4, 2
 # stored row types: 0 float; GGML ids of the block types; 100 + bits for the rotated types
 ROW_TYPES = {"q8_0": 8, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "iq4_nl": 20, "turbo3": 103, "turbo4": 104}
 
@@ -240,11 +244,12 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale
     if D & (D - 1) or D < 16:
         raise ValueError(f"split_attention needs a power-of-two head size >= 16, got {D}")
     mask = mask.contiguous().view(torch.uint8)
-    # One tile height for decode (T=1) and verify (T=16) rows, and 64-key splits until L passes 64 * max_splits
-    # keys (2112 for 8 KV heads; beyond, the split length changes only where the context bucket doubles): a token's
+    # One tile height for decode (T=1) and verify (T=16) rows, and one-tile splits until L passes BLOCK_N * max_splits
+    # keys (4224 for 8 KV heads; beyond, the split length changes only where the context bucket doubles): a token's
     # attention then comes out bit for bit the same whether a plain step or a verify step computes it.
     block_m = max(MIN_BLOCK_M, triton.next_power_of_2(G * T))
-    blocks = triton.cdiv(L, BLOCK_N)
+    block_n = BLOCK_N if block_m <= 64 else 64  # taller tiles (the draft's 16 queries x 8 heads) keep 64 keys
+    blocks = triton.cdiv(L, block_n)
     max_splits = triton.cdiv(TARGET_PROGRAMS, KV)
     splits = min(blocks, max_splits)
     blocks_per_split = triton.cdiv(blocks, splits)
@@ -259,9 +264,10 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale
     _partial_kernel[(KV, splits)](q, keys, values, mask, acc, m, lse, _lut(k_type, q.device), _lut(v_type, q.device),
                                   q.stride(0), q.stride(1), keys.stride(0), values.stride(0), mask.stride(0),
                                   L, blocks_per_split, KV, scale, softcap or 1.0, T, G,
-                                  D=D, BLOCK_M=block_m, BLOCK_N=BLOCK_N, SOFTCAP=softcap > 0,
+                                  D=D, BLOCK_M=block_m, BLOCK_N=block_n, SOFTCAP=softcap > 0,
                                   K_TYPE=k_type, V_TYPE=v_type, K_ROW=keys.shape[2], V_ROW=values.shape[2],
-                                  K_PLANES=planes(k_type), V_PLANES=planes(v_type))
+                                  K_PLANES=planes(k_type), V_PLANES=planes(v_type), num_warps=NUM_WARPS,
+                                  num_stages=NUM_STAGES)
     out = torch.empty(T, H, D, device=q.device, dtype=q.dtype)
     _merge_kernel[(KV, G * T)](acc, m, lse, out, out.stride(0), out.stride(1), splits, KV, T, G,
                                D=D, BLOCK_M=block_m, SPLITS=max(2, triton.next_power_of_2(max_splits)))

@@ -11,6 +11,21 @@ from torch.nn import functional as F
 log = logging.getLogger("flashdraft")
 
 FEW_ROWS = 64  # up to this many rows a product runs the fused kernel; more dequantize into a scratch buffer
+# Q6_K's 210-byte blocks leave every other block only 2-byte aligned, so the kernels could read them only in 16-bit
+# halves (half the GPU's bandwidth, docs/PERF.md): in memory each block gets two zero bytes after its 210 (+0.95%),
+# so every block starts on a 4-byte word. The block's own bytes are unchanged.
+PADDED_BLOCK_BYTES = {"Q6_K": (210, 212)}
+
+
+def stored_blocks(raw: Tensor, qtype: str) -> Tensor:
+    """A matrix's file bytes [rows, row bytes] as the kernels keep them (Q6_K's blocks padded to 212 bytes)."""
+    if qtype not in PADDED_BLOCK_BYTES:
+        return raw
+    size, padded = PADDED_BLOCK_BYTES[qtype]
+    blocks = raw.reshape(raw.shape[0], -1, size)
+    out = torch.zeros(raw.shape[0], blocks.shape[1], padded, dtype=raw.dtype, device=raw.device)
+    out[:, :, :size] = blocks
+    return out.view(raw.shape[0], -1)
 
 
 @dataclass
