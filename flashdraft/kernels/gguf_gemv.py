@@ -352,6 +352,12 @@ def _sum_splits_kernel(partial_ptr, out_ptr, splits, numel, BLOCK: tl.constexpr)
     tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+def sum_splits(partial: Tensor, out: Tensor) -> None:
+    """out = partial [splits, *out.shape] summed over splits in order, in out's dtype (one launch)."""
+    block = 1024
+    _sum_splits_kernel[(triton.cdiv(out.numel(), block),)](partial, out, partial.shape[0], out.numel(), BLOCK=block)
+
+
 def row_align(w: Tensor) -> int:
     """The most elements, up to 16 bytes' worth, that divide w's row stride: a constant to the kernels, so they
     know how far each row's start is aligned and can load 16 bytes at once (a runtime stride tells them nothing)."""
@@ -384,6 +390,5 @@ def gemv(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:
                  partial.stride(0), partial.stride(1), BM=bm, BLOCK_N=cfg["BLOCK_N"], SB=cfg["SB"], ROW_ALIGN=align,
                  EMULATE=emulate, num_warps=cfg["num_warps"], **extra)
     if splits > 1:
-        block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](partial, out, splits, m * n, BLOCK=block)
+        sum_splits(partial, out)
     return out

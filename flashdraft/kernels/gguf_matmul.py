@@ -264,7 +264,7 @@ def _unpack(p, ok, nb, lut, QTYPE: tl.constexpr, BN: tl.constexpr):
 @triton.jit(do_not_specialize=["M", "stride_xm", "stride_om"])
 def _matmul_kernel(x_ptr, w_ptr, out_ptr, lut, M, N, K, chunks_per_split, stride_xm, stride_wn, stride_os, stride_om,
                    QTYPE: tl.constexpr, CHUNK_BYTES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Partial products over one split of K: out [splits, M, N] float32."""
+    """Partial products over one split of K: out [splits, M, N] float32 (or the product in x's dtype: one split)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     split = tl.program_id(2)
@@ -282,7 +282,7 @@ def _matmul_kernel(x_ptr, w_ptr, out_ptr, lut, M, N, K, chunks_per_split, stride
         x = tl.load(x_ptr + m[:, None] * stride_xm + c * 256 + k[None, :], mask=m_ok[:, None] & (c * 256 + k < K)[None, :],
                     other=0.0)
         acc += tl.dot(x, tl.trans(w.to(x.dtype)))
-    tl.store(out_ptr + split * stride_os + m[:, None] * stride_om + rows[None, :], acc,
+    tl.store(out_ptr + split * stride_os + m[:, None] * stride_om + rows[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=m_ok[:, None] & row_ok[None, :])
 
 
@@ -350,15 +350,15 @@ def gguf_matmul(x: Tensor, qweight: Tensor, qtype: str, k: int, bias: Tensor | N
         out = gguf_gemv.gemv(x, qweight, qtype, k)
         return out if bias is None else out + bias
     splits, per_split = splits_for(n, k)
-    partial = torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    partial = out[None] if splits == 1 else torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, BLOCK_M), splits)
     _matmul_kernel[grid](x, qweight, partial, _lut(x.device), m, n, k, per_split, x.stride(0), qweight.stride(0),
                          partial.stride(0), partial.stride(1), QTYPE=TYPE_IDS[qtype], CHUNK_BYTES=chunk_bytes(qtype),
                          BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS)
-    out = partial[0] if splits == 1 else partial.sum(0)  # a fixed order: deterministic
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(x.dtype)
+    if splits > 1:
+        gguf_gemv.sum_splits(partial, out)
+    return out if bias is None else out + bias
 
 
 @gguf_matmul.register_fake
