@@ -31,6 +31,7 @@ from flashdraft.formats.named import resolve_model
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 CHUNK = 32
+POSITION_RANGES = ((0, 32), (32, 256), (256, 512), (512, 1 << 20))  # mean KL by where the token sits
 DEFAULT_TYPES = "f16/f16,q8_0/q8_0,q5_0/q4_1,q5_1/q5_1,q4_1/q4_1,q4_0/q4_0"
 
 
@@ -105,16 +106,20 @@ def main() -> int:
     results = dict(model=Path(path).name, tokens=[len(c) for c in contexts], date=time.strftime("%Y-%m-%d"), rows=[])
     reference = [log_probs(target, ids, pairs[0]) for ids in contexts]
     for pair in pairs[1:]:
-        kl, agree, n = 0.0, 0, 0
+        per_position = []
+        agree, n = 0, 0
         for ids, ref in zip(contexts, reference):
             got = log_probs(target, ids, pair)
-            kl += float((ref.exp() * (ref - got)).sum(-1).sum())
+            per_position.append((ref.exp() * (ref - got)).sum(-1))
             agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
             n += len(ids)
-        row = dict(k=pair[0], v=pair[1], mean_kl=kl / n, top1_agreement=agree / n, positions=n)
+        kl = float(sum(p.sum() for p in per_position))
+        by_range = {f"{lo}-{hi}": float(torch.cat([p[lo:hi] for p in per_position]).mean())
+                    for lo, hi in POSITION_RANGES if any(len(p) > lo for p in per_position)}
+        row = dict(k=pair[0], v=pair[1], mean_kl=kl / n, top1_agreement=agree / n, positions=n, kl_by_position=by_range)
         results["rows"].append(row)
-        print(f"{pair[0]}/{pair[1]}: mean KL {row['mean_kl']:.2e}, top-1 agreement {row['top1_agreement']:.2%}",
-              flush=True)
+        print(f"{pair[0]}/{pair[1]}: mean KL {row['mean_kl']:.2e}, top-1 agreement {row['top1_agreement']:.2%}; by "
+              f"position: " + ", ".join(f"{r} {v:.2e}" for r, v in by_range.items()), flush=True)
     if args.llama_perplexity:
         theirs = llama_cpp_kl(args.llama_perplexity, str(path), "\n\n".join(texts(args.texts, args.items)), pairs, args.ctx)
         for r in results["rows"]:
