@@ -46,6 +46,26 @@ def more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
+# llama-quantize's file types: (their matrices' default type, general.file_type)
+FILE_TYPES = {"Q4_K_M": ("Q4_K", 15), "Q4_K_S": ("Q4_K", 14), "Q5_K_M": ("Q5_K", 17), "Q6_K": ("Q6_K", 18),
+              "Q8_0": ("Q8_0", 7), "IQ4_XS": ("IQ4_XS", 30)}
+
+
+def tensor_type(name: str, n_layers: int, file_type: str, gqa: int) -> str:
+    """The type llama-quantize (llama_tensor_get_type, no imatrix) gives a llama-architecture matrix."""
+    base = FILE_TYPES[file_type][0]
+    if name == "output.weight":
+        return "Q8_0" if base == "Q8_0" else "Q6_K"
+    layer, part = (int(name.split(".")[1]), name.split(".")[2]) if name.startswith("blk.") else (-1, "")
+    if part in ("attn_v", "ffn_down") and file_type in ("Q4_K_M", "Q5_K_M") and more_bits(layer, n_layers):
+        return "Q6_K"
+    if part == "attn_v" and (file_type == "Q4_K_S" and layer < 4 or file_type == "IQ4_XS" and gqa >= 4):
+        return "Q5_K"
+    if part == "ffn_down" and file_type in ("Q4_K_S", "IQ4_XS") and layer < n_layers // 8:
+        return "Q5_K"
+    return base
+
+
 # Gemma 4 31B (google/gemma-4-31B-it's text config) and a tiny stand-in for smoke tests
 GEMMA4 = {"gemma-4-31b": dict(vocab=262144, hidden=5376, ffn=21504, layers=60, heads=32, kv=16, kv_full=4, hd=256,
                               hd_full=512, window=1024),
@@ -150,7 +170,7 @@ def gemma4_draft(target_cfg, device: str, dtype: torch.dtype, tiny: bool):
 
 
 def make(args) -> int:
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+    from gguf import GGMLQuantizationType, GGUFWriter
     if args.shape.startswith("gemma"):
         return make_gemma4(args)
     cfg = (TINY if args.tiny else SHAPES)[args.shape]
@@ -168,7 +188,7 @@ def make(args) -> int:
     w.add_float32("llama.rope.freq_base", cfg.rope_theta)
     w.add_float32("llama.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
     w.add_uint32("llama.rope.dimension_count", cfg.head_dim)
-    w.add_uint32("general.file_type", 32)  # MOSTLY_BF16
+    w.add_uint32("general.file_type", FILE_TYPES[args.random_quant][1] if args.random_quant else 32)  # 32: BF16
     w.add_string("tokenizer.ggml.model", "gpt2")
     w.add_string("tokenizer.ggml.pre", "default")
     w.add_array("tokenizer.ggml.tokens", byte_level_tokens(cfg.vocab_size))
@@ -183,17 +203,9 @@ def make(args) -> int:
         if norm:
             w.add_tensor(name, np.ones(shape, dtype=np.float32))
             return
-        if args.random_quant:  # Q4_K_M's layout with random blocks: no quantizer needed to time the kernels
-            layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
-            six = name == "output.weight" or (name.split(".")[-2] in ("attn_v", "ffn_down")
-                                              and more_bits(layer, cfg.num_layers))
-            qtype = "Q6_K" if six else "Q4_K"
-            sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
-            from test_gguf_kernels import random_blocks
-            raw = random_blocks(qtype, shape[0], shape[1], seed=len(w.tensors[0]))
-            block, size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
-            w.add_tensor(name, raw.reshape(shape[0], -1), raw_shape=(shape[0], shape[1] // block * size),
-                         raw_dtype=GGMLQuantizationType[qtype])
+        if args.random_quant:  # a file type's layout with random blocks: no quantizer needed to time the kernels
+            gqa = cfg.num_heads // cfg.num_kv_heads
+            random_quantized(w, name, tensor_type(name, cfg.num_layers, args.random_quant, gqa), *shape)
             return
         t = (torch.randn(*shape, generator=gen, device=dev) * 0.02).to(torch.bfloat16)
         w.add_tensor(name, t.view(torch.int16).cpu().numpy().view(np.uint16), raw_shape=shape,
@@ -337,8 +349,8 @@ def main() -> int:
     ap.add_argument("--shape", default="llama-3.1-8b")
     ap.add_argument("--out-dir", default=".")
     ap.add_argument("--files", default="")
-    ap.add_argument("--random-quant", choices=["Q4_K_M"], default=None,
-                    help="make: random blocks in Q4_K_M's layout (Q4_K, Q6_K where llama-quantize puts it)")
+    ap.add_argument("--random-quant", choices=list(FILE_TYPES), default=None,
+                    help="make: random blocks in a file type's layout (each matrix the type llama-quantize gives it)")
     ap.add_argument("--kernel-config", default=None,
                     help="measure: JSON {block_n, warps, target} and/or {gemv: {...}} for the GGUF kernels")
     ap.add_argument("--ctxs", default="1024,16384")
