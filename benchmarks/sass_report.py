@@ -1,0 +1,112 @@
+"""The GGUF kernels compiled for an H100/H200 (sm_90) on a machine without a GPU: registers, shared memory and the
+SASS of the main loop (instructions per iteration, per byte of weights streamed, the instruction mix), read with
+the cuobjdump that Triton's package carries. Arguments the JIT would specialise as multiples of 16 (torch's
+pointers, the 8B's strides) are declared so, as at run time. The local Triton may be newer than the GPU machine's:
+compare kernels with each other, not with ncu's absolute figures.
+
+At full bandwidth an H200 SM streams ~14 bytes per cycle and issues 4 warp-instructions per cycle, so a streaming
+kernel needs fewer than ~0.28 warp-instructions per weight byte, and fewer still to leave room for stalls.
+
+Usage: python benchmarks/sass_report.py [--kernels gemv,dot] [--types Q4_K,Q6_K] [--block-n 32]
+"""
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+from flashdraft.kernels import gguf_gemv as G
+from flashdraft.kernels import gguf_matmul as K
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+BRANCH = re.compile(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?BRA\s+0x([0-9a-f]+)")
+
+
+def compile_sm90(fn, signature: dict, constexprs: dict, aligned: tuple, num_warps: int) -> tuple[str, str]:
+    names = list(signature)
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    usage = subprocess.run([f"{BIN}/cuobjdump", "--dump-resource-usage", f.name], capture_output=True, text=True)
+    sass = subprocess.run([f"{BIN}/cuobjdump", "--dump-sass", f.name], capture_output=True, text=True)
+    os.unlink(f.name)
+    return usage.stdout, sass.stdout
+
+
+def main_loop(sass: str) -> collections.Counter:
+    """The instructions of the longest backward branch's body."""
+    lines = sass.splitlines()
+    best = (0, 0)
+    for line in lines:
+        m = BRANCH.match(line)
+        if m and int(m.group(2), 16) < int(m.group(1), 16):
+            start, end = int(m.group(2), 16), int(m.group(1), 16)
+            best = max(best, (start, end), key=lambda r: r[1] - r[0])
+    ops = collections.Counter()
+    for line in lines:
+        m = INSTRUCTION.match(line)
+        if m and best[0] <= int(m.group(1), 16) <= best[1]:
+            ops[m.group(2)] += 1
+    return ops
+
+
+def cases(kernels: list[str], types: list[str], block_n: int):
+    """(label, fn, signature, constexprs, aligned, warps, weight bytes per loop iteration per program)."""
+    for qtype in types:
+        if "gemv" in kernels and qtype in ("Q4_K", "Q6_K"):
+            cfg = G.TYPE_CONFIGS.get(qtype, G.CONFIG)
+            sig = {"xq_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "w_ptr": "*i32"}
+            if qtype == "Q6_K":
+                sig["w16_ptr"] = "*i16"
+            sig |= {"out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "sb_per_split": "i32", "stride_xq": "i32",
+                    "stride_xd": "i32", "stride_wu": "i32", "stride_os": "i32", "stride_om": "i32"}
+            const = dict(BM=1, BLOCK_N=cfg["BLOCK_N"], SB=cfg["SB"], ROW_ALIGN=4 if qtype == "Q4_K" else 1,
+                         EMULATE=False)
+            if qtype == "Q4_K":
+                const = dict(FIVE_BITS=False, **const)
+            sig |= {k: "constexpr" for k in const}
+            fn = G._kquant_kernel if qtype == "Q4_K" else G._q6_k_kernel
+            aligned = ("xq_ptr", "xd_ptr", "xs_ptr", "w_ptr", "out_ptr", "N", "K", "stride_os")
+            per_iter = cfg["BLOCK_N"] * cfg["SB"] * K.block_bytes(qtype)
+            yield f"{qtype} integer kernel, 1 row", fn, sig, const, aligned, cfg["num_warps"], per_iter
+        if "dot" in kernels:
+            sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "out_ptr": "*fp32", "lut": "*i8", "M": "i32", "N": "i32", "K": "i32",
+                   "chunks_per_split": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_os": "i32",
+                   "stride_om": "i32", "QTYPE": "constexpr", "CHUNK_BYTES": "constexpr", "BLOCK_M": "constexpr",
+                   "BLOCK_N": "constexpr"}
+            const = dict(QTYPE=K.TYPE_IDS[qtype], CHUNK_BYTES=K.chunk_bytes(qtype), BLOCK_M=K.BLOCK_M, BLOCK_N=block_n)
+            aligned = ("x_ptr", "w_ptr", "out_ptr", "lut", "N", "K", "stride_xm", "stride_wn", "stride_os", "stride_om")
+            yield (f"{qtype} tensor-core kernel, {K.BLOCK_M} rows", K._matmul_kernel, sig, const, aligned, K.NUM_WARPS,
+                   block_n * K.chunk_bytes(qtype))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kernels", default="gemv,dot")
+    ap.add_argument("--types", default="Q4_K,Q6_K")
+    ap.add_argument("--block-n", type=int, default=K.BLOCK_N)
+    args = ap.parse_args()
+    print(f"Triton {triton.__version__}, sm_90\n")
+    print("| kernel | registers | shared B | loop instructions (per warp) | warp-instructions per weight byte | "
+          "loop's most frequent |\n|---|---|---|---|---|---|")
+    for label, fn, sig, const, aligned, warps, per_iter in cases(args.kernels.split(","), args.types.split(","),
+                                                                  args.block_n):
+        usage, sass = compile_sm90(fn, sig, const, aligned, warps)
+        regs, shared = re.search(r"REG:(\d+)", usage).group(1), re.search(r"SHARED:(\d+)", usage).group(1)
+        ops = main_loop(sass)
+        n = sum(ops.values())
+        top = ", ".join(f"{k} {v}" for k, v in ops.most_common(8))
+        print(f"| {label} | {regs} | {shared} | {n} | {n * warps / per_iter:.3f} | {top} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
