@@ -7,7 +7,7 @@ compare kernels with each other, not with ncu's absolute figures.
 At full bandwidth an H200 SM streams ~14 bytes per cycle and issues 4 warp-instructions per cycle, so a streaming
 kernel needs fewer than ~0.28 warp-instructions per weight byte, and fewer still to leave room for stalls.
 
-Usage: python benchmarks/sass_report.py [--kernels gemv,dot] [--types Q4_K,Q6_K] [--block-n 32]
+Usage: python benchmarks/sass_report.py [--kernels gemv,dot,words] [--types Q4_K,Q6_K] [--block-n 32]
 """
 import argparse
 import collections
@@ -22,6 +22,7 @@ from triton.backends.compiler import GPUTarget
 
 from flashdraft.kernels import gguf_gemv as G
 from flashdraft.kernels import gguf_matmul as K
+from flashdraft.kernels import gguf_verify as V
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
@@ -86,11 +87,20 @@ def cases(kernels: list[str], types: list[str], block_n: int):
             aligned = ("x_ptr", "w_ptr", "out_ptr", "lut", "N", "K", "stride_xm", "stride_wn", "stride_os", "stride_om")
             yield (f"{qtype} tensor-core kernel, {K.BLOCK_M} rows", K._matmul_kernel, sig, const, aligned, K.NUM_WARPS,
                    block_n * K.chunk_bytes(qtype))
+        if "words" in kernels and qtype == "Q4_K":
+            sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "out_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
+                   "chunks_per_split": "i32", "stride_xm": "i32", "stride_wu": "i32", "stride_os": "i32",
+                   "stride_om": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "ROW_ALIGN": "constexpr",
+                   "EMULATE": "constexpr"}
+            const = dict(BLOCK_M=K.BLOCK_M, BLOCK_N=block_n, ROW_ALIGN=4, EMULATE=False)
+            aligned = ("x_ptr", "w_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wu", "stride_os", "stride_om")
+            yield (f"Q4_K word-level verify kernel, {K.BLOCK_M} rows", V._q4k_words_kernel, sig, const, aligned,
+                   K.NUM_WARPS, block_n * K.chunk_bytes(qtype))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernels", default="gemv,dot")
+    ap.add_argument("--kernels", default="gemv,dot,words")
     ap.add_argument("--types", default="Q4_K,Q6_K")
     ap.add_argument("--block-n", type=int, default=K.BLOCK_N)
     args = ap.parse_args()

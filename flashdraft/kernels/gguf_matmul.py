@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from flashdraft.kernels import gguf_gemv
+from flashdraft.kernels import gguf_gemv, gguf_verify
 from flashdraft.layers.quantized import PADDED_BLOCK_BYTES
 
 CHUNK = 256  # weights per K step: one super-block, or eight 32-weight blocks
@@ -352,10 +352,13 @@ def gguf_matmul(x: Tensor, qweight: Tensor, qtype: str, k: int, bias: Tensor | N
     splits, per_split = splits_for(n, k)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     partial = out[None] if splits == 1 else torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
-    grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, BLOCK_M), splits)
-    _matmul_kernel[grid](x, qweight, partial, _lut(x.device), m, n, k, per_split, x.stride(0), qweight.stride(0),
-                         partial.stride(0), partial.stride(1), QTYPE=TYPE_IDS[qtype], CHUNK_BYTES=chunk_bytes(qtype),
-                         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS)
+    if qtype == "Q4_K" and gguf_verify.ENABLED:
+        gguf_verify.q4k_products(x, qweight, k, partial, per_split, BLOCK_M, BLOCK_N, NUM_WARPS)
+    else:
+        grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, BLOCK_M), splits)
+        _matmul_kernel[grid](x, qweight, partial, _lut(x.device), m, n, k, per_split, x.stride(0), qweight.stride(0),
+                             partial.stride(0), partial.stride(1), QTYPE=TYPE_IDS[qtype], CHUNK_BYTES=chunk_bytes(qtype),
+                             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS)
     if splits > 1:
         gguf_gemv.sum_splits(partial, out)
     return out if bias is None else out + bias
