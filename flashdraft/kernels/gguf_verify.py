@@ -6,8 +6,9 @@ permuted once per call into the words' order (`x_order`) and each super-block is
 nibble slot s = 0, 4, 8, 12. The per-sub-block scales pass through an opaque move (`_pin`): without it Triton
 recomputes the scale arithmetic for every weight in the operand's layout.
 
-Not the default yet (`ENABLED`): read statically with benchmarks/sass_report.py (sm_90) at 0.25 warp-instructions
-per weight byte against the float kernel's 0.54, but not yet timed on a GPU (docs/PERF.md).
+Not the default yet (`ENABLED`): read statically with benchmarks/sass_report.py (sm_90) at 0.42 warp-instructions
+per weight byte (BLOCK_N 32; 0.34 at 64) against the float kernel's 0.54 (0.50), but not yet timed on a GPU
+(docs/PERF.md).
 """
 import functools
 
@@ -22,15 +23,16 @@ ENABLED = False
 
 
 @triton.jit
-def _slot(w2, S: tl.constexpr, EMULATE: tl.constexpr):
-    """w2 [..., 2]: each word twice -> 128 + the nibble at bits S (last index 0) and at 16 + S (index 1)."""
+def _slot(words, S: tl.constexpr, EMULATE: tl.constexpr):
+    """words [N, 32] -> [N, 32, 2] bf16: 128 + the nibble at bits S (last index 0) and at 16 + S (index 1). One
+    shift and one LOP3 per word make both bf16 bit patterns at once (a magic-number conversion: 0x4300 | q is
+    128 + q); the join and the 16-bit split only name the word's two halves."""
     if EMULATE:  # the interpreter has no bf16 arithmetic: float32 values
-        h = tl.arange(0, 2)
-        return (((w2 >> (S + 16 * h)) & 15) + 128).to(tl.float32)
+        h = tl.arange(0, 2)[None, None, :]
+        return (((words[:, :, None] >> (S + 16 * h)) & 15) + 128).to(tl.float32)
     else:
-        return tl.inline_asm_elementwise(
-            f"{{ .reg .b32 t; shr.b32 t, $1, {S}; lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA; }}",
-            "=r,r,r", [w2], dtype=tl.bfloat16, is_pure=True, pack=2)
+        v = ((words >> S) & 0x000F000F) | 0x43004300
+        return tl.join(v & 0xFFFF, (v >> 16) & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -44,9 +46,9 @@ def _pin(x, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _slot_product(acc, words2, S: tl.constexpr, scale, low, x_base, m_ok, BLOCK_N: tl.constexpr,
+def _slot_product(acc, words, S: tl.constexpr, scale, low, x_base, m_ok, BLOCK_N: tl.constexpr,
                   EMULATE: tl.constexpr):
-    q = _slot(words2, S, EMULATE) - 128.0  # [N, 32, 2]: word t, half h
+    q = _slot(words, S, EMULATE) - 128.0  # [N, 32, 2]: word t, half h
     w = tl.reshape(tl.reshape(q, (BLOCK_N, 4, 8, 2)) * scale - low, (BLOCK_N, 64))  # [N, g, t % 8, h]
     x = tl.load(x_base + (S // 4) * 64 + tl.arange(0, 64)[None, :], mask=m_ok[:, None], other=0.0)
     return acc + tl.dot(x, tl.trans(w.to(x.dtype)))
@@ -83,12 +85,11 @@ def _q4k_words_kernel(x_ptr, w_ptr, out_ptr, M, N, K, chunks_per_split, stride_x
         scale_hi = _pin((d * sc_hi).to(DT), EMULATE)[:, :, None, None]
         low_hi = _pin((dmin * mn_hi).to(DT), EMULATE)[:, :, None, None]
         words = tl.load(base[:, None] + 4 + t, mask=row_ok[:, None], other=0)
-        words2 = tl.broadcast_to(words[:, :, None], (BLOCK_N, 32, 2))
         x_base = x_ptr + m[:, None] * stride_xm + c * 256
-        acc = _slot_product(acc, words2, 0, scale_lo, low_lo, x_base, m_ok, BLOCK_N, EMULATE)
-        acc = _slot_product(acc, words2, 4, scale_hi, low_hi, x_base, m_ok, BLOCK_N, EMULATE)
-        acc = _slot_product(acc, words2, 8, scale_lo, low_lo, x_base, m_ok, BLOCK_N, EMULATE)
-        acc = _slot_product(acc, words2, 12, scale_hi, low_hi, x_base, m_ok, BLOCK_N, EMULATE)
+        acc = _slot_product(acc, words, 0, scale_lo, low_lo, x_base, m_ok, BLOCK_N, EMULATE)
+        acc = _slot_product(acc, words, 4, scale_hi, low_hi, x_base, m_ok, BLOCK_N, EMULATE)
+        acc = _slot_product(acc, words, 8, scale_lo, low_lo, x_base, m_ok, BLOCK_N, EMULATE)
+        acc = _slot_product(acc, words, 12, scale_hi, low_hi, x_base, m_ok, BLOCK_N, EMULATE)
     tl.store(out_ptr + split * stride_os + m[:, None] * stride_om + rows[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=m_ok[:, None] & row_ok[None, :])
 
