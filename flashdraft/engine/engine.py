@@ -270,9 +270,8 @@ class Engine:
         if self.draft is not None:
             out["draft_weights"] = size(self.draft)
             out["draft_cache"] = sum(2 * c.k.numel() * c.k.element_size() for c in self.draft.caches)
-        device = next(self.target.parameters()).device
-        if device.type == "cuda":  # the rest the caching allocator holds: CUDA graph pools and workspaces
-            held = torch.cuda.memory_reserved(device)
+        if self.device.startswith("cuda"):  # the rest the caching allocator holds: CUDA graph pools and workspaces
+            held = torch.cuda.memory_reserved(self.device)
             out["graphs"] = max(0, held - sum(n for name, n in out.items() if name != "kv_per_token"))
         return out
 

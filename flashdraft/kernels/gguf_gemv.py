@@ -352,6 +352,13 @@ def _sum_splits_kernel(partial_ptr, out_ptr, splits, numel, BLOCK: tl.constexpr)
     tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+def split_outputs(x: Tensor, n: int, splits: int) -> tuple[Tensor, Tensor]:
+    """(out [M, N] in x's dtype, partial [splits, M, N]): one split writes out itself, more write float32 partial
+    sums for `sum_splits`."""
+    out = torch.empty(x.shape[0], n, device=x.device, dtype=x.dtype)
+    return out, out[None] if splits == 1 else torch.empty(splits, x.shape[0], n, device=x.device, dtype=torch.float32)
+
+
 def sum_splits(partial: Tensor, out: Tensor) -> None:
     """out = partial [splits, *out.shape] summed over splits in order, in out's dtype (one launch)."""
     block = 1024
@@ -373,8 +380,7 @@ def gemv(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:
     emulate = _emulate()
     cfg = INTERPRETED if emulate else TYPE_CONFIGS.get(qtype, CONFIG)
     splits, per_split = splits_for(n, k, cfg)
-    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    partial = out[None] if splits == 1 else torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
+    out, partial = split_outputs(x, n, splits)
     if qtype in ("Q4_K", "Q5_K"):
         w = qweight.view(torch.int32)
         kernel, args, extra = _kquant_kernel, (w,), dict(FIVE_BITS=qtype == "Q5_K")

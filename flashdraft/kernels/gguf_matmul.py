@@ -350,8 +350,7 @@ def gguf_matmul(x: Tensor, qweight: Tensor, qtype: str, k: int, bias: Tensor | N
         out = gguf_gemv.gemv(x, qweight, qtype, k)
         return out if bias is None else out + bias
     splits, per_split = splits_for(n, k)
-    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    partial = out[None] if splits == 1 else torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
+    out, partial = gguf_gemv.split_outputs(x, n, splits)
     if qtype == "Q4_K" and gguf_verify.ENABLED:
         gguf_verify.q4k_products(x, qweight, k, partial, per_split, BLOCK_M, BLOCK_N, NUM_WARPS)
     else:
