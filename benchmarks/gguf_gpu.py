@@ -263,9 +263,6 @@ def measure(args) -> int:
         print(f"GGUF kernels: BLOCK_N {K.BLOCK_N}, {K.NUM_WARPS} warps, {K.TARGET_PROGRAMS} programs; integer "
               f"kernels {G.CONFIG}", flush=True)
     dev = args.device
-    if args.q4k_words:
-        from flashdraft.kernels import gguf_verify
-        gguf_verify.ENABLED = True
     ctxs = [int(c) for c in args.ctxs.split(",")]
     results = dict(date=time.strftime("%Y-%m-%d"), torch=torch.__version__, rows=[])
     if dev == "cuda":
@@ -358,7 +355,6 @@ def main() -> int:
                     help="measure: JSON {block_n, warps, target} and/or {gemv: {...}} for the GGUF kernels")
     ap.add_argument("--ctxs", default="1024,16384")
     ap.add_argument("--compile", action="store_true")
-    ap.add_argument("--q4k-words", action="store_true", help="measure: Q4_K verify widths through kernels/gguf_verify.py")
     ap.add_argument("--dequantize", action="store_true", help="expand to bf16 at load (today's path, for comparison)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke test of this script")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

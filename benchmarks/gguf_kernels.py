@@ -19,7 +19,6 @@ from gpu import graphed, timed  # noqa: E402
 from flashdraft.kernels import gguf_gemv as G  # noqa: E402
 from flashdraft.layers.quantized import stored_blocks  # noqa: E402
 from flashdraft.kernels import gguf_matmul as K  # noqa: E402
-from flashdraft.kernels import gguf_verify as V  # noqa: E402
 
 SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)]  # (N, K): q/o, k/v, gate/up, down
 
@@ -35,7 +34,6 @@ def main() -> int:
     ap.add_argument("--gemv-configs", default=None, help='integer-kernel configs, "BLOCK_N,SB,warps,programs;..."')
     ap.add_argument("--dot", action="store_true", help="the tensor-core kernel for every row count")
     ap.add_argument("--shapes", default=None, help='matrix shapes "N,K;..." (default: the 8B\'s four)')
-    ap.add_argument("--words", action="store_true", help="Q4_K verify widths through kernels/gguf_verify.py")
     ap.add_argument("--out")
     ap.add_argument("--best", help="write the fastest config (summed over types and rows) to this JSON")
     args = ap.parse_args()
@@ -48,7 +46,6 @@ def main() -> int:
         configs = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";")]
     if args.dot:
         G.MAX_ROWS = 0
-    V.ENABLED = args.words
     gemv_configs = [tuple(G.CONFIG.values())]
     if args.gemv_sweep:
         gemv_configs = list(itertools.product((2, 4, 8), (2, 4, 8), (4,), (2112,)))

@@ -7,7 +7,7 @@ compare kernels with each other, not with ncu's absolute figures.
 At full bandwidth an H200 SM streams ~14 bytes per cycle and issues 4 warp-instructions per cycle, so a streaming
 kernel needs fewer than ~0.28 warp-instructions per weight byte, and fewer still to leave room for stalls.
 
-Usage: python benchmarks/sass_report.py [--kernels gemv,dot,words] [--types Q4_K,Q6_K] [--block-n 32]
+Usage: python benchmarks/sass_report.py [--kernels gemv,dot] [--types Q4_K,Q6_K] [--block-n 32]
 """
 import argparse
 import collections
@@ -22,7 +22,6 @@ from triton.backends.compiler import GPUTarget
 
 from flashdraft.kernels import gguf_gemv as G
 from flashdraft.kernels import gguf_matmul as K
-from flashdraft.kernels import gguf_verify as V
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
@@ -62,19 +61,21 @@ def main_loop(sass: str) -> collections.Counter:
 def cases(kernels: list[str], types: list[str], block_n: int):
     """(label, fn, signature, constexprs, aligned, warps, weight bytes per loop iteration per program)."""
     for qtype in types:
-        if "gemv" in kernels and qtype in ("Q4_K", "Q6_K"):
+        if "gemv" in kernels and qtype in ("Q4_K", "Q6_K", "IQ4_XS"):
             cfg = G.TYPE_CONFIGS.get(qtype, G.CONFIG)
             sig = {"xq_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "w_ptr": "*i32"}
             if qtype == "Q6_K":
                 sig["w16_ptr"] = "*i16"
+            if qtype == "IQ4_XS":
+                sig["lut_ptr"] = "*i8"
             sig |= {"out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "sb_per_split": "i32", "stride_xq": "i32",
                     "stride_xd": "i32", "stride_wu": "i32", "stride_os": "i32", "stride_om": "i32"}
-            const = dict(BM=1, BLOCK_N=cfg["BLOCK_N"], SB=cfg["SB"], ROW_ALIGN=4 if qtype == "Q4_K" else 1,
+            const = dict(BM=1, BLOCK_N=cfg["BLOCK_N"], SB=cfg["SB"], ROW_ALIGN=1 if qtype == "Q6_K" else 4,
                          EMULATE=False)
             if qtype == "Q4_K":
                 const = dict(FIVE_BITS=False, **const)
             sig |= {k: "constexpr" for k in const}
-            fn = G._kquant_kernel if qtype == "Q4_K" else G._q6_k_kernel
+            fn = {"Q4_K": G._kquant_kernel, "Q6_K": G._q6_k_kernel, "IQ4_XS": G._iq4_xs_kernel}[qtype]
             aligned = ("xq_ptr", "xd_ptr", "xs_ptr", "w_ptr", "out_ptr", "N", "K", "stride_os")
             per_iter = cfg["BLOCK_N"] * cfg["SB"] * K.block_bytes(qtype)
             yield f"{qtype} integer kernel, 1 row", fn, sig, const, aligned, cfg["num_warps"], per_iter
@@ -87,20 +88,11 @@ def cases(kernels: list[str], types: list[str], block_n: int):
             aligned = ("x_ptr", "w_ptr", "out_ptr", "lut", "N", "K", "stride_xm", "stride_wn", "stride_os", "stride_om")
             yield (f"{qtype} tensor-core kernel, {K.BLOCK_M} rows", K._matmul_kernel, sig, const, aligned, K.NUM_WARPS,
                    block_n * K.chunk_bytes(qtype))
-        if "words" in kernels and qtype == "Q4_K":
-            sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "out_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
-                   "chunks_per_split": "i32", "stride_xm": "i32", "stride_wu": "i32", "stride_os": "i32",
-                   "stride_om": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "ROW_ALIGN": "constexpr",
-                   "EMULATE": "constexpr"}
-            const = dict(BLOCK_M=K.BLOCK_M, BLOCK_N=block_n, ROW_ALIGN=4, EMULATE=False)
-            aligned = ("x_ptr", "w_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wu", "stride_os", "stride_om")
-            yield (f"Q4_K word-level verify kernel, {K.BLOCK_M} rows", V._q4k_words_kernel, sig, const, aligned,
-                   K.NUM_WARPS, block_n * K.chunk_bytes(qtype))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernels", default="gemv,dot,words")
+    ap.add_argument("--kernels", default="gemv,dot")
     ap.add_argument("--types", default="Q4_K,Q6_K")
     ap.add_argument("--block-n", type=int, default=K.BLOCK_N)
     args = ap.parse_args()

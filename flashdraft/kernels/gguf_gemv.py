@@ -9,9 +9,12 @@ unpack, a conversion and a multiply. The sub-block scales and the minimum's term
 per 32 weights. Each row of x goes through the same instructions whatever the row count, so a token's result
 is the same bits in a plain step and in a verify step.
 
-Layouts: ggml-common.h's block_q4_0 ... block_q8_0, block_q4_K, block_q5_K and block_q6_K (kept padded to 212
-bytes, so every block starts on a word). The older types' blocks (18-34 bytes) are only 2-byte aligned, so their
-words are read as two 16-bit halves. The IQ4 types (a table lookup per weight) and Q2_K/Q3_K keep the tensor-core kernel.
+The IQ4 types map each nibble through a 16-entry int8 table (kvalues_iq4nl): two byte permutes (PRMT) look up
+four nibbles at once and a third picks each byte's half of the table, so their words also go to `dp4a`.
+
+Layouts: ggml-common.h's block_q4_0 ... block_q8_0, block_iq4_nl, block_q4_K, block_q5_K, block_q6_K (kept padded
+to 212 bytes, so every block starts on a word) and block_iq4_xs. The 32-weight blocks (18-34 bytes) are only
+2-byte aligned, so their words are read as two 16-bit halves. Q2_K/Q3_K keep the tensor-core kernel.
 """
 import os
 
@@ -21,8 +24,9 @@ import triton.language as tl
 from torch import Tensor
 
 QK8 = 32  # x values per 8-bit block
-GEMV_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
-BLOCK32_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8}  # GGML type ids
+GEMV_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
+BLOCK32_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "IQ4_NL": 20}  # GGML type ids
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # kvalues_iq4nl
 # Row counts up to this take the integer kernels. Each row of x costs its own dot products and reductions, so
 # for a verify block of 16 the tensor-core kernel is faster (H200, the 8B's four matrices, Q4_K: 0.065 ms for
 # one row, 0.345 ms for 16, against 0.150 and 0.155 for the tensor-core kernel; docs/PERF.md).
@@ -66,6 +70,54 @@ def _word16(p, mask):
     lo = tl.load(p, mask=mask, other=0).to(tl.int32) & 0xFFFF
     hi = tl.load(p + 1, mask=mask, other=0).to(tl.int32)
     return lo | (hi << 16)
+
+
+_TABLES: dict[torch.device, Tensor] = {}
+
+
+def iq4_table(device: torch.device) -> Tensor:
+    """IQ4_VALUES as an int8 tensor on `device` (cached)."""
+    if device not in _TABLES:
+        _TABLES[device] = torch.tensor(IQ4_VALUES, dtype=torch.int8, device=device)
+    return _TABLES[device]
+
+
+def _table_words() -> list[str]:
+    """IQ4_VALUES as four little-endian int32 words (entries 0-3, 4-7, 8-11, 12-15), hex for PTX."""
+    return [hex(int.from_bytes(bytes(v & 0xFF for v in IQ4_VALUES[i:i + 4]), "little")) for i in range(0, 16, 4)]
+
+
+# nibble bytes -> table bytes: the four nibbles packed into a PRMT selector (bit 3 cleared), one PRMT per half of
+# the table, then each byte's bit 3 (moved to bit 7 and sign-replicated by a PRMT into a byte mask) picks the half
+_IQ4_LOOKUP = tl.constexpr("""{{
+.reg .b32 s, a, b, m, t0, t1, t2, t3;
+mov.b32 t0, {}; mov.b32 t1, {}; mov.b32 t2, {}; mov.b32 t3, {};
+shr.b32 s, $1, 4;
+or.b32 s, s, $1;
+prmt.b32 s, s, 0, 0x0020;
+and.b32 s, s, 0x7777;
+prmt.b32 a, t0, t1, s;
+prmt.b32 b, t2, t3, s;
+shl.b32 m, $1, 4;
+prmt.b32 m, m, 0, 0xBA98;
+and.b32 b, b, m;
+not.b32 m, m;
+and.b32 a, a, m;
+or.b32 $0, a, b;
+}}""".format(*_table_words()))
+
+
+@triton.jit
+def _iq4_lookup(nib, lut_ptr, EMULATE: tl.constexpr):
+    """An int32 word of four nibble bytes (0..15) -> the word of their four int8 table values (kvalues_iq4nl)."""
+    if EMULATE:
+        v = tl.zeros_like(nib)
+        for i in tl.static_range(4):
+            byte = tl.load(lut_ptr + ((nib >> (8 * i)) & 15)).to(tl.int32) & 0xFF
+            v = v | (byte << (8 * i))
+    else:
+        v = tl.inline_asm_elementwise(_IQ4_LOOKUP, "=r,r", [nib], dtype=tl.int32, is_pure=True, pack=1)
+    return v
 
 
 @triton.jit
@@ -271,20 +323,22 @@ def _spread_bits(nib):
 
 
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
-def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd, stride_wu,
+def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd, stride_wu,
                     stride_os, stride_om, QTYPE: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
                     SB: tl.constexpr, ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr):
     """The 32-weight block types, w as int16 halves: Q8_0 (34 bytes: d, 32 int8), Q4_0 (18: d, 16 nibble bytes),
-    Q4_1 (20: d, m, ...), Q5_0 (22: d, 32 fifth bits, ...), Q5_1 (24: d, m, fifth bits, ...). A nibble byte l's
-    low half is weight l, its high one weight l + 16; fifth bit j belongs to weight j. Q4_0 / Q5_0 store q + 8 /
-    q + 16; Q4_1 / Q5_1 add m. SB counts groups of 8 blocks (one super-block's worth)."""
+    Q4_1 (20: d, m, ...), Q5_0 (22: d, 32 fifth bits, ...), Q5_1 (24: d, m, fifth bits, ...), IQ4_NL (18: d, 16
+    nibble bytes, each nibble an index into IQ4_VALUES). A nibble byte l's low half is weight l, its high one
+    weight l + 16; fifth bit j belongs to weight j. Q4_0 / Q5_0 store q + 8 / q + 16; Q4_1 / Q5_1 add m. SB counts
+    groups of 8 blocks (one super-block's worth)."""
     INT8: tl.constexpr = QTYPE == 8
+    TABLE: tl.constexpr = QTYPE == 20
     HAS_MIN: tl.constexpr = QTYPE == 3 or QTYPE == 7
     FIVE: tl.constexpr = QTYPE == 6 or QTYPE == 7
     WORDS: tl.constexpr = 8 if INT8 else 4  # words per block read from the weights, and x words per lo/hi half
     HALVES: tl.constexpr = 17 if INT8 else 9 + HAS_MIN + 2 * FIVE
     QS: tl.constexpr = 1 if INT8 else 1 + HAS_MIN + 2 * FIVE
-    OFFSET: tl.constexpr = 0.0 if HAS_MIN or INT8 else (16.0 if FIVE else 8.0)
+    OFFSET: tl.constexpr = 0.0 if HAS_MIN or INT8 or TABLE else (16.0 if FIVE else 8.0)
     pid_n, split = tl.program_id(0), tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -305,6 +359,8 @@ def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_spli
         else:
             lo = words & 0x0F0F0F0F
             hi = (words >> 4) & 0x0F0F0F0F
+        if TABLE:
+            lo, hi = _iq4_lookup(lo, lut_ptr, EMULATE), _iq4_lookup(hi, lut_ptr, EMULATE)
         if FIVE:
             qh = _word16(base + 1 + HAS_MIN, ok)[:, :, None]
             lo = lo | _spread_bits((qh >> (4 * t[None, None, :])) & 15)
@@ -319,14 +375,59 @@ def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_spli
             xw = xq_ptr + m * stride_xq + b[:, None] * 8 + t[None, :]
             x_lo = tl.load(xw, mask=xs_ok[:, None] & m_ok, other=0)[None]
             xd = tl.load(xd_ptr + m * stride_xd + b, mask=xs_ok & m_ok, other=0.0)[None, :]
-            if INT8:
-                dot = tl.sum(_dp4a(lo, x_lo, EMULATE), axis=2).to(tl.float32)
-                contrib = tl.sum(d * xd * dot, axis=1)
+            if INT8 or TABLE:
+                dot = _dp4a(lo, x_lo, EMULATE)
+                if TABLE:
+                    dot += _dp4a(hi, tl.load(xw + 4, mask=xs_ok[:, None] & m_ok, other=0)[None], EMULATE)
+                contrib = tl.sum(d * xd * tl.sum(dot, axis=2).to(tl.float32), axis=1)
             else:
                 x_hi = tl.load(xw + 4, mask=xs_ok[:, None] & m_ok, other=0)[None]
                 xs = tl.load(xs_ptr + m * stride_xd + b, mask=xs_ok & m_ok, other=0.0)[None, :]
                 dot = tl.sum(_dp4a(lo, x_lo, EMULATE) + _dp4a(hi, x_hi, EMULATE), axis=2).to(tl.float32)
                 contrib = tl.sum(d * xd * dot + dm * xs, axis=1)
+            acc = tl.where(mi[:, None] == m, acc + contrib[None, :], acc)
+    tl.store(out_ptr + split * stride_os + mi[:, None] * stride_om + rows[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(mi < M)[:, None] & row_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
+def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd,
+                   stride_wu, stride_os, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
+                   ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr):
+    """IQ4_XS (136-byte super-blocks, 34 words: d and scales_h, scales_l, 128 nibble bytes), w as int32 words.
+    Sub-block j (32 weights) has 6-bit scale ls = nibble j of scales_l | bits 2j..2j+1 of scales_h << 4, weight
+    d * (ls - 32) * IQ4_VALUES[q]; its 16 bytes hold weights 0..15 in their low nibbles, 16..31 in the high."""
+    pid_n, split = tl.program_id(0), tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    sbi, j, t = tl.arange(0, SB), tl.arange(0, 8), tl.arange(0, 4)
+    mi = tl.arange(0, BM)
+    first = split * sb_per_split
+    last = tl.minimum(first + sb_per_split, K // 256)
+    acc = tl.zeros([BM, BLOCK_N], tl.float32)
+    row_base = w_ptr + rows.to(tl.int64)[:, None] * (stride_wu * ROW_ALIGN)
+    for s0 in range(first, last, SB):
+        s = s0 + sbi
+        ok = row_ok[:, None] & (s < last)[None, :]  # [N, SB]
+        base = row_base + s[None, :] * 34
+        head = tl.load(base, mask=ok, other=0)[:, :, None]
+        scales_l = tl.load(base + 1, mask=ok, other=0)[:, :, None]
+        jj = j[None, None, :]
+        ls = ((scales_l >> (4 * jj)) & 15) | (((head >> (16 + 2 * jj)) & 3) << 4)
+        dl = _half(head) * (ls - 32).to(tl.float32)  # [N, SB, 8]
+        words = tl.load(base[:, :, None, None] + 2 + jj[:, :, :, None] * 4 + t[None, None, None, :],
+                        mask=ok[:, :, None, None], other=0)  # [N, SB, 8, 4]
+        lo = _iq4_lookup(words & 0x0F0F0F0F, lut_ptr, EMULATE)
+        hi = _iq4_lookup((words >> 4) & 0x0F0F0F0F, lut_ptr, EMULATE)
+        xs_ok = (s < last)[:, None]
+        for m in tl.static_range(BM):
+            m_ok = (tl.zeros([1], tl.int32) + m) < M  # a tensor, also under the interpreter
+            xw = xq_ptr + m * stride_xq + s[:, None, None] * 64 + j[None, :, None] * 8 + t[None, None, :]
+            x_lo = tl.load(xw, mask=xs_ok[:, :, None] & m_ok, other=0)[None]  # [1, SB, 8, 4]
+            x_hi = tl.load(xw + 4, mask=xs_ok[:, :, None] & m_ok, other=0)[None]
+            dot = tl.sum(_dp4a(lo, x_lo, EMULATE) + _dp4a(hi, x_hi, EMULATE), axis=3).to(tl.float32)  # [N, SB, 8]
+            xd = tl.load(xd_ptr + m * stride_xd + s[:, None] * 8 + j[None, :], mask=xs_ok & m_ok, other=0.0)[None]
+            contrib = tl.sum(tl.sum(dl * xd * dot, axis=2), axis=1)
             acc = tl.where(mi[:, None] == m, acc + contrib[None, :], acc)
     tl.store(out_ptr + split * stride_os + mi[:, None] * stride_om + rows[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=(mi < M)[:, None] & row_ok[None, :])
@@ -387,9 +488,12 @@ def gemv(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:
     elif qtype == "Q6_K":  # 212-byte blocks: whole words
         w = qweight.view(torch.int32)
         kernel, args, extra = _q6_k_kernel, (w, qweight.view(torch.int16)), {}
+    elif qtype == "IQ4_XS":
+        w = qweight.view(torch.int32)
+        kernel, args, extra = _iq4_xs_kernel, (w, iq4_table(x.device)), {}
     else:
         w = qweight.view(torch.int16)
-        kernel, args, extra = _block32_kernel, (w,), dict(QTYPE=BLOCK32_IDS[qtype])
+        kernel, args, extra = _block32_kernel, (w, iq4_table(x.device)), dict(QTYPE=BLOCK32_IDS[qtype])
     align = row_align(w)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), splits)
     kernel[grid](xq, xd, xs, *args, partial, m, n, k, per_split, xq.stride(0), xd.stride(0), w.stride(0) // align,

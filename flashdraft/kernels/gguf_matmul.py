@@ -17,12 +17,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from flashdraft.kernels import gguf_gemv, gguf_verify
+from flashdraft.kernels import gguf_gemv
 from flashdraft.layers.quantized import PADDED_BLOCK_BYTES
 
 CHUNK = 256  # weights per K step: one super-block, or eight 32-weight blocks
 BLOCK_M = 16
-IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # kvalues_iq4nl
 
 # GGML type id -> (weights per block, bytes per block); the kernel's QTYPE is the GGML id
 TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34),
@@ -298,15 +297,6 @@ def _dequantize_kernel(w_ptr, out_ptr, lut, N, K, stride_wn, stride_on, QTYPE: t
              mask=row_ok[:, None] & (k < K)[None, :])
 
 
-_LUTS: dict[torch.device, Tensor] = {}
-
-
-def _lut(device: torch.device) -> Tensor:
-    if device not in _LUTS:
-        _LUTS[device] = torch.tensor(IQ4_VALUES, dtype=torch.int8, device=device)
-    return _LUTS[device]
-
-
 def row_bytes(qtype: str, k: int) -> int:
     return k // TYPES[qtype][1] * block_bytes(qtype)
 
@@ -351,13 +341,10 @@ def gguf_matmul(x: Tensor, qweight: Tensor, qtype: str, k: int, bias: Tensor | N
         return out if bias is None else out + bias
     splits, per_split = splits_for(n, k)
     out, partial = gguf_gemv.split_outputs(x, n, splits)
-    if qtype == "Q4_K" and gguf_verify.ENABLED:
-        gguf_verify.q4k_products(x, qweight, k, partial, per_split, BLOCK_M, BLOCK_N, NUM_WARPS)
-    else:
-        grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, BLOCK_M), splits)
-        _matmul_kernel[grid](x, qweight, partial, _lut(x.device), m, n, k, per_split, x.stride(0), qweight.stride(0),
-                             partial.stride(0), partial.stride(1), QTYPE=TYPE_IDS[qtype], CHUNK_BYTES=chunk_bytes(qtype),
-                             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS)
+    grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, BLOCK_M), splits)
+    _matmul_kernel[grid](x, qweight, partial, gguf_gemv.iq4_table(x.device), m, n, k, per_split, x.stride(0), qweight.stride(0),
+                         partial.stride(0), partial.stride(1), QTYPE=TYPE_IDS[qtype], CHUNK_BYTES=chunk_bytes(qtype),
+                         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS)
     if splits > 1:
         gguf_gemv.sum_splits(partial, out)
     return out if bias is None else out + bias
@@ -374,7 +361,7 @@ def dequantize_gguf(qweight: Tensor, qtype: str, k: int, dtype: torch.dtype, out
     n = qweight.shape[0]
     out = torch.empty(n, k, device=qweight.device, dtype=dtype) if out is None else out[:n * k].view(n, k)
     block_n = 16
-    _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, CHUNK))](qweight, out, _lut(qweight.device), n, k,
+    _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, CHUNK))](qweight, out, gguf_gemv.iq4_table(qweight.device), n, k,
                                                               qweight.stride(0), out.stride(0),
                                                               QTYPE=TYPE_IDS[qtype], CHUNK_BYTES=chunk_bytes(qtype),
                                                               BLOCK_N=block_n)
