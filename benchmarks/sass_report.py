@@ -61,23 +61,27 @@ def main_loop(sass: str) -> collections.Counter:
 def cases(kernels: list[str], types: list[str], block_n: int):
     """(label, fn, signature, constexprs, aligned, warps, weight bytes per loop iteration per program)."""
     for qtype in types:
-        if "gemv" in kernels and qtype in ("Q4_K", "Q6_K", "IQ4_XS"):
+        if "gemv" in kernels and qtype in ("Q4_K", "Q6_K", "Q8_0", "IQ4_XS", *G.BLOCK32_IDS):
+            block32 = qtype in G.BLOCK32_IDS
             cfg = G.TYPE_CONFIGS.get(qtype, G.CONFIG)
-            sig = {"xq_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "w_ptr": "*i32"}
-            if qtype == "Q6_K":
+            sig = {"xq_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "w_ptr": "*i16" if block32 else "*i32"}
+            if qtype in ("Q6_K", "Q8_0"):
                 sig["w16_ptr"] = "*i16"
-            if qtype == "IQ4_XS":
-                sig["lut_ptr"] = "*i8"
+            if qtype == "IQ4_XS" or block32:
+                sig["lut_ptr"] = "*i32"
             sig |= {"out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "sb_per_split": "i32", "stride_xq": "i32",
                     "stride_xd": "i32", "stride_wu": "i32", "stride_os": "i32", "stride_om": "i32"}
-            const = dict(BM=1, BLOCK_N=cfg["BLOCK_N"], SB=cfg["SB"], ROW_ALIGN=1 if qtype == "Q6_K" else 4,
+            const = dict(BM=1, BLOCK_N=cfg["BLOCK_N"], SB=cfg["SB"], ROW_ALIGN=1 if qtype == "Q6_K" else 4 if not block32 else 8,
                          EMULATE=False)
             if qtype == "Q4_K":
                 const = dict(FIVE_BITS=False, **const)
+            if block32:
+                const = dict(QTYPE=G.BLOCK32_IDS[qtype], **const)
             sig |= {k: "constexpr" for k in const}
-            fn = {"Q4_K": G._kquant_kernel, "Q6_K": G._q6_k_kernel, "IQ4_XS": G._iq4_xs_kernel}[qtype]
+            fn = G._block32_kernel if block32 else {"Q4_K": G._kquant_kernel, "Q6_K": G._q6_k_kernel,
+                                                    "Q8_0": G._q8_0_kernel, "IQ4_XS": G._iq4_xs_kernel}[qtype]
             aligned = ("xq_ptr", "xd_ptr", "xs_ptr", "w_ptr", "out_ptr", "N", "K", "stride_os")
-            per_iter = cfg["BLOCK_N"] * cfg["SB"] * K.block_bytes(qtype)
+            per_iter = cfg["BLOCK_N"] * cfg["SB"] * K.chunk_bytes(qtype)
             yield f"{qtype} integer kernel, 1 row", fn, sig, const, aligned, cfg["num_warps"], per_iter
         if "dot" in kernels:
             sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "out_ptr": "*fp32", "lut": "*i8", "M": "i32", "N": "i32", "K": "i32",

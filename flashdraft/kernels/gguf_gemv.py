@@ -9,8 +9,8 @@ unpack, a conversion and a multiply. The sub-block scales and the minimum's term
 per 32 weights. Each row of x goes through the same instructions whatever the row count, so a token's result
 is the same bits in a plain step and in a verify step.
 
-The IQ4 types map each nibble through a 16-entry int8 table (kvalues_iq4nl): two byte permutes (PRMT) look up
-four nibbles at once and a third picks each byte's half of the table, so their words also go to `dp4a`.
+The IQ4 types map each nibble through a 16-entry int8 table (kvalues_iq4nl) by byte permutes (PRMT), eight
+nibbles in seven of them, so their words also go to `dp4a`.
 
 Layouts: ggml-common.h's block_q4_0 ... block_q8_0, block_iq4_nl, block_q4_K, block_q5_K, block_q6_K (kept padded
 to 212 bytes, so every block starts on a word) and block_iq4_xs. The 32-weight blocks (18-34 bytes) are only
@@ -25,7 +25,7 @@ from torch import Tensor
 
 QK8 = 32  # x values per 8-bit block
 GEMV_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
-BLOCK32_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "IQ4_NL": 20}  # GGML type ids
+BLOCK32_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "IQ4_NL": 20}  # GGML type ids
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # kvalues_iq4nl
 # Row counts up to this take the integer kernels. Each row of x costs its own dot products and reductions, so
 # for a verify block of 16 the tensor-core kernel is faster (H200, the 8B's four matrices, Q4_K: 0.065 ms for
@@ -87,37 +87,52 @@ def _table_words() -> list[str]:
     return [hex(int.from_bytes(bytes(v & 0xFF for v in IQ4_VALUES[i:i + 4]), "little")) for i in range(0, 16, 4)]
 
 
-# nibble bytes -> table bytes: the four nibbles packed into a PRMT selector (bit 3 cleared), one PRMT per half of
-# the table, then each byte's bit 3 (moved to bit 7 and sign-replicated by a PRMT into a byte mask) picks the half
-_IQ4_LOOKUP = tl.constexpr("""{{
-.reg .b32 s, a, b, m, t0, t1, t2, t3;
-mov.b32 t0, {}; mov.b32 t1, {}; mov.b32 t2, {}; mov.b32 t3, {};
-shr.b32 s, $1, 4;
-or.b32 s, s, $1;
-prmt.b32 s, s, 0, 0x0020;
-and.b32 s, s, 0x7777;
-prmt.b32 a, t0, t1, s;
-prmt.b32 b, t2, t3, s;
-shl.b32 m, $1, 4;
-prmt.b32 m, m, 0, 0xBA98;
-and.b32 b, b, m;
-not.b32 m, m;
-and.b32 a, a, m;
-or.b32 $0, a, b;
+# A word of eight nibbles -> its low nibbles' and its high nibbles' table values (four int8 each). The word itself is
+# the PRMT selector (bit 3 of each nibble cleared): one PRMT per half of the table looks up nibbles 0-3 (then 4-7)
+# at once, a third picks each byte's half by the nibble's bit 3, and two more sort the bytes into low and high
+# nibbles' words (the order of llama.cpp's get_int_from_table_16).
+_IQ4_PAIRS = tl.constexpr("""{{
+.reg .b32 s0, s1, sel, a, b, t0, t1, x0, x1, x2, x3;
+mov.b32 x0, {}; mov.b32 x1, {}; mov.b32 x2, {}; mov.b32 x3, {};
+and.b32 s0, $2, 0x7777;
+shr.b32 s1, $2, 16;
+and.b32 s1, s1, 0x7777;
+and.b32 sel, $2, 0x88888888;
+shr.b32 sel, sel, 1;
+or.b32 sel, sel, 0x32103210;
+prmt.b32 a, x0, x1, s0;
+prmt.b32 b, x2, x3, s0;
+prmt.b32 t0, a, b, sel;
+shr.b32 sel, sel, 16;
+prmt.b32 a, x0, x1, s1;
+prmt.b32 b, x2, x3, s1;
+prmt.b32 t1, a, b, sel;
+prmt.b32 $0, t0, t1, 0x6420;
+prmt.b32 $1, t0, t1, 0x7531;
 }}""".format(*_table_words()))
 
 
 @triton.jit
-def _iq4_lookup(nib, lut_ptr, EMULATE: tl.constexpr):
-    """An int32 word of four nibble bytes (0..15) -> the word of their four int8 table values (kvalues_iq4nl)."""
+def _table_entry(table, nib):
+    """Entry nib (0..15) of the table's four words, zero-extended (a byte)."""
+    return (tl.load(table + (nib >> 2)) >> (8 * (nib & 3))) & 0xFF
+
+
+@triton.jit
+def _iq4_nibbles(words, table, EMULATE: tl.constexpr):
+    """int32 words of nibbles -> (low nibbles' table values, high nibbles'), each a word of four int8
+    (kvalues_iq4nl): byte i of the first is the value of word byte i's low nibble. table: IQ4_VALUES as four
+    int32 words, read only when EMULATE (the GPU's PTX holds them as immediates)."""
     if EMULATE:
-        v = tl.zeros_like(nib)
+        lo, hi = tl.zeros_like(words), tl.zeros_like(words)
         for i in tl.static_range(4):
-            byte = tl.load(lut_ptr + ((nib >> (8 * i)) & 15)).to(tl.int32) & 0xFF
-            v = v | (byte << (8 * i))
+            byte = (words >> (8 * i)) & 0xFF
+            lo = lo | (_table_entry(table, byte & 15) << (8 * i))
+            hi = hi | (_table_entry(table, byte >> 4) << (8 * i))
     else:
-        v = tl.inline_asm_elementwise(_IQ4_LOOKUP, "=r,r", [nib], dtype=tl.int32, is_pure=True, pack=1)
-    return v
+        lo, hi = tl.inline_asm_elementwise(_IQ4_PAIRS, "=r,=r,r", [words], dtype=(tl.int32, tl.int32), is_pure=True,
+                                           pack=1)
+    return lo, hi
 
 
 @triton.jit
@@ -326,23 +341,20 @@ def _spread_bits(nib):
 def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd, stride_wu,
                     stride_os, stride_om, QTYPE: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
                     SB: tl.constexpr, ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr):
-    """The 32-weight block types, w as int16 halves: Q8_0 (34 bytes: d, 32 int8), Q4_0 (18: d, 16 nibble bytes),
-    Q4_1 (20: d, m, ...), Q5_0 (22: d, 32 fifth bits, ...), Q5_1 (24: d, m, fifth bits, ...), IQ4_NL (18: d, 16
+    """The 32-weight nibble block types, w as int16 halves: Q4_0 (18 bytes: d, 16 nibble bytes), Q4_1 (20: d, m, ...), Q5_0 (22: d, 32 fifth bits, ...), Q5_1 (24: d, m, fifth bits, ...), IQ4_NL (18: d, 16
     nibble bytes, each nibble an index into IQ4_VALUES). A nibble byte l's low half is weight l, its high one
     weight l + 16; fifth bit j belongs to weight j. Q4_0 / Q5_0 store q + 8 / q + 16; Q4_1 / Q5_1 add m. SB counts
     groups of 8 blocks (one super-block's worth)."""
-    INT8: tl.constexpr = QTYPE == 8
     TABLE: tl.constexpr = QTYPE == 20
     HAS_MIN: tl.constexpr = QTYPE == 3 or QTYPE == 7
     FIVE: tl.constexpr = QTYPE == 6 or QTYPE == 7
-    WORDS: tl.constexpr = 8 if INT8 else 4  # words per block read from the weights, and x words per lo/hi half
-    HALVES: tl.constexpr = 17 if INT8 else 9 + HAS_MIN + 2 * FIVE
-    QS: tl.constexpr = 1 if INT8 else 1 + HAS_MIN + 2 * FIVE
-    OFFSET: tl.constexpr = 0.0 if HAS_MIN or INT8 or TABLE else (16.0 if FIVE else 8.0)
+    HALVES: tl.constexpr = 9 + HAS_MIN + 2 * FIVE
+    QS: tl.constexpr = 1 + HAS_MIN + 2 * FIVE
+    OFFSET: tl.constexpr = 0.0 if HAS_MIN or TABLE else (16.0 if FIVE else 8.0)
     pid_n, split = tl.program_id(0), tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    bi, t = tl.arange(0, SB * 8), tl.arange(0, WORDS)
+    bi, t = tl.arange(0, SB * 8), tl.arange(0, 4)
     mi = tl.arange(0, BM)
     first = split * sb_per_split * 8
     last = tl.minimum(first + sb_per_split * 8, K // 32)
@@ -353,14 +365,12 @@ def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb
         ok = row_ok[:, None] & (b < last)[None, :]
         base = row_base + b[None, :] * HALVES
         d = _half(tl.load(base, mask=ok, other=0).to(tl.int32))
-        words = _word16(base[:, :, None] + QS + 2 * t[None, None, :], ok[:, :, None])  # [N, B, WORDS]
-        if INT8:
-            lo, hi = words, words  # hi unused
+        words = _word16(base[:, :, None] + QS + 2 * t[None, None, :], ok[:, :, None])  # [N, B, 4]
+        if TABLE:
+            lo, hi = _iq4_nibbles(words, lut_ptr, EMULATE)
         else:
             lo = words & 0x0F0F0F0F
             hi = (words >> 4) & 0x0F0F0F0F
-        if TABLE:
-            lo, hi = _iq4_lookup(lo, lut_ptr, EMULATE), _iq4_lookup(hi, lut_ptr, EMULATE)
         if FIVE:
             qh = _word16(base + 1 + HAS_MIN, ok)[:, :, None]
             lo = lo | _spread_bits((qh >> (4 * t[None, None, :])) & 15)
@@ -374,17 +384,48 @@ def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb
             m_ok = (tl.zeros([1], tl.int32) + m) < M  # a tensor, also under the interpreter
             xw = xq_ptr + m * stride_xq + b[:, None] * 8 + t[None, :]
             x_lo = tl.load(xw, mask=xs_ok[:, None] & m_ok, other=0)[None]
+            x_hi = tl.load(xw + 4, mask=xs_ok[:, None] & m_ok, other=0)[None]
             xd = tl.load(xd_ptr + m * stride_xd + b, mask=xs_ok & m_ok, other=0.0)[None, :]
-            if INT8 or TABLE:
-                dot = _dp4a(lo, x_lo, EMULATE)
-                if TABLE:
-                    dot += _dp4a(hi, tl.load(xw + 4, mask=xs_ok[:, None] & m_ok, other=0)[None], EMULATE)
-                contrib = tl.sum(d * xd * tl.sum(dot, axis=2).to(tl.float32), axis=1)
+            dot = tl.sum(_dp4a(lo, x_lo, EMULATE) + _dp4a(hi, x_hi, EMULATE), axis=2).to(tl.float32)
+            if TABLE:
+                contrib = tl.sum(d * xd * dot, axis=1)
             else:
-                x_hi = tl.load(xw + 4, mask=xs_ok[:, None] & m_ok, other=0)[None]
                 xs = tl.load(xs_ptr + m * stride_xd + b, mask=xs_ok & m_ok, other=0.0)[None, :]
-                dot = tl.sum(_dp4a(lo, x_lo, EMULATE) + _dp4a(hi, x_hi, EMULATE), axis=2).to(tl.float32)
                 contrib = tl.sum(d * xd * dot + dm * xs, axis=1)
+            acc = tl.where(mi[:, None] == m, acc + contrib[None, :], acc)
+    tl.store(out_ptr + split * stride_os + mi[:, None] * stride_om + rows[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(mi < M)[:, None] & row_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
+def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd,
+                 stride_wu, stride_os, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
+                 ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr):
+    """Q8_0 in two planes (layers/quantized.q8_0_planes): w as int32 words, a row's K / 4 words of int8 values,
+    then its K / 32 fp16 scales (w16: the same bytes as int16). SB counts groups of 8 blocks."""
+    pid_n, split = tl.program_id(0), tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    bi, t = tl.arange(0, SB * 8), tl.arange(0, 8)
+    mi = tl.arange(0, BM)
+    first = split * sb_per_split * 8
+    last = tl.minimum(first + sb_per_split * 8, K // 32)
+    acc = tl.zeros([BM, BLOCK_N], tl.float32)
+    row_words = w_ptr + rows.to(tl.int64)[:, None] * (stride_wu * ROW_ALIGN)
+    row_scales = w16_ptr + rows.to(tl.int64)[:, None] * (stride_wu * ROW_ALIGN * 2) + K // 2
+    for b0 in range(first, last, SB * 8):
+        b = b0 + bi
+        ok = row_ok[:, None] & (b < last)[None, :]
+        d = _half(tl.load(row_scales + b[None, :], mask=ok, other=0).to(tl.int32))  # [N, B]
+        words = tl.load(row_words[:, :, None] + b[None, :, None] * 8 + t[None, None, :], mask=ok[:, :, None],
+                        other=0)  # [N, B, 8]
+        xs_ok = (b < last)
+        for m in tl.static_range(BM):
+            m_ok = (tl.zeros([1], tl.int32) + m) < M  # a tensor, also under the interpreter
+            x = tl.load(xq_ptr + m * stride_xq + b[:, None] * 8 + t[None, :], mask=xs_ok[:, None] & m_ok, other=0)
+            xd = tl.load(xd_ptr + m * stride_xd + b, mask=xs_ok & m_ok, other=0.0)[None, :]
+            dot = tl.sum(_dp4a(words, x[None], EMULATE), axis=2).to(tl.float32)
+            contrib = tl.sum(d * xd * dot, axis=1)
             acc = tl.where(mi[:, None] == m, acc + contrib[None, :], acc)
     tl.store(out_ptr + split * stride_os + mi[:, None] * stride_om + rows[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=(mi < M)[:, None] & row_ok[None, :])
@@ -417,8 +458,7 @@ def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_
         dl = _half(head) * (ls - 32).to(tl.float32)  # [N, SB, 8]
         words = tl.load(base[:, :, None, None] + 2 + jj[:, :, :, None] * 4 + t[None, None, None, :],
                         mask=ok[:, :, None, None], other=0)  # [N, SB, 8, 4]
-        lo = _iq4_lookup(words & 0x0F0F0F0F, lut_ptr, EMULATE)
-        hi = _iq4_lookup((words >> 4) & 0x0F0F0F0F, lut_ptr, EMULATE)
+        lo, hi = _iq4_nibbles(words, lut_ptr, EMULATE)
         xs_ok = (s < last)[:, None]
         for m in tl.static_range(BM):
             m_ok = (tl.zeros([1], tl.int32) + m) < M  # a tensor, also under the interpreter
@@ -473,6 +513,11 @@ def row_align(w: Tensor) -> int:
     return next(a for a in (most, most // 2, most // 4, most // 8) if a >= 1 and w.stride(0) % a == 0)
 
 
+def covers(qtype: str, k: int) -> bool:
+    """Whether the integer kernels take this matrix (Q8_0 rows of an odd block count are not whole words)."""
+    return qtype in GEMV_TYPES and not (qtype == "Q8_0" and k % 64)
+
+
 def gemv(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:
     """x [M <= MAX_ROWS, K] @ dequantize(qweight)^T -> [M, N] in x's dtype (x quantized to 8 bits per 32 values)."""
     m, n = x.shape[0], qweight.shape[0]
@@ -488,12 +533,15 @@ def gemv(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:
     elif qtype == "Q6_K":  # 212-byte blocks: whole words
         w = qweight.view(torch.int32)
         kernel, args, extra = _q6_k_kernel, (w, qweight.view(torch.int16)), {}
+    elif qtype == "Q8_0":  # two planes: the values first, whole words (layers/quantized.q8_0_planes)
+        w = qweight.view(torch.int32)
+        kernel, args, extra = _q8_0_kernel, (w, qweight.view(torch.int16)), {}
     elif qtype == "IQ4_XS":
         w = qweight.view(torch.int32)
-        kernel, args, extra = _iq4_xs_kernel, (w, iq4_table(x.device)), {}
+        kernel, args, extra = _iq4_xs_kernel, (w, iq4_table(x.device).view(torch.int32)), {}
     else:
         w = qweight.view(torch.int16)
-        kernel, args, extra = _block32_kernel, (w, iq4_table(x.device)), dict(QTYPE=BLOCK32_IDS[qtype])
+        kernel, args, extra = _block32_kernel, (w, iq4_table(x.device).view(torch.int32)), dict(QTYPE=BLOCK32_IDS[qtype])
     align = row_align(w)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), splits)
     kernel[grid](xq, xd, xs, *args, partial, m, n, k, per_split, xq.stride(0), xd.stride(0), w.stride(0) // align,

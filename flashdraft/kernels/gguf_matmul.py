@@ -69,10 +69,13 @@ def _legacy(p, ok, nb, BLOCK_BYTES: tl.constexpr):
 
 
 @triton.jit
-def _q8_0(p, ok, nb, BN: tl.constexpr):
-    start, ok2, ok3 = _legacy(p, ok, nb, 34)
-    d = _f16(start, ok2)
-    q = tl.load(start[:, :, None] + 2 + tl.arange(0, 32)[None, None, :], mask=ok3, other=0).to(tl.int8, bitcast=True)
+def _q8_0(row, c, ok, K, BN: tl.constexpr):
+    """Q8_0 as layers/quantized.q8_0_planes keeps it: a row's K int8 values, then its K / 32 fp16 scales."""
+    j = tl.arange(0, 8)
+    ok2 = ok[:, None] & (8 * c + j < K // 32)[None, :]
+    d = _f16(row[:, None] + K + 2 * (8 * c + j)[None, :], ok2)
+    q = tl.load(row[:, None, None] + 256 * c + 32 * j[None, :, None] + tl.arange(0, 32)[None, None, :],
+                mask=ok2[:, :, None], other=0).to(tl.int8, bitcast=True)
     return tl.reshape(d[:, :, None] * q.to(tl.float32), (BN, 256))
 
 
@@ -229,8 +232,11 @@ def _q3_k(p, ok, BN: tl.constexpr):
 
 
 @triton.jit
-def _unpack(p, ok, nb, lut, QTYPE: tl.constexpr, BN: tl.constexpr):
-    """nb: how many of the chunk's 32-weight blocks exist (the older types; K-quant rows hold whole chunks)."""
+def _unpack(row, c, ok, K, lut, QTYPE: tl.constexpr, CHUNK_BYTES: tl.constexpr, BN: tl.constexpr):
+    """Chunk c of the rows starting at `row` [BLOCK_N]. The older types' rows may end inside a chunk: nb of its
+    32-weight blocks exist (K-quant rows hold whole chunks)."""
+    p = row + c * CHUNK_BYTES
+    nb = K // 32 - 8 * c
     if QTYPE == 2:
         w = _q4_x(p, ok, nb, False, BN)
     elif QTYPE == 3:
@@ -240,7 +246,7 @@ def _unpack(p, ok, nb, lut, QTYPE: tl.constexpr, BN: tl.constexpr):
     elif QTYPE == 7:
         w = _q5_x(p, ok, nb, True, BN)
     elif QTYPE == 8:
-        w = _q8_0(p, ok, nb, BN)
+        w = _q8_0(row, c, ok, K, BN)
     elif QTYPE == 10:
         w = _q2_k(p, ok, BN)
     elif QTYPE == 11:
@@ -277,7 +283,7 @@ def _matmul_kernel(x_ptr, w_ptr, out_ptr, lut, M, N, K, chunks_per_split, stride
     first = split * chunks_per_split
     last = tl.minimum(first + chunks_per_split, tl.cdiv(K, 256))
     for c in range(first, last):
-        w = _unpack(p + c * CHUNK_BYTES, row_ok, K // 32 - 8 * c, lut, QTYPE, BLOCK_N)
+        w = _unpack(p, c, row_ok, K, lut, QTYPE, CHUNK_BYTES, BLOCK_N)
         x = tl.load(x_ptr + m[:, None] * stride_xm + c * 256 + k[None, :], mask=m_ok[:, None] & (c * 256 + k < K)[None, :],
                     other=0.0)
         acc += tl.dot(x, tl.trans(w.to(x.dtype)))
@@ -291,7 +297,7 @@ def _dequantize_kernel(w_ptr, out_ptr, lut, N, K, stride_wn, stride_on, QTYPE: t
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     c = tl.program_id(1)
     row_ok = rows < N
-    w = _unpack(w_ptr + rows.to(tl.int64) * stride_wn + c * CHUNK_BYTES, row_ok, K // 32 - 8 * c, lut, QTYPE, BLOCK_N)
+    w = _unpack(w_ptr + rows.to(tl.int64) * stride_wn, c, row_ok, K, lut, QTYPE, CHUNK_BYTES, BLOCK_N)
     k = c * 256 + tl.arange(0, 256)
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_on + k[None, :], w.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & (k < K)[None, :])
@@ -336,7 +342,7 @@ def gguf_matmul(x: Tensor, qweight: Tensor, qtype: str, k: int, bias: Tensor | N
     _check(qweight, qtype, k)
     x = x.contiguous()
     m, n = x.shape[0], qweight.shape[0]
-    if qtype in gguf_gemv.GEMV_TYPES and m <= gguf_gemv.MAX_ROWS:
+    if gguf_gemv.covers(qtype, k) and m <= gguf_gemv.MAX_ROWS:
         out = gguf_gemv.gemv(x, qweight, qtype, k)
         return out if bias is None else out + bias
     splits, per_split = splits_for(n, k)

@@ -18,7 +18,10 @@ PADDED_BLOCK_BYTES = {"Q6_K": (210, 212)}
 
 
 def stored_blocks(raw: Tensor, qtype: str) -> Tensor:
-    """A matrix's file bytes [rows, row bytes] as the kernels keep them (Q6_K's blocks padded to 212 bytes)."""
+    """A matrix's file bytes [rows, row bytes] as the kernels keep them: Q6_K's blocks padded to 212 bytes, Q8_0's
+    rows split into two planes (below); the other types as in the file."""
+    if qtype == "Q8_0":
+        return q8_0_planes(raw)
     if qtype not in PADDED_BLOCK_BYTES:
         return raw
     size, padded = PADDED_BLOCK_BYTES[qtype]
@@ -26,6 +29,15 @@ def stored_blocks(raw: Tensor, qtype: str) -> Tensor:
     out = torch.zeros(raw.shape[0], blocks.shape[1], padded, dtype=raw.dtype, device=raw.device)
     out[:, :, :size] = blocks
     return out.view(raw.shape[0], -1)
+
+
+def q8_0_planes(raw: Tensor) -> Tensor:
+    """Q8_0 rows [rows, 34 * blocks] (each block an fp16 scale and 32 int8 values) -> the same bytes per row as
+    [every block's 32 values | every block's scale]: the blocks' 34 bytes leave every other block 2-byte aligned,
+    so a kernel could read their values only in 16-bit halves; in two planes the values are whole aligned words
+    and the row's size is unchanged."""
+    blocks = raw.reshape(raw.shape[0], -1, 34)
+    return torch.cat([blocks[:, :, 2:].reshape(raw.shape[0], -1), blocks[:, :, :2].reshape(raw.shape[0], -1)], 1)
 
 
 @dataclass
