@@ -5,6 +5,7 @@
 # `gguf_gpu.py make --random-quant TYPE` writes one file per type into WORK/m, then runs
 # `llama-bench -ngl 99 -fa 1 -p 512 -n 128 -r 2` on each (tables in OUT/llama-bench-TYPE.md).
 # flashdraft's side on the same files: python3 benchmarks/gguf_gpu.py measure --files WORK/m/SHAPE-TYPE.gguf
+# (with WAIT_FOR=PATH set, llama-bench starts only once PATH exists, so the two never share the GPU)
 set -u
 src=$1 work=$2 out=$3 types=${4:-Q4_K_S,Q5_K_M,Q6_K,Q8_0,IQ4_XS} shape=${5:-llama-3.1-8b}
 here=$(cd "$(dirname "$0")" && pwd)
@@ -23,6 +24,7 @@ done
 echo "files written: $(date +%T)"
 wait $build || { tail -20 "$out/build.log"; exit 1; }
 echo "llama-bench built: $(date +%T)"
+while [ -n "${WAIT_FOR:-}" ] && [ ! -e "$WAIT_FOR" ]; do sleep 2; done  # the GPU to itself: after flashdraft's runs
 for t in ${types//,/ }; do
   "$work/ll/b/bin/llama-bench" -m "$work/m/$shape-$t.gguf" -ngl 99 -fa 1 -p 512 -n 128 -r 2 -o md \
     > "$out/llama-bench-$t.md" 2> "$out/llama-bench-$t.err" || tail -5 "$out/llama-bench-$t.err"

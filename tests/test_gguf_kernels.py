@@ -67,6 +67,21 @@ def check(device: str, dtype: torch.dtype = torch.float32, tol: float = 1e-5) ->
         x = torch.randn(16, k, generator=gen).to(device, dtype)
         for few, many in ((1, MAX_ROWS), (MAX_ROWS + 1, 16)):
             assert torch.equal(gguf_matmul(x[:few], qweight, qtype, k)[0], gguf_matmul(x[:many], qweight, qtype, k)[0])
+    # a fused matrix whose parts differ in type (Q4_K_M's q/k/v): each part's columns of one output
+    from flashdraft.kernels.gguf_matmul import gguf_matmul_parts
+    k, types, sizes = 512, ["Q4_K", "Q6_K", "IQ4_XS", "Q8_0"], [45, 17, 33, 8]
+    raws = [random_blocks(t, n, k, seed=100 + i) for i, (t, n) in enumerate(zip(types, sizes))]
+    want = torch.cat([reference(r, t) for r, t in zip(raws, types)])
+    parts = [stored_blocks(torch.from_numpy(r), t).to(device) for r, t in zip(raws, types)]
+    for rows in (1, 3, 16):
+        x = torch.randn(rows, k, generator=gen).to(dtype)
+        out = gguf_matmul_parts(x.to(device), parts, ",".join(types), k).cpu()
+        xr = as_int8_rows(x) if rows <= MAX_ROWS else x
+        ref = xr.double() @ want.double().T
+        err = ((out.double() - ref).norm() / ref.norm()).item()
+        assert err < tol, f"parts {types}, {rows} rows: relative error {err}"
+        one = torch.cat([gguf_matmul(x.to(device), w, t, k) for w, t in zip(parts, types)], -1).cpu()
+        assert torch.equal(out, one), f"parts {types}, {rows} rows: not the bits of the parts one at a time"
 
 
 @pytest.mark.skipif(INTERPRETER is not None, reason=str(INTERPRETER))

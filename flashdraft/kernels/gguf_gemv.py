@@ -483,27 +483,30 @@ def splits_for(n: int, k: int, cfg: dict) -> tuple[int, int]:
 
 
 @triton.jit
-def _sum_splits_kernel(partial_ptr, out_ptr, splits, numel, BLOCK: tl.constexpr):
-    """out = partial.sum(0) in out's dtype, the splits added in order (deterministic), one launch."""
+def _sum_splits_kernel(partial_ptr, out_ptr, splits, numel, n, stride_om, BLOCK: tl.constexpr):
+    """out [M, n] (rows stride_om apart) = partial [splits, M, n].sum(0) in out's dtype, the splits added in order
+    (deterministic), one launch."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < numel
     acc = tl.load(partial_ptr + i, mask=ok, other=0.0)
     for s in range(1, splits):
         acc += tl.load(partial_ptr + s * numel + i, mask=ok, other=0.0)
-    tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptr + (i // n) * stride_om + i % n, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def split_outputs(x: Tensor, n: int, splits: int) -> tuple[Tensor, Tensor]:
+def split_outputs(x: Tensor, n: int, splits: int, out: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(out [M, N] in x's dtype, partial [splits, M, N]): one split writes out itself, more write float32 partial
-    sums for `sum_splits`."""
-    out = torch.empty(x.shape[0], n, device=x.device, dtype=x.dtype)
+    sums for `sum_splits`. `out` may be given: columns of a wider output (rows strided)."""
+    out = torch.empty(x.shape[0], n, device=x.device, dtype=x.dtype) if out is None else out
     return out, out[None] if splits == 1 else torch.empty(splits, x.shape[0], n, device=x.device, dtype=torch.float32)
 
 
 def sum_splits(partial: Tensor, out: Tensor) -> None:
-    """out = partial [splits, *out.shape] summed over splits in order, in out's dtype (one launch)."""
+    """out [M, N] (its rows may be strided) = partial [splits, M, N] summed over splits in order, in out's dtype
+    (one launch)."""
     block = 1024
-    _sum_splits_kernel[(triton.cdiv(out.numel(), block),)](partial, out, partial.shape[0], out.numel(), BLOCK=block)
+    _sum_splits_kernel[(triton.cdiv(out.numel(), block),)](partial, out, partial.shape[0], out.numel(), out.shape[1],
+                                                          out.stride(0), BLOCK=block)
 
 
 def row_align(w: Tensor) -> int:
@@ -520,13 +523,29 @@ def covers(qtype: str, k: int) -> bool:
 
 def gemv(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:
     """x [M <= MAX_ROWS, K] @ dequantize(qweight)^T -> [M, N] in x's dtype (x quantized to 8 bits per 32 values)."""
+    return gemv_parts(x, [qweight], [qtype], k)
+
+
+def gemv_parts(x: Tensor, qweights: list[Tensor], qtypes: list[str], k: int) -> Tensor:
+    """x @ [part 0; part 1; ...]^T -> [M, sum of N] (a fused q/k/v or gate/up whose parts differ in type): x is
+    quantized once and each part writes its own columns of one output."""
+    xq, xd, xs = quantize_rows(x)
+    out = torch.empty(x.shape[0], sum(w.shape[0] for w in qweights), device=x.device, dtype=x.dtype)
+    col = 0
+    for w, qtype in zip(qweights, qtypes):
+        _gemv_into(out[:, col:col + w.shape[0]], x, xq, xd, xs, w, qtype, k)
+        col += w.shape[0]
+    return out
+
+
+def _gemv_into(out: Tensor, x: Tensor, xq: Tensor, xd: Tensor, xs: Tensor, qweight: Tensor, qtype: str,
+               k: int) -> None:
     m, n = x.shape[0], qweight.shape[0]
     bm = next(b for b in ROW_BUCKETS if b >= m)
-    xq, xd, xs = quantize_rows(x)
     emulate = _emulate()
     cfg = INTERPRETED if emulate else TYPE_CONFIGS.get(qtype, CONFIG)
     splits, per_split = splits_for(n, k, cfg)
-    out, partial = split_outputs(x, n, splits)
+    out, partial = split_outputs(x, n, splits, out)
     if qtype in ("Q4_K", "Q5_K"):
         w = qweight.view(torch.int32)
         kernel, args, extra = _kquant_kernel, (w,), dict(FIVE_BITS=qtype == "Q5_K")
@@ -549,4 +568,3 @@ def gemv(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:
                  EMULATE=emulate, num_warps=cfg["num_warps"], **extra)
     if splits > 1:
         sum_splits(partial, out)
-    return out

@@ -361,6 +361,23 @@ def _(x: Tensor, qweight: Tensor, qtype: str, k: int, bias: Tensor | None = None
     return x.new_empty(x.shape[0], qweight.shape[0])
 
 
+@torch.library.custom_op("flashdraft::gguf_matmul_parts", mutates_args=())
+def gguf_matmul_parts(x: Tensor, qweights: list[Tensor], qtypes: str, k: int) -> Tensor:
+    """x [M, K] @ [dequantize(part 0); dequantize(part 1); ...]^T -> [M, sum of N]: a fused q/k/v or gate/up whose
+    parts keep their own types (qtypes: comma-separated). For the integer kernels' row counts x is quantized once
+    and every part writes its columns of one output; otherwise the parts' products are concatenated."""
+    types = qtypes.split(",")
+    x = x.contiguous()
+    if x.shape[0] <= gguf_gemv.MAX_ROWS and all(gguf_gemv.covers(q, k) for q in types):
+        return gguf_gemv.gemv_parts(x, qweights, types, k)
+    return torch.cat([gguf_matmul(x, w, q, k) for w, q in zip(qweights, types)], dim=-1)
+
+
+@gguf_matmul_parts.register_fake
+def _(x: Tensor, qweights: list[Tensor], qtypes: str, k: int) -> Tensor:
+    return x.new_empty(x.shape[0], sum(w.shape[0] for w in qweights))
+
+
 def dequantize_gguf(qweight: Tensor, qtype: str, k: int, dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
     """qweight [N, bytes] -> [N, K] in dtype (into `out` when given: a reused scratch buffer)."""
     _check(qweight, qtype, k)

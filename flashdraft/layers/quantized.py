@@ -96,15 +96,18 @@ class GGUFLinear(nn.Module):
         return [(getattr(self, f"qweight{i}"), q) for i, q in enumerate(self.qtypes)]
 
     def forward(self, x: Tensor) -> Tensor:
-        from flashdraft.kernels.gguf_matmul import dequantize_gguf, gguf_matmul
+        from flashdraft.kernels.gguf_matmul import dequantize_gguf, gguf_matmul, gguf_matmul_parts
         rows = x.reshape(-1, self.in_features)
         k = self.in_features
-        if rows.shape[0] <= FEW_ROWS:
-            outs = [gguf_matmul(rows, w, q, k) for w, q in self.parts()]
+        parts = self.parts()
+        if rows.shape[0] <= FEW_ROWS and len(parts) == 1:
+            out = gguf_matmul(rows, *parts[0], k)
+        elif rows.shape[0] <= FEW_ROWS:
+            out = gguf_matmul_parts(rows, [w for w, _ in parts], ",".join(self.qtypes), k)
         else:
             outs = [F.linear(rows, dequantize_gguf(w, q, k, x.dtype, scratch(w.shape[0] * k, x.device, x.dtype)))
-                    for w, q in self.parts()]
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+                    for w, q in parts]
+            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         out = out if self.bias is None else out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
