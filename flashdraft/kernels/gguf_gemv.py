@@ -83,34 +83,29 @@ def iq4_table(device: torch.device) -> Tensor:
     return _TABLES[device]
 
 
-def _table_words() -> list[str]:
-    """IQ4_VALUES as four little-endian int32 words (entries 0-3, 4-7, 8-11, 12-15), hex for PTX."""
-    return [hex(int.from_bytes(bytes(v & 0xFF for v in IQ4_VALUES[i:i + 4]), "little")) for i in range(0, 16, 4)]
-
-
 # A word of eight nibbles -> its low nibbles' and its high nibbles' table values (four int8 each). The word itself is
 # the PRMT selector (bit 3 of each nibble cleared): one PRMT per half of the table looks up nibbles 0-3 (then 4-7)
 # at once, a third picks each byte's half by the nibble's bit 3, and two more sort the bytes into low and high
-# nibbles' words (the order of llama.cpp's get_int_from_table_16).
-_IQ4_PAIRS = tl.constexpr("""{{
-.reg .b32 s0, s1, sel, a, b, t0, t1, x0, x1, x2, x3;
-mov.b32 x0, {}; mov.b32 x1, {}; mov.b32 x2, {}; mov.b32 x3, {};
+# nibbles' words (the order of llama.cpp's get_int_from_table_16). The table's four words come in as registers
+# ($3-$6, loaded once): as immediates, Triton 3.6 re-materialised them before every PRMT (IMAD 74 -> 23 per loop).
+_IQ4_PAIRS = tl.constexpr("""{
+.reg .b32 s0, s1, sel, a, b, t0, t1;
 and.b32 s0, $2, 0x7777;
 shr.b32 s1, $2, 16;
 and.b32 s1, s1, 0x7777;
 and.b32 sel, $2, 0x88888888;
 shr.b32 sel, sel, 1;
 or.b32 sel, sel, 0x32103210;
-prmt.b32 a, x0, x1, s0;
-prmt.b32 b, x2, x3, s0;
+prmt.b32 a, $3, $4, s0;
+prmt.b32 b, $5, $6, s0;
 prmt.b32 t0, a, b, sel;
 shr.b32 sel, sel, 16;
-prmt.b32 a, x0, x1, s1;
-prmt.b32 b, x2, x3, s1;
+prmt.b32 a, $3, $4, s1;
+prmt.b32 b, $5, $6, s1;
 prmt.b32 t1, a, b, sel;
 prmt.b32 $0, t0, t1, 0x6420;
 prmt.b32 $1, t0, t1, 0x7531;
-}}""".format(*_table_words()))
+}""")
 
 
 @triton.jit
@@ -123,7 +118,7 @@ def _table_entry(table, nib):
 def _iq4_nibbles(words, table, EMULATE: tl.constexpr):
     """int32 words of nibbles -> (low nibbles' table values, high nibbles'), each a word of four int8
     (kvalues_iq4nl): byte i of the first is the value of word byte i's low nibble. table: IQ4_VALUES as four
-    int32 words, read only when EMULATE (the GPU's PTX holds them as immediates)."""
+    int32 words (iq4_table(...).view(torch.int32))."""
     if EMULATE:
         lo, hi = tl.zeros_like(words), tl.zeros_like(words)
         for i in tl.static_range(4):
@@ -131,8 +126,9 @@ def _iq4_nibbles(words, table, EMULATE: tl.constexpr):
             lo = lo | (_table_entry(table, byte & 15) << (8 * i))
             hi = hi | (_table_entry(table, byte >> 4) << (8 * i))
     else:
-        lo, hi = tl.inline_asm_elementwise(_IQ4_PAIRS, "=r,=r,r", [words], dtype=(tl.int32, tl.int32), is_pure=True,
-                                           pack=1)
+        t0, t1, t2, t3 = tl.load(table), tl.load(table + 1), tl.load(table + 2), tl.load(table + 3)
+        lo, hi = tl.inline_asm_elementwise(_IQ4_PAIRS, "=r,=r,r,r,r,r,r", [words, t0, t1, t2, t3],
+                                           dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
     return lo, hi
 
 
