@@ -10,7 +10,7 @@ per 32 weights. Each row of x goes through the same instructions whatever the ro
 is the same bits in a plain step and in a verify step.
 
 The IQ4 types map each nibble through a 16-entry int8 table (kvalues_iq4nl) by byte permutes (PRMT), eight
-nibbles in seven of them, so their words also go to `dp4a`.
+nibbles in six of them (x quantized in the lookup's order), so their words also go to `dp4a`.
 
 Layouts: ggml-common.h's block_q4_0 ... block_q8_0, block_iq4_nl, block_q4_K, block_q5_K, block_q6_K (kept padded
 to 212 bytes, so every block starts on a word) and block_iq4_xs. The 32-weight blocks (18-34 bytes) are only
@@ -83,13 +83,14 @@ def iq4_table(device: torch.device) -> Tensor:
     return _TABLES[device]
 
 
-# A word of eight nibbles -> its low nibbles' and its high nibbles' table values (four int8 each). The word itself is
-# the PRMT selector (bit 3 of each nibble cleared): one PRMT per half of the table looks up nibbles 0-3 (then 4-7)
-# at once, a third picks each byte's half by the nibble's bit 3, and two more sort the bytes into low and high
-# nibbles' words (the order of llama.cpp's get_int_from_table_16). The table's four words come in as registers
+# A word of eight nibbles -> the table values of nibbles 0-3 and of nibbles 4-7 (four int8 each, in nibble order:
+# byte 0's low and high nibble, then byte 1's). The word itself is the PRMT selector (bit 3 of each nibble
+# cleared): one PRMT per half of the table looks up four nibbles at once and a third picks each byte's half by the
+# nibble's bit 3 (llama.cpp's get_int_from_table_16, less its two permutes back into low and high nibbles: x is
+# quantized in this order instead, `quantize_rows(..., IQ4_ORDER)`). The table's four words come in as registers
 # ($3-$6, loaded once): as immediates, Triton 3.6 re-materialised them before every PRMT (IMAD 74 -> 23 per loop).
 _IQ4_PAIRS = tl.constexpr("""{
-.reg .b32 s0, s1, sel, a, b, t0, t1;
+.reg .b32 s0, s1, sel, a, b;
 and.b32 s0, $2, 0x7777;
 shr.b32 s1, $2, 16;
 and.b32 s1, s1, 0x7777;
@@ -98,13 +99,11 @@ shr.b32 sel, sel, 1;
 or.b32 sel, sel, 0x32103210;
 prmt.b32 a, $3, $4, s0;
 prmt.b32 b, $5, $6, s0;
-prmt.b32 t0, a, b, sel;
+prmt.b32 $0, a, b, sel;
 shr.b32 sel, sel, 16;
 prmt.b32 a, $3, $4, s1;
 prmt.b32 b, $5, $6, s1;
-prmt.b32 t1, a, b, sel;
-prmt.b32 $0, t0, t1, 0x6420;
-prmt.b32 $1, t0, t1, 0x7531;
+prmt.b32 $1, a, b, sel;
 }""")
 
 
@@ -116,15 +115,14 @@ def _table_entry(table, nib):
 
 @triton.jit
 def _iq4_nibbles(words, table, EMULATE: tl.constexpr):
-    """int32 words of nibbles -> (low nibbles' table values, high nibbles'), each a word of four int8
-    (kvalues_iq4nl): byte i of the first is the value of word byte i's low nibble. table: IQ4_VALUES as four
-    int32 words (iq4_table(...).view(torch.int32))."""
+    """int32 words of nibbles -> (table values of nibbles 0-3, of nibbles 4-7), each a word of four int8
+    (kvalues_iq4nl), nibble 2i being byte i's low nibble and 2i + 1 its high one. table: IQ4_VALUES as four int32
+    words (iq4_table(...).view(torch.int32))."""
     if EMULATE:
         lo, hi = tl.zeros_like(words), tl.zeros_like(words)
         for i in tl.static_range(4):
-            byte = (words >> (8 * i)) & 0xFF
-            lo = lo | (_table_entry(table, byte & 15) << (8 * i))
-            hi = hi | (_table_entry(table, byte >> 4) << (8 * i))
+            lo = lo | (_table_entry(table, (words >> (4 * i)) & 15) << (8 * i))
+            hi = hi | (_table_entry(table, (words >> (16 + 4 * i)) & 15) << (8 * i))
     else:
         t0, t1, t2, t3 = tl.load(table), tl.load(table + 1), tl.load(table + 2), tl.load(table + 3)
         lo, hi = tl.inline_asm_elementwise(_IQ4_PAIRS, "=r,=r,r,r,r,r,r", [words, t0, t1, t2, t3],
@@ -133,13 +131,20 @@ def _iq4_nibbles(words, table, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, q_ptr, d_ptr, s_ptr, K, stride_x, stride_q, stride_d, BLOCKS: tl.constexpr):
-    """x [M, K] -> q [M, K / 4] int32 (four int8 per word), d [M, K / 32] scales, s [M, K / 32] = d * sum(q)."""
+def _quantize_kernel(x_ptr, q_ptr, d_ptr, s_ptr, K, stride_x, stride_q, stride_d, BLOCKS: tl.constexpr,
+                     ORDER: tl.constexpr):
+    """x [M, K] -> q [M, K / 4] int32 (four int8 per word), d [M, K / 32] scales, s [M, K / 32] = d * sum(q).
+    ORDER 0: each block's values in order; IQ4_ORDER: word 2t holds values 4t, 16 + 4t, 4t + 1, 17 + 4t and word
+    2t + 1 values 4t + 2, 18 + 4t, 4t + 3, 19 + 4t (the order `_iq4_nibbles` gives a weight word's values)."""
     m = tl.program_id(0)
     b = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
     ok = b < K // 32
     w, byte = tl.arange(0, 8), tl.arange(0, 4)
-    col = b[:, None, None] * 32 + w[None, :, None] * 4 + byte[None, None, :]
+    if ORDER == 0:
+        within = w[:, None] * 4 + byte[None, :]
+    else:
+        within = 4 * (w[:, None] // 2) + 2 * (w[:, None] % 2) + byte[None, :] // 2 + 16 * (byte[None, :] % 2)
+    col = b[:, None, None] * 32 + within[None, :, :]
     x = tl.load(x_ptr + m * stride_x + col, mask=ok[:, None, None], other=0.0).to(tl.float32)
     amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
     d = amax / 127.0
@@ -152,14 +157,18 @@ def _quantize_kernel(x_ptr, q_ptr, d_ptr, s_ptr, K, stride_x, stride_q, stride_d
     tl.store(s_ptr + m * stride_d + b, d * tl.sum(tl.sum(q, axis=2), axis=1).to(tl.float32), mask=ok)
 
 
-def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+IQ4_ORDER = 1  # quantize_rows' order for the IQ4 kernels
+IQ4_TYPES = ("IQ4_NL", "IQ4_XS")
+
+
+def quantize_rows(x: Tensor, order: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     m, k = x.shape
     q = torch.empty(m, k // 4, device=x.device, dtype=torch.int32)
     d = torch.empty(m, k // QK8, device=x.device, dtype=torch.float32)
     s = torch.empty_like(d)
     blocks = 16
     _quantize_kernel[(m, triton.cdiv(k // QK8, blocks))](x, q, d, s, k, x.stride(0), q.stride(0), d.stride(0),
-                                                          BLOCKS=blocks)
+                                                          BLOCKS=blocks, ORDER=order)
     return q, d, s
 
 
@@ -382,9 +391,14 @@ def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb
         xs_ok = (b < last)
         for m in tl.static_range(BM):
             m_ok = (tl.zeros([1], tl.int32) + m) < M  # a tensor, also under the interpreter
-            xw = xq_ptr + m * stride_xq + b[:, None] * 8 + t[None, :]
-            x_lo = tl.load(xw, mask=xs_ok[:, None] & m_ok, other=0)[None]
-            x_hi = tl.load(xw + 4, mask=xs_ok[:, None] & m_ok, other=0)[None]
+            if TABLE:  # x in IQ4_ORDER: words 2t, 2t + 1 meet weight word t's two lookups
+                xw = xq_ptr + m * stride_xq + b[:, None] * 8 + 2 * t[None, :]
+                x_lo = tl.load(xw, mask=xs_ok[:, None] & m_ok, other=0)[None]
+                x_hi = tl.load(xw + 1, mask=xs_ok[:, None] & m_ok, other=0)[None]
+            else:
+                xw = xq_ptr + m * stride_xq + b[:, None] * 8 + t[None, :]
+                x_lo = tl.load(xw, mask=xs_ok[:, None] & m_ok, other=0)[None]
+                x_hi = tl.load(xw + 4, mask=xs_ok[:, None] & m_ok, other=0)[None]
             xd = tl.load(xd_ptr + m * stride_xd + b, mask=xs_ok & m_ok, other=0.0)[None, :]
             dot = tl.sum(_dp4a(lo, x_lo, EMULATE) + _dp4a(hi, x_hi, EMULATE), axis=2).to(tl.float32)
             if TABLE:
@@ -464,9 +478,9 @@ def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_
         xs_ok = (s < last)[:, None]
         for m in tl.static_range(BM):
             m_ok = (tl.zeros([1], tl.int32) + m) < M  # a tensor, also under the interpreter
-            xw = xq_ptr + m * stride_xq + s[:, None, None] * 64 + j[None, :, None] * 8 + t[None, None, :]
-            x_lo = tl.load(xw, mask=xs_ok[:, :, None] & m_ok, other=0)[None]  # [1, SB, 8, 4]
-            x_hi = tl.load(xw + 4, mask=xs_ok[:, :, None] & m_ok, other=0)[None]
+            xw = xq_ptr + m * stride_xq + s[:, None, None] * 64 + j[None, :, None] * 8 + 2 * t[None, None, :]
+            x_lo = tl.load(xw, mask=xs_ok[:, :, None] & m_ok, other=0)[None]  # [1, SB, 8, 4]: x in IQ4_ORDER
+            x_hi = tl.load(xw + 1, mask=xs_ok[:, :, None] & m_ok, other=0)[None]
             dot = tl.sum(_dp4a(lo, x_lo, EMULATE) + _dp4a(hi, x_hi, EMULATE), axis=3).to(tl.float32)  # [N, SB, 8]
             xd = tl.load(xd_ptr + m * stride_xd + s[:, None] * 8 + j[None, :], mask=xs_ok & m_ok, other=0.0)[None]
             contrib = tl.sum(tl.sum(dl * xd * dot, axis=2), axis=1)
@@ -531,11 +545,12 @@ def gemv(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:
 def gemv_parts(x: Tensor, qweights: list[Tensor], qtypes: list[str], k: int) -> Tensor:
     """x @ [part 0; part 1; ...]^T -> [M, sum of N] (a fused q/k/v or gate/up whose parts differ in type): x is
     quantized once and each part writes its own columns of one output."""
-    xq, xd, xs = quantize_rows(x)
+    orders = {q: IQ4_ORDER if q in IQ4_TYPES else 0 for q in qtypes}
+    rounded = {o: quantize_rows(x, o) for o in set(orders.values())}
     out = torch.empty(x.shape[0], sum(w.shape[0] for w in qweights), device=x.device, dtype=x.dtype)
     col = 0
     for w, qtype in zip(qweights, qtypes):
-        _gemv_into(out[:, col:col + w.shape[0]], x, xq, xd, xs, w, qtype, k)
+        _gemv_into(out[:, col:col + w.shape[0]], x, *rounded[orders[qtype]], w, qtype, k)
         col += w.shape[0]
     return out
 
