@@ -84,12 +84,12 @@ def cases(kernels: list[str], types: list[str], block_n: int):
             per_iter = cfg["BLOCK_N"] * cfg["SB"] * K.chunk_bytes(qtype)
             yield f"{qtype} integer kernel, 1 row", fn, sig, const, aligned, cfg["num_warps"], per_iter
         if "dot" in kernels:
-            sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "out_ptr": "*fp32", "lut": "*i8", "M": "i32", "N": "i32", "K": "i32",
+            sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "out_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
                    "chunks_per_split": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_os": "i32",
                    "stride_om": "i32", "QTYPE": "constexpr", "CHUNK_BYTES": "constexpr", "BLOCK_M": "constexpr",
                    "BLOCK_N": "constexpr"}
             const = dict(QTYPE=K.TYPE_IDS[qtype], CHUNK_BYTES=K.chunk_bytes(qtype), BLOCK_M=K.BLOCK_M, BLOCK_N=block_n)
-            aligned = ("x_ptr", "w_ptr", "out_ptr", "lut", "N", "K", "stride_xm", "stride_wn", "stride_os", "stride_om")
+            aligned = ("x_ptr", "w_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn", "stride_os", "stride_om")
             yield (f"{qtype} tensor-core kernel, {K.BLOCK_M} rows", K._matmul_kernel, sig, const, aligned, K.NUM_WARPS,
                    block_n * K.chunk_bytes(qtype))
 

@@ -23,10 +23,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from flashdraft.kernels.iq4 import iq4_nibbles, iq4_table
+
 QK8 = 32  # x values per 8-bit block
 GEMV_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
 BLOCK32_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "IQ4_NL": 20}  # GGML type ids
-IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # kvalues_iq4nl
 # Row counts up to this take the integer kernels. Each row of x costs its own dot products and reductions, so
 # for a verify block of 16 the tensor-core kernel is faster (H200, the 8B's four matrices, Q4_K: 0.065 ms for
 # one row, 0.345 ms for 16, against 0.150 and 0.155 for the tensor-core kernel; docs/PERF.md).
@@ -73,69 +74,12 @@ def _word16(p, mask):
     return lo | (hi << 16)
 
 
-_TABLES: dict[torch.device, Tensor] = {}
-
-
-def iq4_table(device: torch.device) -> Tensor:
-    """IQ4_VALUES as an int8 tensor on `device` (cached)."""
-    if device not in _TABLES:
-        _TABLES[device] = torch.tensor(IQ4_VALUES, dtype=torch.int8, device=device)
-    return _TABLES[device]
-
-
-# A word of eight nibbles -> the table values of nibbles 0-3 and of nibbles 4-7 (four int8 each, in nibble order:
-# byte 0's low and high nibble, then byte 1's). The word itself is the PRMT selector (bit 3 of each nibble
-# cleared): one PRMT per half of the table looks up four nibbles at once and a third picks each byte's half by the
-# nibble's bit 3 (llama.cpp's get_int_from_table_16, less its two permutes back into low and high nibbles: x is
-# quantized in this order instead, `quantize_rows(..., IQ4_ORDER)`). The table's four words come in as registers
-# ($3-$6, loaded once): as immediates, Triton 3.6 re-materialised them before every PRMT (IMAD 74 -> 23 per loop).
-_IQ4_PAIRS = tl.constexpr("""{
-.reg .b32 s0, s1, sel, a, b;
-and.b32 s0, $2, 0x7777;
-shr.b32 s1, $2, 16;
-and.b32 s1, s1, 0x7777;
-and.b32 sel, $2, 0x88888888;
-shr.b32 sel, sel, 1;
-or.b32 sel, sel, 0x32103210;
-prmt.b32 a, $3, $4, s0;
-prmt.b32 b, $5, $6, s0;
-prmt.b32 $0, a, b, sel;
-shr.b32 sel, sel, 16;
-prmt.b32 a, $3, $4, s1;
-prmt.b32 b, $5, $6, s1;
-prmt.b32 $1, a, b, sel;
-}""")
-
-
-@triton.jit
-def _table_entry(table, nib):
-    """Entry nib (0..15) of the table's four words, zero-extended (a byte)."""
-    return (tl.load(table + (nib >> 2)) >> (8 * (nib & 3))) & 0xFF
-
-
-@triton.jit
-def _iq4_nibbles(words, table, EMULATE: tl.constexpr):
-    """int32 words of nibbles -> (table values of nibbles 0-3, of nibbles 4-7), each a word of four int8
-    (kvalues_iq4nl), nibble 2i being byte i's low nibble and 2i + 1 its high one. table: IQ4_VALUES as four int32
-    words (iq4_table(...).view(torch.int32))."""
-    if EMULATE:
-        lo, hi = tl.zeros_like(words), tl.zeros_like(words)
-        for i in tl.static_range(4):
-            lo = lo | (_table_entry(table, (words >> (4 * i)) & 15) << (8 * i))
-            hi = hi | (_table_entry(table, (words >> (16 + 4 * i)) & 15) << (8 * i))
-    else:
-        t0, t1, t2, t3 = tl.load(table), tl.load(table + 1), tl.load(table + 2), tl.load(table + 3)
-        lo, hi = tl.inline_asm_elementwise(_IQ4_PAIRS, "=r,=r,r,r,r,r,r", [words, t0, t1, t2, t3],
-                                           dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
-    return lo, hi
-
-
 @triton.jit
 def _quantize_kernel(x_ptr, q_ptr, d_ptr, s_ptr, K, stride_x, stride_q, stride_d, BLOCKS: tl.constexpr,
                      ORDER: tl.constexpr):
     """x [M, K] -> q [M, K / 4] int32 (four int8 per word), d [M, K / 32] scales, s [M, K / 32] = d * sum(q).
     ORDER 0: each block's values in order; IQ4_ORDER: word 2t holds values 4t, 16 + 4t, 4t + 1, 17 + 4t and word
-    2t + 1 values 4t + 2, 18 + 4t, 4t + 3, 19 + 4t (the order `_iq4_nibbles` gives a weight word's values)."""
+    2t + 1 values 4t + 2, 18 + 4t, 4t + 3, 19 + 4t (the order `iq4_nibbles` gives a weight word's values)."""
     m = tl.program_id(0)
     b = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
     ok = b < K // 32
@@ -351,7 +295,7 @@ def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb
                     SB: tl.constexpr, ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr,
                     STAGES: tl.constexpr):
     """The 32-weight nibble block types, w as int16 halves: Q4_0 (18 bytes: d, 16 nibble bytes), Q4_1 (20: d, m, ...), Q5_0 (22: d, 32 fifth bits, ...), Q5_1 (24: d, m, fifth bits, ...), IQ4_NL (18: d, 16
-    nibble bytes, each nibble an index into IQ4_VALUES). A nibble byte l's low half is weight l, its high one
+    nibble bytes, each nibble an index into iq4.IQ4_VALUES). A nibble byte l's low half is weight l, its high one
     weight l + 16; fifth bit j belongs to weight j. Q4_0 / Q5_0 store q + 8 / q + 16; Q4_1 / Q5_1 add m. SB counts
     groups of 8 blocks (one super-block's worth)."""
     TABLE: tl.constexpr = QTYPE == 20
@@ -376,7 +320,7 @@ def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb
         d = _half(tl.load(base, mask=ok, other=0).to(tl.int32))
         words = _word16(base[:, :, None] + QS + 2 * t[None, None, :], ok[:, :, None])  # [N, B, 4]
         if TABLE:
-            lo, hi = _iq4_nibbles(words, lut_ptr, EMULATE)
+            lo, hi = iq4_nibbles(words, lut_ptr, EMULATE)
         else:
             lo = words & 0x0F0F0F0F
             hi = (words >> 4) & 0x0F0F0F0F
@@ -453,7 +397,7 @@ def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_
                    STAGES: tl.constexpr):
     """IQ4_XS (136-byte super-blocks, 34 words: d and scales_h, scales_l, 128 nibble bytes), w as int32 words.
     Sub-block j (32 weights) has 6-bit scale ls = nibble j of scales_l | bits 2j..2j+1 of scales_h << 4, weight
-    d * (ls - 32) * IQ4_VALUES[q]; its 16 bytes hold weights 0..15 in their low nibbles, 16..31 in the high."""
+    d * (ls - 32) * iq4.IQ4_VALUES[q]; its 16 bytes hold weights 0..15 in their low nibbles, 16..31 in the high."""
     pid_n, split = tl.program_id(0), tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -474,7 +418,7 @@ def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_
         dl = _half(head) * (ls - 32).to(tl.float32)  # [N, SB, 8]
         words = tl.load(base[:, :, None, None] + 2 + jj[:, :, :, None] * 4 + t[None, None, None, :],
                         mask=ok[:, :, None, None], other=0)  # [N, SB, 8, 4]
-        lo, hi = _iq4_nibbles(words, lut_ptr, EMULATE)
+        lo, hi = iq4_nibbles(words, lut_ptr, EMULATE)
         xs_ok = (s < last)[:, None]
         for m in tl.static_range(BM):
             m_ok = (tl.zeros([1], tl.int32) + m) < M  # a tensor, also under the interpreter

@@ -18,6 +18,7 @@ import triton.language as tl
 from torch import Tensor
 
 from flashdraft.kernels import gguf_gemv
+from flashdraft.kernels.iq4 import iq4_value
 from flashdraft.layers.quantized import PADDED_BLOCK_BYTES
 
 CHUNK = 256  # weights per K step: one super-block, or eight 32-weight blocks
@@ -113,16 +114,15 @@ def _q5_x(p, ok, nb, HAS_MIN: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def _iq4_nl(p, ok, nb, lut, BN: tl.constexpr):
+def _iq4_nl(p, ok, nb, BN: tl.constexpr):
     start, ok2, ok3 = _legacy(p, ok, nb, 18)
     d = _f16(start, ok2)
     q = _nibbles(tl.load(start[:, :, None] + 2 + tl.arange(0, 16)[None, None, :], mask=ok3, other=0), BN)
-    values = tl.load(lut + q.to(tl.int32)).to(tl.float32)
-    return tl.reshape(d[:, :, None] * values, (BN, 256))
+    return tl.reshape(d[:, :, None] * iq4_value(q), (BN, 256))
 
 
 @triton.jit
-def _iq4_xs(p, ok, lut, BN: tl.constexpr):
+def _iq4_xs(p, ok, BN: tl.constexpr):
     ok2, ok3 = ok[:, None], ok[:, None, None]
     d = _f16(p, ok)
     scales_h = (tl.load(p + 2, mask=ok, other=0).to(tl.uint32) |
@@ -133,8 +133,7 @@ def _iq4_xs(p, ok, lut, BN: tl.constexpr):
     high = (scales_h[:, None] >> (2 * ib[None, :]).to(tl.uint32)) & 3
     dl = d[:, None] * ((low | (high << 4)).to(tl.float32) - 32.0)  # [N, 8]
     qs = tl.load(p[:, None, None] + 8 + 16 * ib[None, :, None] + tl.arange(0, 16)[None, None, :], mask=ok3, other=0)
-    values = tl.load(lut + _nibbles(qs, BN).to(tl.int32)).to(tl.float32)  # [N, 8, 32]
-    return tl.reshape(dl[:, :, None] * values, (BN, 256))
+    return tl.reshape(dl[:, :, None] * iq4_value(_nibbles(qs, BN)), (BN, 256))
 
 
 @triton.jit
@@ -232,7 +231,7 @@ def _q3_k(p, ok, BN: tl.constexpr):
 
 
 @triton.jit
-def _unpack(row, c, ok, K, lut, QTYPE: tl.constexpr, CHUNK_BYTES: tl.constexpr, BN: tl.constexpr):
+def _unpack(row, c, ok, K, QTYPE: tl.constexpr, CHUNK_BYTES: tl.constexpr, BN: tl.constexpr):
     """Chunk c of the rows starting at `row` [BLOCK_N]. The older types' rows may end inside a chunk: nb of its
     32-weight blocks exist (K-quant rows hold whole chunks)."""
     p = row + c * CHUNK_BYTES
@@ -258,16 +257,16 @@ def _unpack(row, c, ok, K, lut, QTYPE: tl.constexpr, CHUNK_BYTES: tl.constexpr, 
     elif QTYPE == 14:
         w = _q6_k(p, ok, BN)
     elif QTYPE == 20:
-        w = _iq4_nl(p, ok, nb, lut, BN)
+        w = _iq4_nl(p, ok, nb, BN)
     else:
-        w = _iq4_xs(p, ok, lut, BN)
+        w = _iq4_xs(p, ok, BN)
     return w
 
 
 # ------------------------------------------------------------------------------------------ kernels
 
 @triton.jit(do_not_specialize=["M", "stride_xm", "stride_om"])
-def _matmul_kernel(x_ptr, w_ptr, out_ptr, lut, M, N, K, chunks_per_split, stride_xm, stride_wn, stride_os, stride_om,
+def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, chunks_per_split, stride_xm, stride_wn, stride_os, stride_om,
                    QTYPE: tl.constexpr, CHUNK_BYTES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Partial products over one split of K: out [splits, M, N] float32 (or the product in x's dtype: one split)."""
     pid_n = tl.program_id(0)
@@ -283,7 +282,7 @@ def _matmul_kernel(x_ptr, w_ptr, out_ptr, lut, M, N, K, chunks_per_split, stride
     first = split * chunks_per_split
     last = tl.minimum(first + chunks_per_split, tl.cdiv(K, 256))
     for c in range(first, last):
-        w = _unpack(p, c, row_ok, K, lut, QTYPE, CHUNK_BYTES, BLOCK_N)
+        w = _unpack(p, c, row_ok, K, QTYPE, CHUNK_BYTES, BLOCK_N)
         x = tl.load(x_ptr + m[:, None] * stride_xm + c * 256 + k[None, :], mask=m_ok[:, None] & (c * 256 + k < K)[None, :],
                     other=0.0)
         acc += tl.dot(x, tl.trans(w.to(x.dtype)))
@@ -292,12 +291,12 @@ def _matmul_kernel(x_ptr, w_ptr, out_ptr, lut, M, N, K, chunks_per_split, stride
 
 
 @triton.jit
-def _dequantize_kernel(w_ptr, out_ptr, lut, N, K, stride_wn, stride_on, QTYPE: tl.constexpr,
+def _dequantize_kernel(w_ptr, out_ptr, N, K, stride_wn, stride_on, QTYPE: tl.constexpr,
                        CHUNK_BYTES: tl.constexpr, BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     c = tl.program_id(1)
     row_ok = rows < N
-    w = _unpack(w_ptr + rows.to(tl.int64) * stride_wn, c, row_ok, K, lut, QTYPE, CHUNK_BYTES, BLOCK_N)
+    w = _unpack(w_ptr + rows.to(tl.int64) * stride_wn, c, row_ok, K, QTYPE, CHUNK_BYTES, BLOCK_N)
     k = c * 256 + tl.arange(0, 256)
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_on + k[None, :], w.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & (k < K)[None, :])
@@ -348,7 +347,7 @@ def gguf_matmul(x: Tensor, qweight: Tensor, qtype: str, k: int, bias: Tensor | N
     splits, per_split = splits_for(n, k)
     out, partial = gguf_gemv.split_outputs(x, n, splits)
     grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, BLOCK_M), splits)
-    _matmul_kernel[grid](x, qweight, partial, gguf_gemv.iq4_table(x.device), m, n, k, per_split, x.stride(0), qweight.stride(0),
+    _matmul_kernel[grid](x, qweight, partial, m, n, k, per_split, x.stride(0), qweight.stride(0),
                          partial.stride(0), partial.stride(1), QTYPE=TYPE_IDS[qtype], CHUNK_BYTES=chunk_bytes(qtype),
                          BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS)
     if splits > 1:
@@ -384,7 +383,7 @@ def dequantize_gguf(qweight: Tensor, qtype: str, k: int, dtype: torch.dtype, out
     n = qweight.shape[0]
     out = torch.empty(n, k, device=qweight.device, dtype=dtype) if out is None else out[:n * k].view(n, k)
     block_n = 16
-    _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, CHUNK))](qweight, out, gguf_gemv.iq4_table(qweight.device), n, k,
+    _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, CHUNK))](qweight, out, n, k,
                                                               qweight.stride(0), out.stride(0),
                                                               QTYPE=TYPE_IDS[qtype], CHUNK_BYTES=chunk_bytes(qtype),
                                                               BLOCK_N=block_n)

@@ -20,6 +20,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from flashdraft.kernels.iq4 import iq4_value
+
 # benchmarks/attention_kernel.py on an H200 (8B shape, 1280 / 16640 keys, docs/PERF.md run 7): 128 keys per tile
 # and two pipeline stages took decode 24.9 -> 14.4 us and 112.7 -> 56.9 us; three stages of 64-key tiles had left
 # one program per SM (131 KB of shared memory, 255 registers).
@@ -99,7 +101,7 @@ def _plane(base, n, n_ok, p: tl.constexpr, lut, TYPE: tl.constexpr, D: tl.conste
             bits = (qh[:, :, None] >> (16 * p + r)) & 1
             nib = nib | tl.reshape(bits, (qh.shape[0], NB * 16)) << 4
         if TYPE == 20:
-            x = tl.load(lut + nib) * d
+            x = iq4_value(nib) * d
         elif HAS_MIN:
             m = tl.load((row + D // 2 + 2 * NB).to(tl.pointer_type(tl.float16)) + b, mask=ok, other=0.0)
             x = nib.to(tl.float32) * d + _spread(m.to(tl.float32), 16)
@@ -220,8 +222,8 @@ def triton_matmul_ready(device_index: int) -> bool:
 
 
 def _lut(row_type: int, device: torch.device) -> Tensor:
-    """The value table a stored type indexes (iq4_nl's levels, a rotated type's codebook; any table for the others:
-    unread). layers/kv_quant.py makes them once per device, when a cache is allocated."""
+    """The value table a rotated type's codes index (its codebook; any table for the others, unread: iq4_nl's levels
+    come from iq4_value). layers/kv_quant.py makes them once per device, when a cache is allocated."""
     from flashdraft.layers.kv_quant import table
     return table("levels", row_type - 100, device) if row_type > 100 else table("iq4_nl", 0, device)
 
