@@ -3,7 +3,8 @@
 #   bash benchmarks/gguf_types.sh LLAMA_SRC.tar.gz WORK OUT [TYPES] [SHAPE]
 # Builds llama-bench (CUDA, sm_90) from a llama.cpp source tarball in the background while
 # `gguf_gpu.py make --random-quant TYPE` writes one file per type into WORK/m, then runs
-# `llama-bench -ngl 99 -fa 1 -p 512 -n 128 -r 2` on each (tables in OUT/llama-bench-TYPE.md).
+# `llama-bench -ngl 99 -fa 1 -p 16,512 -n 128 -r 2` on each (tables in OUT/llama-bench-TYPE.md; pp16 is
+# llama.cpp's 16-token batch, the peer of a verify step of 16: its step time is 16 / pp16).
 # flashdraft's side on the same files: python3 benchmarks/gguf_gpu.py measure --files WORK/m/SHAPE-TYPE.gguf
 # (with WAIT_FOR=PATH set, llama-bench starts only once PATH exists, so the two never share the GPU)
 set -u
@@ -26,7 +27,7 @@ wait $build || { tail -20 "$out/build.log"; exit 1; }
 echo "llama-bench built: $(date +%T)"
 while [ -n "${WAIT_FOR:-}" ] && [ ! -e "$WAIT_FOR" ]; do sleep 2; done  # the GPU to itself: after flashdraft's runs
 for t in ${types//,/ }; do
-  "$work/ll/b/bin/llama-bench" -m "$work/m/$shape-$t.gguf" -ngl 99 -fa 1 -p 512 -n 128 -r 2 -o md \
+  "$work/ll/b/bin/llama-bench" -m "$work/m/$shape-$t.gguf" -ngl 99 -fa 1 -p 16,512 -n 128 -r 2 -o md \
     > "$out/llama-bench-$t.md" 2> "$out/llama-bench-$t.err" || tail -5 "$out/llama-bench-$t.err"
-  grep -E "pp512|tg128" "$out/llama-bench-$t.md"
+  grep -E "pp16 |pp512|tg128" "$out/llama-bench-$t.md"
 done
