@@ -51,22 +51,24 @@ def _half(bits):
 
 
 @gluon.jit
-def _sub_block(acc, w, zero, a, b, s, d, dmin, b_ptr, b_ok, xd_ptr, xs_ptr, toks, stride_xd, tok_ok, block0,
+def _sub_block(acc, w, zero, a, b, s, d, dmin, b_ptr, b_ok, xds_ptr, toks, stride_xds, tok_ok, block0,
                J: gl.constexpr):
     """acc + sub-block J's product: the exact int32 mma of its 32 weights with x's 8-bit values, scaled."""
     xb = gl.load(b_ptr + 32 * J, mask=b_ok, other=0)
     prod = mma_v2(w, xb, zero)
     sc, mn = _scale_byte(a, b, s, J)
-    xd = gl.load(xd_ptr + toks * stride_xd + block0 + J, mask=tok_ok, other=0.0)
-    xs = gl.load(xs_ptr + toks * stride_xd + block0 + J, mask=tok_ok, other=0.0)
+    pair = gl.load(xds_ptr + toks * stride_xds + block0 + J, mask=tok_ok, other=0)  # x's scale and sum, one load
+    xd = pair.to(gl.int32).to(gl.float32, bitcast=True)
+    xs = (pair >> 32).to(gl.int32).to(gl.float32, bitcast=True)
     return acc + prod.to(gl.float32) * ((d * sc)[:, None] * xd[None, :]) - (dmin * mn)[:, None] * xs[None, :]
 
 
 @gluon.jit
-def _q4k_mma_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd, stride_wn,
+def _q4k_mma_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn,
                     stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr):
-    """xq_ptr: x's 8-bit values as bytes [M, K]; xd/xs [M, K / 32]; w: Q4_K rows as bytes (144 per super-block);
-    out [splits, M, N] float32 partial sums over this program's super-blocks."""
+    """xq_ptr: x's 8-bit values as bytes [M, K]; xds [M, K / 32] int64: each block's float32 scale (low half) and
+    scaled sum (high half); w: Q4_K rows as bytes (144 per super-block); out [splits, M, N] float32 partial sums
+    over this program's super-blocks."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
@@ -106,10 +108,10 @@ def _q4k_mma_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_spli
                                            is_pure=True, pack=4)
             hi = gl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 4; and.b32 $0, t, 0x0F0F0F0F; }", "=r,r",
                                            [q], dtype=gl.int8, is_pure=True, pack=4)
-            acc = _sub_block(acc, lo, zero, a, b, s, d, dmin, b_ptr + 256 * c, b_ok, xd_ptr, xs_ptr, toks,
-                             stride_xd, tok_ok, 8 * c, 2 * g)
-            acc = _sub_block(acc, hi, zero, a, b, s, d, dmin, b_ptr + 256 * c, b_ok, xd_ptr, xs_ptr, toks,
-                             stride_xd, tok_ok, 8 * c, 2 * g + 1)
+            acc = _sub_block(acc, lo, zero, a, b, s, d, dmin, b_ptr + 256 * c, b_ok, xds_ptr, toks, stride_xds,
+                             tok_ok, 8 * c, 2 * g)
+            acc = _sub_block(acc, hi, zero, a, b, s, d, dmin, b_ptr + 256 * c, b_ok, xds_ptr, toks, stride_xds,
+                             tok_ok, 8 * c, 2 * g + 1)
     gl.store(out_ptr + split * stride_os + toks[None, :] * stride_om + rows[:, None], acc,
              mask=row_ok[:, None] & tok_ok[None, :])
 
@@ -124,8 +126,9 @@ def q4k_mma(x: torch.Tensor, qweight: torch.Tensor, k: int, block_n: int = 64, n
     splits = triton.cdiv(sbs, per_split)
     out = torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
     xb = xq.view(torch.int8)
-    _q4k_mma_kernel[(triton.cdiv(n, block_n), splits)](xb, xd, xs, qweight, out, m, n, k, per_split, xb.stride(0),
-                                                       xd.stride(0), qweight.stride(0), out.stride(0), out.stride(1),
+    xds = torch.stack([xd, xs], -1).view(torch.int64)[..., 0]
+    _q4k_mma_kernel[(triton.cdiv(n, block_n), splits)](xb, xds, qweight, out, m, n, k, per_split, xb.stride(0),
+                                                       xds.stride(0), qweight.stride(0), out.stride(0), out.stride(1),
                                                        BLOCK_N=block_n, NUM_WARPS=num_warps, num_warps=num_warps)
     return out.sum(0)
 
@@ -136,10 +139,10 @@ def sass(block_n: int, num_warps: int) -> None:
     import sass_report as S
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    sig = {"xq_ptr": "*i8", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "w_ptr": "*u8", "out_ptr": "*fp32", "M": "i32",
-           "N": "i32", "K": "i32", "sb_per_split": "i32", "stride_xq": "i32", "stride_xd": "i32", "stride_wn": "i32",
-           "stride_os": "i32", "stride_om": "i32", "BLOCK_N": "constexpr", "NUM_WARPS": "constexpr"}
-    aligned = ("xq_ptr", "xd_ptr", "xs_ptr", "w_ptr", "out_ptr", "N", "K", "stride_xq", "stride_xd", "stride_wn",
+    sig = {"xq_ptr": "*i8", "xds_ptr": "*i64", "w_ptr": "*u8", "out_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
+           "sb_per_split": "i32", "stride_xq": "i32", "stride_xds": "i32", "stride_wn": "i32", "stride_os": "i32",
+           "stride_om": "i32", "BLOCK_N": "constexpr", "NUM_WARPS": "constexpr"}
+    aligned = ("xq_ptr", "xds_ptr", "w_ptr", "out_ptr", "N", "K", "stride_xq", "stride_xds", "stride_wn",
                "stride_os", "stride_om")
     names = list(sig)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
