@@ -105,6 +105,33 @@ def test_gguf_kernels_on_gpu_match_gguf_reference(tmp_path):
     check_engine(str(tmp_path), "cuda")  # the kernels inside CUDA graphs
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_int8_mma_kernels_on_gpu_match_gguf_reference():
+    """kernels/gguf_mma.py (Gluon: no interpreter) for 5-16 rows of Q4_K and Q6_K, x rounded to 8 bits per 32 as
+    they take it; a token's result the same bits for 5 and for 16 rows."""
+    from flashdraft.kernels import gguf_mma
+    from flashdraft.kernels.gguf_matmul import gguf_matmul
+    from flashdraft.layers.quantized import stored_blocks
+    gen = torch.Generator().manual_seed(0)
+    enabled, gguf_mma.ENABLED = gguf_mma.ENABLED, True
+    try:
+        for i, qtype in enumerate(gguf_mma.KERNELS):
+            for n, k in ((45, 512), (300, 4096)):
+                raw = random_blocks(qtype, n, k, seed=i)
+                want = reference(raw, qtype).double()
+                w = stored_blocks(torch.from_numpy(raw), qtype).cuda()
+                x = torch.randn(16, k, generator=gen)
+                for rows in (5, 16):
+                    out = gguf_matmul(x[:rows].cuda(), w, qtype, k).cpu().double()
+                    ref = as_int8_rows(x[:rows]).double() @ want.T
+                    err = ((out - ref).norm() / ref.norm()).item()
+                    assert err < 1e-3, f"{qtype} {n}x{k}, {rows} rows: relative error {err}"
+                xb = x.cuda().to(torch.bfloat16)
+                assert torch.equal(gguf_matmul(xb[:5], w, qtype, k)[0], gguf_matmul(xb, w, qtype, k)[0])
+    finally:
+        gguf_mma.ENABLED = enabled
+
+
 def test_unknown_type_and_bad_shapes_are_clear_errors():
     pytest.importorskip("triton")
     from flashdraft.kernels.gguf_matmul import gguf_matmul

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from flashdraft.kernels import gguf_gemv
+from flashdraft.kernels import gguf_gemv, gguf_mma
 from flashdraft.kernels.iq4 import iq4_value
 from flashdraft.layers.quantized import PADDED_BLOCK_BYTES
 
@@ -343,6 +343,9 @@ def gguf_matmul(x: Tensor, qweight: Tensor, qtype: str, k: int, bias: Tensor | N
     m, n = x.shape[0], qweight.shape[0]
     if gguf_gemv.covers(qtype, k) and m <= gguf_gemv.MAX_ROWS:
         out = gguf_gemv.gemv(x, qweight, qtype, k)
+        return out if bias is None else out + bias
+    if gguf_mma.covers(qtype, m, x):
+        out = gguf_mma.matmul(x, qweight, qtype, k)
         return out if bias is None else out + bias
     splits, per_split = splits_for(n, k)
     out, partial = gguf_gemv.split_outputs(x, n, splits)
