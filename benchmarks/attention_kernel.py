@@ -1,6 +1,6 @@
 """The split attention kernel alone (kernels/split_attention.py) at the 8B's decode and verify shapes (32 query heads
 over 8 KV heads of 128, bf16 cache), replayed in a CUDA graph, over a sweep of its tile settings.
-Usage: python benchmarks/attention_kernel.py [--lengths 1280,16640] [--configs "MIN_BLOCK_M,BLOCK_N,TARGET,warps,stages;..."]"""
+Usage: python benchmarks/attention_kernel.py [--lengths 1280,16640] [--configs "ROW_TILE,BLOCK_N,TARGET,warps,stages;..."]"""
 import argparse
 import sys
 from pathlib import Path
@@ -12,7 +12,7 @@ from gpu import graphed, timed  # noqa: E402
 
 from flashdraft.kernels import split_attention as S  # noqa: E402
 
-DEFAULT = f"{S.MIN_BLOCK_M},{S.BLOCK_N},{S.TARGET_PROGRAMS},{S.NUM_WARPS},{S.NUM_STAGES}"
+DEFAULT = f"{S.ROW_TILE},{S.BLOCK_N},{S.TARGET_PROGRAMS},{S.NUM_WARPS},{S.NUM_STAGES}"
 
 
 def main() -> int:
@@ -31,7 +31,7 @@ def main() -> int:
             q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
             mask = torch.ones(T, L, device="cuda", dtype=torch.bool).tril(L - T)
             for cfg in args.configs.split(";"):
-                S.MIN_BLOCK_M, S.BLOCK_N, S.TARGET_PROGRAMS, S.NUM_WARPS, S.NUM_STAGES = (int(c) for c in cfg.split(","))
+                S.ROW_TILE, S.BLOCK_N, S.TARGET_PROGRAMS, S.NUM_WARPS, S.NUM_STAGES = (int(c) for c in cfg.split(","))
                 try:
                     ms = timed(graphed(lambda: S.split_attention(q, k, v, mask, D ** -0.5, 0.0), "cuda"), 50, "cuda")
                 except Exception as e:  # a tile that does not fit
@@ -40,7 +40,7 @@ def main() -> int:
                 gbps = 2 * k.numel() * 2 / (ms * 1e-3) / 1e9
                 rows.append((L, T, cfg, ms))
                 print(f"L={L} T={T} cfg={cfg}: {ms * 1e3:.1f} us ({gbps:.0f} GB/s of K+V)", flush=True)
-    print("\n| keys | queries | MIN_BLOCK_M,BLOCK_N,TARGET,warps,stages | us |\n|---|---|---|---|")
+    print("\n| keys | queries | ROW_TILE,BLOCK_N,TARGET,warps,stages | us |\n|---|---|---|---|")
     for L, T, cfg, ms in rows:
         print(f"| {L} | {T} | {cfg} | {ms * 1e3:.1f} |")
     return 0

@@ -24,9 +24,12 @@ from flashdraft.kernels.iq4 import iq4_value
 
 # benchmarks/attention_kernel.py on an H200 (8B shape, 1280 / 16640 keys, docs/PERF.md run 7): 128 keys per tile
 # and two pipeline stages took decode 24.9 -> 14.4 us and 112.7 -> 56.9 us; three stages of 64-key tiles had left
-# one program per SM (131 KB of shared memory, 255 registers).
+# one program per SM (131 KB of shared memory, 255 registers). A program takes ROW_TILE query rows (a GQA group's
+# heads x tokens); more rows are more programs over the same keys, so a plain step's rows and a verify step's run
+# the same machine code on the same tile (the same bits). 16-row tiles ran a 16k decode in 34.6 us against 64-row
+# tiles' 56.9 (run 7's sweep), where a group of 4 heads used 4 of the 64 rows.
 BLOCK_N = 128
-MIN_BLOCK_M = 64
+ROW_TILE = 16
 TARGET_PROGRAMS = 264  # about two programs per SM of an H100/H200
 NUM_WARPS, NUM_STAGES = 4, 2
 # stored row types: 0 float; GGML ids of the block types; 100 + bits for the rotated types
@@ -120,19 +123,21 @@ def _query_plane(q_ptr, t, head, row_ok, stride_qt, stride_qh, p: tl.constexpr, 
 
 # Query count, group size, key count and the mask's row stride are runtime values, never specialised on: a plain
 # step (T=1) and a verify step (T=16) run the same machine code, so a row's arithmetic cannot differ between them.
-@triton.jit(do_not_specialize=["stride_mt", "L", "blocks_per_split", "T", "G"])
+@triton.jit(do_not_specialize=["stride_mt", "L", "blocks_per_split", "T", "G", "n_rows"])
 def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, k_lut, v_lut,
                     stride_qt, stride_qh, stride_kh, stride_vh, stride_mt,
-                    L, blocks_per_split, n_kv, scale, softcap, T, G,
+                    L, blocks_per_split, n_kv, scale, softcap, T, G, n_rows,
                     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
                     K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, K_ROW: tl.constexpr, V_ROW: tl.constexpr,
                     K_PLANES: tl.constexpr, V_PLANES: tl.constexpr):
     """Keys and values are read in planes (one for float rows and q8_0; low and high nibbles; turbo3's four 2-bit
     fields): q is loaded once per plane in that plane's column order, the scores are the sum of the planes'
     products, and each plane of V has its own accumulator, stored to its columns at the end."""
-    kv = tl.program_id(0)
-    split = tl.program_id(1)
-    rows = tl.arange(0, BLOCK_M)  # row r holds query token r % T of head kv * G + r // T
+    # the row tiles of one (KV head, split) are neighbours in the launch order: they read the same keys together,
+    # so a verify step's extra tiles find them in L2
+    kv = tl.program_id(1)
+    split = tl.program_id(2)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # row r: query token r % T of head kv * G + r // T
     t = rows % T
     head = kv * G + rows // T
     row_ok = rows < G * T
@@ -184,7 +189,7 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, k_lut,
                                                             V_PLANES).to(q0.dtype))
         m_i = m_new
     base = split * n_kv + kv
-    out = acc_ptr + (base * BLOCK_M + rows[:, None]) * D
+    out = acc_ptr + (base * n_rows + rows[:, None]) * D
     jv = tl.arange(0, WV)
     tl.store(out + _plane_cols(jv, 0, V_TYPE, D)[None, :], acc0, mask=row_ok[:, None])
     if V_PLANES > 1:
@@ -192,18 +197,18 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, k_lut,
     if V_PLANES > 2:
         tl.store(out + _plane_cols(jv, 2, V_TYPE, D)[None, :], acc2, mask=row_ok[:, None])
         tl.store(out + _plane_cols(jv, 3, V_TYPE, D)[None, :], acc3, mask=row_ok[:, None])
-    tl.store(m_ptr + base * BLOCK_M + rows, m_i, mask=row_ok)
-    tl.store(l_ptr + base * BLOCK_M + rows, l_i, mask=row_ok)
+    tl.store(m_ptr + base * n_rows + rows, m_i, mask=row_ok)
+    tl.store(l_ptr + base * n_rows + rows, l_i, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["stride_ot", "n_splits", "T", "G"])
-def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, stride_ot, stride_oh, n_splits, n_kv, T, G,
-                  D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr):
+@triton.jit(do_not_specialize=["stride_ot", "n_splits", "T", "G", "n_rows"])
+def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, stride_ot, stride_oh, n_splits, n_kv, T, G, n_rows,
+                  D: tl.constexpr, SPLITS: tl.constexpr):
     kv = tl.program_id(0)
     row = tl.program_id(1)
     s = tl.arange(0, SPLITS)
     s_ok = s < n_splits
-    at = (s * n_kv + kv) * BLOCK_M + row
+    at = (s * n_kv + kv) * n_rows + row
     m = tl.load(m_ptr + at, mask=s_ok, other=-1e30)
     weight = tl.exp(m - tl.max(m, 0))
     weight = tl.where(s_ok, weight, 0.0)
@@ -249,30 +254,30 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale
     # One tile height for decode (T=1) and verify (T=16) rows, and one-tile splits until L passes BLOCK_N * max_splits
     # keys (4224 for 8 KV heads; beyond, the split length changes only where the context bucket doubles): a token's
     # attention then comes out bit for bit the same whether a plain step or a verify step computes it.
-    block_m = max(MIN_BLOCK_M, triton.next_power_of_2(G * T))
-    block_n = BLOCK_N if block_m <= 64 else 64  # taller tiles (the draft's 16 queries x 8 heads) keep 64 keys
-    blocks = triton.cdiv(L, block_n)
+    row_tiles = triton.cdiv(G * T, ROW_TILE)
+    n_rows = row_tiles * ROW_TILE
+    blocks = triton.cdiv(L, BLOCK_N)
     max_splits = triton.cdiv(TARGET_PROGRAMS, KV)
     splits = min(blocks, max_splits)
     blocks_per_split = triton.cdiv(blocks, splits)
     splits = triton.cdiv(blocks, blocks_per_split)
-    acc = torch.empty(splits, KV, block_m, D, device=q.device, dtype=torch.float32)
-    m = torch.empty(splits, KV, block_m, device=q.device, dtype=torch.float32)
+    acc = torch.empty(splits, KV, n_rows, D, device=q.device, dtype=torch.float32)
+    m = torch.empty(splits, KV, n_rows, device=q.device, dtype=torch.float32)
     lse = torch.empty_like(m)
     if keys.stride(1) != keys.shape[2]:  # the kernel steps rows by their size (a compile-time constant)
         keys = keys.contiguous()
     if values.stride(1) != values.shape[2]:
         values = values.contiguous()
-    _partial_kernel[(KV, splits)](q, keys, values, mask, acc, m, lse, _lut(k_type, q.device), _lut(v_type, q.device),
-                                  q.stride(0), q.stride(1), keys.stride(0), values.stride(0), mask.stride(0),
-                                  L, blocks_per_split, KV, scale, softcap or 1.0, T, G,
-                                  D=D, BLOCK_M=block_m, BLOCK_N=block_n, SOFTCAP=softcap > 0,
-                                  K_TYPE=k_type, V_TYPE=v_type, K_ROW=keys.shape[2], V_ROW=values.shape[2],
-                                  K_PLANES=planes(k_type), V_PLANES=planes(v_type), num_warps=NUM_WARPS,
-                                  num_stages=NUM_STAGES)
+    _partial_kernel[(row_tiles, KV, splits)](q, keys, values, mask, acc, m, lse, _lut(k_type, q.device),
+                                             _lut(v_type, q.device), q.stride(0), q.stride(1), keys.stride(0),
+                                             values.stride(0), mask.stride(0), L, blocks_per_split, KV, scale,
+                                             softcap or 1.0, T, G, n_rows, D=D, BLOCK_M=ROW_TILE, BLOCK_N=BLOCK_N,
+                                             SOFTCAP=softcap > 0, K_TYPE=k_type, V_TYPE=v_type, K_ROW=keys.shape[2],
+                                             V_ROW=values.shape[2], K_PLANES=planes(k_type),
+                                             V_PLANES=planes(v_type), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     out = torch.empty(T, H, D, device=q.device, dtype=q.dtype)
-    _merge_kernel[(KV, G * T)](acc, m, lse, out, out.stride(0), out.stride(1), splits, KV, T, G,
-                               D=D, BLOCK_M=block_m, SPLITS=max(2, triton.next_power_of_2(max_splits)))
+    _merge_kernel[(KV, G * T)](acc, m, lse, out, out.stride(0), out.stride(1), splits, KV, T, G, n_rows,
+                               D=D, SPLITS=max(2, triton.next_power_of_2(max_splits)))
     return out.view(T, H * D)
 
 
