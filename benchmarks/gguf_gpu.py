@@ -359,7 +359,8 @@ def main() -> int:
     ap.add_argument("--ctxs", default="1024,16384")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--dequantize", action="store_true", help="expand to bf16 at load (today's path, for comparison)")
-    ap.add_argument("--mma", action="store_true", help="measure: verify widths of Q4_K/Q6_K through kernels/gguf_mma.py")
+    ap.add_argument("--mma", action="store_true",
+                    help="measure: verify widths of Q4_K/Q6_K through kernels/gguf_mma.py")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke test of this script")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out")

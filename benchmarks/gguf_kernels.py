@@ -93,7 +93,8 @@ def main() -> int:
     print("\n| type | M | best BLOCK_N | SB | warps | programs | stages | ms | GB/s | / bf16 F.linear |\n"
           "|---|---|---|---|---|---|---|---|---|---|")
     for r in best.values():
-        print(f"| {r['qtype']} | {r['m']} | {r['block_n']} | {r['sb']} | {r['warps']} | {r['target']} | {r['stages']} | "
+        print(f"| {r['qtype']} | {r['m']} | {r['block_n']} | {r['sb']} | {r['warps']} | {r['target']} | "
+              f"{r['stages']} | "
               f"{r['ms']:.3f} | {r['GBps']:.0f} | {r['over_bf16']:.2f} |")
     if args.out:
         Path(args.out).write_text(json.dumps(rows_out, indent=1))

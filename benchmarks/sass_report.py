@@ -71,7 +71,8 @@ def cases(kernels: list[str], types: list[str], block_n: int):
                 sig["lut_ptr"] = "*i32"
             sig |= {"out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "sb_per_split": "i32", "stride_xq": "i32",
                     "stride_xd": "i32", "stride_wu": "i32", "stride_os": "i32", "stride_om": "i32"}
-            const = dict(BM=1, BLOCK_N=cfg["BLOCK_N"], SB=cfg["SB"], ROW_ALIGN=1 if qtype == "Q6_K" else 4 if not block32 else 8,
+            align = 1 if qtype == "Q6_K" else 8 if block32 else 4
+            const = dict(BM=1, BLOCK_N=cfg["BLOCK_N"], SB=cfg["SB"], ROW_ALIGN=align,
                          EMULATE=False, STAGES=cfg["stages"])
             if qtype == "Q4_K":
                 const = dict(FIVE_BITS=False, **const)

@@ -39,7 +39,8 @@ ROW_BUCKETS = (1, 2, 4, 8, 16)  # the kernels are compiled per bucket: rows of x
 # memory, that many iterations in flight) for more bytes in flight per SM; 1: plain loads.
 CONFIG = {"BLOCK_N": 4, "SB": 16, "num_warps": 4, "target_programs": 2112, "stages": 1}
 TYPE_CONFIGS = {"Q6_K": dict(CONFIG, BLOCK_N=8, SB=8)}  # 0.195 ms against 0.218 (8B + Gemma shapes; PERF run 7)
-INTERPRETED = {"BLOCK_N": 64, "SB": 1, "num_warps": 1, "target_programs": 64, "stages": 1}  # small tiles: the CPU tests' shapes
+# small tiles: the CPU tests' shapes
+INTERPRETED = {"BLOCK_N": 64, "SB": 1, "num_warps": 1, "target_programs": 64, "stages": 1}
 
 
 def _emulate() -> bool:
@@ -134,8 +135,7 @@ def _k_scale_bytes(a, b, c, i):
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
 def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd, stride_wu,
                    stride_os, stride_om, FIVE_BITS: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SB: tl.constexpr, ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr,
-                   STAGES: tl.constexpr):
+                   SB: tl.constexpr, ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr, STAGES: tl.constexpr):
     """Q4_K (144-byte super-blocks: d, dmin, 12 scale bytes, 128 nibble bytes) or Q5_K (176: the same with 32 bytes
     of fifth bits before the nibbles). w as int32 words; group g's 32 bytes hold sub-block 2g in their low nibbles
     and 2g + 1 in their high ones."""
@@ -219,8 +219,7 @@ def _dot16(v, x, EMULATE: tl.constexpr):
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
 def _q6_k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd,
                  stride_wu, stride_os, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
-                 ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr,
-                 STAGES: tl.constexpr):
+                 ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr, STAGES: tl.constexpr):
     """Q6_K: 210-byte super-blocks (ql 128 bytes, qh 64, 16 int8 scales, d) kept padded to 212 bytes (53 words;
     layers/quantized.py), read as int32 words (w_ptr) and, for the scales and d, as int16 halves (w16_ptr).
     Half h's weight 128h + 32k + l (k = 0..3, l = 0..31) is ql[64h + l + 32 (k & 1)]'s low (k < 2) or high
@@ -290,14 +289,14 @@ def _spread_bits(nib):
 
 
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
-def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd, stride_wu,
-                    stride_os, stride_om, QTYPE: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
-                    SB: tl.constexpr, ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr,
-                    STAGES: tl.constexpr):
-    """The 32-weight nibble block types, w as int16 halves: Q4_0 (18 bytes: d, 16 nibble bytes), Q4_1 (20: d, m, ...), Q5_0 (22: d, 32 fifth bits, ...), Q5_1 (24: d, m, fifth bits, ...), IQ4_NL (18: d, 16
-    nibble bytes, each nibble an index into iq4.IQ4_VALUES). A nibble byte l's low half is weight l, its high one
-    weight l + 16; fifth bit j belongs to weight j. Q4_0 / Q5_0 store q + 8 / q + 16; Q4_1 / Q5_1 add m. SB counts
-    groups of 8 blocks (one super-block's worth)."""
+def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd,
+                    stride_wu, stride_os, stride_om, QTYPE: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
+                    SB: tl.constexpr, ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr, STAGES: tl.constexpr):
+    """The 32-weight nibble block types, w as int16 halves: Q4_0 (18 bytes: d, 16 nibble bytes), Q4_1 (20: d, m,
+    ...), Q5_0 (22: d, 32 fifth bits, ...), Q5_1 (24: d, m, fifth bits, ...), IQ4_NL (18: d, 16 nibble bytes, each
+    nibble an index into iq4.IQ4_VALUES). A nibble byte l's low half is weight l, its high one weight l + 16; fifth
+    bit j belongs to weight j. Q4_0 / Q5_0 store q + 8 / q + 16; Q4_1 / Q5_1 add m. SB counts groups of 8 blocks
+    (one super-block's worth). lut_ptr: the IQ4 table as four int32 words."""
     TABLE: tl.constexpr = QTYPE == 20
     HAS_MIN: tl.constexpr = QTYPE == 3 or QTYPE == 7
     FIVE: tl.constexpr = QTYPE == 6 or QTYPE == 7
@@ -358,8 +357,7 @@ def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
 def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd,
                  stride_wu, stride_os, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
-                 ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr,
-                 STAGES: tl.constexpr):
+                 ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr, STAGES: tl.constexpr):
     """Q8_0 in two planes (layers/quantized.q8_0_planes): w as int32 words, a row's K / 4 words of int8 values,
     then its K / 32 fp16 scales (w16: the same bytes as int16). SB counts groups of 8 blocks."""
     pid_n, split = tl.program_id(0), tl.program_id(1)
@@ -393,8 +391,7 @@ def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_pe
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
 def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd,
                    stride_wu, stride_os, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
-                   ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr,
-                   STAGES: tl.constexpr):
+                   ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr, STAGES: tl.constexpr):
     """IQ4_XS (136-byte super-blocks, 34 words: d and scales_h, scales_l, 128 nibble bytes), w as int32 words.
     Sub-block j (32 weights) has 6-bit scale ls = nibble j of scales_l | bits 2j..2j+1 of scales_h << 4, weight
     d * (ls - 32) * iq4.IQ4_VALUES[q]; its 16 bytes hold weights 0..15 in their low nibbles, 16..31 in the high."""
@@ -521,7 +518,8 @@ def _gemv_into(out: Tensor, x: Tensor, xq: Tensor, xd: Tensor, xs: Tensor, qweig
         kernel, args, extra = _iq4_xs_kernel, (w, iq4_table(x.device).view(torch.int32)), {}
     else:
         w = qweight.view(torch.int16)
-        kernel, args, extra = _block32_kernel, (w, iq4_table(x.device).view(torch.int32)), dict(QTYPE=BLOCK32_IDS[qtype])
+        table = iq4_table(x.device).view(torch.int32)
+        kernel, args, extra = _block32_kernel, (w, table), dict(QTYPE=BLOCK32_IDS[qtype])
     align = row_align(w)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), splits)
     kernel[grid](xq, xd, xs, *args, partial, m, n, k, per_split, xq.stride(0), xd.stride(0), w.stride(0) // align,
