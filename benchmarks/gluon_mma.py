@@ -51,6 +51,7 @@ def main() -> int:
     ap.add_argument("--sass", action="store_true")
     ap.add_argument("--types", default="Q4_K,Q6_K")
     ap.add_argument("--configs", default="64,4;32,4;128,4;64,8", help="BLOCK_N,warps;...")
+    ap.add_argument("--rows", default="1,16", help="rows of x timed (1: beside the integer decode kernel)")
     args = ap.parse_args()
     configs = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";")]
     types = args.types.split(",")
@@ -80,17 +81,19 @@ def main() -> int:
                 print(f"{qtype} N={n} K={k} rows={m}: relative error {err:.2e}", flush=True)
                 assert err < 1e-3, err
         weights = {s: stored_blocks(torch.from_numpy(random_blocks(qtype, *s, 0)), qtype).cuda() for s in shapes[qtype]}
-        x = {s: torch.randn(16, s[1], device="cuda", dtype=torch.bfloat16) for s in shapes[qtype]}
         gbytes = sum(w.numel() for w in weights.values()) / 1e9
-        ms = timed(graphed(lambda: [K.gguf_matmul(x[s], weights[s], qtype, s[1]) for s in weights], "cuda"), 20,
-                   "cuda")
-        print(f"{qtype} float tensor-core kernel, 16 rows: {ms:.3f} ms ({gbytes / ms * 1e3:.0f} GB/s)", flush=True)
-        for bn, warps in configs:
-            gguf_mma.BLOCK_N, gguf_mma.NUM_WARPS = bn, warps
-            ms = timed(graphed(lambda: [gguf_mma.matmul(x[s], weights[s], qtype, s[1]) for s in weights], "cuda"), 20,
+        for m in map(int, args.rows.split(",")):
+            x = {s: torch.randn(m, s[1], device="cuda", dtype=torch.bfloat16) for s in shapes[qtype]}
+            ms = timed(graphed(lambda: [K.gguf_matmul(x[s], weights[s], qtype, s[1]) for s in weights], "cuda"), 20,
                        "cuda")
-            print(f"{qtype} int8 mma kernel BLOCK_N {bn}, {warps} warps, 16 rows: {ms:.3f} ms "
-                  f"({gbytes / ms * 1e3:.0f} GB/s)", flush=True)
+            today = "integer" if m <= 4 else "float tensor-core"
+            print(f"{qtype} {today} kernel, {m} rows: {ms:.3f} ms ({gbytes / ms * 1e3:.0f} GB/s)", flush=True)
+            for bn, warps in configs:
+                gguf_mma.BLOCK_N, gguf_mma.NUM_WARPS = bn, warps
+                ms = timed(graphed(lambda: [gguf_mma.matmul(x[s], weights[s], qtype, s[1]) for s in weights],
+                                   "cuda"), 20, "cuda")
+                print(f"{qtype} int8 mma kernel BLOCK_N {bn}, {warps} warps, {m} rows: {ms:.3f} ms "
+                      f"({gbytes / ms * 1e3:.0f} GB/s)", flush=True)
     return 0
 
 
