@@ -17,9 +17,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from flashdraft.kernels import gguf_gemv, gguf_mma
+from flashdraft.kernels import gguf_gemv
 from flashdraft.kernels.iq4 import iq4_value
 from flashdraft.layers.quantized import PADDED_BLOCK_BYTES
+
+try:
+    from flashdraft.kernels import gguf_mma
+except ImportError:  # a Triton without Gluon: the tensor-core kernel below takes every verify width
+    gguf_mma = None
 
 CHUNK = 256  # weights per K step: one super-block, or eight 32-weight blocks
 BLOCK_M = 16
@@ -344,7 +349,7 @@ def gguf_matmul(x: Tensor, qweight: Tensor, qtype: str, k: int, bias: Tensor | N
     if gguf_gemv.covers(qtype, k) and m <= gguf_gemv.MAX_ROWS:
         out = gguf_gemv.gemv(x, qweight, qtype, k)
         return out if bias is None else out + bias
-    if gguf_mma.covers(qtype, m, x):
+    if gguf_mma is not None and gguf_mma.covers(qtype, m, x):
         out = gguf_mma.matmul(x, qweight, qtype, k)
         return out if bias is None else out + bias
     splits, per_split = splits_for(n, k)
