@@ -4,10 +4,7 @@ after checking them against the `gguf` package; or, without a GPU, compiles them
     python benchmarks/gluon_mma.py --sass
 """
 import argparse
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -20,27 +17,20 @@ def sass(qtype: str, block_n: int, num_warps: int) -> None:
     """Compile for sm_90 here (no GPU) and print the main loop's instruction counts, as sass_report does."""
     sys.path.insert(0, str(Path(__file__).parent))
     import sass_report as S
-    from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
+
+    from flashdraft.kernels.gguf_matmul import chunk_bytes
     sig = {"xq_ptr": "*i8", "xds_ptr": "*i64", "w_ptr": "*u8", "out_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
            "sb_per_split": "i32", "stride_xq": "i32", "stride_xds": "i32", "stride_wn": "i32", "stride_os": "i32",
            "stride_om": "i32", "BLOCK_N": "constexpr", "NUM_WARPS": "constexpr"}
     aligned = ("xq_ptr", "xds_ptr", "w_ptr", "out_ptr", "N", "K", "stride_xq", "stride_xds", "stride_wn",
                "stride_os", "stride_om")
-    names = list(sig)
-    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
-    src = GluonASTSource(fn=KERNELS[qtype], signature=sig, constexprs=dict(BLOCK_N=block_n, NUM_WARPS=num_warps),
-                         attrs=attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(kernel.asm["cubin"])
-    usage = subprocess.run([f"{S.BIN}/cuobjdump", "--dump-resource-usage", f.name], capture_output=True, text=True)
-    code = subprocess.run([f"{S.BIN}/cuobjdump", "--dump-sass", f.name], capture_output=True, text=True).stdout
-    os.unlink(f.name)
+    usage, code = S.compile_sm90(KERNELS[qtype], sig, dict(BLOCK_N=block_n, NUM_WARPS=num_warps), aligned, num_warps,
+                                 GluonASTSource)
     ops = S.main_loop(code)
-    per_iter = block_n * {"Q4_K": 144, "Q6_K": 210}[qtype]  # one super-block of every row of the tile
+    per_iter = block_n * chunk_bytes(qtype)  # one super-block of every row of the tile, as stored (sass_report's)
     total = sum(ops.values())
-    regs = usage.stdout.split("REG:")[1].split()[0]
+    regs = usage.split("REG:")[1].split()[0]
     print(f"Triton {triton.__version__}, {qtype}, BLOCK_N {block_n}, {num_warps} warps: {regs} registers; loop {total} "
           f"instructions per warp, {total * num_warps / per_iter:.3f} warp-instructions per weight byte; "
           f"{', '.join(f'{k} {v}' for k, v in ops.most_common(10))}")

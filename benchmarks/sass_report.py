@@ -28,10 +28,12 @@ INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9
 BRANCH = re.compile(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?BRA\s+0x([0-9a-f]+)")
 
 
-def compile_sm90(fn, signature: dict, constexprs: dict, aligned: tuple, num_warps: int) -> tuple[str, str]:
+def compile_sm90(fn, signature: dict, constexprs: dict, aligned: tuple, num_warps: int,
+                 source=triton.compiler.ASTSource) -> tuple[str, str]:
+    """(cuobjdump's resource usage, its SASS) of fn compiled for sm_90; source: Gluon kernels pass GluonASTSource."""
     names = list(signature)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
-    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    src = source(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(kernel.asm["cubin"])

@@ -132,6 +132,26 @@ def _k_scale_bytes(a, b, c, i):
     return sc.to(tl.float32), mn.to(tl.float32)
 
 
+@triton.jit
+def _row_tile(N, BLOCK_N: tl.constexpr, BM: tl.constexpr):
+    """A program's output rows (axis 0 of the grid; axis 1 is its split of K) and their accumulator:
+    (split, rows, row_ok, mi = the rows of x [BM], acc [BM, BLOCK_N])."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return tl.program_id(1), rows, rows < N, tl.arange(0, BM), tl.zeros([BM, BLOCK_N], tl.float32)
+
+
+@triton.jit
+def _add_row(acc, mi, m, contrib):
+    """acc with contrib [BLOCK_N] added to row m of x's (rows of x are unrolled: m is a constant)."""
+    return tl.where(mi[:, None] == m, acc + contrib[None, :], acc)
+
+
+@triton.jit
+def _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok):
+    tl.store(out_ptr + split * stride_os + mi[:, None] * stride_om + rows[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(mi < M)[:, None] & row_ok[None, :])
+
+
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
 def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd, stride_wu,
                    stride_os, stride_om, FIVE_BITS: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -141,14 +161,10 @@ def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split
     and 2g + 1 in their high ones."""
     WORDS: tl.constexpr = 44 if FIVE_BITS else 36
     QS: tl.constexpr = 12 if FIVE_BITS else 4
-    pid_n, split = tl.program_id(0), tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
+    split, rows, row_ok, mi, acc = _row_tile(N, BLOCK_N, BM)
     sbi, g, t = tl.arange(0, SB), tl.arange(0, 4), tl.arange(0, 8)
-    mi = tl.arange(0, BM)
     first = split * sb_per_split
     last = tl.minimum(first + sb_per_split, K // 256)
-    acc = tl.zeros([BM, BLOCK_N], tl.float32)
     row_base = w_ptr + rows.to(tl.int64)[:, None] * (stride_wu * ROW_ALIGN)
     for s0 in tl.range(first, last, SB, num_stages=STAGES):
         s = s0 + sbi
@@ -188,9 +204,8 @@ def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split
             xs_hi = tl.load(xs_ptr + xb + 1, mask=xs_ok & m_ok, other=0.0)[None]
             part = d_lo * xd_lo * dot_lo + d_hi * xd_hi * dot_hi - (m_lo * xs_lo + m_hi * xs_hi)
             contrib = tl.sum(tl.sum(part, axis=2), axis=1)
-            acc = tl.where(mi[:, None] == m, acc + contrib[None, :], acc)
-    tl.store(out_ptr + split * stride_os + mi[:, None] * stride_om + rows[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=(mi < M)[:, None] & row_ok[None, :])
+            acc = _add_row(acc, mi, m, contrib)
+    _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
 
 
 @triton.jit
@@ -225,17 +240,13 @@ def _q6_k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_pe
     Half h's weight 128h + 32k + l (k = 0..3, l = 0..31) is ql[64h + l + 32 (k & 1)]'s low (k < 2) or high
     nibble with bits 2k..2k+1 of qh[32h + l] above it, minus 32; scale index 8h + 2k + l // 16. Words are
     indexed [h, u, v] with l = 16u + 4v."""
-    pid_n, split = tl.program_id(0), tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
+    split, rows, row_ok, mi, acc = _row_tile(N, BLOCK_N, BM)
     sbi = tl.arange(0, SB)
     h = tl.arange(0, 2)[None, None, :, None, None]
     u = tl.arange(0, 2)[None, None, None, :, None]
     v = tl.arange(0, 4)[None, None, None, None, :]
-    mi = tl.arange(0, BM)
     first = split * sb_per_split
     last = tl.minimum(first + sb_per_split, K // 256)
-    acc = tl.zeros([BM, BLOCK_N], tl.float32)
     row_words = rows.to(tl.int64)[:, None] * (stride_wu * ROW_ALIGN)
     for s0 in tl.range(first, last, SB, num_stages=STAGES):
         s = s0 + sbi
@@ -277,9 +288,8 @@ def _q6_k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_pe
                     w3 * tl.load(xb + 3, mask=xd_ok, other=0.0)[None, :, :, None] *
                     _dot16(v3, tl.load(xw + 24, mask=x_ok, other=0), EMULATE))
             contrib = tl.sum(tl.sum(tl.sum(part, axis=3), axis=2), axis=1)
-            acc = tl.where(mi[:, None] == m, acc + contrib[None, :], acc)
-    tl.store(out_ptr + split * stride_os + mi[:, None] * stride_om + rows[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=(mi < M)[:, None] & row_ok[None, :])
+            acc = _add_row(acc, mi, m, contrib)
+    _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
 
 
 @triton.jit
@@ -303,14 +313,10 @@ def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb
     HALVES: tl.constexpr = 9 + HAS_MIN + 2 * FIVE
     QS: tl.constexpr = 1 + HAS_MIN + 2 * FIVE
     OFFSET: tl.constexpr = 0.0 if HAS_MIN or TABLE else (16.0 if FIVE else 8.0)
-    pid_n, split = tl.program_id(0), tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
+    split, rows, row_ok, mi, acc = _row_tile(N, BLOCK_N, BM)
     bi, t = tl.arange(0, SB * 8), tl.arange(0, 4)
-    mi = tl.arange(0, BM)
     first = split * sb_per_split * 8
     last = tl.minimum(first + sb_per_split * 8, K // 32)
-    acc = tl.zeros([BM, BLOCK_N], tl.float32)
     row_base = w_ptr + rows.to(tl.int64)[:, None] * (stride_wu * ROW_ALIGN)
     for b0 in tl.range(first, last, SB * 8, num_stages=STAGES):
         b = b0 + bi
@@ -349,9 +355,8 @@ def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb
             else:
                 xs = tl.load(xs_ptr + m * stride_xd + b, mask=xs_ok & m_ok, other=0.0)[None, :]
                 contrib = tl.sum(d * xd * dot + dm * xs, axis=1)
-            acc = tl.where(mi[:, None] == m, acc + contrib[None, :], acc)
-    tl.store(out_ptr + split * stride_os + mi[:, None] * stride_om + rows[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=(mi < M)[:, None] & row_ok[None, :])
+            acc = _add_row(acc, mi, m, contrib)
+    _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
 
 
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
@@ -360,14 +365,10 @@ def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_pe
                  ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr, STAGES: tl.constexpr):
     """Q8_0 in two planes (layers/quantized.q8_0_planes): w as int32 words, a row's K / 4 words of int8 values,
     then its K / 32 fp16 scales (w16: the same bytes as int16). SB counts groups of 8 blocks."""
-    pid_n, split = tl.program_id(0), tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
+    split, rows, row_ok, mi, acc = _row_tile(N, BLOCK_N, BM)
     bi, t = tl.arange(0, SB * 8), tl.arange(0, 8)
-    mi = tl.arange(0, BM)
     first = split * sb_per_split * 8
     last = tl.minimum(first + sb_per_split * 8, K // 32)
-    acc = tl.zeros([BM, BLOCK_N], tl.float32)
     row_words = w_ptr + rows.to(tl.int64)[:, None] * (stride_wu * ROW_ALIGN)
     row_scales = w16_ptr + rows.to(tl.int64)[:, None] * (stride_wu * ROW_ALIGN * 2) + K // 2
     for b0 in tl.range(first, last, SB * 8, num_stages=STAGES):
@@ -383,9 +384,8 @@ def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_pe
             xd = tl.load(xd_ptr + m * stride_xd + b, mask=xs_ok & m_ok, other=0.0)[None, :]
             dot = tl.sum(_dp4a(words, x[None], EMULATE), axis=2).to(tl.float32)
             contrib = tl.sum(d * xd * dot, axis=1)
-            acc = tl.where(mi[:, None] == m, acc + contrib[None, :], acc)
-    tl.store(out_ptr + split * stride_os + mi[:, None] * stride_om + rows[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=(mi < M)[:, None] & row_ok[None, :])
+            acc = _add_row(acc, mi, m, contrib)
+    _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
 
 
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
@@ -395,14 +395,10 @@ def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_
     """IQ4_XS (136-byte super-blocks, 34 words: d and scales_h, scales_l, 128 nibble bytes), w as int32 words.
     Sub-block j (32 weights) has 6-bit scale ls = nibble j of scales_l | bits 2j..2j+1 of scales_h << 4, weight
     d * (ls - 32) * iq4.IQ4_VALUES[q]; its 16 bytes hold weights 0..15 in their low nibbles, 16..31 in the high."""
-    pid_n, split = tl.program_id(0), tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
+    split, rows, row_ok, mi, acc = _row_tile(N, BLOCK_N, BM)
     sbi, j, t = tl.arange(0, SB), tl.arange(0, 8), tl.arange(0, 4)
-    mi = tl.arange(0, BM)
     first = split * sb_per_split
     last = tl.minimum(first + sb_per_split, K // 256)
-    acc = tl.zeros([BM, BLOCK_N], tl.float32)
     row_base = w_ptr + rows.to(tl.int64)[:, None] * (stride_wu * ROW_ALIGN)
     for s0 in tl.range(first, last, SB, num_stages=STAGES):
         s = s0 + sbi
@@ -425,9 +421,8 @@ def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_
             dot = tl.sum(_dp4a(lo, x_lo, EMULATE) + _dp4a(hi, x_hi, EMULATE), axis=3).to(tl.float32)  # [N, SB, 8]
             xd = tl.load(xd_ptr + m * stride_xd + s[:, None] * 8 + j[None, :], mask=xs_ok & m_ok, other=0.0)[None]
             contrib = tl.sum(tl.sum(dl * xd * dot, axis=2), axis=1)
-            acc = tl.where(mi[:, None] == m, acc + contrib[None, :], acc)
-    tl.store(out_ptr + split * stride_os + mi[:, None] * stride_om + rows[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=(mi < M)[:, None] & row_ok[None, :])
+            acc = _add_row(acc, mi, m, contrib)
+    _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
 
 
 def splits_for(n: int, k: int, cfg: dict) -> tuple[int, int]:

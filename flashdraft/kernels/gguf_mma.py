@@ -62,46 +62,46 @@ def _sub_block(acc, w, zero, a, b, s, d, dmin, b_ptr, b_ok, xds_ptr, toks, strid
 
 
 @gluon.jit
-def _q4k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn,
-                    stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr):
-    """xq_ptr: x's 8-bit values as bytes [M, K]; xds [M, K / 32] int64: each block's float32 scale (low half) and
-    scaled sum (high half); w: Q4_K rows as bytes (144 per super-block); out [splits, M, N] float32 partial sums
-    over this program's super-blocks."""
+def _tile(w_ptr, xq_ptr, M, N, stride_xq, stride_wn, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """A program's operands in the mma fragments' layouts: a_ptr [BLOCK_N, 32] (its weight rows' starts + k, in the
+    A layout), a_ok, a_col (k, the same layout); b_ptr [32, TOKENS] (x's bytes + k, in the B layout), b_ok; rows,
+    row_ok and toks, tok_ok along the product's two axes; a float32 accumulator and an int32 zero for each mma."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
-    rows_l: gl.constexpr = gl.SliceLayout(1, mma)
-    toks_l: gl.constexpr = gl.SliceLayout(0, mma)
-    pid_n, split = gl.program_id(0), gl.program_id(1)
-    first = split * sb_per_split
-    last = gl.minimum(first + sb_per_split, K // 256)
-
-    a_rows = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_l))
-    a_k = gl.arange(0, 32, layout=gl.SliceLayout(0, a_l))
-    a_ptr = w_ptr + a_rows.to(gl.int64)[:, None] * stride_wn + 16 + a_k[None, :]
-    a_ok = (a_rows < N)[:, None]
-
+    first_row = gl.program_id(0) * BLOCK_N
+    a_rows = first_row + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_l))
+    a_col = gl.arange(0, 32, layout=gl.SliceLayout(0, a_l))[None, :]
+    a_ptr = w_ptr + a_rows.to(gl.int64)[:, None] * stride_wn + a_col
     b_k = gl.arange(0, 32, layout=gl.SliceLayout(1, b_l))
     b_t = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, b_l))
-    b_ptr = xq_ptr + b_t[None, :] * stride_xq + b_k[:, None]
-    b_ok = (b_t < M)[None, :]
+    rows = first_row + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+    toks = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, mma))
+    return (a_ptr, (a_rows < N)[:, None], a_col, xq_ptr + b_t[None, :] * stride_xq + b_k[:, None], (b_t < M)[None, :],
+            rows, rows < N, toks, toks < M, gl.zeros([BLOCK_N, TOKENS], gl.float32, layout=mma),
+            gl.zeros([BLOCK_N, TOKENS], gl.int32, layout=mma))
 
-    rows = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=rows_l)
-    row_ok = rows < N
-    s_ptr = w_ptr + rows.to(gl.int64) * stride_wn
-    toks = gl.arange(0, TOKENS, layout=toks_l)
-    tok_ok = toks < M
 
-    acc = gl.zeros([BLOCK_N, TOKENS], gl.float32, layout=mma)
-    zero = gl.zeros([BLOCK_N, TOKENS], gl.int32, layout=mma)
+@gluon.jit
+def _q4k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn,
+                stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """xq_ptr: x's 8-bit values as bytes [M, K]; xds [M, K / 32] int64: each block's float32 scale (low half) and
+    scaled sum (high half); w: Q4_K rows as bytes (144 per super-block); out [splits, M, N] float32 partial sums
+    over this program's super-blocks."""
+    split = gl.program_id(1)
+    first = split * sb_per_split
+    last = gl.minimum(first + sb_per_split, K // 256)
+    a_ptr, a_ok, a_col, b_ptr, b_ok, rows, row_ok, toks, tok_ok, acc, zero = _tile(w_ptr, xq_ptr, M, N, stride_xq,
+                                                                                    stride_wn, BLOCK_N, NUM_WARPS)
+    s_ptr = (w_ptr + rows.to(gl.int64) * stride_wn).to(gl.pointer_type(gl.int32))
     for c in range(first, last):
-        head = gl.load(s_ptr.to(gl.pointer_type(gl.int32)) + 36 * c, mask=row_ok, other=0)
-        a = gl.load(s_ptr.to(gl.pointer_type(gl.int32)) + 36 * c + 1, mask=row_ok, other=0)
-        b = gl.load(s_ptr.to(gl.pointer_type(gl.int32)) + 36 * c + 2, mask=row_ok, other=0)
-        s = gl.load(s_ptr.to(gl.pointer_type(gl.int32)) + 36 * c + 3, mask=row_ok, other=0)
+        head = gl.load(s_ptr + 36 * c, mask=row_ok, other=0)
+        a = gl.load(s_ptr + 36 * c + 1, mask=row_ok, other=0)
+        b = gl.load(s_ptr + 36 * c + 2, mask=row_ok, other=0)
+        s = gl.load(s_ptr + 36 * c + 3, mask=row_ok, other=0)
         d, dmin = _half(head), _half(head >> 16)
         for g in gl.static_range(4):
-            q = gl.load(a_ptr + 144 * c + 32 * g, mask=a_ok, other=0)
+            q = gl.load(a_ptr + 144 * c + 16 + 32 * g, mask=a_ok, other=0)  # the nibbles start at byte 16
             lo = gl.inline_asm_elementwise("and.b32 $0, $1, 0x0F0F0F0F;", "=r,r", [q], dtype=gl.int8,
                                            is_pure=True, pack=4)
             hi = gl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 4; and.b32 $0, t, 0x0F0F0F0F; }", "=r,r",
@@ -152,37 +152,16 @@ def _q6_values(ql0, ql1, qh, Q: gl.constexpr):
 
 @gluon.jit
 def _q6k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn,
-                    stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr):
+                stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr):
     """Q6_K (kept padded to 212 bytes: ql 128, qh 64, 16 int8 scales, d): each 32 weights are one int8 mma per
     16-weight scale, the other half's weights zeroed, the two exact int32 products scaled in float32."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
-    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
-    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
-    rows_l: gl.constexpr = gl.SliceLayout(1, mma)
-    toks_l: gl.constexpr = gl.SliceLayout(0, mma)
-    pid_n, split = gl.program_id(0), gl.program_id(1)
+    split = gl.program_id(1)
     first = split * sb_per_split
     last = gl.minimum(first + sb_per_split, K // 256)
-
-    a_rows = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_l))
-    a_k = gl.arange(0, 32, layout=gl.SliceLayout(0, a_l))
-    a_ptr = w_ptr + a_rows.to(gl.int64)[:, None] * stride_wn + a_k[None, :]
-    a_ok = (a_rows < N)[:, None]
-    first_half = (a_k < 16)[None, :]
-
-    b_k = gl.arange(0, 32, layout=gl.SliceLayout(1, b_l))
-    b_t = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, b_l))
-    b_ptr = xq_ptr + b_t[None, :] * stride_xq + b_k[:, None]
-    b_ok = (b_t < M)[None, :]
-
-    rows = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=rows_l)
-    row_ok = rows < N
+    a_ptr, a_ok, a_col, b_ptr, b_ok, rows, row_ok, toks, tok_ok, acc, zero = _tile(w_ptr, xq_ptr, M, N, stride_xq,
+                                                                                    stride_wn, BLOCK_N, NUM_WARPS)
+    first_half = a_col < 16
     s_ptr = (w_ptr + rows.to(gl.int64) * stride_wn).to(gl.pointer_type(gl.int32))
-    toks = gl.arange(0, TOKENS, layout=toks_l)
-    tok_ok = toks < M
-
-    acc = gl.zeros([BLOCK_N, TOKENS], gl.float32, layout=mma)
-    zero = gl.zeros([BLOCK_N, TOKENS], gl.int32, layout=mma)
     for c in range(first, last):
         d = _half(gl.load(s_ptr + 53 * c + 52, mask=row_ok, other=0))
         for h in gl.static_range(2):  # 128-weight halves
@@ -205,6 +184,7 @@ def _q6k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_x
                 acc += both * (d[:, None] * xd[None, :])
     gl.store(out_ptr + split * stride_os + toks[None, :] * stride_om + rows[:, None],
              acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & tok_ok[None, :])
+
 
 KERNELS = {"Q4_K": _q4k_kernel, "Q6_K": _q6k_kernel}
 
