@@ -11,10 +11,10 @@ out=${1:-.}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")" && pwd)
 cd "$here/.."
-timeout 420 python3 -m pytest -q tests/test_gguf_kernels.py tests/test_split_attention.py tests/test_kv_quant.py \
+timeout 230 python3 -m pytest -q tests/test_gguf_kernels.py tests/test_split_attention.py tests/test_kv_quant.py \
   -k gpu > "$out/gpu-tests.log" 2>&1; tail -15 "$out/gpu-tests.log"
-timeout 240 python3 benchmarks/gluon_mma.py > "$out/gluon-mma.log" 2>&1; tail -20 "$out/gluon-mma.log"
-timeout 300 python3 benchmarks/gguf_kernels.py --types Q4_K,IQ4_XS,Q6_K --rows 1 --gemv-sweep \
+timeout 120 python3 benchmarks/gluon_mma.py > "$out/gluon-mma.log" 2>&1; tail -20 "$out/gluon-mma.log"
+timeout 160 python3 benchmarks/gguf_kernels.py --types Q4_K,IQ4_XS,Q6_K --rows 1 --gemv-sweep \
   --out "$out/gemv-sweep.json" > "$out/gemv-sweep.log" 2>&1; grep -A8 "^| type" "$out/gemv-sweep.log"
-timeout 180 python3 benchmarks/attention_kernel.py --configs "16,128,264,4,2;64,128,264,4,2" > "$out/attention.log" 2>&1
+timeout 60 python3 benchmarks/attention_kernel.py --configs "16,128,264,4,2;64,128,264,4,2" > "$out/attention.log" 2>&1
 tail -10 "$out/attention.log"
