@@ -38,7 +38,8 @@ ROW_BUCKETS = (1, 2, 4, 8, 16)  # the kernels are compiled per bucket: rows of x
 # by benchmarks/gguf_kernels.py --gemv-sweep. stages > 1: the loop's loads software-pipelined (cp.async into shared
 # memory, that many iterations in flight) for more bytes in flight per SM; 1: plain loads.
 CONFIG = {"BLOCK_N": 4, "SB": 16, "num_warps": 4, "target_programs": 2112, "stages": 1}
-TYPE_CONFIGS = {"Q6_K": dict(CONFIG, BLOCK_N=8, SB=8)}  # 0.195 ms against 0.218 (8B + Gemma shapes; PERF run 7)
+# Q6_K: 0.195 ms against 0.218 (8B + Gemma shapes; PERF run 7); IQ4: 0.062 ms against 0.074 (8B, run 12)
+TYPE_CONFIGS = {t: dict(CONFIG, BLOCK_N=8, SB=8) for t in ("Q6_K", "IQ4_XS", "IQ4_NL")}
 # small tiles: the CPU tests' shapes
 INTERPRETED = {"BLOCK_N": 64, "SB": 1, "num_warps": 1, "target_programs": 64, "stages": 1}
 

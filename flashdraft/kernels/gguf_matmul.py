@@ -346,11 +346,11 @@ def gguf_matmul(x: Tensor, qweight: Tensor, qtype: str, k: int, bias: Tensor | N
     _check(qweight, qtype, k)
     x = x.contiguous()
     m, n = x.shape[0], qweight.shape[0]
-    if gguf_gemv.covers(qtype, k) and m <= gguf_gemv.MAX_ROWS:
-        out = gguf_gemv.gemv(x, qweight, qtype, k)
-        return out if bias is None else out + bias
     if gguf_mma is not None and gguf_mma.covers(qtype, m, x):
         out = gguf_mma.matmul(x, qweight, qtype, k)
+        return out if bias is None else out + bias
+    if gguf_gemv.covers(qtype, k) and m <= gguf_gemv.MAX_ROWS:
+        out = gguf_gemv.gemv(x, qweight, qtype, k)
         return out if bias is None else out + bias
     splits, per_split = splits_for(n, k)
     out, partial = gguf_gemv.split_outputs(x, n, splits)
