@@ -263,10 +263,9 @@ def measure(args) -> int:
         print(f"GGUF kernels: BLOCK_N {K.BLOCK_N}, {K.NUM_WARPS} warps, {K.TARGET_PROGRAMS} programs; integer "
               f"kernels {G.CONFIG}", flush=True)
     dev = args.device
-    if args.mma != "on":
+    if args.no_mma:
         from flashdraft.kernels import gguf_mma
-        gguf_mma.ENABLED = args.mma == "verify"
-        gguf_mma.FROM_ONE_ROW = set()
+        gguf_mma.ENABLED = False
     ctxs = [int(c) for c in args.ctxs.split(",")]
     results = dict(date=time.strftime("%Y-%m-%d"), torch=torch.__version__, rows=[])
     if dev == "cuda":
@@ -360,9 +359,8 @@ def main() -> int:
     ap.add_argument("--ctxs", default="1024,16384")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--dequantize", action="store_true", help="expand to bf16 at load (today's path, for comparison)")
-    ap.add_argument("--mma", choices=("on", "verify", "off"), default="on",
-                    help="measure: Q4_K/Q6_K through kernels/gguf_mma.py as configured (on), only for 5-16 rows, or "
-                         "never (the integer and float kernels instead)")
+    ap.add_argument("--no-mma", action="store_true",
+                    help="measure: verify widths of Q4_K/Q6_K through the float kernel instead of kernels/gguf_mma.py")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke test of this script")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out")

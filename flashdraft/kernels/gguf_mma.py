@@ -12,8 +12,9 @@ matrix's shape only, so a token's result does not depend on how many rows share 
 
 Gluon has no interpreter: the CPU tests cannot run these kernels (the GPU test does, against the `gguf` package).
 H200 (benchmarks/gluon_mma.py, docs/PERF.md run 12), BLOCK_N 128: 16 rows of the 8B's four Q4_K matrices 0.180 ms
-against the float tensor-core kernel's 0.203; its Q6_K LM head and down projection 0.341 against 0.614, and one row
-of them 0.200 against the integer decode kernel's 0.238, so Q6_K takes these kernels from one row on.
+against the float tensor-core kernel's 0.203; its Q6_K LM head and down projection 0.341 against 0.614. One row of
+those two Q6_K matrices ran 0.200 ms against the integer kernel's 0.238, but a Q6_K file's decode through these
+kernels measured 210 tok/s against 219 through the integer kernels: decode rows stay with gguf_gemv.
 """
 import torch
 import triton
@@ -26,7 +27,6 @@ from flashdraft.kernels import gguf_gemv
 
 ENABLED = True
 BLOCK_N, NUM_WARPS, TARGET_PROGRAMS = 128, 4, 1056  # 64 and 32 rows, 8 warps: slower at 16 rows (run 12)
-FROM_ONE_ROW = {"Q6_K"}  # types whose decode rows take these kernels too (faster than the integer kernel)
 
 
 TOKENS = gl.constexpr(16)  # the mma's N: rows of x, padded
@@ -193,10 +193,8 @@ KERNELS = {"Q4_K": _q4k_kernel, "Q6_K": _q6k_kernel}
 
 
 def covers(qtype: str, m: int, x: Tensor) -> bool:
-    """Whether these kernels take the product: enabled, a type they read, 5-16 rows (1-16 for FROM_ONE_ROW), an
-    Ampere or newer GPU."""
-    first = 1 if qtype in FROM_ONE_ROW else gguf_gemv.MAX_ROWS + 1
-    return (ENABLED and qtype in KERNELS and first <= m <= 16 and x.is_cuda
+    """Whether these kernels take the product: enabled, a type they read, 5-16 rows, an Ampere or newer GPU."""
+    return (ENABLED and qtype in KERNELS and gguf_gemv.MAX_ROWS < m <= 16 and x.is_cuda
             and not gguf_gemv._emulate() and torch.cuda.get_device_capability(x.device) >= (8, 0))
 
 
