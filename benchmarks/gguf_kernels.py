@@ -31,7 +31,7 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--configs", default=None, help='tile configs to time, "BLOCK_N,warps,programs;..."')
     ap.add_argument("--gemv-sweep", action="store_true")
-    ap.add_argument("--gemv-configs", default=None, help='integer-kernel configs, "BLOCK_N,SB,warps,programs,stages;..."')
+    ap.add_argument("--gemv-configs", default=None, help='integer-kernel configs, "BLOCK_N,SB,warps,programs;..."')
     ap.add_argument("--dot", action="store_true", help="the tensor-core kernel for every row count")
     ap.add_argument("--shapes", default=None, help='matrix shapes "N,K;..." (default: the 8B\'s four)')
     ap.add_argument("--out")
@@ -48,7 +48,7 @@ def main() -> int:
         G.MAX_ROWS = 0
     gemv_configs = [tuple(G.CONFIG.values())]
     if args.gemv_sweep:
-        gemv_configs = list(itertools.product((2, 4, 8), (4, 8, 16), (4,), (2112,), (1, 2, 3)))
+        gemv_configs = list(itertools.product((2, 4, 8), (4, 8, 16), (4,), (2112,)))
     if args.gemv_sweep or args.gemv_configs:
         G.TYPE_CONFIGS.clear()  # every type takes the swept tile
     if args.gemv_configs:
@@ -67,21 +67,21 @@ def main() -> int:
             qbytes = sum(w.numel() for w in weights.values())
             for bn, warps, target, *gemv in configs:
                 K.BLOCK_N, K.NUM_WARPS, K.TARGET_PROGRAMS = bn, warps, target
-                G.CONFIG.update(zip(("BLOCK_N", "SB", "num_warps", "target_programs", "stages"), gemv))
-                sb = stages = 0  # the tensor-core kernel's tile; an integer kernel's names its super-blocks too
+                G.CONFIG.update(zip(("BLOCK_N", "SB", "num_warps", "target_programs"), gemv))
+                sb = 0  # the tensor-core kernel's tile; an integer kernel's names its super-blocks too
                 if G.covers(qtype, shapes[0][1]) and m <= G.MAX_ROWS:
-                    bn, sb, warps, target, stages = gemv
+                    bn, sb, warps, target = gemv
                 try:
                     ms = timed(graphed(lambda: [K.gguf_matmul(xs[s], weights[s], qtype, s[1]) for s in shapes], dev),
                                20, dev)
                 except Exception as e:  # a tile that does not fit: skip it
                     print(f"{qtype} M={m} BN={bn} warps={warps} target={target}: {type(e).__name__}", flush=True)
                     continue
-                r = dict(qtype=qtype, m=m, block_n=bn, sb=sb, warps=warps, target=target, stages=stages, ms=ms,
+                r = dict(qtype=qtype, m=m, block_n=bn, sb=sb, warps=warps, target=target, ms=ms,
                          bf16_ms=ref_ms,
                          GBps=qbytes / (ms * 1e-3) / 1e9, over_bf16=ms / ref_ms)
                 rows_out.append(r)
-                print(f"{qtype} M={m} BN={bn} SB={sb} warps={warps} target={target} stages={stages}: {ms:.3f} ms "
+                print(f"{qtype} M={m} BN={bn} SB={sb} warps={warps} target={target}: {ms:.3f} ms "
                       f"for the four "
                       f"matrices "
                       f"({r['GBps']:.0f} GB/s of quantized bytes; bf16 F.linear {ref_ms:.3f} ms)", flush=True)
@@ -90,22 +90,21 @@ def main() -> int:
         key = (r["qtype"], r["m"])
         if key not in best or r["ms"] < best[key]["ms"]:
             best[key] = r
-    print("\n| type | M | best BLOCK_N | SB | warps | programs | stages | ms | GB/s | / bf16 F.linear |\n"
-          "|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| type | M | best BLOCK_N | SB | warps | programs | ms | GB/s | / bf16 F.linear |\n"
+          "|---|---|---|---|---|---|---|---|---|")
     for r in best.values():
         print(f"| {r['qtype']} | {r['m']} | {r['block_n']} | {r['sb']} | {r['warps']} | {r['target']} | "
-              f"{r['stages']} | "
               f"{r['ms']:.3f} | {r['GBps']:.0f} | {r['over_bf16']:.2f} |")
     if args.out:
         Path(args.out).write_text(json.dumps(rows_out, indent=1))
     if args.best:  # the config with the least total time over the types and row counts measured
         totals: dict[tuple, float] = {}
         for r in rows_out:
-            key = (r["block_n"], r["sb"], r["warps"], r["target"], r["stages"])
+            key = (r["block_n"], r["sb"], r["warps"], r["target"])
             totals[key] = totals.get(key, 0.0) + r["ms"]
-        bn, sb, warps, target, stages = min(totals, key=totals.get)
+        bn, sb, warps, target = min(totals, key=totals.get)
         if sb:  # an integer-kernel sweep
-            best_cfg = dict(gemv=dict(BLOCK_N=bn, SB=sb, num_warps=warps, target_programs=target, stages=stages))
+            best_cfg = dict(gemv=dict(BLOCK_N=bn, SB=sb, num_warps=warps, target_programs=target))
         else:
             best_cfg = dict(block_n=bn, warps=warps, target=target)
         Path(args.best).write_text(json.dumps(best_cfg))

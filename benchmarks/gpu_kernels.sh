@@ -4,7 +4,7 @@
 # 1. pytest -k gpu over the kernel tests (GGUF kernels and the int8 mma kernels against the `gguf` package, split
 #    attention over float and quantized caches, decode and verify rows bit for bit, the KV write kernel);
 # 2. the int8 mma kernels (kernels/gguf_mma.py) beside the float tensor-core kernel, 16 rows;
-# 3. the integer decode kernels' tile sweep (BLOCK_N x SB x pipeline stages), one row;
+# 3. the integer decode kernels' tile sweep (BLOCK_N x SB), one row;
 # 4. split attention at 1280 and 16640 keys, 16-row tiles (the default) beside 64-row ones.
 set -u
 out=${1:-.}

@@ -75,7 +75,7 @@ def cases(kernels: list[str], types: list[str], block_n: int):
                     "stride_xd": "i32", "stride_wu": "i32", "stride_os": "i32", "stride_om": "i32"}
             align = 1 if qtype == "Q6_K" else 8 if block32 else 4
             const = dict(BM=1, BLOCK_N=cfg["BLOCK_N"], SB=cfg["SB"], ROW_ALIGN=align,
-                         EMULATE=False, STAGES=cfg["stages"])
+                         EMULATE=False)
             if qtype == "Q4_K":
                 const = dict(FIVE_BITS=False, **const)
             if block32:

@@ -35,13 +35,13 @@ MAX_ROWS = 4
 ROW_BUCKETS = (1, 2, 4, 8, 16)  # the kernels are compiled per bucket: rows of x are unrolled
 
 # tile: BLOCK_N output rows x SB super-blocks (the 32-weight types: 8-block groups) per iteration; chosen on an H200
-# by benchmarks/gguf_kernels.py --gemv-sweep. stages > 1: the loop's loads software-pipelined (cp.async into shared
-# memory, that many iterations in flight) for more bytes in flight per SM; 1: plain loads.
-CONFIG = {"BLOCK_N": 4, "SB": 16, "num_warps": 4, "target_programs": 2112, "stages": 1}
+# by benchmarks/gguf_kernels.py --gemv-sweep.
+# (software-pipelined loads, tl.range num_stages 2-3, ran slower at every tile: H200 run 12).
+CONFIG = {"BLOCK_N": 4, "SB": 16, "num_warps": 4, "target_programs": 2112}
 # Q6_K: 0.195 ms against 0.218 (8B + Gemma shapes; PERF run 7); IQ4: 0.062 ms against 0.074 (8B, run 12)
 TYPE_CONFIGS = {t: dict(CONFIG, BLOCK_N=8, SB=8) for t in ("Q6_K", "IQ4_XS", "IQ4_NL")}
 # small tiles: the CPU tests' shapes
-INTERPRETED = {"BLOCK_N": 64, "SB": 1, "num_warps": 1, "target_programs": 64, "stages": 1}
+INTERPRETED = {"BLOCK_N": 64, "SB": 1, "num_warps": 1, "target_programs": 64}
 
 
 def _emulate() -> bool:
@@ -156,7 +156,7 @@ def _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok):
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
 def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd, stride_wu,
                    stride_os, stride_om, FIVE_BITS: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SB: tl.constexpr, ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr, STAGES: tl.constexpr):
+                   SB: tl.constexpr, ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr):
     """Q4_K (144-byte super-blocks: d, dmin, 12 scale bytes, 128 nibble bytes) or Q5_K (176: the same with 32 bytes
     of fifth bits before the nibbles). w as int32 words; group g's 32 bytes hold sub-block 2g in their low nibbles
     and 2g + 1 in their high ones."""
@@ -167,7 +167,7 @@ def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split
     first = split * sb_per_split
     last = tl.minimum(first + sb_per_split, K // 256)
     row_base = w_ptr + rows.to(tl.int64)[:, None] * (stride_wu * ROW_ALIGN)
-    for s0 in tl.range(first, last, SB, num_stages=STAGES):
+    for s0 in range(first, last, SB):
         s = s0 + sbi
         ok = row_ok[:, None] & (s < last)[None, :]  # [N, SB]
         base = row_base + s[None, :] * WORDS
@@ -235,7 +235,7 @@ def _dot16(v, x, EMULATE: tl.constexpr):
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
 def _q6_k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd,
                  stride_wu, stride_os, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
-                 ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr, STAGES: tl.constexpr):
+                 ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr):
     """Q6_K: 210-byte super-blocks (ql 128 bytes, qh 64, 16 int8 scales, d) kept padded to 212 bytes (53 words;
     layers/quantized.py), read as int32 words (w_ptr) and, for the scales and d, as int16 halves (w16_ptr).
     Half h's weight 128h + 32k + l (k = 0..3, l = 0..31) is ql[64h + l + 32 (k & 1)]'s low (k < 2) or high
@@ -249,7 +249,7 @@ def _q6_k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_pe
     first = split * sb_per_split
     last = tl.minimum(first + sb_per_split, K // 256)
     row_words = rows.to(tl.int64)[:, None] * (stride_wu * ROW_ALIGN)
-    for s0 in tl.range(first, last, SB, num_stages=STAGES):
+    for s0 in range(first, last, SB):
         s = s0 + sbi
         ok = row_ok[:, None] & (s < last)[None, :]
         block_words = row_words + s[None, :] * 53  # [N, SB]
@@ -302,7 +302,7 @@ def _spread_bits(nib):
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
 def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd,
                     stride_wu, stride_os, stride_om, QTYPE: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
-                    SB: tl.constexpr, ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr, STAGES: tl.constexpr):
+                    SB: tl.constexpr, ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr):
     """The 32-weight nibble block types, w as int16 halves: Q4_0 (18 bytes: d, 16 nibble bytes), Q4_1 (20: d, m,
     ...), Q5_0 (22: d, 32 fifth bits, ...), Q5_1 (24: d, m, fifth bits, ...), IQ4_NL (18: d, 16 nibble bytes, each
     nibble an index into iq4.IQ4_VALUES). A nibble byte l's low half is weight l, its high one weight l + 16; fifth
@@ -319,7 +319,7 @@ def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb
     first = split * sb_per_split * 8
     last = tl.minimum(first + sb_per_split * 8, K // 32)
     row_base = w_ptr + rows.to(tl.int64)[:, None] * (stride_wu * ROW_ALIGN)
-    for b0 in tl.range(first, last, SB * 8, num_stages=STAGES):
+    for b0 in range(first, last, SB * 8):
         b = b0 + bi
         ok = row_ok[:, None] & (b < last)[None, :]
         base = row_base + b[None, :] * HALVES
@@ -363,7 +363,7 @@ def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
 def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd,
                  stride_wu, stride_os, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
-                 ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr, STAGES: tl.constexpr):
+                 ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr):
     """Q8_0 in two planes (layers/quantized.q8_0_planes): w as int32 words, a row's K / 4 words of int8 values,
     then its K / 32 fp16 scales (w16: the same bytes as int16). SB counts groups of 8 blocks."""
     split, rows, row_ok, mi, acc = _row_tile(N, BLOCK_N, BM)
@@ -372,7 +372,7 @@ def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_pe
     last = tl.minimum(first + sb_per_split * 8, K // 32)
     row_words = w_ptr + rows.to(tl.int64)[:, None] * (stride_wu * ROW_ALIGN)
     row_scales = w16_ptr + rows.to(tl.int64)[:, None] * (stride_wu * ROW_ALIGN * 2) + K // 2
-    for b0 in tl.range(first, last, SB * 8, num_stages=STAGES):
+    for b0 in range(first, last, SB * 8):
         b = b0 + bi
         ok = row_ok[:, None] & (b < last)[None, :]
         d = _half(tl.load(row_scales + b[None, :], mask=ok, other=0).to(tl.int32))  # [N, B]
@@ -392,7 +392,7 @@ def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_pe
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
 def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd,
                    stride_wu, stride_os, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
-                   ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr, STAGES: tl.constexpr):
+                   ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr):
     """IQ4_XS (136-byte super-blocks, 34 words: d and scales_h, scales_l, 128 nibble bytes), w as int32 words.
     Sub-block j (32 weights) has 6-bit scale ls = nibble j of scales_l | bits 2j..2j+1 of scales_h << 4, weight
     d * (ls - 32) * iq4.IQ4_VALUES[q]; its 16 bytes hold weights 0..15 in their low nibbles, 16..31 in the high."""
@@ -401,7 +401,7 @@ def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_
     first = split * sb_per_split
     last = tl.minimum(first + sb_per_split, K // 256)
     row_base = w_ptr + rows.to(tl.int64)[:, None] * (stride_wu * ROW_ALIGN)
-    for s0 in tl.range(first, last, SB, num_stages=STAGES):
+    for s0 in range(first, last, SB):
         s = s0 + sbi
         ok = row_ok[:, None] & (s < last)[None, :]  # [N, SB]
         base = row_base + s[None, :] * 34
@@ -520,6 +520,6 @@ def _gemv_into(out: Tensor, x: Tensor, xq: Tensor, xd: Tensor, xs: Tensor, qweig
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), splits)
     kernel[grid](xq, xd, xs, *args, partial, m, n, k, per_split, xq.stride(0), xd.stride(0), w.stride(0) // align,
                  partial.stride(0), partial.stride(1), BM=bm, BLOCK_N=cfg["BLOCK_N"], SB=cfg["SB"], ROW_ALIGN=align,
-                 EMULATE=emulate, STAGES=cfg["stages"], num_warps=cfg["num_warps"], **extra)
+                 EMULATE=emulate, num_warps=cfg["num_warps"], **extra)
     if splits > 1:
         sum_splits(partial, out)
