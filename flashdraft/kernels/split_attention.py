@@ -29,6 +29,7 @@ from flashdraft.kernels.iq4 import iq4_value
 # the same machine code on the same tile (the same bits). 16-row tiles ran a 16k decode in 34.6 us against 64-row
 # tiles' 56.9 (run 7's sweep), where a group of 4 heads used 4 of the 64 rows.
 BLOCK_N = 128
+STORED_BLOCK_N = 64  # keys per tile over a stored (block or rotated) type: at 33k keys q4_1 50 us against 60 at 128
 ROW_TILE = 16
 TARGET_PROGRAMS = 264  # about two programs per SM of an H100/H200
 NUM_WARPS, NUM_STAGES = 4, 2
@@ -256,7 +257,8 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale
     # attention then comes out bit for bit the same whether a plain step or a verify step computes it.
     row_tiles = triton.cdiv(G * T, ROW_TILE)
     n_rows = row_tiles * ROW_TILE
-    blocks = triton.cdiv(L, BLOCK_N)
+    block_n = STORED_BLOCK_N if k_type or v_type else BLOCK_N
+    blocks = triton.cdiv(L, block_n)
     max_splits = triton.cdiv(TARGET_PROGRAMS, KV)
     splits = min(blocks, max_splits)
     blocks_per_split = triton.cdiv(blocks, splits)
@@ -271,7 +273,7 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale
     _partial_kernel[(row_tiles, KV, splits)](q, keys, values, mask, acc, m, lse, _lut(k_type, q.device),
                                              _lut(v_type, q.device), q.stride(0), q.stride(1), keys.stride(0),
                                              values.stride(0), mask.stride(0), L, blocks_per_split, KV, scale,
-                                             softcap or 1.0, T, G, n_rows, D=D, BLOCK_M=ROW_TILE, BLOCK_N=BLOCK_N,
+                                             softcap or 1.0, T, G, n_rows, D=D, BLOCK_M=ROW_TILE, BLOCK_N=block_n,
                                              SOFTCAP=softcap > 0, K_TYPE=k_type, V_TYPE=v_type, K_ROW=keys.shape[2],
                                              V_ROW=values.shape[2], K_PLANES=planes(k_type),
                                              V_PLANES=planes(v_type), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
