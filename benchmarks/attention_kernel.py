@@ -38,7 +38,7 @@ def main() -> int:
             mask = torch.ones(T, L, device="cuda", dtype=torch.bool).tril(L - T)
             for cfg in args.configs.split(";"):
                 S.ROW_TILE, S.BLOCK_N, S.TARGET_PROGRAMS, S.NUM_WARPS, S.NUM_STAGES = (int(c) for c in cfg.split(","))
-                S.STORED_BLOCK_N = S.BLOCK_N
+                S.STORED_BLOCK_N, S.STORED_STAGES = S.BLOCK_N, S.NUM_STAGES
                 try:
                     ms = timed(graphed(lambda: S.split_attention(q, k, v, mask, D ** -0.5, 0.0, row_type, row_type),
                                       "cuda"), 50, "cuda")

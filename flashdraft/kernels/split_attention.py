@@ -29,7 +29,9 @@ from flashdraft.kernels.iq4 import iq4_value
 # the same machine code on the same tile (the same bits). 16-row tiles ran a 16k decode in 34.6 us against 64-row
 # tiles' 56.9 (run 7's sweep), where a group of 4 heads used 4 of the 64 rows.
 BLOCK_N = 128
-STORED_BLOCK_N = 64  # keys per tile over a stored (block or rotated) type: at 33k keys q4_1 50 us against 60 at 128
+# over a stored (block or rotated) type, 64-key tiles and three stages: at 33k keys q4_1 48.5 us against 60.7 at 128
+# keys and two stages, q5_0 69.3 against 80.7 (H200, benchmarks/attention_kernel.py --types, docs/PERF.md run 12)
+STORED_BLOCK_N, STORED_STAGES = 64, 3
 ROW_TILE = 16
 TARGET_PROGRAMS = 264  # about two programs per SM of an H100/H200
 NUM_WARPS, NUM_STAGES = 4, 2
@@ -257,7 +259,7 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale
     # attention then comes out bit for bit the same whether a plain step or a verify step computes it.
     row_tiles = triton.cdiv(G * T, ROW_TILE)
     n_rows = row_tiles * ROW_TILE
-    block_n = STORED_BLOCK_N if k_type or v_type else BLOCK_N
+    block_n, stages = (STORED_BLOCK_N, STORED_STAGES) if k_type or v_type else (BLOCK_N, NUM_STAGES)
     blocks = triton.cdiv(L, block_n)
     max_splits = triton.cdiv(TARGET_PROGRAMS, KV)
     splits = min(blocks, max_splits)
@@ -276,7 +278,7 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale
                                              softcap or 1.0, T, G, n_rows, D=D, BLOCK_M=ROW_TILE, BLOCK_N=block_n,
                                              SOFTCAP=softcap > 0, K_TYPE=k_type, V_TYPE=v_type, K_ROW=keys.shape[2],
                                              V_ROW=values.shape[2], K_PLANES=planes(k_type),
-                                             V_PLANES=planes(v_type), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+                                             V_PLANES=planes(v_type), num_warps=NUM_WARPS, num_stages=stages)
     out = torch.empty(T, H, D, device=q.device, dtype=q.dtype)
     _merge_kernel[(KV, G * T)](acc, m, lse, out, out.stride(0), out.stride(1), splits, KV, T, G, n_rows,
                                D=D, SPLITS=max(2, triton.next_power_of_2(max_splits)))
