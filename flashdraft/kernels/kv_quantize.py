@@ -1,12 +1,15 @@
 """New K/V rows quantized in one kernel per write (CUDA): llama.cpp's q8_0, q4_0, q4_1, q5_0 and q5_1 with the same
-rounding as layers/kv_quant.py's torch quantizers (and so the gguf package's), written straight into the planar row
-layout the cache stores (every block's quants, then scales, then mins, then fifth bits). The torch path takes ~30
+rounding as layers/kv_quant.py's torch quantizers (and so the gguf package's), and iq4_nl with its levels (the
+scale's least-squares refit sums 32 products in another order than torch's, so its fp16 scale may differ by an
+ulp), written straight into the planar row layout the cache stores (every block's quants, then scales, then mins,
+then fifth bits). The torch path takes ~30
 small kernels per row batch; inside a decode step's graph that was ~2 ms over a 32-layer model (docs/PERF.md)."""
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from flashdraft.kernels.iq4 import iq4_value
 from flashdraft.kernels.split_attention import ROW_TYPES
 from flashdraft.layers.kv_quant import KERNEL_QUANTIZED, KVCodec
 
@@ -19,6 +22,30 @@ def _store_half(ptr, value):
     bits = value.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     tl.store(ptr, (bits & 0xFF).to(tl.uint8))
     tl.store(ptr + 1, (bits >> 8).to(tl.uint8))
+
+
+@triton.jit
+def _iq4_nl_blocks(x, i):
+    """Blocks x [NB, 32] -> (level indices [NB, 32] int32, scales [NB]) as layers/kv_quant._quantize_iq4_nl: the
+    scale from the first value of largest magnitude, each value to the nearest level (a tie to the upper one), then
+    the least-squares scale for those levels weighted by x^2."""
+    first = tl.argmax(tl.abs(x), axis=1, tie_break_left=True)
+    d = tl.sum(tl.where(i[None, :] == first[:, None], x, 0.0), axis=1) / -127.0
+    inv = tl.where(d != 0, 1.0 / tl.where(d != 0, d, 1.0), 0.0)
+    v = x * inv[:, None]
+    n = tl.zeros_like(v).to(tl.int32)  # levels <= v (a binary search over the 16 sorted levels)
+    for step in tl.static_range(3, -1, -1):
+        probe = n + (1 << step)
+        n = tl.where(iq4_value(probe - 1) <= v, probe, n)
+    upper = tl.minimum(tl.maximum(n, 1), 15)
+    idx = tl.where(v - iq4_value(upper - 1) < iq4_value(upper) - v, upper - 1, upper)
+    idx = tl.where(v <= -127.0, 0, tl.where(v >= 113.0, 15, idx))
+    level = iq4_value(idx)
+    w = x * x
+    sumqx = tl.sum(w * level * x, axis=1)
+    sumq2 = tl.sum(w * level * level, axis=1)
+    d = tl.where(sumq2 > 0, sumqx / tl.where(sumq2 > 0, sumq2, 1.0), d)
+    return idx, d
 
 
 @triton.jit
@@ -39,7 +66,9 @@ def _quantize_kernel(x_ptr, out_ptr, stride_x, stride_o, TYPE: tl.constexpr, D: 
     else:
         HAS_MIN: tl.constexpr = TYPE == 3 or TYPE == 7
         FIVE: tl.constexpr = TYPE == 6 or TYPE == 7
-        if HAS_MIN:
+        if TYPE == 20:
+            q, d = _iq4_nl_blocks(x, i)
+        elif HAS_MIN:
             TOP: tl.constexpr = 31.0 if FIVE else 15.0
             lo = tl.min(x, axis=1)
             d = (tl.max(x, axis=1) - lo) / TOP

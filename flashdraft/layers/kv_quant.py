@@ -28,7 +28,7 @@ FLOAT_KV_TYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bflo
 BLOCK_KV_TYPES = {"q8_0": Q.Q8_0, "q5_0": Q.Q5_0, "q5_1": Q.Q5_1, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1,
                   "iq4_nl": Q.IQ4_NL}
 ROTATED_KV_TYPES = {"turbo3": 3, "turbo4": 4}  # bits per stored value
-KERNEL_QUANTIZED = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")  # on CUDA, written by kernels/kv_quantize.py
+KERNEL_QUANTIZED = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")  # on CUDA, written by kernels/kv_quantize.py
 KV_CACHE_TYPES = (*FLOAT_KV_TYPES, *BLOCK_KV_TYPES, *ROTATED_KV_TYPES)
 IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # kvalues_iq4nl
 ROTATION_GROUP = 128  # values per rotated group (a smaller power-of-two head is one group)
