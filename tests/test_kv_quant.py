@@ -239,7 +239,7 @@ def check_quantize_kernel(device: str) -> None:
     """kernels/kv_quantize.py (the CUDA write path) bit for bit against the torch quantizers above, with an
     all-zero block, a constant one, a tie in magnitude (the first value of largest magnitude sets the scale) and
     values halfway between two iq4_nl levels."""
-    from flashdraft.kernels.kv_quantize import TYPE_IDS, quantize_rows
+    from flashdraft.kernels.kv_quantize import TYPE_IDS, quantize_rotated_rows, quantize_rows
     gen = torch.Generator().manual_seed(0)
     for name in TYPE_IDS:
         for head_dim in (64, 128, 256):
@@ -257,6 +257,17 @@ def check_quantize_kernel(device: str) -> None:
                 assert ulps.max() <= 1, (name, head_dim, int(ulps.max()))
                 continue
             assert torch.equal(got, want), (name, head_dim, int((got != want).sum()))
+    for bits in (3, 4):  # the rotated types: the same codes, each group's fp16 scale within an ulp
+        for head_dim in (64, 128, 256):
+            x = torch.randn(7, 3, head_dim, generator=gen) * torch.rand(7, 3, 1, generator=gen) * 10
+            x[0, 0] = 0
+            want = KVCodec(f"turbo{bits}", torch.float32).encode(x)
+            got = quantize_rotated_rows(x.to(device), bits).cpu()
+            cut = want.shape[-1] - 2 * max(1, head_dim // 128)
+            assert torch.equal(got[..., :cut], want[..., :cut]), (bits, head_dim, int((got != want).sum()))
+            ulps = (got[..., cut:].contiguous().view(torch.int16).int() -
+                    want[..., cut:].contiguous().view(torch.int16).int()).abs()
+            assert ulps.max() <= 1, (bits, head_dim, int(ulps.max()))
 
 
 def test_quantize_kernel_interpreted_equals_the_torch_quantizers():

@@ -2,7 +2,8 @@
 rounding as layers/kv_quant.py's torch quantizers (and so the gguf package's), and iq4_nl with its levels (the
 scale's least-squares refit sums 32 products in another order than torch's, so its fp16 scale may differ by an
 ulp), written straight into the planar row layout the cache stores (every block's quants, then scales, then mins,
-then fifth bits). The torch path takes ~30
+then fifth bits); and the rotated turbo3/turbo4 rows, their rotation and norms in torch and the codes, scales and
+packing in one kernel. The torch path takes ~30
 small kernels per row batch; inside a decode step's graph that was ~2 ms over a 32-layer model (docs/PERF.md)."""
 import torch
 import triton
@@ -11,7 +12,7 @@ from torch import Tensor
 
 from flashdraft.kernels.iq4 import iq4_value
 from flashdraft.kernels.split_attention import ROW_TYPES
-from flashdraft.layers.kv_quant import KERNEL_QUANTIZED, KVCodec
+from flashdraft.layers.kv_quant import KERNEL_QUANTIZED, KVCodec, rotated_groups, rotation_group, table
 
 TYPE_IDS = {name: ROW_TYPES[name] for name in KERNEL_QUANTIZED}
 
@@ -110,4 +111,49 @@ def quantize_rows(x: Tensor, name: str) -> Tensor:
     out = torch.empty(flat.shape[0], KVCodec(name, x.dtype).row_size(d), device=x.device, dtype=torch.uint8)
     if flat.shape[0]:
         _quantize_kernel[(flat.shape[0],)](flat, out, flat.stride(0), out.stride(0), TYPE=TYPE_IDS[name], D=d)
+    return out.reshape(*x.shape[:-1], -1)
+
+
+@triton.jit
+def _rotated_kernel(y_ptr, to_unit_ptr, norm_ptr, mids_ptr, levels_ptr, out_ptr, stride_o, N: tl.constexpr,
+                    G: tl.constexpr, BITS: tl.constexpr):
+    """One row's N rotated groups y [N, G] -> codes (how many level midpoints lie below each coordinate of the unit
+    group, as torch.bucketize) packed in the row's planes, then each group's fp16 scale norm / |levels[codes]|."""
+    row = tl.program_id(0)
+    gi = tl.arange(0, N)
+    j = tl.arange(0, G)
+    z = tl.load(y_ptr + (row * N + gi)[:, None] * G + j[None, :]) * tl.load(to_unit_ptr + row * N + gi)[:, None]
+    codes = tl.zeros([N, G], tl.int32)
+    for k in tl.static_range((1 << BITS) - 1):
+        codes += (tl.load(mids_ptr + k) < z).to(tl.int32)
+    level = tl.load(levels_ptr + codes)
+    length = tl.sqrt(tl.sum(level * level, axis=1))
+    scale = tl.load(norm_ptr + row * N + gi) * tl.where(length != 0, 1.0 / tl.where(length != 0, length, 1.0), 0.0)
+    CODE_BYTES: tl.constexpr = G * BITS // 8
+    out = out_ptr + row * stride_o + gi[:, None] * CODE_BYTES
+    if BITS == 4:  # value c: byte c % (G/2), the high nibble for the second half
+        halves = tl.permute(tl.reshape(codes, [N, 2, G // 2]), [0, 2, 1])
+        packed = tl.sum(halves << (4 * tl.arange(0, 2))[None, None, :], axis=2)
+        tl.store(out + tl.arange(0, G // 2)[None, :], packed.to(tl.uint8))
+    else:  # 2-bit planes (value c: byte c % (G/4), bits 2 (c // (G/4))), then a bit plane (byte c % (G/8))
+        low = tl.permute(tl.reshape(codes & 3, [N, 4, G // 4]), [0, 2, 1])
+        tl.store(out + tl.arange(0, G // 4)[None, :],
+                 tl.sum(low << (2 * tl.arange(0, 4))[None, None, :], axis=2).to(tl.uint8))
+        high = tl.permute(tl.reshape(codes >> 2, [N, 8, G // 8]), [0, 2, 1])
+        tl.store(out + G // 4 + tl.arange(0, G // 8)[None, :],
+                 tl.sum(high << tl.arange(0, 8)[None, None, :], axis=2).to(tl.uint8))
+    _store_half(out_ptr + row * stride_o + N * CODE_BYTES + 2 * gi, scale)
+
+
+def quantize_rotated_rows(x: Tensor, bits: int) -> Tensor:
+    """Rows [..., D] -> stored turbo rows [..., row bytes]: the rotation and norms in torch (layers/kv_quant.
+    rotated_groups, as the torch quantizer), the codes, scales and packing in one kernel."""
+    d = x.shape[-1]
+    g = rotation_group(d)
+    rotated, to_unit, norm = rotated_groups(x.reshape(-1, g).float())
+    rows = rotated.shape[0] // (d // g)
+    out = torch.empty(rows, KVCodec(f"turbo{bits}", x.dtype).row_size(d), device=x.device, dtype=torch.uint8)
+    if rows:
+        _rotated_kernel[(rows,)](rotated, to_unit, norm, table("midpoints", bits, x.device),
+                                 table("levels", bits, x.device), out, out.stride(0), N=d // g, G=g, BITS=bits)
     return out.reshape(*x.shape[:-1], -1)

@@ -46,6 +46,9 @@ def table(kind: str, arg: int, device: torch.device | str) -> Tensor:
             table = torch.tensor(IQ4_NL_VALUES, dtype=torch.float32)
         elif kind == "levels":
             table = torch.tensor(lloyd_max_codebook(arg), dtype=torch.float32)
+        elif kind == "midpoints":  # between adjacent levels: a coordinate's code is how many lie below it
+            levels = torch.tensor(lloyd_max_codebook(arg), dtype=torch.float32)
+            table = (levels[1:] + levels[:-1]) / 2
         else:
             table = _rotation_cpu(arg)
         _TABLES[key] = table.to(device)
@@ -208,15 +211,20 @@ def _unpack_codes(packed: Tensor, bits: int, g: int) -> Tensor:
     return low | (high << 2)
 
 
+def rotated_groups(groups: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """float32 groups [n, g] -> (the rotated groups [n, g], sqrt(g) / norm [n, 1] (0 for a zero group), norm [n, 1]):
+    what the torch quantizer below and the CUDA write kernel (kernels/kv_quantize.py) both start from."""
+    g = groups.shape[1]
+    norm = groups.norm(dim=-1, keepdim=True)
+    return groups @ rotation(g, groups.device).T, math.sqrt(g) * _inverse(norm), norm
+
+
 def quantize_rotated(groups: Tensor, bits: int) -> tuple[Tensor, Tensor]:
     """float32 groups [n, g] -> (packed codes [n, g * bits / 8] of the rotated, normalised group, fp16 scale
     bytes [n, 2])."""
-    g = groups.shape[1]
     levels = table("levels", bits, groups.device)
-    norm = groups.norm(dim=-1, keepdim=True)
-    unit = groups * _inverse(norm)
-    rotated = unit @ rotation(g, groups.device).T * math.sqrt(g)  # coordinates ~ N(0, 1)
-    codes = torch.bucketize(rotated.contiguous(), (levels[1:] + levels[:-1]) / 2)
+    rotated, to_unit, norm = rotated_groups(groups)
+    codes = torch.bucketize((rotated * to_unit).contiguous(), table("midpoints", bits, groups.device))  # ~ N(0, 1)
     scale = norm * _inverse(levels[codes].norm(dim=-1, keepdim=True))  # the decoded group keeps the norm
     return _pack_codes(codes, bits), _fp16_bytes(scale)
 
@@ -265,6 +273,7 @@ class KVCodec:
         table("iq4_nl", 0, device)  # also the split attention kernel's placeholder table
         if self.bits is not None:
             table("levels", self.bits, device)
+            table("midpoints", self.bits, device)
             rotation(rotation_group(head_dim), device)
 
     def encode(self, x: Tensor) -> Tensor:
@@ -272,6 +281,9 @@ class KVCodec:
         head_dim = x.shape[-1]
         if self.bits is not None:
             group = rotation_group(head_dim)
+            if x.is_cuda:
+                from flashdraft.kernels.kv_quantize import quantize_rotated_rows
+                return quantize_rotated_rows(x, self.bits)
             codes, scales = quantize_rotated(x.float().reshape(-1, group), self.bits)
             n = head_dim // group
             rows = torch.cat([codes.reshape(-1, n * codes.shape[-1]), scales.reshape(-1, 2 * n)], -1)
