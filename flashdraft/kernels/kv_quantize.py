@@ -3,8 +3,8 @@ rounding as layers/kv_quant.py's torch quantizers (and so the gguf package's), a
 scale's least-squares refit sums 32 products in another order than torch's, so its fp16 scale may differ by an
 ulp), written straight into the planar row layout the cache stores (every block's quants, then scales, then mins,
 then fifth bits); and the rotated turbo3/turbo4 rows, their rotation and norms in torch and the codes, scales and
-packing in one kernel. The torch path takes ~30
-small kernels per row batch; inside a decode step's graph that was ~2 ms over a 32-layer model (docs/PERF.md)."""
+packing in one kernel. The torch path takes ~30 small kernels per row batch; inside a decode step's graph that
+was ~2 ms over a 32-layer model (docs/PERF.md)."""
 import torch
 import triton
 import triton.language as tl
