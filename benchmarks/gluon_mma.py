@@ -25,8 +25,9 @@ def sass(qtype: str, block_n: int, num_warps: int) -> None:
            "stride_om": "i32", "BLOCK_N": "constexpr", "NUM_WARPS": "constexpr"}
     aligned = ("xq_ptr", "xds_ptr", "w_ptr", "out_ptr", "N", "K", "stride_xq", "stride_xds", "stride_wn",
                "stride_os", "stride_om")
-    usage, code = S.compile_sm90(KERNELS[qtype], sig, dict(BLOCK_N=block_n, NUM_WARPS=num_warps), aligned, num_warps,
-                                 GluonASTSource)
+    kernel, constants = KERNELS[qtype]
+    usage, code = S.compile_sm90(kernel, sig, dict(BLOCK_N=block_n, NUM_WARPS=num_warps, **constants), aligned,
+                                 num_warps, GluonASTSource)
     ops = S.main_loop(code)
     per_iter = block_n * chunk_bytes(qtype)  # one super-block of every row of the tile, as stored (sass_report's)
     total = sum(ops.values())
@@ -39,7 +40,7 @@ def sass(qtype: str, block_n: int, num_warps: int) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sass", action="store_true")
-    ap.add_argument("--types", default="Q4_K,Q6_K")
+    ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K")
     ap.add_argument("--configs", default="64,4;32,4;128,4;64,8", help="BLOCK_N,warps;...")
     ap.add_argument("--rows", default="1,16", help="rows of x timed (1: beside the integer decode kernel)")
     args = ap.parse_args()
@@ -57,6 +58,7 @@ def main() -> int:
     from flashdraft.kernels import gguf_matmul as K
     from flashdraft.layers.quantized import stored_blocks
     shapes = {"Q4_K": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],  # the 8B's four matrices
+              "Q5_K": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],
               "Q6_K": [(128256, 4096), (4096, 14336)]}  # its LM head, a Q4_K_M down projection
     for qtype in types:
         for n, k in ((45, 512), (1000, 4096)):  # correctness: odd rows, one and several splits

@@ -107,8 +107,9 @@ def test_gguf_kernels_on_gpu_match_gguf_reference(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_int8_mma_kernels_on_gpu_match_gguf_reference():
-    """kernels/gguf_mma.py (Gluon: no interpreter) for 5-16 rows of Q4_K and Q6_K, x rounded to 8 bits per 32 as
-    they take it; a token's result the same bits for 5 and for 16 rows."""
+    """kernels/gguf_mma.py (Gluon: no interpreter) for 5-16 rows of each type it has a kernel for (through
+    gguf_matmul for the types it takes, directly for those not yet timed), x rounded to 8 bits per 32 as they take
+    it; a token's result the same bits for 5 and for 16 rows."""
     from flashdraft.kernels import gguf_mma
     from flashdraft.kernels.gguf_matmul import gguf_matmul
     from flashdraft.layers.quantized import stored_blocks
@@ -121,13 +122,14 @@ def test_int8_mma_kernels_on_gpu_match_gguf_reference():
                 want = reference(raw, qtype).double()
                 w = stored_blocks(torch.from_numpy(raw), qtype).cuda()
                 x = torch.randn(16, k, generator=gen)
+                product = gguf_matmul if qtype in gguf_mma.TIMED else gguf_mma.matmul
                 for rows in (5, 16):
-                    out = gguf_matmul(x[:rows].cuda(), w, qtype, k).cpu().double()
+                    out = product(x[:rows].cuda(), w, qtype, k).cpu().double()
                     ref = as_int8_rows(x[:rows]).double() @ want.T
                     err = ((out - ref).norm() / ref.norm()).item()
                     assert err < 1e-3, f"{qtype} {n}x{k}, {rows} rows: relative error {err}"
                 xb = x.cuda().to(torch.bfloat16)
-                assert torch.equal(gguf_matmul(xb[:5], w, qtype, k)[0], gguf_matmul(xb, w, qtype, k)[0])
+                assert torch.equal(product(xb[:5], w, qtype, k)[0], product(xb, w, qtype, k)[0])
     finally:
         gguf_mma.ENABLED = enabled
 

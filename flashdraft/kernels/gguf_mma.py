@@ -85,12 +85,29 @@ def _tile(w_ptr, xq_ptr, M, N, stride_xq, stride_wn, BLOCK_N: gl.constexpr, NUM_
             gl.zeros([BLOCK_N, TOKENS], gl.int32, layout=mma))
 
 
+Q5_ASM = gl.constexpr("""{
+.reg .b32 n, h, s;
+and.b32 s, $3, 0xFF;
+shr.b32 h, $2, s;
+and.b32 h, h, 0x01010101;
+shl.b32 h, h, 4;
+and.b32 s, s, 1;
+shl.b32 s, s, 2;
+shr.b32 n, $1, s;
+and.b32 n, n, 0x0F0F0F0F;
+or.b32 $0, n, h;
+}""")  # Q5_K's four values of sub-block J ($3's low byte): nibbles of $1 (low for even J) + bit J of $2's bytes as 16
+
+
 @gluon.jit
-def _q4k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn,
-                stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr):
+def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn,
+                   stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, FIVE_BITS: gl.constexpr):
     """xq_ptr: x's 8-bit values as bytes [M, K]; xds [M, K / 32] int64: each block's float32 scale (low half) and
-    scaled sum (high half); w: Q4_K rows as bytes (144 per super-block); out [splits, M, N] float32 partial sums
-    over this program's super-blocks."""
+    scaled sum (high half); w: Q4_K rows as bytes (144 per super-block: d, dmin, 12 scale bytes, 128 nibble bytes)
+    or Q5_K's (176: the same with 32 bytes of fifth bits before the nibbles, bit J of byte l for sub-block J's
+    weight l); out [splits, M, N] float32 partial sums over this program's super-blocks."""
+    WORDS: gl.constexpr = 44 if FIVE_BITS else 36
+    NIBBLES: gl.constexpr = 48 if FIVE_BITS else 16
     split = gl.program_id(1)
     first = split * sb_per_split
     last = gl.minimum(first + sb_per_split, K // 256)
@@ -98,17 +115,26 @@ def _q4k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_x
                                                                                     stride_wn, BLOCK_N, NUM_WARPS)
     s_ptr = (w_ptr + rows.to(gl.int64) * stride_wn).to(gl.pointer_type(gl.int32))
     for c in range(first, last):
-        head = gl.load(s_ptr + 36 * c, mask=row_ok, other=0)
-        a = gl.load(s_ptr + 36 * c + 1, mask=row_ok, other=0)
-        b = gl.load(s_ptr + 36 * c + 2, mask=row_ok, other=0)
-        s = gl.load(s_ptr + 36 * c + 3, mask=row_ok, other=0)
+        head = gl.load(s_ptr + WORDS * c, mask=row_ok, other=0)
+        a = gl.load(s_ptr + WORDS * c + 1, mask=row_ok, other=0)
+        b = gl.load(s_ptr + WORDS * c + 2, mask=row_ok, other=0)
+        s = gl.load(s_ptr + WORDS * c + 3, mask=row_ok, other=0)
         d, dmin = _half(head), _half(head >> 16)
+        if FIVE_BITS:
+            qh = gl.load(a_ptr + 4 * WORDS * c + 16, mask=a_ok, other=0)
         for g in gl.static_range(4):
-            q = gl.load(a_ptr + 144 * c + 16 + 32 * g, mask=a_ok, other=0)  # the nibbles start at byte 16
-            lo = gl.inline_asm_elementwise("and.b32 $0, $1, 0x0F0F0F0F;", "=r,r", [q], dtype=gl.int8,
-                                           is_pure=True, pack=4)
-            hi = gl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 4; and.b32 $0, t, 0x0F0F0F0F; }", "=r,r",
-                                           [q], dtype=gl.int8, is_pure=True, pack=4)
+            q = gl.load(a_ptr + 4 * WORDS * c + NIBBLES + 32 * g, mask=a_ok, other=0)
+            if FIVE_BITS:
+                lo = gl.inline_asm_elementwise(Q5_ASM, "=r,r,r,r", [q, qh, gl.full(q.shape, 2 * g, gl.int8, q.type.layout)],
+                                               dtype=gl.int8, is_pure=True, pack=4)
+                hi = gl.inline_asm_elementwise(Q5_ASM, "=r,r,r,r",
+                                               [q, qh, gl.full(q.shape, 2 * g + 1, gl.int8, q.type.layout)],
+                                               dtype=gl.int8, is_pure=True, pack=4)
+            else:
+                lo = gl.inline_asm_elementwise("and.b32 $0, $1, 0x0F0F0F0F;", "=r,r", [q], dtype=gl.int8,
+                                               is_pure=True, pack=4)
+                hi = gl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 4; and.b32 $0, t, 0x0F0F0F0F; }",
+                                               "=r,r", [q], dtype=gl.int8, is_pure=True, pack=4)
             acc = _sub_block(acc, lo, zero, a, b, s, d, dmin, b_ptr + 256 * c, b_ok, xds_ptr, toks, stride_xds,
                              tok_ok, 8 * c, 2 * g)
             acc = _sub_block(acc, hi, zero, a, b, s, d, dmin, b_ptr + 256 * c, b_ok, xds_ptr, toks, stride_xds,
@@ -189,12 +215,14 @@ def _q6k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_x
              acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & tok_ok[None, :])
 
 
-KERNELS = {"Q4_K": _q4k_kernel, "Q6_K": _q6k_kernel}
+KERNELS = {"Q4_K": (_kquant_kernel, dict(FIVE_BITS=False)), "Q5_K": (_kquant_kernel, dict(FIVE_BITS=True)),
+           "Q6_K": (_q6k_kernel, {})}
+TIMED = {"Q4_K", "Q6_K"}  # types timed on a GPU and taken by covers(); the others wait for benchmarks/gluon_mma.py
 
 
 def covers(qtype: str, m: int, x: Tensor) -> bool:
     """Whether these kernels take the product: enabled, a type they read, 5-16 rows, an Ampere or newer GPU."""
-    return (ENABLED and qtype in KERNELS and gguf_gemv.MAX_ROWS < m <= 16 and x.is_cuda
+    return (ENABLED and qtype in TIMED and gguf_gemv.MAX_ROWS < m <= 16 and x.is_cuda
             and not gguf_gemv._emulate() and torch.cuda.get_device_capability(x.device) >= (8, 0))
 
 
@@ -209,10 +237,10 @@ def matmul(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:
     out, partial = gguf_gemv.split_outputs(x, n, splits)
     xb = xq.view(torch.int8)
     xds = torch.stack([xd, xs], -1).view(torch.int64)[..., 0]
-    KERNELS[qtype][(triton.cdiv(n, BLOCK_N), splits)](xb, xds, qweight, partial, m, n, k, per_split, xb.stride(0),
-                                                      xds.stride(0), qweight.stride(0), partial.stride(0),
-                                                      partial.stride(1), BLOCK_N=BLOCK_N, NUM_WARPS=NUM_WARPS,
-                                                      num_warps=NUM_WARPS)
+    kernel, constants = KERNELS[qtype]
+    kernel[(triton.cdiv(n, BLOCK_N), splits)](xb, xds, qweight, partial, m, n, k, per_split, xb.stride(0), xds.stride(0),
+                                              qweight.stride(0), partial.stride(0), partial.stride(1), BLOCK_N=BLOCK_N,
+                                              NUM_WARPS=NUM_WARPS, num_warps=NUM_WARPS, **constants)
     if splits > 1:
         gguf_gemv.sum_splits(partial, out)
     return out
