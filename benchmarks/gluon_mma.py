@@ -40,7 +40,7 @@ def sass(qtype: str, block_n: int, num_warps: int) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sass", action="store_true")
-    ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K")
+    ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K,IQ4_XS")
     ap.add_argument("--configs", default="64,4;32,4;128,4;64,8", help="BLOCK_N,warps;...")
     ap.add_argument("--rows", default="1,16", help="rows of x timed (1: beside the integer decode kernel)")
     args = ap.parse_args()
@@ -59,6 +59,7 @@ def main() -> int:
     from flashdraft.layers.quantized import stored_blocks
     shapes = {"Q4_K": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],  # the 8B's four matrices
               "Q5_K": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],
+              "IQ4_XS": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],
               "Q6_K": [(128256, 4096), (4096, 14336)]}  # its LM head, a Q4_K_M down projection
     for qtype in types:
         for n, k in ((45, 512), (1000, 4096)):  # correctness: odd rows, one and several splits
@@ -76,8 +77,10 @@ def main() -> int:
         gbytes = sum(w.numel() for w in weights.values()) / 1e9
         for m in map(int, args.rows.split(",")):
             x = {s: torch.randn(m, s[1], device="cuda", dtype=torch.bfloat16) for s in shapes[qtype]}
+            gguf_mma.ENABLED = False  # the kernels gguf_matmul has without these
             ms = timed(graphed(lambda: [K.gguf_matmul(x[s], weights[s], qtype, s[1]) for s in weights], "cuda"), 20,
                        "cuda")
+            gguf_mma.ENABLED = True
             today = "integer" if m <= 4 else "float tensor-core"
             print(f"{qtype} {today} kernel, {m} rows: {ms:.3f} ms ({gbytes / ms * 1e3:.0f} GB/s)", flush=True)
             for bn, warps in configs:

@@ -134,6 +134,73 @@ def test_int8_mma_kernels_on_gpu_match_gguf_reference():
         gguf_mma.ENABLED = enabled
 
 
+def run_ptx(asm: str, inputs: list[int], outputs: int) -> list[int]:
+    """A reading of the few PTX instructions the IQ4 lookups use (mov, and, or, shr, shl, prmt in its default mode)
+    on 32-bit values: an independent check of the inline assembly that no CPU can run."""
+    regs = {f"${outputs + i}": v & 0xFFFFFFFF for i, v in enumerate(inputs)}
+    value = lambda a: regs[a] if a in regs else int(a, 0) & 0xFFFFFFFF  # noqa: E731
+    for line in asm.strip("{}\n").splitlines():
+        op, args = line.rstrip(";").split(None, 1)
+        if op.startswith(".reg"):
+            continue
+        d, *src = [a.strip() for a in args.split(",")]
+        v = [value(a) for a in src]
+        if op == "mov.b32":
+            r = v[0]
+        elif op == "and.b32":
+            r = v[0] & v[1]
+        elif op == "or.b32":
+            r = v[0] | v[1]
+        elif op == "shr.b32":
+            r = v[0] >> v[1]
+        elif op == "shl.b32":
+            r = v[0] << v[1]
+        elif op == "not.b32":
+            r = ~v[0]
+        elif op == "mul.lo.u32":
+            r = v[0] * v[1]
+        elif op == "prmt.b32":
+            pool = (v[0] | v[1] << 32).to_bytes(8, "little")
+            r = int.from_bytes(bytes(pool[(v[2] >> 4 * i) & 7] for i in range(4)), "little")
+        else:
+            raise AssertionError(f"no reading of {op}")
+        regs[d] = r & 0xFFFFFFFF
+    return [regs[f"${i}"] for i in range(outputs)]
+
+
+def test_iq4_byte_permute_lookups_give_the_table():
+    """iq4.IQ4_FOUR (the int8 mma kernel's) and IQ4_PAIRS (the integer kernels') read as PTX: every nibble of
+    random words comes out as its kvalues_iq4nl level, in each form's documented byte order."""
+    from flashdraft.kernels.iq4 import IQ4_FOUR, IQ4_PAIRS, IQ4_VALUES
+    table = np.array(IQ4_VALUES, dtype=np.int8).view(np.uint32).tolist()
+    signed = lambda word: np.array([word], dtype=np.uint32).view(np.int8).tolist()  # noqa: E731
+    for word in np.random.default_rng(0).integers(0, 2 ** 32, 300).tolist() + [0, 0xFFFFFFFF, 0x76543210]:
+        nibbles = [(word >> (4 * i)) & 15 for i in range(8)]  # byte b: nibbles 2b (low) and 2b + 1 (high)
+        for shift, half in ((0, 0), (0x04040404, 1)):
+            assert signed(run_ptx(IQ4_FOUR.value, [word, shift], 1)[0]) == [IQ4_VALUES[nibbles[2 * b + half]]
+                                                                            for b in range(4)]
+        lo, hi = run_ptx(IQ4_PAIRS.value, [word, *table], 2)
+        assert signed(lo) + signed(hi) == [IQ4_VALUES[n] for n in nibbles]
+
+
+
+def test_k_quant_mma_unpacking_reads_as_documented():
+    """gguf_mma's Q5_K and Q6_K unpacking assembly read as PTX: Q5_K's sub-block J takes the low (even J) or high
+    nibbles plus bit J of each qh byte as 16; Q6_K's a nibble plus two high bits, as a signed q - 32."""
+    pytest.importorskip("triton.experimental.gluon")
+    from flashdraft.kernels.gguf_mma import Q5_ASM, _q6_asm
+    rng = np.random.default_rng(1)
+    for q, qh in rng.integers(0, 2 ** 32, (200, 2)).tolist():
+        qb, hb = q.to_bytes(4, "little"), qh.to_bytes(4, "little")
+        for j in range(8):
+            got = run_ptx(Q5_ASM.value, [q, qh, j * 0x01010101], 1)[0].to_bytes(4, "little")
+            assert list(got) == [((b >> 4 * (j % 2)) & 15) | ((h >> j) & 1) << 4 for b, h in zip(qb, hb)]
+        for group in range(4):
+            got = run_ptx(_q6_asm(4 * (group // 2), 2 * group), [q, qh], 1)[0].to_bytes(4, "little")
+            want = [((b >> 4 * (group // 2)) & 15 | ((h >> 2 * group) & 3) << 4) - 32 for b, h in zip(qb, hb)]
+            assert np.array(list(got), dtype=np.uint8).view(np.int8).tolist() == want
+
+
 def test_unknown_type_and_bad_shapes_are_clear_errors():
     pytest.importorskip("triton")
     from flashdraft.kernels.gguf_matmul import gguf_matmul

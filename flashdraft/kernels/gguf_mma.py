@@ -1,20 +1,24 @@
-"""Q4_K and Q6_K products for verify widths (5-16 rows of x) on the int8 tensor cores, llama.cpp's mmq shape, in
-Gluon (Triton's dialect with explicit layouts): each thread loads the 32-bit words its `mma.m16n8k32.s8` fragment
-needs, so the weights reach the tensor cores without shared memory or layout conversions.
+"""Q4_K, Q5_K, Q6_K and IQ4_XS products for verify widths (5-16 rows of x) on the int8 tensor cores, llama.cpp's
+mmq shape, in Gluon (Triton's dialect with explicit layouts): each thread loads the 32-bit words its
+`mma.m16n8k32.s8` fragment needs, so the weights reach the tensor cores without shared memory or layout conversions.
 
 Q4_K: four consecutive bytes of a nibble group are four consecutive weights of sub-block 2g (low nibbles, one AND)
-and of 2g + 1 (high nibbles, a shift and an AND). Q6_K: a word of ql bytes and one of qh bytes give four
-consecutive 6-bit values (signed by a bit trick); its scales change every 16 weights, so each 32 weights are two
-mmas with the other half's weights zeroed. x is quantized to 8 bits per 32 values as the integer kernels take it
-(`gguf_gemv.quantize_rows`); each product is exact in int32 and scaled in float32 (Q4_K: d * sc(row) * xd(token)
-minus dmin * m(row) * xs(token); Q6_K: d * sc(row) * xd(token)). Rows of x are padded to 16 and K is split by the
-matrix's shape only, so a token's result does not depend on how many rows share the call.
+and of 2g + 1 (high nibbles, a shift and an AND); Q5_K adds bit J of each qh byte as 16. Q6_K: a word of ql bytes
+and one of qh bytes give four consecutive 6-bit values (signed by a bit trick); its scales change every 16 weights,
+so each 32 weights are two mmas with the other half's weights zeroed. IQ4_XS: the low or high nibbles of a word
+looked up in the level table by byte permutes. x is quantized to 8 bits per 32 values as the integer kernels take
+it (`gguf_gemv.quantize_rows`); each product is exact in int32 and scaled in float32 (the K types: d * sc(row) *
+xd(token) minus dmin * m(row) * xs(token); Q6_K and IQ4_XS: d * sc(row) * xd(token)). Rows of x are padded to 16
+and K is split by the matrix's shape only, so a token's result does not depend on how many rows share the call.
 
-Gluon has no interpreter: the CPU tests cannot run these kernels (the GPU test does, against the `gguf` package).
+Gluon has no interpreter: the CPU tests cannot run these kernels (the GPU test does, against the `gguf` package;
+the CPU tests read their unpacking assembly as PTX). Only the TIMED types are taken by gguf_matmul.
 H200 (benchmarks/gluon_mma.py, docs/PERF.md run 12), BLOCK_N 128: 16 rows of the 8B's four Q4_K matrices 0.180 ms
 against the float tensor-core kernel's 0.203; its Q6_K LM head and down projection 0.341 against 0.614. One row of
 those two Q6_K matrices ran 0.200 ms against the integer kernel's 0.238, but a Q6_K file's decode through these
-kernels measured 210 tok/s against 219 through the integer kernels: decode rows stay with gguf_gemv.
+kernels measured 210 tok/s against 219 through the integer kernels: decode rows stay with gguf_gemv. Q5_K and
+IQ4_XS: not yet run on a GPU (statically, Triton 3.6: 0.248 and 0.366 warp-instructions per weight byte against the
+float kernel's ~0.5 and 0.847).
 """
 import torch
 import triton
@@ -24,6 +28,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from flashdraft.kernels import gguf_gemv
+from flashdraft.kernels.iq4 import IQ4_FOUR
 
 ENABLED = True
 BLOCK_N, NUM_WARPS, TARGET_PROGRAMS = 128, 4, 1056  # 64 and 32 rows, 8 warps: slower at 16 rows (run 12)
@@ -66,8 +71,8 @@ def _sub_block(acc, w, zero, a, b, s, d, dmin, b_ptr, b_ok, xds_ptr, toks, strid
 
 @gluon.jit
 def _tile(w_ptr, xq_ptr, M, N, stride_xq, stride_wn, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr):
-    """A program's operands in the mma fragments' layouts: a_ptr [BLOCK_N, 32] (its weight rows' starts + k, in the
-    A layout), a_ok, a_col (k, the same layout); b_ptr [32, TOKENS] (x's bytes + k, in the B layout), b_ok; rows,
+    """A program's operands in the mma fragments' layouts: a_row [BLOCK_N, 1] (its weight rows' starts, in the A
+    layout: plus a_col, or a function of it that keeps runs of four, for word loads), a_ok, a_col [1, 32] (k); b_ptr [32, TOKENS] (x's bytes + k, in the B layout), b_ok; rows,
     row_ok and toks, tok_ok along the product's two axes; a float32 accumulator and an int32 zero for each mma."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
@@ -75,12 +80,12 @@ def _tile(w_ptr, xq_ptr, M, N, stride_xq, stride_wn, BLOCK_N: gl.constexpr, NUM_
     first_row = gl.program_id(0) * BLOCK_N
     a_rows = first_row + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_l))
     a_col = gl.arange(0, 32, layout=gl.SliceLayout(0, a_l))[None, :]
-    a_ptr = w_ptr + a_rows.to(gl.int64)[:, None] * stride_wn + a_col
+    a_row = w_ptr + a_rows.to(gl.int64)[:, None] * stride_wn
     b_k = gl.arange(0, 32, layout=gl.SliceLayout(1, b_l))
     b_t = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, b_l))
     rows = first_row + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
     toks = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, mma))
-    return (a_ptr, (a_rows < N)[:, None], a_col, xq_ptr + b_t[None, :] * stride_xq + b_k[:, None], (b_t < M)[None, :],
+    return (a_row, (a_rows < N)[:, None], a_col, xq_ptr + b_t[None, :] * stride_xq + b_k[:, None], (b_t < M)[None, :],
             rows, rows < N, toks, toks < M, gl.zeros([BLOCK_N, TOKENS], gl.float32, layout=mma),
             gl.zeros([BLOCK_N, TOKENS], gl.int32, layout=mma))
 
@@ -111,8 +116,9 @@ def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
     split = gl.program_id(1)
     first = split * sb_per_split
     last = gl.minimum(first + sb_per_split, K // 256)
-    a_ptr, a_ok, a_col, b_ptr, b_ok, rows, row_ok, toks, tok_ok, acc, zero = _tile(w_ptr, xq_ptr, M, N, stride_xq,
+    a_row, a_ok, a_col, b_ptr, b_ok, rows, row_ok, toks, tok_ok, acc, zero = _tile(w_ptr, xq_ptr, M, N, stride_xq,
                                                                                     stride_wn, BLOCK_N, NUM_WARPS)
+    a_ptr = a_row + a_col
     s_ptr = (w_ptr + rows.to(gl.int64) * stride_wn).to(gl.pointer_type(gl.int32))
     for c in range(first, last):
         head = gl.load(s_ptr + WORDS * c, mask=row_ok, other=0)
@@ -187,8 +193,9 @@ def _q6k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_x
     split = gl.program_id(1)
     first = split * sb_per_split
     last = gl.minimum(first + sb_per_split, K // 256)
-    a_ptr, a_ok, a_col, b_ptr, b_ok, rows, row_ok, toks, tok_ok, acc, zero = _tile(w_ptr, xq_ptr, M, N, stride_xq,
+    a_row, a_ok, a_col, b_ptr, b_ok, rows, row_ok, toks, tok_ok, acc, zero = _tile(w_ptr, xq_ptr, M, N, stride_xq,
                                                                                     stride_wn, BLOCK_N, NUM_WARPS)
+    a_ptr = a_row + a_col
     first_half = a_col < 16
     s_ptr = (w_ptr + rows.to(gl.int64) * stride_wn).to(gl.pointer_type(gl.int32))
     for c in range(first, last):
@@ -215,8 +222,39 @@ def _q6k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_x
              acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & tok_ok[None, :])
 
 
+@gluon.jit
+def _iq4_xs_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn,
+                   stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """IQ4_XS (136-byte super-blocks: d, the scales' high bits (16), their low nibbles (4 bytes), 128 nibble bytes,
+    sub-block j's 16 at 8 + 16j: byte l's low nibble is weight l, its high one l + 16). A's k 4t..4t+3 and
+    16+4t..16+4t+3 both load word t of the 16 bytes and look up its low or its high nibbles (iq4.IQ4_FOUR): the
+    weights in order. Each 32 weights are one mma, scaled by d * (6-bit scale - 32)."""
+    split = gl.program_id(1)
+    first = split * sb_per_split
+    last = gl.minimum(first + sb_per_split, K // 256)
+    a_row, a_ok, a_col, b_ptr, b_ok, rows, row_ok, toks, tok_ok, acc, zero = _tile(w_ptr, xq_ptr, M, N, stride_xq,
+                                                                                    stride_wn, BLOCK_N, NUM_WARPS)
+    a_ptr = a_row + a_col % 16
+    nibble_shift = gl.broadcast((a_col // 16 * 4).to(gl.int8), a_ptr)[0]  # low nibbles for k < 16, high for the rest
+    s_ptr = (w_ptr + rows.to(gl.int64) * stride_wn).to(gl.pointer_type(gl.int32))
+    for c in range(first, last):
+        head = gl.load(s_ptr + 34 * c, mask=row_ok, other=0)
+        low = gl.load(s_ptr + 34 * c + 1, mask=row_ok, other=0)
+        d = _half(head)
+        for j in gl.static_range(8):
+            q = gl.load(a_ptr + 136 * c + 8 + 16 * j, mask=a_ok, other=0)
+            w = gl.inline_asm_elementwise(IQ4_FOUR, "=r,r,r", [q, nibble_shift], dtype=gl.int8, is_pure=True, pack=4)
+            prod = mma_v2(w, gl.load(b_ptr + 256 * c + 32 * j, mask=b_ok, other=0), zero)
+            scale = ((low >> (4 * j)) & 15) | (((head >> (16 + 2 * j)) & 3) << 4)
+            pair = gl.load(xds_ptr + toks * stride_xds + 8 * c + j, mask=tok_ok, other=0)
+            xd = pair.to(gl.int32).to(gl.float32, bitcast=True)
+            acc += prod.to(gl.float32) * ((d * (scale - 32).to(gl.float32))[:, None] * xd[None, :])
+    gl.store(out_ptr + split * stride_os + toks[None, :] * stride_om + rows[:, None],
+             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & tok_ok[None, :])
+
+
 KERNELS = {"Q4_K": (_kquant_kernel, dict(FIVE_BITS=False)), "Q5_K": (_kquant_kernel, dict(FIVE_BITS=True)),
-           "Q6_K": (_q6k_kernel, {})}
+           "Q6_K": (_q6k_kernel, {}), "IQ4_XS": (_iq4_xs_kernel, {})}
 TIMED = {"Q4_K", "Q6_K"}  # types timed on a GPU and taken by covers(); the others wait for benchmarks/gluon_mma.py
 
 

@@ -3,7 +3,8 @@
 - `iq4_nibbles`: eight nibbles of a word looked up at once by byte permutes (PRMT), for the integer kernels;
 - `iq4_value`: one nibble per element as float32 by a degree-4 polynomial rounded to the nearest integer, exact
   for all 16 levels (the fit's largest residual is 0.476), for the kernels that expand values into floats: a
-  few FMAs instead of a gather from memory per value.
+  few FMAs instead of a gather from memory per value;
+- `IQ4_FOUR`: the low or the high nibbles of four bytes looked up by byte permutes, for the int8 mma kernel.
 """
 import numpy as np
 import torch
@@ -69,6 +70,33 @@ prmt.b32 a, $3, $4, s1;
 prmt.b32 b, $5, $6, s1;
 prmt.b32 $1, a, b, sel;
 }""")
+
+
+def _four_levels_asm() -> str:
+    """Four nibbles of a word of four bytes ($1: the low nibbles where $2's low byte is 0, the high ones where it is
+    4) -> their four levels as int8, in byte order: the nibbles packed into a 16-bit PRMT selector, then the
+    lookup of IQ4_PAIRS with the table's words as immediates (for Gluon's pack=4 int8 tiles, whose operands must
+    all be tiles of one shape)."""
+    t0, t1, t2, t3 = (f"{int(w):#010x}" for w in np.array(IQ4_VALUES, dtype=np.int8).view(np.uint32))
+    return f"""{{
+.reg .b32 f, w, s, lo, hi, a, b;
+and.b32 f, $2, 0xFF;
+shr.b32 w, $1, f;
+and.b32 w, w, 0x0F0F0F0F;
+shr.b32 s, w, 4;
+or.b32 w, w, s;
+prmt.b32 s, w, w, 0x20;
+and.b32 lo, s, 0x7777;
+and.b32 hi, s, 0x8888;
+shr.b32 hi, hi, 1;
+or.b32 hi, hi, 0x3210;
+prmt.b32 a, {t0}, {t1}, lo;
+prmt.b32 b, {t2}, {t3}, lo;
+prmt.b32 $0, a, b, hi;
+}}"""
+
+
+IQ4_FOUR = tl.constexpr(_four_levels_asm())
 
 
 @triton.jit
