@@ -61,6 +61,26 @@ def check(device: str, dtype: torch.dtype, tol: float) -> None:
 
 
 @pytest.mark.skipif(INTERPRETER is not None, reason=str(INTERPRETER))
+def test_turbo_level_polynomial_gives_the_codebook():
+    """The kernel's rotated-type levels (turbo_level: an odd polynomial, Horner in float32 as the kernel runs it)
+    against the Lloyd-Max codebook the CPU path looks up: every code within two float32 ulps."""
+    pytest.importorskip("triton")
+    import numpy as np
+    from flashdraft.kernels.split_attention import level_polynomial
+    from flashdraft.layers.kv_quant import lloyd_max_codebook
+    f = np.float32
+    for bits in (3, 4):
+        levels = np.array(lloyd_max_codebook(bits), dtype=np.float32)
+        h = (len(levels) - 1) / 2
+        coeffs = [f(c) for c in level_polynomial(bits)]
+        for code, want in enumerate(levels):
+            u = (f(code) - f(h)) * f(1.0 / h)
+            v = coeffs[-1]
+            for c in reversed(coeffs[:-1]):
+                v = v * (u * u) + c
+            assert abs(v * u - want) <= 2 * np.spacing(abs(want)), (bits, code, v * u, want)
+
+
 def test_split_attention_interpreted_matches_matmul_attention():
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, __file__, "cpu"], env=env, capture_output=True, text=True, timeout=600)

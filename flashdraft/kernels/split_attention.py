@@ -15,12 +15,14 @@ registers, so the cache is read at its stored size.
 """
 import functools
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from flashdraft.kernels.iq4 import iq4_value
+from flashdraft.layers.kv_quant import lloyd_max_codebook
 
 # benchmarks/attention_kernel.py on an H200 (8B shape, 1280 / 16640 keys, docs/PERF.md run 7): 128 keys per tile
 # and two pipeline stages took decode 24.9 -> 14.4 us and 112.7 -> 56.9 us; three stages of 64-key tiles had left
@@ -37,6 +39,34 @@ TARGET_PROGRAMS = 264  # about two programs per SM of an H100/H200
 NUM_WARPS, NUM_STAGES = 4, 2
 # stored row types: 0 float; GGML ids of the block types; 100 + bits for the rotated types
 ROW_TYPES = {"q8_0": 8, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "iq4_nl": 20, "turbo3": 103, "turbo4": 104}
+
+
+def level_polynomial(bits: int) -> tuple[float, ...]:
+    """c such that the rotated types' code k has level u * (c0 + c1 u^2 + c2 u^4 + ...), u = (k - h) / h, h = (2^bits -
+    1) / 2: the odd polynomial through the (symmetric) Lloyd-Max levels, 2^(bits-1) coefficients; evaluated in
+    float32 it gives every level within an ulp (tests/test_split_attention.py), a few FMAs instead of a gather."""
+    levels = np.array(lloyd_max_codebook(bits))
+    half = len(levels) // 2
+    u = (np.arange(half, 2 * half) - (2 * half - 1) / 2) / ((2 * half - 1) / 2)
+    return tuple(np.linalg.solve(np.stack([u ** (2 * i + 1) for i in range(half)], 1), levels[half:]).tolist())
+
+
+T3_0, T3_1, T3_2, T3_3 = (tl.constexpr(c) for c in level_polynomial(3))
+T4_0, T4_1, T4_2, T4_3, T4_4, T4_5, T4_6, T4_7 = (tl.constexpr(c) for c in level_polynomial(4))
+
+
+@triton.jit
+def turbo_level(code, BITS: tl.constexpr):
+    """Rotated-type codes (integers) -> their codebook levels, float32 (level_polynomial)."""
+    if BITS == 4:
+        u = (code.to(tl.float32) - 7.5) * (1.0 / 7.5)
+        s = u * u
+        v = ((((((T4_7 * s + T4_6) * s + T4_5) * s + T4_4) * s + T4_3) * s + T4_2) * s + T4_1) * s + T4_0
+    else:
+        u = (code.to(tl.float32) - 3.5) * (1.0 / 3.5)
+        s = u * u
+        v = ((T3_3 * s + T3_2) * s + T3_1) * s + T3_0
+    return v * u
 
 
 def planes(row_type: int) -> int:
@@ -65,7 +95,7 @@ def _spread(x, per: tl.constexpr):
 
 
 @triton.jit
-def _plane(base, n, n_ok, p: tl.constexpr, lut, TYPE: tl.constexpr, D: tl.constexpr, ROW: tl.constexpr,
+def _plane(base, n, n_ok, p: tl.constexpr, TYPE: tl.constexpr, D: tl.constexpr, ROW: tl.constexpr,
            PLANES: tl.constexpr):
     """Plane p of stored rows n [BLOCK_N] of one KV head (base: its row 0; ROW: elements per stored row) ->
     [BLOCK_N, D / PLANES] float32, columns _plane_cols. Scales are loaded once per block and spread."""
@@ -93,7 +123,7 @@ def _plane(base, n, n_ok, p: tl.constexpr, lut, TYPE: tl.constexpr, D: tl.conste
             code = low | (high << 2)
         scale = tl.load((row + D * BITS // 8).to(tl.pointer_type(tl.float16)) + tl.arange(0, D // G)[None, :],
                         mask=ok, other=0.0)
-        x = tl.load(lut + code.to(tl.int32)) * _spread(scale.to(tl.float32), W)
+        x = turbo_level(code, BITS) * _spread(scale.to(tl.float32), W)
     else:  # 32-value blocks: quants (D / 2 nibble bytes), scales, [mins], [fifth bits]
         NB: tl.constexpr = D // 32
         HAS_MIN: tl.constexpr = TYPE == 3 or TYPE == 7
@@ -127,7 +157,7 @@ def _query_plane(q_ptr, t, head, row_ok, stride_qt, stride_qh, p: tl.constexpr, 
 # Query count, group size, key count and the mask's row stride are runtime values, never specialised on: a plain
 # step (T=1) and a verify step (T=16) run the same machine code, so a row's arithmetic cannot differ between them.
 @triton.jit(do_not_specialize=["stride_mt", "L", "blocks_per_split", "T", "G", "n_rows"])
-def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, k_lut, v_lut,
+def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr,
                     stride_qt, stride_qh, stride_kh, stride_vh, stride_mt,
                     L, blocks_per_split, n_kv, scale, softcap, T, G, n_rows,
                     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -160,14 +190,14 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, k_lut,
     for i in range(0, blocks_per_split):
         cols = start + i * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < L
-        k0 = _plane(k_base, cols, col_ok, 0, k_lut, K_TYPE, D, K_ROW, K_PLANES).to(q0.dtype)
+        k0 = _plane(k_base, cols, col_ok, 0, K_TYPE, D, K_ROW, K_PLANES).to(q0.dtype)
         s = tl.dot(q0, tl.trans(k0))
         if K_PLANES > 1:
-            k1 = _plane(k_base, cols, col_ok, 1, k_lut, K_TYPE, D, K_ROW, K_PLANES).to(q0.dtype)
+            k1 = _plane(k_base, cols, col_ok, 1, K_TYPE, D, K_ROW, K_PLANES).to(q0.dtype)
             s += tl.dot(q1, tl.trans(k1))
         if K_PLANES > 2:
-            k2 = _plane(k_base, cols, col_ok, 2, k_lut, K_TYPE, D, K_ROW, K_PLANES).to(q0.dtype)
-            k3 = _plane(k_base, cols, col_ok, 3, k_lut, K_TYPE, D, K_ROW, K_PLANES).to(q0.dtype)
+            k2 = _plane(k_base, cols, col_ok, 2, K_TYPE, D, K_ROW, K_PLANES).to(q0.dtype)
+            k3 = _plane(k_base, cols, col_ok, 3, K_TYPE, D, K_ROW, K_PLANES).to(q0.dtype)
             s += tl.dot(q2, tl.trans(k2)) + tl.dot(q3, tl.trans(k3))
         s = s * scale
         if SOFTCAP:  # softcap * tanh(s / softcap), tanh through exp (no libdevice call: the interpreter runs it too)
@@ -180,15 +210,15 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, k_lut,
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         p = p.to(q0.dtype)
-        acc0 = acc0 * alpha[:, None] + tl.dot(p, _plane(v_base, cols, col_ok, 0, v_lut, V_TYPE, D, V_ROW,
+        acc0 = acc0 * alpha[:, None] + tl.dot(p, _plane(v_base, cols, col_ok, 0, V_TYPE, D, V_ROW,
                                                         V_PLANES).to(q0.dtype))
         if V_PLANES > 1:
-            acc1 = acc1 * alpha[:, None] + tl.dot(p, _plane(v_base, cols, col_ok, 1, v_lut, V_TYPE, D, V_ROW,
+            acc1 = acc1 * alpha[:, None] + tl.dot(p, _plane(v_base, cols, col_ok, 1, V_TYPE, D, V_ROW,
                                                             V_PLANES).to(q0.dtype))
         if V_PLANES > 2:
-            acc2 = acc2 * alpha[:, None] + tl.dot(p, _plane(v_base, cols, col_ok, 2, v_lut, V_TYPE, D, V_ROW,
+            acc2 = acc2 * alpha[:, None] + tl.dot(p, _plane(v_base, cols, col_ok, 2, V_TYPE, D, V_ROW,
                                                             V_PLANES).to(q0.dtype))
-            acc3 = acc3 * alpha[:, None] + tl.dot(p, _plane(v_base, cols, col_ok, 3, v_lut, V_TYPE, D, V_ROW,
+            acc3 = acc3 * alpha[:, None] + tl.dot(p, _plane(v_base, cols, col_ok, 3, V_TYPE, D, V_ROW,
                                                             V_PLANES).to(q0.dtype))
         m_i = m_new
     base = split * n_kv + kv
@@ -229,13 +259,6 @@ def triton_matmul_ready(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (8, 0)
 
 
-def _lut(row_type: int, device: torch.device) -> Tensor:
-    """The value table a rotated type's codes index (its codebook; any table for the others, unread: iq4_nl's levels
-    come from iq4_value). layers/kv_quant.py makes them once per device, when a cache is allocated."""
-    from flashdraft.layers.kv_quant import table
-    return table("levels", row_type - 100, device) if row_type > 100 else table("iq4_nl", 0, device)
-
-
 @torch.library.custom_op("flashdraft::split_attention", mutates_args=())
 def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float, softcap: float,
                     k_type: int = 0, v_type: int = 0) -> Tensor:
@@ -272,8 +295,7 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale
         keys = keys.contiguous()
     if values.stride(1) != values.shape[2]:
         values = values.contiguous()
-    _partial_kernel[(row_tiles, KV, splits)](q, keys, values, mask, acc, m, lse, _lut(k_type, q.device),
-                                             _lut(v_type, q.device), q.stride(0), q.stride(1), keys.stride(0),
+    _partial_kernel[(row_tiles, KV, splits)](q, keys, values, mask, acc, m, lse, q.stride(0), q.stride(1), keys.stride(0),
                                              values.stride(0), mask.stride(0), L, blocks_per_split, KV, scale,
                                              softcap or 1.0, T, G, n_rows, D=D, BLOCK_M=ROW_TILE, BLOCK_N=block_n,
                                              SOFTCAP=softcap > 0, K_TYPE=k_type, V_TYPE=v_type, K_ROW=keys.shape[2],
