@@ -72,8 +72,9 @@ def _sub_block(acc, w, zero, a, b, s, d, dmin, b_ptr, b_ok, xds_ptr, toks, strid
 @gluon.jit
 def _tile(w_ptr, xq_ptr, M, N, stride_xq, stride_wn, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr):
     """A program's operands in the mma fragments' layouts: a_row [BLOCK_N, 1] (its weight rows' starts, in the A
-    layout: plus a_col, or a function of it that keeps runs of four, for word loads), a_ok, a_col [1, 32] (k); b_ptr [32, TOKENS] (x's bytes + k, in the B layout), b_ok; rows,
-    row_ok and toks, tok_ok along the product's two axes; a float32 accumulator and an int32 zero for each mma."""
+    layout: plus a_col, or a function of it that keeps runs of four, for word loads), a_ok, a_col [1, 32] (k);
+    b_ptr [32, TOKENS] (x's bytes + k, in the B layout), b_ok; rows, row_ok and toks, tok_ok along the product's
+    two axes; a float32 accumulator and an int32 zero for each mma."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
@@ -105,6 +106,13 @@ or.b32 $0, n, h;
 
 
 @gluon.jit
+def _q5_values(q, qh, J: gl.constexpr):
+    """Q5_K sub-block J's values from its nibble words q and the fifth-bit words qh (A-layout int8 tiles)."""
+    return gl.inline_asm_elementwise(Q5_ASM, "=r,r,r,r", [q, qh, gl.full(q.shape, J, gl.int8, q.type.layout)],
+                                     dtype=gl.int8, is_pure=True, pack=4)
+
+
+@gluon.jit
 def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn,
                    stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, FIVE_BITS: gl.constexpr):
     """xq_ptr: x's 8-bit values as bytes [M, K]; xds [M, K / 32] int64: each block's float32 scale (low half) and
@@ -131,11 +139,7 @@ def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
         for g in gl.static_range(4):
             q = gl.load(a_ptr + 4 * WORDS * c + NIBBLES + 32 * g, mask=a_ok, other=0)
             if FIVE_BITS:
-                lo = gl.inline_asm_elementwise(Q5_ASM, "=r,r,r,r", [q, qh, gl.full(q.shape, 2 * g, gl.int8, q.type.layout)],
-                                               dtype=gl.int8, is_pure=True, pack=4)
-                hi = gl.inline_asm_elementwise(Q5_ASM, "=r,r,r,r",
-                                               [q, qh, gl.full(q.shape, 2 * g + 1, gl.int8, q.type.layout)],
-                                               dtype=gl.int8, is_pure=True, pack=4)
+                lo, hi = _q5_values(q, qh, 2 * g), _q5_values(q, qh, 2 * g + 1)
             else:
                 lo = gl.inline_asm_elementwise("and.b32 $0, $1, 0x0F0F0F0F;", "=r,r", [q], dtype=gl.int8,
                                                is_pure=True, pack=4)
@@ -276,9 +280,9 @@ def matmul(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:
     xb = xq.view(torch.int8)
     xds = torch.stack([xd, xs], -1).view(torch.int64)[..., 0]
     kernel, constants = KERNELS[qtype]
-    kernel[(triton.cdiv(n, BLOCK_N), splits)](xb, xds, qweight, partial, m, n, k, per_split, xb.stride(0), xds.stride(0),
-                                              qweight.stride(0), partial.stride(0), partial.stride(1), BLOCK_N=BLOCK_N,
-                                              NUM_WARPS=NUM_WARPS, num_warps=NUM_WARPS, **constants)
+    kernel[(triton.cdiv(n, BLOCK_N), splits)](xb, xds, qweight, partial, m, n, k, per_split, xb.stride(0),
+                                              xds.stride(0), qweight.stride(0), partial.stride(0), partial.stride(1),
+                                              BLOCK_N=BLOCK_N, NUM_WARPS=NUM_WARPS, num_warps=NUM_WARPS, **constants)
     if splits > 1:
         gguf_gemv.sum_splits(partial, out)
     return out

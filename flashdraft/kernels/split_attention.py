@@ -295,9 +295,9 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale
         keys = keys.contiguous()
     if values.stride(1) != values.shape[2]:
         values = values.contiguous()
-    _partial_kernel[(row_tiles, KV, splits)](q, keys, values, mask, acc, m, lse, q.stride(0), q.stride(1), keys.stride(0),
-                                             values.stride(0), mask.stride(0), L, blocks_per_split, KV, scale,
-                                             softcap or 1.0, T, G, n_rows, D=D, BLOCK_M=ROW_TILE, BLOCK_N=block_n,
+    _partial_kernel[(row_tiles, KV, splits)](q, keys, values, mask, acc, m, lse, q.stride(0), q.stride(1),
+                                             keys.stride(0), values.stride(0), mask.stride(0), L, blocks_per_split, KV,
+                                             scale, softcap or 1.0, T, G, n_rows, D=D, BLOCK_M=ROW_TILE, BLOCK_N=block_n,
                                              SOFTCAP=softcap > 0, K_TYPE=k_type, V_TYPE=v_type, K_ROW=keys.shape[2],
                                              V_ROW=values.shape[2], K_PLANES=planes(k_type),
                                              V_PLANES=planes(v_type), num_warps=NUM_WARPS, num_stages=stages)
