@@ -364,7 +364,7 @@ def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb
 def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd,
                  stride_wu, stride_os, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
                  ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr):
-    """Q8_0 in two planes (layers/quantized.q8_0_planes): w as int32 words, a row's K / 4 words of int8 values,
+    """Q8_0 in two planes (layers/quantized.header_plane): w as int32 words, a row's K / 4 words of int8 values,
     then its K / 32 fp16 scales (w16: the same bytes as int16). SB counts groups of 8 blocks."""
     split, rows, row_ok, mi, acc = _row_tile(N, BLOCK_N, BM)
     bi, t = tl.arange(0, SB * 8), tl.arange(0, 8)
@@ -393,9 +393,10 @@ def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_pe
 def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd,
                    stride_wu, stride_os, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
                    ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr):
-    """IQ4_XS (136-byte super-blocks, 34 words: d and scales_h, scales_l, 128 nibble bytes), w as int32 words.
-    Sub-block j (32 weights) has 6-bit scale ls = nibble j of scales_l | bits 2j..2j+1 of scales_h << 4, weight
-    d * (ls - 32) * iq4.IQ4_VALUES[q]; its 16 bytes hold weights 0..15 in their low nibbles, 16..31 in the high."""
+    """IQ4_XS in two planes (layers/quantized.header_plane), w as int32 words: a row's super-blocks' 128 nibble
+    bytes (32 words each), then their 8-byte headers (d and scales_h, scales_l: two words each). Sub-block j (32
+    weights) has 6-bit scale ls = nibble j of scales_l | bits 2j..2j+1 of scales_h << 4, weight d * (ls - 32) *
+    iq4.IQ4_VALUES[q]; its 16 bytes hold weights 0..15 in their low nibbles, 16..31 in the high."""
     split, rows, row_ok, mi, acc = _row_tile(N, BLOCK_N, BM)
     sbi, j, t = tl.arange(0, SB), tl.arange(0, 8), tl.arange(0, 4)
     first = split * sb_per_split
@@ -404,13 +405,14 @@ def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_
     for s0 in range(first, last, SB):
         s = s0 + sbi
         ok = row_ok[:, None] & (s < last)[None, :]  # [N, SB]
-        base = row_base + s[None, :] * 34
-        head = tl.load(base, mask=ok, other=0)[:, :, None]
-        scales_l = tl.load(base + 1, mask=ok, other=0)[:, :, None]
+        base = row_base + s[None, :] * 32
+        header = row_base + K // 256 * 32 + s[None, :] * 2
+        head = tl.load(header, mask=ok, other=0)[:, :, None]
+        scales_l = tl.load(header + 1, mask=ok, other=0)[:, :, None]
         jj = j[None, None, :]
         ls = ((scales_l >> (4 * jj)) & 15) | (((head >> (16 + 2 * jj)) & 3) << 4)
         dl = _half(head) * (ls - 32).to(tl.float32)  # [N, SB, 8]
-        words = tl.load(base[:, :, None, None] + 2 + jj[:, :, :, None] * 4 + t[None, None, None, :],
+        words = tl.load(base[:, :, None, None] + jj[:, :, :, None] * 4 + t[None, None, None, :],
                         mask=ok[:, :, None, None], other=0)  # [N, SB, 8, 4]
         lo, hi = iq4_nibbles(words, lut_ptr, EMULATE)
         xs_ok = (s < last)[:, None]
@@ -506,7 +508,7 @@ def _gemv_into(out: Tensor, x: Tensor, xq: Tensor, xd: Tensor, xs: Tensor, qweig
     elif qtype == "Q6_K":  # 212-byte blocks: whole words
         w = qweight.view(torch.int32)
         kernel, args, extra = _q6_k_kernel, (w, qweight.view(torch.int16)), {}
-    elif qtype == "Q8_0":  # two planes: the values first, whole words (layers/quantized.q8_0_planes)
+    elif qtype == "Q8_0":  # two planes: the values first, whole words (layers/quantized.header_plane)
         w = qweight.view(torch.int32)
         kernel, args, extra = _q8_0_kernel, (w, qweight.view(torch.int16)), {}
     elif qtype == "IQ4_XS":

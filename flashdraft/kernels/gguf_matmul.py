@@ -76,7 +76,7 @@ def _legacy(p, ok, nb, BLOCK_BYTES: tl.constexpr):
 
 @triton.jit
 def _q8_0(row, c, ok, K, BN: tl.constexpr):
-    """Q8_0 as layers/quantized.q8_0_planes keeps it: a row's K int8 values, then its K / 32 fp16 scales."""
+    """Q8_0 as layers/quantized.header_plane keeps it: a row's K int8 values, then its K / 32 fp16 scales."""
     j = tl.arange(0, 8)
     ok2 = ok[:, None] & (8 * c + j < K // 32)[None, :]
     d = _f16(row[:, None] + K + 2 * (8 * c + j)[None, :], ok2)
@@ -127,8 +127,11 @@ def _iq4_nl(p, ok, nb, BN: tl.constexpr):
 
 
 @triton.jit
-def _iq4_xs(p, ok, BN: tl.constexpr):
+def _iq4_xs(row, c, ok, K, BN: tl.constexpr):
+    """IQ4_XS as layers/quantized.header_plane keeps it: a row's super-blocks' 128 nibble bytes, then their 8-byte
+    headers (d, scales_h, scales_l)."""
     ok2, ok3 = ok[:, None], ok[:, None, None]
+    p = row + K // 256 * 128 + 8 * c
     d = _f16(p, ok)
     scales_h = (tl.load(p + 2, mask=ok, other=0).to(tl.uint32) |
                 (tl.load(p + 3, mask=ok, other=0).to(tl.uint32) << 8))
@@ -137,7 +140,8 @@ def _iq4_xs(p, ok, BN: tl.constexpr):
     low = (scales_l >> (4 * (ib[None, :] % 2)).to(tl.uint32)) & 15
     high = (scales_h[:, None] >> (2 * ib[None, :]).to(tl.uint32)) & 3
     dl = d[:, None] * ((low | (high << 4)).to(tl.float32) - 32.0)  # [N, 8]
-    qs = tl.load(p[:, None, None] + 8 + 16 * ib[None, :, None] + tl.arange(0, 16)[None, None, :], mask=ok3, other=0)
+    qs = tl.load(row[:, None, None] + 128 * c + 16 * ib[None, :, None] + tl.arange(0, 16)[None, None, :], mask=ok3,
+                 other=0)
     return tl.reshape(dl[:, :, None] * iq4_value(_nibbles(qs, BN)), (BN, 256))
 
 
@@ -264,7 +268,7 @@ def _unpack(row, c, ok, K, QTYPE: tl.constexpr, CHUNK_BYTES: tl.constexpr, BN: t
     elif QTYPE == 20:
         w = _iq4_nl(p, ok, nb, BN)
     else:
-        w = _iq4_xs(p, ok, BN)
+        w = _iq4_xs(row, c, ok, K, BN)
     return w
 
 

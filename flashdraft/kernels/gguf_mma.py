@@ -229,8 +229,9 @@ def _q6k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_x
 @gluon.jit
 def _iq4_xs_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn,
                    stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr):
-    """IQ4_XS (136-byte super-blocks: d, the scales' high bits (16), their low nibbles (4 bytes), 128 nibble bytes,
-    sub-block j's 16 at 8 + 16j: byte l's low nibble is weight l, its high one l + 16). A's k 4t..4t+3 and
+    """IQ4_XS as layers/quantized.header_plane keeps it: a row's super-blocks' 128 nibble bytes (sub-block j's 16 at
+    16j: byte l's low nibble is weight l, its high one l + 16), then their 8-byte headers (d, the scales' high bits
+    (16), their low nibbles (4 bytes)). A's k 4t..4t+3 and
     16+4t..16+4t+3 both load word t of the 16 bytes and look up its low or its high nibbles (iq4.IQ4_FOUR): the
     weights in order. Each 32 weights are one mma, scaled by d * (6-bit scale - 32)."""
     split = gl.program_id(1)
@@ -242,11 +243,11 @@ def _iq4_xs_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
     nibble_shift = gl.broadcast((a_col // 16 * 4).to(gl.int8), a_ptr)[0]  # low nibbles for k < 16, high for the rest
     s_ptr = (w_ptr + rows.to(gl.int64) * stride_wn).to(gl.pointer_type(gl.int32))
     for c in range(first, last):
-        head = gl.load(s_ptr + 34 * c, mask=row_ok, other=0)
-        low = gl.load(s_ptr + 34 * c + 1, mask=row_ok, other=0)
+        head = gl.load(s_ptr + K // 256 * 32 + 2 * c, mask=row_ok, other=0)
+        low = gl.load(s_ptr + K // 256 * 32 + 2 * c + 1, mask=row_ok, other=0)
         d = _half(head)
         for j in gl.static_range(8):
-            q = gl.load(a_ptr + 136 * c + 8 + 16 * j, mask=a_ok, other=0)
+            q = gl.load(a_ptr + 128 * c + 16 * j, mask=a_ok, other=0)
             w = gl.inline_asm_elementwise(IQ4_FOUR, "=r,r,r", [q, nibble_shift], dtype=gl.int8, is_pure=True, pack=4)
             prod = mma_v2(w, gl.load(b_ptr + 256 * c + 32 * j, mask=b_ok, other=0), zero)
             scale = ((low >> (4 * j)) & 15) | (((head >> (16 + 2 * j)) & 3) << 4)

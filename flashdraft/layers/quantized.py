@@ -15,13 +15,14 @@ FEW_ROWS = 64  # up to this many rows a product runs the fused kernel; more dequ
 # halves (half the GPU's bandwidth, docs/PERF.md): in memory each block gets two zero bytes after its 210 (+0.95%),
 # so every block starts on a 4-byte word. The block's own bytes are unchanged.
 PADDED_BLOCK_BYTES = {"Q6_K": (210, 212)}
+HEADER_BYTES = {"Q8_0": (34, 2), "IQ4_XS": (136, 8)}  # block bytes, its leading scale bytes (header_plane)
 
 
 def stored_blocks(raw: Tensor, qtype: str) -> Tensor:
     """A matrix's file bytes [rows, row bytes] as the kernels keep them: Q6_K's blocks padded to 212 bytes, Q8_0's
-    rows split into two planes (below); the other types as in the file."""
-    if qtype == "Q8_0":
-        return q8_0_planes(raw)
+    and IQ4_XS's rows in two planes (header_plane); the other types as in the file."""
+    if qtype in HEADER_BYTES:
+        return header_plane(raw, *HEADER_BYTES[qtype])
     if qtype not in PADDED_BLOCK_BYTES:
         return raw
     size, padded = PADDED_BLOCK_BYTES[qtype]
@@ -31,13 +32,14 @@ def stored_blocks(raw: Tensor, qtype: str) -> Tensor:
     return out.view(raw.shape[0], -1)
 
 
-def q8_0_planes(raw: Tensor) -> Tensor:
-    """Q8_0 rows [rows, 34 * blocks] (each block an fp16 scale and 32 int8 values) -> the same bytes per row as
-    [every block's 32 values | every block's scale]: the blocks' 34 bytes leave every other block 2-byte aligned,
-    so a kernel could read their values only in 16-bit halves; in two planes the values are whole aligned words
-    and the row's size is unchanged."""
-    blocks = raw.reshape(raw.shape[0], -1, 34)
-    return torch.cat([blocks[:, :, 2:].reshape(raw.shape[0], -1), blocks[:, :, :2].reshape(raw.shape[0], -1)], 1)
+def header_plane(raw: Tensor, size: int, head: int) -> Tensor:
+    """Rows [rows, size * blocks] of blocks that start with `head` bytes of scales -> the same bytes per row as
+    [every block's other bytes | every block's header]. Q8_0's 34-byte blocks (an fp16 scale, 32 int8 values)
+    leave every other block 2-byte aligned, IQ4_XS's 136-byte ones (8 bytes of scales, 128 nibble bytes) 8-byte
+    aligned, so a kernel could read their values only in 16- or 64-bit pieces; in two planes the values are
+    aligned words (and 16-byte runs) and the row's size is unchanged."""
+    blocks = raw.reshape(raw.shape[0], -1, size)
+    return torch.cat([blocks[:, :, head:].reshape(raw.shape[0], -1), blocks[:, :, :head].reshape(raw.shape[0], -1)], 1)
 
 
 @dataclass
