@@ -66,14 +66,14 @@ def cases(kernels: list[str], types: list[str], block_n: int):
         if "gemv" in kernels and qtype in ("Q4_K", "Q6_K", "Q8_0", "IQ4_XS", *G.BLOCK32_IDS):
             block32 = qtype in G.BLOCK32_IDS
             cfg = G.TYPE_CONFIGS.get(qtype, G.CONFIG)
-            sig = {"xq_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "w_ptr": "*i16" if block32 else "*i32"}
-            if qtype in ("Q6_K", "Q8_0"):
+            sig = {"xq_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "w_ptr": "*i32"}
+            if qtype in ("Q6_K", "Q8_0") or block32:
                 sig["w16_ptr"] = "*i16"
             if qtype == "IQ4_XS" or block32:
                 sig["lut_ptr"] = "*i32"
             sig |= {"out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "sb_per_split": "i32", "stride_xq": "i32",
                     "stride_xd": "i32", "stride_wu": "i32", "stride_os": "i32", "stride_om": "i32"}
-            align = 1 if qtype == "Q6_K" else 8 if block32 else 4
+            align = 1 if qtype == "Q6_K" else 4
             const = dict(BM=1, BLOCK_N=cfg["BLOCK_N"], SB=cfg["SB"], ROW_ALIGN=align,
                          EMULATE=False)
             if qtype == "Q4_K":

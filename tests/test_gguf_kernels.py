@@ -41,9 +41,10 @@ def check(device: str, dtype: torch.dtype = torch.float32, tol: float = 1e-5) ->
     from flashdraft.kernels.gguf_matmul import dequantize_gguf, gguf_matmul
     from flashdraft.layers.quantized import stored_blocks
     gen = torch.Generator().manual_seed(0)
-    # 45 rows: not a multiple of the kernels' row tiles; the older types' rows may end inside a 256 chunk; Q8_0 rows
-    # of an odd block count (544) are not whole words and take the tensor-core kernel
-    cases = [(t, 512 if t.endswith("_K") or t == "IQ4_XS" else 576) for t in TYPES] + [("Q8_0", 544)]
+    # 45 rows: not a multiple of the kernels' row tiles; the older types' rows may end inside a 256 chunk; rows of an
+    # odd count (544 / 32) of 18-, 22- or 34-byte blocks are not whole words and take the tensor-core kernel
+    cases = [(t, 512 if t.endswith("_K") or t == "IQ4_XS" else 576) for t in TYPES] + [(t, 544) for t in
+                                                                                      ("Q8_0", "Q4_0", "Q5_0")]
     for i, (qtype, k) in enumerate(cases):
         n = 45
         raw = random_blocks(qtype, n, k, seed=i)

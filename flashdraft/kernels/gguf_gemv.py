@@ -69,14 +69,6 @@ def _half(bits):
 
 
 @triton.jit
-def _word16(p, mask):
-    """A 32-bit little-endian word from two 16-bit halves at p (an int16 pointer tensor)."""
-    lo = tl.load(p, mask=mask, other=0).to(tl.int32) & 0xFFFF
-    hi = tl.load(p + 1, mask=mask, other=0).to(tl.int32)
-    return lo | (hi << 16)
-
-
-@triton.jit
 def _quantize_kernel(x_ptr, q_ptr, d_ptr, s_ptr, K, stride_x, stride_q, stride_d, BLOCKS: tl.constexpr,
                      ORDER: tl.constexpr):
     """x [M, K] -> q [M, K / 4] int32 (four int8 per word), d [M, K / 32] scales, s [M, K / 32] = d * sum(q).
@@ -300,42 +292,43 @@ def _spread_bits(nib):
 
 
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
-def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd,
-                    stride_wu, stride_os, stride_om, QTYPE: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
-                    SB: tl.constexpr, ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr):
-    """The 32-weight nibble block types, w as int16 halves: Q4_0 (18 bytes: d, 16 nibble bytes), Q4_1 (20: d, m,
-    ...), Q5_0 (22: d, 32 fifth bits, ...), Q5_1 (24: d, m, fifth bits, ...), IQ4_NL (18: d, 16 nibble bytes, each
-    nibble an index into iq4.IQ4_VALUES). A nibble byte l's low half is weight l, its high one weight l + 16; fifth
-    bit j belongs to weight j. Q4_0 / Q5_0 store q + 8 / q + 16; Q4_1 / Q5_1 add m. SB counts groups of 8 blocks
-    (one super-block's worth). lut_ptr: the IQ4 table as four int32 words."""
+def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, lut_ptr, out_ptr, M, N, K, sb_per_split, stride_xq,
+                    stride_xd, stride_wu, stride_os, stride_om, QTYPE: tl.constexpr, BM: tl.constexpr,
+                    BLOCK_N: tl.constexpr, SB: tl.constexpr, ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr):
+    """The 32-weight nibble block types as layers/quantized.field_planes keeps them, w as int32 words (w16: the
+    same bytes as int16): a row's blocks' 16 nibble bytes (4 words each), then (Q5_0, Q5_1) their 32 fifth bits (a
+    word each), then their fp16 d (and m). Q4_0, Q4_1 (d, m), Q5_0, Q5_1 (d, m), IQ4_NL (each nibble an index into
+    iq4.IQ4_VALUES). A nibble byte l's low half is weight l, its high one weight l + 16; fifth bit j belongs to
+    weight j. Q4_0 / Q5_0 store q + 8 / q + 16; Q4_1 / Q5_1 add m. SB counts groups of 8 blocks (one super-block's
+    worth). lut_ptr: the IQ4 table as four int32 words."""
     TABLE: tl.constexpr = QTYPE == 20
     HAS_MIN: tl.constexpr = QTYPE == 3 or QTYPE == 7
     FIVE: tl.constexpr = QTYPE == 6 or QTYPE == 7
-    HALVES: tl.constexpr = 9 + HAS_MIN + 2 * FIVE
-    QS: tl.constexpr = 1 + HAS_MIN + 2 * FIVE
     OFFSET: tl.constexpr = 0.0 if HAS_MIN or TABLE else (16.0 if FIVE else 8.0)
     split, rows, row_ok, mi, acc = _row_tile(N, BLOCK_N, BM)
     bi, t = tl.arange(0, SB * 8), tl.arange(0, 4)
+    blocks = K // 32
     first = split * sb_per_split * 8
-    last = tl.minimum(first + sb_per_split * 8, K // 32)
-    row_base = w_ptr + rows.to(tl.int64)[:, None] * (stride_wu * ROW_ALIGN)
+    last = tl.minimum(first + sb_per_split * 8, blocks)
+    row_words = w_ptr + rows.to(tl.int64)[:, None] * (stride_wu * ROW_ALIGN)
+    row_scales = w16_ptr + rows.to(tl.int64)[:, None] * (stride_wu * ROW_ALIGN * 2) + (8 + 2 * FIVE) * blocks
     for b0 in range(first, last, SB * 8):
         b = b0 + bi
         ok = row_ok[:, None] & (b < last)[None, :]
-        base = row_base + b[None, :] * HALVES
-        d = _half(tl.load(base, mask=ok, other=0).to(tl.int32))
-        words = _word16(base[:, :, None] + QS + 2 * t[None, None, :], ok[:, :, None])  # [N, B, 4]
+        d = _half(tl.load(row_scales + (1 + HAS_MIN) * b[None, :], mask=ok, other=0).to(tl.int32))
+        words = tl.load(row_words[:, :, None] + 4 * b[None, :, None] + t[None, None, :], mask=ok[:, :, None],
+                        other=0)  # [N, B, 4]
         if TABLE:
             lo, hi = iq4_nibbles(words, lut_ptr, EMULATE)
         else:
             lo = words & 0x0F0F0F0F
             hi = (words >> 4) & 0x0F0F0F0F
         if FIVE:
-            qh = _word16(base + 1 + HAS_MIN, ok)[:, :, None]
+            qh = tl.load(row_words + 4 * blocks + b[None, :], mask=ok, other=0)[:, :, None]
             lo = lo | _spread_bits((qh >> (4 * t[None, None, :])) & 15)
             hi = hi | _spread_bits((qh >> (16 + 4 * t[None, None, :])) & 15)
         if HAS_MIN:
-            dm = _half(tl.load(base + 1, mask=ok, other=0).to(tl.int32))
+            dm = _half(tl.load(row_scales + 2 * b[None, :] + 1, mask=ok, other=0).to(tl.int32))
         else:
             dm = -OFFSET * d
         xs_ok = (b < last)
@@ -364,7 +357,7 @@ def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb
 def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd,
                  stride_wu, stride_os, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
                  ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr):
-    """Q8_0 in two planes (layers/quantized.header_plane): w as int32 words, a row's K / 4 words of int8 values,
+    """Q8_0 in two planes (layers/quantized.field_planes): w as int32 words, a row's K / 4 words of int8 values,
     then its K / 32 fp16 scales (w16: the same bytes as int16). SB counts groups of 8 blocks."""
     split, rows, row_ok, mi, acc = _row_tile(N, BLOCK_N, BM)
     bi, t = tl.arange(0, SB * 8), tl.arange(0, 8)
@@ -393,7 +386,7 @@ def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_pe
 def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd,
                    stride_wu, stride_os, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
                    ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr):
-    """IQ4_XS in two planes (layers/quantized.header_plane), w as int32 words: a row's super-blocks' 128 nibble
+    """IQ4_XS in two planes (layers/quantized.field_planes), w as int32 words: a row's super-blocks' 128 nibble
     bytes (32 words each), then their 8-byte headers (d and scales_h, scales_l: two words each). Sub-block j (32
     weights) has 6-bit scale ls = nibble j of scales_l | bits 2j..2j+1 of scales_h << 4, weight d * (ls - 32) *
     iq4.IQ4_VALUES[q]; its 16 bytes hold weights 0..15 in their low nibbles, 16..31 in the high."""
@@ -472,8 +465,9 @@ def row_align(w: Tensor) -> int:
 
 
 def covers(qtype: str, k: int) -> bool:
-    """Whether the integer kernels take this matrix (Q8_0 rows of an odd block count are not whole words)."""
-    return qtype in GEMV_TYPES and not (qtype == "Q8_0" and k % 64)
+    """Whether the integer kernels take this matrix (rows of an odd count of 18-, 22- or 34-byte blocks are not
+    whole words)."""
+    return qtype in GEMV_TYPES and not (qtype in ("Q4_0", "IQ4_NL", "Q5_0", "Q8_0") and k % 64)
 
 
 def gemv(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:
@@ -508,16 +502,16 @@ def _gemv_into(out: Tensor, x: Tensor, xq: Tensor, xd: Tensor, xs: Tensor, qweig
     elif qtype == "Q6_K":  # 212-byte blocks: whole words
         w = qweight.view(torch.int32)
         kernel, args, extra = _q6_k_kernel, (w, qweight.view(torch.int16)), {}
-    elif qtype == "Q8_0":  # two planes: the values first, whole words (layers/quantized.header_plane)
+    elif qtype == "Q8_0":  # two planes: the values first, whole words (layers/quantized.field_planes)
         w = qweight.view(torch.int32)
         kernel, args, extra = _q8_0_kernel, (w, qweight.view(torch.int16)), {}
     elif qtype == "IQ4_XS":
         w = qweight.view(torch.int32)
         kernel, args, extra = _iq4_xs_kernel, (w, iq4_table(x.device).view(torch.int32)), {}
-    else:
-        w = qweight.view(torch.int16)
+    else:  # planes by field: nibble words, fifth-bit words, fp16 scales (layers/quantized.field_planes)
+        w = qweight.view(torch.int32)
         table = iq4_table(x.device).view(torch.int32)
-        kernel, args, extra = _block32_kernel, (w, table), dict(QTYPE=BLOCK32_IDS[qtype])
+        kernel, args, extra = _block32_kernel, (w, qweight.view(torch.int16), table), dict(QTYPE=BLOCK32_IDS[qtype])
     align = row_align(w)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), splits)
     kernel[grid](xq, xd, xs, *args, partial, m, n, k, per_split, xq.stride(0), xd.stride(0), w.stride(0) // align,

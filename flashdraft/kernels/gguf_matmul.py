@@ -65,18 +65,17 @@ def _nibbles(b, BN: tl.constexpr):
 
 
 @triton.jit
-def _legacy(p, ok, nb, BLOCK_BYTES: tl.constexpr):
-    """The chunk's eight 32-weight blocks (the first `nb` of them exist: a row may end inside the chunk):
-    (block starts [N, 8], their mask [N, 8], the same [N, 8, 1]). A missing block's scale loads as 0."""
-    j = tl.arange(0, 8)
-    start = p[:, None] + j[None, :] * BLOCK_BYTES
-    ok2 = ok[:, None] & (j < nb)[None, :]
-    return start, ok2, ok2[:, :, None]
+def _blocks(c, ok, K):
+    """Chunk c's eight 32-weight blocks (a row may end inside the chunk): (their indices [8], mask [N, 8], the same
+    [N, 8, 1]). A missing block's scale loads as 0."""
+    j = 8 * c + tl.arange(0, 8)
+    ok2 = ok[:, None] & (j < K // 32)[None, :]
+    return j, ok2, ok2[:, :, None]
 
 
 @triton.jit
 def _q8_0(row, c, ok, K, BN: tl.constexpr):
-    """Q8_0 as layers/quantized.header_plane keeps it: a row's K int8 values, then its K / 32 fp16 scales."""
+    """Q8_0 as layers/quantized.field_planes keeps it: a row's K int8 values, then its K / 32 fp16 scales."""
     j = tl.arange(0, 8)
     ok2 = ok[:, None] & (8 * c + j < K // 32)[None, :]
     d = _f16(row[:, None] + K + 2 * (8 * c + j)[None, :], ok2)
@@ -86,49 +85,54 @@ def _q8_0(row, c, ok, K, BN: tl.constexpr):
 
 
 @triton.jit
-def _q4_x(p, ok, nb, HAS_MIN: tl.constexpr, BN: tl.constexpr):
-    BYTES: tl.constexpr = 20 if HAS_MIN else 18
-    QS: tl.constexpr = 4 if HAS_MIN else 2
-    start, ok2, ok3 = _legacy(p, ok, nb, BYTES)
-    d = _f16(start, ok2)
-    q = _nibbles(tl.load(start[:, :, None] + QS + tl.arange(0, 16)[None, None, :], mask=ok3, other=0), BN).to(tl.float32)
+def _q4_x(row, c, ok, K, HAS_MIN: tl.constexpr, BN: tl.constexpr):
+    """Q4_0 / Q4_1 as layers/quantized.field_planes keeps them: a row's blocks' 16 nibble bytes, then their d (and m)."""
+    j, ok2, ok3 = _blocks(c, ok, K)
+    scales = row[:, None] + K // 2 + (2 + 2 * HAS_MIN) * j[None, :]
+    d = _f16(scales, ok2)
+    q = _nibbles(tl.load(row[:, None, None] + 16 * j[None, :, None] + tl.arange(0, 16)[None, None, :], mask=ok3,
+                         other=0), BN).to(tl.float32)
     if HAS_MIN:
-        w = d[:, :, None] * q + _f16(start + 2, ok2)[:, :, None]
+        w = d[:, :, None] * q + _f16(scales + 2, ok2)[:, :, None]
     else:
         w = d[:, :, None] * (q - 8.0)
     return tl.reshape(w, (BN, 256))
 
 
 @triton.jit
-def _q5_x(p, ok, nb, HAS_MIN: tl.constexpr, BN: tl.constexpr):
-    BYTES: tl.constexpr = 24 if HAS_MIN else 22
-    QH: tl.constexpr = 4 if HAS_MIN else 2
-    start, ok2, ok3 = _legacy(p, ok, nb, BYTES)
-    d = _f16(start, ok2)
+def _q5_x(row, c, ok, K, HAS_MIN: tl.constexpr, BN: tl.constexpr):
+    """Q5_0 / Q5_1 as layers/quantized.field_planes keeps them: a row's blocks' 16 nibble bytes, then their 4 bytes
+    of fifth bits, then their d (and m)."""
+    j, ok2, ok3 = _blocks(c, ok, K)
+    scales = row[:, None] + K // 2 + K // 8 + (2 + 2 * HAS_MIN) * j[None, :]
+    d = _f16(scales, ok2)
     qh = tl.zeros([BN, 8], tl.uint32)
     for i in tl.static_range(4):
-        qh = qh | (tl.load(start + QH + i, mask=ok2, other=0).to(tl.uint32) << (8 * i))
-    low = _nibbles(tl.load(start[:, :, None] + QH + 4 + tl.arange(0, 16)[None, None, :], mask=ok3, other=0), BN)
+        qh = qh | (tl.load(row[:, None] + K // 2 + 4 * j[None, :] + i, mask=ok2, other=0).to(tl.uint32) << (8 * i))
+    low = _nibbles(tl.load(row[:, None, None] + 16 * j[None, :, None] + tl.arange(0, 16)[None, None, :], mask=ok3,
+                           other=0), BN)
     high = (qh[:, :, None] >> tl.arange(0, 32)[None, None, :].to(tl.uint32)) & 1
     q = (low.to(tl.uint32) | (high << 4)).to(tl.float32)
     if HAS_MIN:
-        w = d[:, :, None] * q + _f16(start + 2, ok2)[:, :, None]
+        w = d[:, :, None] * q + _f16(scales + 2, ok2)[:, :, None]
     else:
         w = d[:, :, None] * (q - 16.0)
     return tl.reshape(w, (BN, 256))
 
 
 @triton.jit
-def _iq4_nl(p, ok, nb, BN: tl.constexpr):
-    start, ok2, ok3 = _legacy(p, ok, nb, 18)
-    d = _f16(start, ok2)
-    q = _nibbles(tl.load(start[:, :, None] + 2 + tl.arange(0, 16)[None, None, :], mask=ok3, other=0), BN)
+def _iq4_nl(row, c, ok, K, BN: tl.constexpr):
+    """IQ4_NL as layers/quantized.field_planes keeps it: a row's blocks' 16 nibble bytes, then their d."""
+    j, ok2, ok3 = _blocks(c, ok, K)
+    d = _f16(row[:, None] + K // 2 + 2 * j[None, :], ok2)
+    q = _nibbles(tl.load(row[:, None, None] + 16 * j[None, :, None] + tl.arange(0, 16)[None, None, :], mask=ok3,
+                         other=0), BN)
     return tl.reshape(d[:, :, None] * iq4_value(q), (BN, 256))
 
 
 @triton.jit
 def _iq4_xs(row, c, ok, K, BN: tl.constexpr):
-    """IQ4_XS as layers/quantized.header_plane keeps it: a row's super-blocks' 128 nibble bytes, then their 8-byte
+    """IQ4_XS as layers/quantized.field_planes keeps it: a row's super-blocks' 128 nibble bytes, then their 8-byte
     headers (d, scales_h, scales_l)."""
     ok2, ok3 = ok[:, None], ok[:, None, None]
     p = row + K // 256 * 128 + 8 * c
@@ -241,18 +245,18 @@ def _q3_k(p, ok, BN: tl.constexpr):
 
 @triton.jit
 def _unpack(row, c, ok, K, QTYPE: tl.constexpr, CHUNK_BYTES: tl.constexpr, BN: tl.constexpr):
-    """Chunk c of the rows starting at `row` [BLOCK_N]. The older types' rows may end inside a chunk: nb of its
-    32-weight blocks exist (K-quant rows hold whole chunks)."""
+    """Chunk c (256 weights) of the rows starting at `row` [BLOCK_N]. The 32-weight types' rows may end inside a
+    chunk (K-quant rows hold whole chunks); they, Q8_0 and IQ4_XS are kept in planes by field and addressed from
+    the row's start, the K-quants by their chunk's bytes."""
     p = row + c * CHUNK_BYTES
-    nb = K // 32 - 8 * c
     if QTYPE == 2:
-        w = _q4_x(p, ok, nb, False, BN)
+        w = _q4_x(row, c, ok, K, False, BN)
     elif QTYPE == 3:
-        w = _q4_x(p, ok, nb, True, BN)
+        w = _q4_x(row, c, ok, K, True, BN)
     elif QTYPE == 6:
-        w = _q5_x(p, ok, nb, False, BN)
+        w = _q5_x(row, c, ok, K, False, BN)
     elif QTYPE == 7:
-        w = _q5_x(p, ok, nb, True, BN)
+        w = _q5_x(row, c, ok, K, True, BN)
     elif QTYPE == 8:
         w = _q8_0(row, c, ok, K, BN)
     elif QTYPE == 10:
@@ -266,7 +270,7 @@ def _unpack(row, c, ok, K, QTYPE: tl.constexpr, CHUNK_BYTES: tl.constexpr, BN: t
     elif QTYPE == 14:
         w = _q6_k(p, ok, BN)
     elif QTYPE == 20:
-        w = _iq4_nl(p, ok, nb, BN)
+        w = _iq4_nl(row, c, ok, K, BN)
     else:
         w = _iq4_xs(row, c, ok, K, BN)
     return w

@@ -229,7 +229,7 @@ def _q6k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_x
 @gluon.jit
 def _iq4_xs_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn,
                    stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr):
-    """IQ4_XS as layers/quantized.header_plane keeps it: a row's super-blocks' 128 nibble bytes (sub-block j's 16 at
+    """IQ4_XS as layers/quantized.field_planes keeps it: a row's super-blocks' 128 nibble bytes (sub-block j's 16 at
     16j: byte l's low nibble is weight l, its high one l + 16), then their 8-byte headers (d, the scales' high bits
     (16), their low nibbles (4 bytes)). A's k 4t..4t+3 and
     16+4t..16+4t+3 both load word t of the 16 bytes and look up its low or its high nibbles (iq4.IQ4_FOUR): the

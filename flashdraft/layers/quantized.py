@@ -15,14 +15,17 @@ FEW_ROWS = 64  # up to this many rows a product runs the fused kernel; more dequ
 # halves (half the GPU's bandwidth, docs/PERF.md): in memory each block gets two zero bytes after its 210 (+0.95%),
 # so every block starts on a 4-byte word. The block's own bytes are unchanged.
 PADDED_BLOCK_BYTES = {"Q6_K": (210, 212)}
-HEADER_BYTES = {"Q8_0": (34, 2), "IQ4_XS": (136, 8)}  # block bytes, its leading scale bytes (header_plane)
+# block bytes and the byte ranges of a block's fields in the order field_planes keeps them: values, fifth bits, scales
+FIELD_PLANES = {"Q8_0": (34, ((2, 34), (0, 2))), "IQ4_XS": (136, ((8, 136), (0, 8))),
+                "Q4_0": (18, ((2, 18), (0, 2))), "IQ4_NL": (18, ((2, 18), (0, 2))), "Q4_1": (20, ((4, 20), (0, 4))),
+                "Q5_0": (22, ((6, 22), (2, 6), (0, 2))), "Q5_1": (24, ((8, 24), (4, 8), (0, 4)))}
 
 
 def stored_blocks(raw: Tensor, qtype: str) -> Tensor:
-    """A matrix's file bytes [rows, row bytes] as the kernels keep them: Q6_K's blocks padded to 212 bytes, Q8_0's
-    and IQ4_XS's rows in two planes (header_plane); the other types as in the file."""
-    if qtype in HEADER_BYTES:
-        return header_plane(raw, *HEADER_BYTES[qtype])
+    """A matrix's file bytes [rows, row bytes] as the kernels keep them: Q6_K's blocks padded to 212 bytes, the
+    32-weight block types' and IQ4_XS's rows in planes by field (field_planes); the K-quants as in the file."""
+    if qtype in FIELD_PLANES:
+        return field_planes(raw, *FIELD_PLANES[qtype])
     if qtype not in PADDED_BLOCK_BYTES:
         return raw
     size, padded = PADDED_BLOCK_BYTES[qtype]
@@ -32,14 +35,14 @@ def stored_blocks(raw: Tensor, qtype: str) -> Tensor:
     return out.view(raw.shape[0], -1)
 
 
-def header_plane(raw: Tensor, size: int, head: int) -> Tensor:
-    """Rows [rows, size * blocks] of blocks that start with `head` bytes of scales -> the same bytes per row as
-    [every block's other bytes | every block's header]. Q8_0's 34-byte blocks (an fp16 scale, 32 int8 values)
-    leave every other block 2-byte aligned, IQ4_XS's 136-byte ones (8 bytes of scales, 128 nibble bytes) 8-byte
-    aligned, so a kernel could read their values only in 16- or 64-bit pieces; in two planes the values are
-    aligned words (and 16-byte runs) and the row's size is unchanged."""
+def field_planes(raw: Tensor, size: int, fields: tuple[tuple[int, int], ...]) -> Tensor:
+    """Rows [rows, size * blocks] -> the same bytes per row as one plane per field: every block's bytes
+    fields[0] (its values), then every block's fields[1], ... The 32-weight types' 18-24-byte blocks and Q8_0's 34
+    leave their values only 2-byte aligned, IQ4_XS's 136 8-byte aligned, so a kernel could read them only in
+    16- or 64-bit pieces; in planes the values are aligned 16-byte runs, each block's fifth bits a word, its scales
+    aligned halves, and the row's size is unchanged."""
     blocks = raw.reshape(raw.shape[0], -1, size)
-    return torch.cat([blocks[:, :, head:].reshape(raw.shape[0], -1), blocks[:, :, :head].reshape(raw.shape[0], -1)], 1)
+    return torch.cat([blocks[:, :, a:b].reshape(raw.shape[0], -1) for a, b in fields], 1)
 
 
 @dataclass
