@@ -57,10 +57,8 @@ def main() -> int:
     from gpu import graphed, timed
     from flashdraft.kernels import gguf_matmul as K
     from flashdraft.layers.quantized import stored_blocks
-    shapes = {"Q4_K": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],  # the 8B's four matrices
-              "Q5_K": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],
-              "IQ4_XS": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],
-              "Q6_K": [(128256, 4096), (4096, 14336)]}  # its LM head, a Q4_K_M down projection
+    eight_b = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # the 8B's four matrices
+    shapes = {"Q6_K": [(128256, 4096), (4096, 14336)]}  # its LM head, a Q4_K_M down projection
     for qtype in types:
         for n, k in ((45, 512), (1000, 4096)):  # correctness: odd rows, one and several splits
             raw = random_blocks(qtype, n, k, 0)
@@ -73,10 +71,11 @@ def main() -> int:
                 err = ((got - ref).norm() / ref.norm()).item()
                 print(f"{qtype} N={n} K={k} rows={m}: relative error {err:.2e}", flush=True)
                 assert err < 1e-3, err
-        weights = {s: stored_blocks(torch.from_numpy(random_blocks(qtype, *s, 0)), qtype).cuda() for s in shapes[qtype]}
+        matrices = shapes.get(qtype, eight_b)
+        weights = {s: stored_blocks(torch.from_numpy(random_blocks(qtype, *s, 0)), qtype).cuda() for s in matrices}
         gbytes = sum(w.numel() for w in weights.values()) / 1e9
         for m in map(int, args.rows.split(",")):
-            x = {s: torch.randn(m, s[1], device="cuda", dtype=torch.bfloat16) for s in shapes[qtype]}
+            x = {s: torch.randn(m, s[1], device="cuda", dtype=torch.bfloat16) for s in matrices}
             gguf_mma.ENABLED = False  # the kernels gguf_matmul has without these
             ms = timed(graphed(lambda: [K.gguf_matmul(x[s], weights[s], qtype, s[1]) for s in weights], "cuda"), 20,
                        "cuda")

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
+from flashdraft.layers.kv_quant import IQ4_NL_VALUES
 from flashdraft.models.registry import Family, family_for_gguf
 
 QK_K = 256
@@ -317,8 +318,7 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return ((d * sc).reshape(n, 16, 1) * q).reshape(n, QK_K)
 
 
-IQ4_VALUES = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
-                          dtype=torch.float32)  # kvalues_iq4nl
+IQ4_VALUES = torch.tensor(IQ4_NL_VALUES, dtype=torch.float32)
 
 
 def _iq4_nl(b: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from flashdraft.kernels.iq4 import iq4_nibbles, iq4_table
+from flashdraft.layers.quantized import FIELD_PLANES
 
 QK8 = 32  # x values per 8-bit block
 GEMV_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
@@ -465,9 +466,10 @@ def row_align(w: Tensor) -> int:
 
 
 def covers(qtype: str, k: int) -> bool:
-    """Whether the integer kernels take this matrix (rows of an odd count of 18-, 22- or 34-byte blocks are not
-    whole words)."""
-    return qtype in GEMV_TYPES and not (qtype in ("Q4_0", "IQ4_NL", "Q5_0", "Q8_0") and k % 64)
+    """Whether the integer kernels take this matrix: a type they read, whose stored rows are whole words (the
+    types kept in planes by field keep the file's row bytes: an odd count of 18-, 22- or 34-byte blocks is not)."""
+    size, _ = FIELD_PLANES.get(qtype, (4, ()))
+    return qtype in GEMV_TYPES and k // (256 if qtype == "IQ4_XS" else 32) * size % 4 == 0
 
 
 def gemv(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:

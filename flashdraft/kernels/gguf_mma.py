@@ -70,11 +70,13 @@ def _sub_block(acc, w, zero, a, b, s, d, dmin, b_ptr, b_ok, xds_ptr, toks, strid
 
 
 @gluon.jit
-def _tile(w_ptr, xq_ptr, M, N, stride_xq, stride_wn, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr):
-    """A program's operands in the mma fragments' layouts: a_row [BLOCK_N, 1] (its weight rows' starts, in the A
-    layout: plus a_col, or a function of it that keeps runs of four, for word loads), a_ok, a_col [1, 32] (k);
-    b_ptr [32, TOKENS] (x's bytes + k, in the B layout), b_ok; rows, row_ok and toks, tok_ok along the product's
-    two axes; a float32 accumulator and an int32 zero for each mma."""
+def _tile(w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N: gl.constexpr,
+          NUM_WARPS: gl.constexpr):
+    """A program's super-blocks [first, last) (grid axis 1 splits K) and its operands in the mma fragments'
+    layouts: a_row [BLOCK_N, 1] (its weight rows' starts, in the A layout: plus a_col, or a function of it that
+    keeps runs of four, for word loads), a_ok, a_col [1, 32] (k); b_ptr [32, TOKENS] (x's bytes + k, in the B
+    layout), b_ok; s_ptr (the rows' starts as int32 words, for their scales), rows, row_ok and toks, tok_ok along
+    the product's two axes; a float32 accumulator and an int32 zero for each mma."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
@@ -86,9 +88,19 @@ def _tile(w_ptr, xq_ptr, M, N, stride_xq, stride_wn, BLOCK_N: gl.constexpr, NUM_
     b_t = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, b_l))
     rows = first_row + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
     toks = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, mma))
-    return (a_row, (a_rows < N)[:, None], a_col, xq_ptr + b_t[None, :] * stride_xq + b_k[:, None], (b_t < M)[None, :],
-            rows, rows < N, toks, toks < M, gl.zeros([BLOCK_N, TOKENS], gl.float32, layout=mma),
-            gl.zeros([BLOCK_N, TOKENS], gl.int32, layout=mma))
+    first = gl.program_id(1) * sb_per_split
+    s_ptr = (w_ptr + rows.to(gl.int64) * stride_wn).to(gl.pointer_type(gl.int32))
+    return (first, gl.minimum(first + sb_per_split, K // 256), a_row, (a_rows < N)[:, None], a_col,
+            xq_ptr + b_t[None, :] * stride_xq + b_k[:, None], (b_t < M)[None, :], s_ptr, rows, rows < N, toks,
+            toks < M, gl.zeros([BLOCK_N, TOKENS], gl.float32, layout=mma), gl.zeros([BLOCK_N, TOKENS], gl.int32,
+                                                                                   layout=mma))
+
+
+@gluon.jit
+def _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om):
+    """The program's partial sums into out [splits, M, N] at its split (grid axis 1)."""
+    gl.store(out_ptr + gl.program_id(1) * stride_os + toks[None, :] * stride_om + rows[:, None],
+             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & tok_ok[None, :])
 
 
 Q5_ASM = gl.constexpr("""{
@@ -121,13 +133,9 @@ def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
     weight l); out [splits, M, N] float32 partial sums over this program's super-blocks."""
     WORDS: gl.constexpr = 44 if FIVE_BITS else 36
     NIBBLES: gl.constexpr = 48 if FIVE_BITS else 16
-    split = gl.program_id(1)
-    first = split * sb_per_split
-    last = gl.minimum(first + sb_per_split, K // 256)
-    a_row, a_ok, a_col, b_ptr, b_ok, rows, row_ok, toks, tok_ok, acc, zero = _tile(w_ptr, xq_ptr, M, N, stride_xq,
-                                                                                    stride_wn, BLOCK_N, NUM_WARPS)
+    first, last, a_row, a_ok, a_col, b_ptr, b_ok, s_ptr, rows, row_ok, toks, tok_ok, acc, zero = _tile(
+        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS)
     a_ptr = a_row + a_col
-    s_ptr = (w_ptr + rows.to(gl.int64) * stride_wn).to(gl.pointer_type(gl.int32))
     for c in range(first, last):
         head = gl.load(s_ptr + WORDS * c, mask=row_ok, other=0)
         a = gl.load(s_ptr + WORDS * c + 1, mask=row_ok, other=0)
@@ -149,8 +157,7 @@ def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
                              tok_ok, 8 * c, 2 * g)
             acc = _sub_block(acc, hi, zero, a, b, s, d, dmin, b_ptr + 256 * c, b_ok, xds_ptr, toks, stride_xds,
                              tok_ok, 8 * c, 2 * g + 1)
-    gl.store(out_ptr + split * stride_os + toks[None, :] * stride_om + rows[:, None],
-             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & tok_ok[None, :])
+    _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
 
 
 def _q6_asm(nibble_shift: int, high_shift: int) -> str:
@@ -194,14 +201,10 @@ def _q6k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_x
                 stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr):
     """Q6_K (kept padded to 212 bytes: ql 128, qh 64, 16 int8 scales, d): each 32 weights are one int8 mma per
     16-weight scale, the other half's weights zeroed, the two exact int32 products scaled in float32."""
-    split = gl.program_id(1)
-    first = split * sb_per_split
-    last = gl.minimum(first + sb_per_split, K // 256)
-    a_row, a_ok, a_col, b_ptr, b_ok, rows, row_ok, toks, tok_ok, acc, zero = _tile(w_ptr, xq_ptr, M, N, stride_xq,
-                                                                                    stride_wn, BLOCK_N, NUM_WARPS)
+    first, last, a_row, a_ok, a_col, b_ptr, b_ok, s_ptr, rows, row_ok, toks, tok_ok, acc, zero = _tile(
+        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS)
     a_ptr = a_row + a_col
     first_half = a_col < 16
-    s_ptr = (w_ptr + rows.to(gl.int64) * stride_wn).to(gl.pointer_type(gl.int32))
     for c in range(first, last):
         d = _half(gl.load(s_ptr + 53 * c + 52, mask=row_ok, other=0))
         for h in gl.static_range(2):  # 128-weight halves
@@ -222,8 +225,7 @@ def _q6k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_x
                 xd = pair.to(gl.int32).to(gl.float32, bitcast=True)
                 both = prod_a.to(gl.float32) * sc_a[:, None] + prod_b.to(gl.float32) * sc_b[:, None]
                 acc += both * (d[:, None] * xd[None, :])
-    gl.store(out_ptr + split * stride_os + toks[None, :] * stride_om + rows[:, None],
-             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & tok_ok[None, :])
+    _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
 
 
 @gluon.jit
@@ -231,17 +233,13 @@ def _iq4_xs_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
                    stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr):
     """IQ4_XS as layers/quantized.field_planes keeps it: a row's super-blocks' 128 nibble bytes (sub-block j's 16 at
     16j: byte l's low nibble is weight l, its high one l + 16), then their 8-byte headers (d, the scales' high bits
-    (16), their low nibbles (4 bytes)). A's k 4t..4t+3 and
-    16+4t..16+4t+3 both load word t of the 16 bytes and look up its low or its high nibbles (iq4.IQ4_FOUR): the
-    weights in order. Each 32 weights are one mma, scaled by d * (6-bit scale - 32)."""
-    split = gl.program_id(1)
-    first = split * sb_per_split
-    last = gl.minimum(first + sb_per_split, K // 256)
-    a_row, a_ok, a_col, b_ptr, b_ok, rows, row_ok, toks, tok_ok, acc, zero = _tile(w_ptr, xq_ptr, M, N, stride_xq,
-                                                                                    stride_wn, BLOCK_N, NUM_WARPS)
+    (16), their low nibbles (4 bytes)). A's k 4t..4t+3 and 16+4t..16+4t+3 both load word t of the 16 bytes and look
+    up its low or its high nibbles (iq4.IQ4_FOUR): the weights in order. Each 32 weights are one mma, scaled by
+    d * (6-bit scale - 32)."""
+    first, last, a_row, a_ok, a_col, b_ptr, b_ok, s_ptr, rows, row_ok, toks, tok_ok, acc, zero = _tile(
+        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS)
     a_ptr = a_row + a_col % 16
     nibble_shift = gl.broadcast((a_col // 16 * 4).to(gl.int8), a_ptr)[0]  # low nibbles for k < 16, high for the rest
-    s_ptr = (w_ptr + rows.to(gl.int64) * stride_wn).to(gl.pointer_type(gl.int32))
     for c in range(first, last):
         head = gl.load(s_ptr + K // 256 * 32 + 2 * c, mask=row_ok, other=0)
         low = gl.load(s_ptr + K // 256 * 32 + 2 * c + 1, mask=row_ok, other=0)
@@ -254,8 +252,7 @@ def _iq4_xs_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
             pair = gl.load(xds_ptr + toks * stride_xds + 8 * c + j, mask=tok_ok, other=0)
             xd = pair.to(gl.int32).to(gl.float32, bitcast=True)
             acc += prod.to(gl.float32) * ((d * (scale - 32).to(gl.float32))[:, None] * xd[None, :])
-    gl.store(out_ptr + split * stride_os + toks[None, :] * stride_om + rows[:, None],
-             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & tok_ok[None, :])
+    _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
 
 
 KERNELS = {"Q4_K": (_kquant_kernel, dict(FIVE_BITS=False)), "Q5_K": (_kquant_kernel, dict(FIVE_BITS=True)),

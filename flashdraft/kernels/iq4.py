@@ -1,4 +1,5 @@
-"""llama.cpp's IQ4 value table (kvalues_iq4nl: a nibble indexes 16 int8 levels) in the three forms the kernels use:
+"""llama.cpp's IQ4 value table (kvalues_iq4nl: a nibble indexes 16 int8 levels, layers/kv_quant.IQ4_NL_VALUES) in the
+forms the kernels use:
 - `iq4_table(device)`: the int8 tensor (its four int32 words are the byte-permute lookup's operands);
 - `iq4_nibbles`: eight nibbles of a word looked up at once by byte permutes (PRMT), for the integer kernels;
 - `iq4_value`: one nibble per element as float32 by a degree-4 polynomial rounded to the nearest integer, exact
@@ -12,7 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+from flashdraft.layers.kv_quant import IQ4_NL_VALUES as IQ4_VALUES
 
 # least squares over n - 7.5 (np.polyfit, degree 4), rounded to float32; checked below
 _C4, _C3, _C2, _C1, _C0 = (0.0013247202150523663, 0.08095842599868774, -0.12571197748184204, 11.431296348571777,

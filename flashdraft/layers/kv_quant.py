@@ -270,7 +270,7 @@ class KVCodec:
 
     def prepare(self, device: torch.device | str, head_dim: int) -> None:
         """Make the type's constant tables on `device` now (not inside a CUDA graph capture)."""
-        table("iq4_nl", 0, device)  # also the split attention kernel's placeholder table
+        table("iq4_nl", 0, device)
         if self.bits is not None:
             table("levels", self.bits, device)
             table("midpoints", self.bits, device)
