@@ -266,6 +266,9 @@ def measure(args) -> int:
     if args.no_mma:
         from flashdraft.kernels import gguf_mma
         gguf_mma.ENABLED = False
+    if args.no_pdl:
+        from flashdraft.kernels import pdl
+        pdl.ENABLED = False
     ctxs = [int(c) for c in args.ctxs.split(",")]
     results = dict(date=time.strftime("%Y-%m-%d"), torch=torch.__version__, rows=[])
     if dev == "cuda":
@@ -288,7 +291,8 @@ def measure(args) -> int:
         if args.compile:
             target.compile_layers((1, 16))
             draft.compile_layers()
-        name = Path(path).stem + (" +compile" if args.compile else "") + (" (dequantized)" if args.dequantize else "")
+        name = (Path(path).stem + (" +compile" if args.compile else "") + (" (dequantized)" if args.dequantize else "")
+                + (" no-pdl" if args.no_pdl else ""))
         for ctx in ctxs:
             with torch.inference_mode():
                 prompt = torch.randint(0, target.cfg.vocab_size - 1, (ctx,), device=dev)
@@ -361,6 +365,7 @@ def main() -> int:
     ap.add_argument("--dequantize", action="store_true", help="expand to bf16 at load (today's path, for comparison)")
     ap.add_argument("--no-mma", action="store_true",
                     help="measure: verify widths of Q4_K/Q6_K through the float kernel instead of kernels/gguf_mma.py")
+    ap.add_argument("--no-pdl", action="store_true", help="plain launches (kernels/pdl.py off), for comparison")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke test of this script")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out")

@@ -135,6 +135,48 @@ def test_int8_mma_kernels_on_gpu_match_gguf_reference():
         gguf_mma.ENABLED = enabled
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_dependent_launches_in_a_graph_match_plain_launches():
+    """kernels/pdl.py: integer products each reading the one before (x rounded, the product, its split-K sum),
+    captured in a CUDA graph with programmatic dependent launch, give the bits of plain launches when replayed on
+    a new input (a kernel that read its input before the one before it had written it would read the values the
+    last replay left there)."""
+    from flashdraft.kernels import pdl
+    from flashdraft.kernels.gguf_matmul import gguf_matmul
+    from flashdraft.layers.quantized import stored_blocks
+    if not pdl.launch(torch.empty(0, device="cuda"))["PDL"]:
+        pytest.skip("programmatic dependent launch needs a Hopper or newer GPU")
+    k = 4096
+    weights = [(stored_blocks(torch.from_numpy(random_blocks(t, k, k, seed=i)), t).cuda(), t)
+               for i, t in enumerate(["Q4_K", "IQ4_XS", "Q6_K", "Q8_0", "Q5_K", "Q4_0"])]
+
+    def chain(x: torch.Tensor) -> torch.Tensor:
+        for i, (w, t) in enumerate(weights):
+            x = gguf_matmul(x, w, t, k)
+            if i % 2:  # two products back to back, then back to unit size
+                x = x / x.float().norm()
+        return x
+
+    gen = torch.Generator().manual_seed(0)
+    first, second = (torch.randn(1, k, generator=gen).cuda().to(torch.bfloat16) for _ in range(2))
+    enabled = pdl.ENABLED
+    try:
+        pdl.ENABLED = False
+        want = [chain(first), chain(second)]
+        pdl.ENABLED = True
+        x = first.clone()
+        chain(x)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain(x)
+        for inp, ref in zip((first, second, first), want + want[:1]):
+            x.copy_(inp)
+            graph.replay()
+            assert torch.equal(out, ref)
+    finally:
+        pdl.ENABLED = enabled
+
+
 def run_ptx(asm: str, inputs: list[int], outputs: int) -> list[int]:
     """A reading of the few PTX instructions the IQ4 lookups use (mov, and, or, shr, shl, prmt in its default mode)
     on 32-bit values: an independent check of the inline assembly that no CPU can run."""

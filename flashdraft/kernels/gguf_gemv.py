@@ -23,7 +23,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from flashdraft.kernels import pdl
 from flashdraft.kernels.iq4 import iq4_nibbles, iq4_table
+from flashdraft.kernels.pdl import start_dependents, wait_for_inputs
 from flashdraft.layers.quantized import FIELD_PLANES
 
 QK8 = 32  # x values per 8-bit block
@@ -71,10 +73,12 @@ def _half(bits):
 
 @triton.jit
 def _quantize_kernel(x_ptr, q_ptr, d_ptr, s_ptr, K, stride_x, stride_q, stride_d, BLOCKS: tl.constexpr,
-                     ORDER: tl.constexpr):
+                     ORDER: tl.constexpr, PDL: tl.constexpr):
     """x [M, K] -> q [M, K / 4] int32 (four int8 per word), d [M, K / 32] scales, s [M, K / 32] = d * sum(q).
     ORDER 0: each block's values in order; IQ4_ORDER: word 2t holds values 4t, 16 + 4t, 4t + 1, 17 + 4t and word
     2t + 1 values 4t + 2, 18 + 4t, 4t + 3, 19 + 4t (the order `iq4_nibbles` gives a weight word's values)."""
+    start_dependents(PDL)
+    wait_for_inputs(PDL)
     m = tl.program_id(0)
     b = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
     ok = b < K // 32
@@ -107,7 +111,7 @@ def quantize_rows(x: Tensor, order: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     s = torch.empty_like(d)
     blocks = 16
     _quantize_kernel[(m, triton.cdiv(k // QK8, blocks))](x, q, d, s, k, x.stride(0), q.stride(0), d.stride(0),
-                                                          BLOCKS=blocks, ORDER=order)
+                                                          BLOCKS=blocks, ORDER=order, **pdl.launch(x))
     return q, d, s
 
 
@@ -149,12 +153,13 @@ def _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok):
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
 def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd, stride_wu,
                    stride_os, stride_om, FIVE_BITS: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SB: tl.constexpr, ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr):
+                   SB: tl.constexpr, ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
     """Q4_K (144-byte super-blocks: d, dmin, 12 scale bytes, 128 nibble bytes) or Q5_K (176: the same with 32 bytes
     of fifth bits before the nibbles). w as int32 words; group g's 32 bytes hold sub-block 2g in their low nibbles
     and 2g + 1 in their high ones."""
     WORDS: tl.constexpr = 44 if FIVE_BITS else 36
     QS: tl.constexpr = 12 if FIVE_BITS else 4
+    start_dependents(PDL)
     split, rows, row_ok, mi, acc = _row_tile(N, BLOCK_N, BM)
     sbi, g, t = tl.arange(0, SB), tl.arange(0, 4), tl.arange(0, 8)
     first = split * sb_per_split
@@ -183,6 +188,7 @@ def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split
             sh = 2 * g[None, None, :, None]
             lo = lo | (((qh >> sh) & 0x01010101) << 4)
             hi = hi | (((qh >> (sh + 1)) & 0x01010101) << 4)
+        wait_for_inputs(PDL)  # x only after the weight loads are issued
         xs_ok = (s < last)[:, None]
         for m in tl.static_range(BM):
             m_ok = (tl.zeros([1], tl.int32) + m) < M  # a tensor, also under the interpreter
@@ -199,6 +205,7 @@ def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split
             part = d_lo * xd_lo * dot_lo + d_hi * xd_hi * dot_hi - (m_lo * xs_lo + m_hi * xs_hi)
             contrib = tl.sum(tl.sum(part, axis=2), axis=1)
             acc = _add_row(acc, mi, m, contrib)
+    wait_for_inputs(PDL)  # (also where a program had no iterations)
     _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
 
 
@@ -228,12 +235,13 @@ def _dot16(v, x, EMULATE: tl.constexpr):
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
 def _q6_k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd,
                  stride_wu, stride_os, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
-                 ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr):
+                 ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
     """Q6_K: 210-byte super-blocks (ql 128 bytes, qh 64, 16 int8 scales, d) kept padded to 212 bytes (53 words;
     layers/quantized.py), read as int32 words (w_ptr) and, for the scales and d, as int16 halves (w16_ptr).
     Half h's weight 128h + 32k + l (k = 0..3, l = 0..31) is ql[64h + l + 32 (k & 1)]'s low (k < 2) or high
     nibble with bits 2k..2k+1 of qh[32h + l] above it, minus 32; scale index 8h + 2k + l // 16. Words are
     indexed [h, u, v] with l = 16u + 4v."""
+    start_dependents(PDL)
     split, rows, row_ok, mi, acc = _row_tile(N, BLOCK_N, BM)
     sbi = tl.arange(0, SB)
     h = tl.arange(0, 2)[None, None, :, None, None]
@@ -264,6 +272,7 @@ def _q6_k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_pe
         w1 = _q6_scales(tl.load(sp + 1, mask=ok3, other=0).to(tl.int32), d)
         w2 = _q6_scales(tl.load(sp + 2, mask=ok3, other=0).to(tl.int32), d)
         w3 = _q6_scales(tl.load(sp + 3, mask=ok3, other=0).to(tl.int32), d)
+        wait_for_inputs(PDL)  # x only after the weight loads are issued
         s_ok = s < last
         xh = tl.arange(0, 2)[None, :]
         for m in tl.static_range(BM):
@@ -283,6 +292,7 @@ def _q6_k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_pe
                     _dot16(v3, tl.load(xw + 24, mask=x_ok, other=0), EMULATE))
             contrib = tl.sum(tl.sum(tl.sum(part, axis=3), axis=2), axis=1)
             acc = _add_row(acc, mi, m, contrib)
+    wait_for_inputs(PDL)  # (also where a program had no iterations)
     _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
 
 
@@ -295,7 +305,7 @@ def _spread_bits(nib):
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
 def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, lut_ptr, out_ptr, M, N, K, sb_per_split, stride_xq,
                     stride_xd, stride_wu, stride_os, stride_om, QTYPE: tl.constexpr, BM: tl.constexpr,
-                    BLOCK_N: tl.constexpr, SB: tl.constexpr, ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr):
+                    BLOCK_N: tl.constexpr, SB: tl.constexpr, ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
     """The 32-weight nibble block types as layers/quantized.field_planes keeps them, w as int32 words (w16: the
     same bytes as int16): a row's blocks' 16 nibble bytes (4 words each), then (Q5_0, Q5_1) their 32 fifth bits (a
     word each), then their fp16 d (and m). Q4_0, Q4_1 (d, m), Q5_0, Q5_1 (d, m), IQ4_NL (each nibble an index into
@@ -306,6 +316,7 @@ def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, lut_ptr, out_ptr, M,
     HAS_MIN: tl.constexpr = QTYPE == 3 or QTYPE == 7
     FIVE: tl.constexpr = QTYPE == 6 or QTYPE == 7
     OFFSET: tl.constexpr = 0.0 if HAS_MIN or TABLE else (16.0 if FIVE else 8.0)
+    start_dependents(PDL)
     split, rows, row_ok, mi, acc = _row_tile(N, BLOCK_N, BM)
     bi, t = tl.arange(0, SB * 8), tl.arange(0, 4)
     blocks = K // 32
@@ -332,6 +343,7 @@ def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, lut_ptr, out_ptr, M,
             dm = _half(tl.load(row_scales + 2 * b[None, :] + 1, mask=ok, other=0).to(tl.int32))
         else:
             dm = -OFFSET * d
+        wait_for_inputs(PDL)  # x only after the weight loads are issued
         xs_ok = (b < last)
         for m in tl.static_range(BM):
             m_ok = (tl.zeros([1], tl.int32) + m) < M  # a tensor, also under the interpreter
@@ -351,15 +363,17 @@ def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, lut_ptr, out_ptr, M,
                 xs = tl.load(xs_ptr + m * stride_xd + b, mask=xs_ok & m_ok, other=0.0)[None, :]
                 contrib = tl.sum(d * xd * dot + dm * xs, axis=1)
             acc = _add_row(acc, mi, m, contrib)
+    wait_for_inputs(PDL)  # (also where a program had no iterations)
     _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
 
 
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
 def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd,
                  stride_wu, stride_os, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
-                 ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr):
+                 ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
     """Q8_0 in two planes (layers/quantized.field_planes): w as int32 words, a row's K / 4 words of int8 values,
     then its K / 32 fp16 scales (w16: the same bytes as int16). SB counts groups of 8 blocks."""
+    start_dependents(PDL)
     split, rows, row_ok, mi, acc = _row_tile(N, BLOCK_N, BM)
     bi, t = tl.arange(0, SB * 8), tl.arange(0, 8)
     first = split * sb_per_split * 8
@@ -372,6 +386,7 @@ def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_pe
         d = _half(tl.load(row_scales + b[None, :], mask=ok, other=0).to(tl.int32))  # [N, B]
         words = tl.load(row_words[:, :, None] + b[None, :, None] * 8 + t[None, None, :], mask=ok[:, :, None],
                         other=0)  # [N, B, 8]
+        wait_for_inputs(PDL)  # x only after the weight loads are issued
         xs_ok = (b < last)
         for m in tl.static_range(BM):
             m_ok = (tl.zeros([1], tl.int32) + m) < M  # a tensor, also under the interpreter
@@ -380,17 +395,19 @@ def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_pe
             dot = tl.sum(_dp4a(words, x[None], EMULATE), axis=2).to(tl.float32)
             contrib = tl.sum(d * xd * dot, axis=1)
             acc = _add_row(acc, mi, m, contrib)
+    wait_for_inputs(PDL)  # (also where a program had no iterations)
     _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
 
 
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
 def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd,
                    stride_wu, stride_os, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
-                   ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr):
+                   ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
     """IQ4_XS in two planes (layers/quantized.field_planes), w as int32 words: a row's super-blocks' 128 nibble
     bytes (32 words each), then their 8-byte headers (d and scales_h, scales_l: two words each). Sub-block j (32
     weights) has 6-bit scale ls = nibble j of scales_l | bits 2j..2j+1 of scales_h << 4, weight d * (ls - 32) *
     iq4.IQ4_VALUES[q]; its 16 bytes hold weights 0..15 in their low nibbles, 16..31 in the high."""
+    start_dependents(PDL)
     split, rows, row_ok, mi, acc = _row_tile(N, BLOCK_N, BM)
     sbi, j, t = tl.arange(0, SB), tl.arange(0, 8), tl.arange(0, 4)
     first = split * sb_per_split
@@ -409,6 +426,7 @@ def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_
         words = tl.load(base[:, :, None, None] + jj[:, :, :, None] * 4 + t[None, None, None, :],
                         mask=ok[:, :, None, None], other=0)  # [N, SB, 8, 4]
         lo, hi = iq4_nibbles(words, lut_ptr, EMULATE)
+        wait_for_inputs(PDL)  # x only after the weight loads are issued
         xs_ok = (s < last)[:, None]
         for m in tl.static_range(BM):
             m_ok = (tl.zeros([1], tl.int32) + m) < M  # a tensor, also under the interpreter
@@ -419,6 +437,7 @@ def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_
             xd = tl.load(xd_ptr + m * stride_xd + s[:, None] * 8 + j[None, :], mask=xs_ok & m_ok, other=0.0)[None]
             contrib = tl.sum(tl.sum(dl * xd * dot, axis=2), axis=1)
             acc = _add_row(acc, mi, m, contrib)
+    wait_for_inputs(PDL)  # (also where a program had no iterations)
     _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
 
 
@@ -432,9 +451,11 @@ def splits_for(n: int, k: int, cfg: dict) -> tuple[int, int]:
 
 
 @triton.jit
-def _sum_splits_kernel(partial_ptr, out_ptr, splits, numel, n, stride_om, BLOCK: tl.constexpr):
+def _sum_splits_kernel(partial_ptr, out_ptr, splits, numel, n, stride_om, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out [M, n] (rows stride_om apart) = partial [splits, M, n].sum(0) in out's dtype, the splits added in order
     (deterministic), one launch."""
+    start_dependents(PDL)
+    wait_for_inputs(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < numel
     acc = tl.load(partial_ptr + i, mask=ok, other=0.0)
@@ -455,7 +476,7 @@ def sum_splits(partial: Tensor, out: Tensor) -> None:
     (one launch)."""
     block = 1024
     _sum_splits_kernel[(triton.cdiv(out.numel(), block),)](partial, out, partial.shape[0], out.numel(), out.shape[1],
-                                                          out.stride(0), BLOCK=block)
+                                                          out.stride(0), BLOCK=block, **pdl.launch(out))
 
 
 def row_align(w: Tensor) -> int:
@@ -518,6 +539,6 @@ def _gemv_into(out: Tensor, x: Tensor, xq: Tensor, xd: Tensor, xs: Tensor, qweig
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), splits)
     kernel[grid](xq, xd, xs, *args, partial, m, n, k, per_split, xq.stride(0), xd.stride(0), w.stride(0) // align,
                  partial.stride(0), partial.stride(1), BM=bm, BLOCK_N=cfg["BLOCK_N"], SB=cfg["SB"], ROW_ALIGN=align,
-                 EMULATE=emulate, num_warps=cfg["num_warps"], **extra)
+                 EMULATE=emulate, num_warps=cfg["num_warps"], **extra, **pdl.launch(x))
     if splits > 1:
         sum_splits(partial, out)

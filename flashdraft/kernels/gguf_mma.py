@@ -257,7 +257,7 @@ def _iq4_xs_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
 
 KERNELS = {"Q4_K": (_kquant_kernel, dict(FIVE_BITS=False)), "Q5_K": (_kquant_kernel, dict(FIVE_BITS=True)),
            "Q6_K": (_q6k_kernel, {}), "IQ4_XS": (_iq4_xs_kernel, {})}
-TIMED = {"Q4_K", "Q6_K"}  # types timed on a GPU and taken by covers(); the others wait for benchmarks/gluon_mma.py
+TIMED = {"Q4_K", "Q5_K", "Q6_K", "IQ4_XS"}  # types timed on a GPU and taken by covers(); see docs/PERF.md
 
 
 def covers(qtype: str, m: int, x: Tensor) -> bool:

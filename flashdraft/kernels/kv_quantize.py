@@ -10,7 +10,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from flashdraft.kernels import pdl
 from flashdraft.kernels.iq4 import iq4_value
+from flashdraft.kernels.pdl import start_dependents, wait_for_inputs
 from flashdraft.kernels.split_attention import ROW_TYPES
 from flashdraft.layers.kv_quant import KERNEL_QUANTIZED, KVCodec, rotated_groups, rotation_group, table
 
@@ -50,7 +52,9 @@ def _iq4_nl_blocks(x, i):
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, out_ptr, stride_x, stride_o, TYPE: tl.constexpr, D: tl.constexpr):
+def _quantize_kernel(x_ptr, out_ptr, stride_x, stride_o, TYPE: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
+    start_dependents(PDL)
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     NB: tl.constexpr = D // 32
     b = tl.arange(0, NB)
@@ -110,15 +114,18 @@ def quantize_rows(x: Tensor, name: str) -> Tensor:
         flat = flat.contiguous()
     out = torch.empty(flat.shape[0], KVCodec(name, x.dtype).row_size(d), device=x.device, dtype=torch.uint8)
     if flat.shape[0]:
-        _quantize_kernel[(flat.shape[0],)](flat, out, flat.stride(0), out.stride(0), TYPE=TYPE_IDS[name], D=d)
+        _quantize_kernel[(flat.shape[0],)](flat, out, flat.stride(0), out.stride(0), TYPE=TYPE_IDS[name], D=d,
+                                           **pdl.launch(x))
     return out.reshape(*x.shape[:-1], -1)
 
 
 @triton.jit
 def _rotated_kernel(y_ptr, to_unit_ptr, norm_ptr, mids_ptr, levels_ptr, out_ptr, stride_o, N: tl.constexpr,
-                    G: tl.constexpr, BITS: tl.constexpr):
+                    G: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr):
     """One row's N rotated groups y [N, G] -> codes (how many level midpoints lie below each coordinate of the unit
     group, as torch.bucketize) packed in the row's planes, then each group's fp16 scale norm / |levels[codes]|."""
+    start_dependents(PDL)
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     gi = tl.arange(0, N)
     j = tl.arange(0, G)
@@ -155,5 +162,6 @@ def quantize_rotated_rows(x: Tensor, bits: int) -> Tensor:
     out = torch.empty(rows, KVCodec(f"turbo{bits}", x.dtype).row_size(d), device=x.device, dtype=torch.uint8)
     if rows:
         _rotated_kernel[(rows,)](rotated, to_unit, norm, table("midpoints", bits, x.device),
-                                 table("levels", bits, x.device), out, out.stride(0), N=d // g, G=g, BITS=bits)
+                                 table("levels", bits, x.device), out, out.stride(0), N=d // g, G=g, BITS=bits,
+                                 **pdl.launch(x))
     return out.reshape(*x.shape[:-1], -1)

@@ -21,7 +21,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from flashdraft.kernels import pdl
 from flashdraft.kernels.iq4 import iq4_value
+from flashdraft.kernels.pdl import start_dependents, wait_for_inputs
 from flashdraft.layers.kv_quant import lloyd_max_codebook
 
 # benchmarks/attention_kernel.py on an H200 (8B shape, 1280 / 16640 keys, docs/PERF.md run 7): 128 keys per tile
@@ -162,12 +164,14 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr,
                     L, blocks_per_split, n_kv, scale, softcap, T, G, n_rows,
                     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
                     K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, K_ROW: tl.constexpr, V_ROW: tl.constexpr,
-                    K_PLANES: tl.constexpr, V_PLANES: tl.constexpr):
+                    K_PLANES: tl.constexpr, V_PLANES: tl.constexpr, PDL: tl.constexpr):
     """Keys and values are read in planes (one for float rows and q8_0; low and high nibbles; turbo3's four 2-bit
     fields): q is loaded once per plane in that plane's column order, the scores are the sum of the planes'
     products, and each plane of V has its own accumulator, stored to its columns at the end."""
     # the row tiles of one (KV head, split) are neighbours in the launch order: they read the same keys together,
     # so a verify step's extra tiles find them in L2
+    start_dependents(PDL)
+    wait_for_inputs(PDL)
     kv = tl.program_id(1)
     split = tl.program_id(2)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # row r: query token r % T of head kv * G + r // T
@@ -236,7 +240,9 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr,
 
 @triton.jit(do_not_specialize=["stride_ot", "n_splits", "T", "G", "n_rows"])
 def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, stride_ot, stride_oh, n_splits, n_kv, T, G, n_rows,
-                  D: tl.constexpr, SPLITS: tl.constexpr):
+                  D: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
+    start_dependents(PDL)
+    wait_for_inputs(PDL)
     kv = tl.program_id(0)
     row = tl.program_id(1)
     s = tl.arange(0, SPLITS)
@@ -300,10 +306,11 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale
                                              scale, softcap or 1.0, T, G, n_rows, D=D, BLOCK_M=ROW_TILE, BLOCK_N=block_n,
                                              SOFTCAP=softcap > 0, K_TYPE=k_type, V_TYPE=v_type, K_ROW=keys.shape[2],
                                              V_ROW=values.shape[2], K_PLANES=planes(k_type),
-                                             V_PLANES=planes(v_type), num_warps=NUM_WARPS, num_stages=stages)
+                                             V_PLANES=planes(v_type), num_warps=NUM_WARPS, num_stages=stages,
+                                             **pdl.launch(q))
     out = torch.empty(T, H, D, device=q.device, dtype=q.dtype)
     _merge_kernel[(KV, G * T)](acc, m, lse, out, out.stride(0), out.stride(1), splits, KV, T, G, n_rows,
-                               D=D, SPLITS=max(2, triton.next_power_of_2(max_splits)))
+                               D=D, SPLITS=max(2, triton.next_power_of_2(max_splits)), **pdl.launch(q))
     return out.view(T, H * D)
 
 
