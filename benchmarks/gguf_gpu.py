@@ -269,6 +269,11 @@ def measure(args) -> int:
     if args.no_pdl:
         from flashdraft.kernels import pdl
         pdl.ENABLED = False
+    for tile in filter(None, args.gemv_tiles.split(";")):
+        from flashdraft.kernels import gguf_gemv as G
+        qtype, sizes = tile.split("=")
+        block_n, sb = map(int, sizes.split(","))
+        G.TYPE_CONFIGS[qtype] = dict(G.TYPE_CONFIGS.get(qtype, G.CONFIG), BLOCK_N=block_n, SB=sb)
     ctxs = [int(c) for c in args.ctxs.split(",")]
     results = dict(date=time.strftime("%Y-%m-%d"), torch=torch.__version__, rows=[])
     if dev == "cuda":
@@ -292,7 +297,7 @@ def measure(args) -> int:
             target.compile_layers((1, 16))
             draft.compile_layers()
         name = (Path(path).stem + (" +compile" if args.compile else "") + (" (dequantized)" if args.dequantize else "")
-                + (" no-pdl" if args.no_pdl else ""))
+                + (" no-pdl" if args.no_pdl else "") + (f" tiles {args.gemv_tiles}" if args.gemv_tiles else ""))
         for ctx in ctxs:
             with torch.inference_mode():
                 prompt = torch.randint(0, target.cfg.vocab_size - 1, (ctx,), device=dev)
@@ -366,6 +371,7 @@ def main() -> int:
     ap.add_argument("--no-mma", action="store_true",
                     help="measure: verify widths of Q4_K/Q6_K through the float kernel instead of kernels/gguf_mma.py")
     ap.add_argument("--no-pdl", action="store_true", help="plain launches (kernels/pdl.py off), for comparison")
+    ap.add_argument("--gemv-tiles", default="", help='integer-kernel tiles per type, "IQ4_XS=16,8;Q4_K=4,16" (BLOCK_N,SB)')
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke test of this script")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out")

@@ -24,7 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from flashdraft.kernels import pdl
-from flashdraft.kernels.iq4 import iq4_nibbles, iq4_table
+from flashdraft.kernels.iq4 import iq4_nibbles, iq4_table, iq4_table_words
 from flashdraft.kernels.pdl import start_dependents, wait_for_inputs
 from flashdraft.layers.quantized import FIELD_PLANES
 
@@ -73,8 +73,9 @@ def _half(bits):
 
 @triton.jit
 def _quantize_kernel(x_ptr, q_ptr, d_ptr, s_ptr, K, stride_x, stride_q, stride_d, BLOCKS: tl.constexpr,
-                     ORDER: tl.constexpr, PDL: tl.constexpr):
-    """x [M, K] -> q [M, K / 4] int32 (four int8 per word), d [M, K / 32] scales, s [M, K / 32] = d * sum(q).
+                     ORDER: tl.constexpr, STEP: tl.constexpr, PDL: tl.constexpr):
+    """x [M, K] -> q [M, K / 4] int32 (four int8 per word), d [M, K / 32] scales, s [M, K / 32] = d * sum(q) (STEP
+    floats apart: 2 writes them side by side).
     ORDER 0: each block's values in order; IQ4_ORDER: word 2t holds values 4t, 16 + 4t, 4t + 1, 17 + 4t and word
     2t + 1 values 4t + 2, 18 + 4t, 4t + 3, 19 + 4t (the order `iq4_nibbles` gives a weight word's values)."""
     start_dependents(PDL)
@@ -96,8 +97,8 @@ def _quantize_kernel(x_ptr, q_ptr, d_ptr, s_ptr, K, stride_x, stride_q, stride_d
     q = tl.minimum(tl.maximum(q, -127), 127)
     words = tl.sum((q & 0xFF) << (byte * 8)[None, None, :], axis=2)
     tl.store(q_ptr + m * stride_q + b[:, None] * 8 + w[None, :], words, mask=ok[:, None])
-    tl.store(d_ptr + m * stride_d + b, d, mask=ok)
-    tl.store(s_ptr + m * stride_d + b, d * tl.sum(tl.sum(q, axis=2), axis=1).to(tl.float32), mask=ok)
+    tl.store(d_ptr + m * stride_d + b * STEP, d, mask=ok)
+    tl.store(s_ptr + m * stride_d + b * STEP, d * tl.sum(tl.sum(q, axis=2), axis=1).to(tl.float32), mask=ok)
 
 
 IQ4_ORDER = 1  # quantize_rows' order for the IQ4 kernels
@@ -105,14 +106,28 @@ IQ4_TYPES = ("IQ4_NL", "IQ4_XS")
 
 
 def quantize_rows(x: Tensor, order: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """x [M, K] -> (q [M, K / 4] int32, d [M, K / 32], s [M, K / 32]) as `_quantize_kernel` writes them."""
     m, k = x.shape
-    q = torch.empty(m, k // 4, device=x.device, dtype=torch.int32)
     d = torch.empty(m, k // QK8, device=x.device, dtype=torch.float32)
     s = torch.empty_like(d)
+    return _quantize_into(x, d, s, order, 1), d, s
+
+
+def quantize_rows_paired(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [M, K] -> (q [M, K / 4] int32, [M, K / 32] int64: each block's d and s side by side, one 8-byte load)."""
+    m, k = x.shape
+    pairs = torch.empty(m, k // QK8, 2, device=x.device, dtype=torch.float32)
+    q = _quantize_into(x, pairs[..., 0], pairs[..., 1], 0, 2)
+    return q, pairs.view(torch.int64)[..., 0]
+
+
+def _quantize_into(x: Tensor, d: Tensor, s: Tensor, order: int, step: int) -> Tensor:
+    m, k = x.shape
+    q = torch.empty(m, k // 4, device=x.device, dtype=torch.int32)
     blocks = 16
     _quantize_kernel[(m, triton.cdiv(k // QK8, blocks))](x, q, d, s, k, x.stride(0), q.stride(0), d.stride(0),
-                                                          BLOCKS=blocks, ORDER=order, **pdl.launch(x))
-    return q, d, s
+                                                          BLOCKS=blocks, ORDER=order, STEP=step, **pdl.launch(x))
+    return q
 
 
 @triton.jit
@@ -145,14 +160,42 @@ def _add_row(acc, mi, m, contrib):
 
 
 @triton.jit
-def _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok):
-    tl.store(out_ptr + split * stride_os + mi[:, None] * stride_om + rows[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=(mi < M)[:, None] & row_ok[None, :])
+def _fence(EMULATE: tl.constexpr):
+    """Order this thread's memory operations at GPU scope (the interpreter runs programs one at a time)."""
+    if not EMULATE:
+        tl.inline_asm_elementwise("fence.acq_rel.gpu; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _store_rows(out_ptr, part_ptr, count_ptr, acc, split, n_splits, stride_om, mi, M, N, rows, row_ok,
+                EMULATE: tl.constexpr):
+    """acc [BM, BLOCK_N]: this program's product over its split of K. Stored to out (rows stride_om apart) when K is
+    not split; otherwise to its slot of part [splits, M, N] (float32), and the program that finishes a row tile's
+    last split adds the tile's splits in order (the same bits whichever finished last), stores the sum to out and
+    sets the tile's counter back to 0 for the next launch. No kernel of its own for the sum: a decode step has ~100
+    split products, each a launch and a gap."""
+    ok = (mi < M)[:, None] & row_ok[None, :]
+    out = out_ptr + mi[:, None] * stride_om + rows[None, :]
+    if n_splits == 1:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        at = part_ptr + mi[:, None] * N + rows[None, :]
+        tl.store(at + split * M * N, acc, mask=ok)
+        _fence(EMULATE)  # every thread's partial sums before the count that publishes them
+        tl.debug_barrier()
+        tile = count_ptr + tl.program_id(0)
+        if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
+            _fence(EMULATE)
+            total = tl.load(at, mask=ok, other=0.0, cache_modifier=".cg")  # L2: other SMs wrote them
+            for s in range(1, n_splits):
+                total += tl.load(at + s * M * N, mask=ok, other=0.0, cache_modifier=".cg")
+            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=ok)
+            tl.atomic_xchg(tile, 0)
 
 
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
-def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd, stride_wu,
-                   stride_os, stride_om, FIVE_BITS: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
+def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, sb_per_split, n_splits, stride_xq, stride_xd, stride_wu,
+                   stride_om, FIVE_BITS: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
                    SB: tl.constexpr, ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
     """Q4_K (144-byte super-blocks: d, dmin, 12 scale bytes, 128 nibble bytes) or Q5_K (176: the same with 32 bytes
     of fifth bits before the nibbles). w as int32 words; group g's 32 bytes hold sub-block 2g in their low nibbles
@@ -206,7 +249,7 @@ def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split
             contrib = tl.sum(tl.sum(part, axis=2), axis=1)
             acc = _add_row(acc, mi, m, contrib)
     wait_for_inputs(PDL)  # (also where a program had no iterations)
-    _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
+    _store_rows(out_ptr, part_ptr, count_ptr, acc, split, n_splits, stride_om, mi, M, N, rows, row_ok, EMULATE)
 
 
 @triton.jit
@@ -233,8 +276,8 @@ def _dot16(v, x, EMULATE: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
-def _q6_k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd,
-                 stride_wu, stride_os, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
+def _q6_k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, part_ptr, count_ptr, M, N, K, sb_per_split, n_splits, stride_xq, stride_xd,
+                 stride_wu, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
                  ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
     """Q6_K: 210-byte super-blocks (ql 128 bytes, qh 64, 16 int8 scales, d) kept padded to 212 bytes (53 words;
     layers/quantized.py), read as int32 words (w_ptr) and, for the scales and d, as int16 halves (w16_ptr).
@@ -293,7 +336,7 @@ def _q6_k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_pe
             contrib = tl.sum(tl.sum(tl.sum(part, axis=3), axis=2), axis=1)
             acc = _add_row(acc, mi, m, contrib)
     wait_for_inputs(PDL)  # (also where a program had no iterations)
-    _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
+    _store_rows(out_ptr, part_ptr, count_ptr, acc, split, n_splits, stride_om, mi, M, N, rows, row_ok, EMULATE)
 
 
 @triton.jit
@@ -303,8 +346,8 @@ def _spread_bits(nib):
 
 
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
-def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, lut_ptr, out_ptr, M, N, K, sb_per_split, stride_xq,
-                    stride_xd, stride_wu, stride_os, stride_om, QTYPE: tl.constexpr, BM: tl.constexpr,
+def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, lut_ptr, out_ptr, part_ptr, count_ptr, M, N, K, sb_per_split, n_splits, stride_xq,
+                    stride_xd, stride_wu, stride_om, QTYPE: tl.constexpr, BM: tl.constexpr,
                     BLOCK_N: tl.constexpr, SB: tl.constexpr, ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
     """The 32-weight nibble block types as layers/quantized.field_planes keeps them, w as int32 words (w16: the
     same bytes as int16): a row's blocks' 16 nibble bytes (4 words each), then (Q5_0, Q5_1) their 32 fifth bits (a
@@ -317,6 +360,7 @@ def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, lut_ptr, out_ptr, M,
     FIVE: tl.constexpr = QTYPE == 6 or QTYPE == 7
     OFFSET: tl.constexpr = 0.0 if HAS_MIN or TABLE else (16.0 if FIVE else 8.0)
     start_dependents(PDL)
+    t0, t1, t2, t3 = iq4_table_words(lut_ptr)
     split, rows, row_ok, mi, acc = _row_tile(N, BLOCK_N, BM)
     bi, t = tl.arange(0, SB * 8), tl.arange(0, 4)
     blocks = K // 32
@@ -331,7 +375,7 @@ def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, lut_ptr, out_ptr, M,
         words = tl.load(row_words[:, :, None] + 4 * b[None, :, None] + t[None, None, :], mask=ok[:, :, None],
                         other=0)  # [N, B, 4]
         if TABLE:
-            lo, hi = iq4_nibbles(words, lut_ptr, EMULATE)
+            lo, hi = iq4_nibbles(words, lut_ptr, t0, t1, t2, t3, EMULATE)
         else:
             lo = words & 0x0F0F0F0F
             hi = (words >> 4) & 0x0F0F0F0F
@@ -364,12 +408,12 @@ def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, lut_ptr, out_ptr, M,
                 contrib = tl.sum(d * xd * dot + dm * xs, axis=1)
             acc = _add_row(acc, mi, m, contrib)
     wait_for_inputs(PDL)  # (also where a program had no iterations)
-    _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
+    _store_rows(out_ptr, part_ptr, count_ptr, acc, split, n_splits, stride_om, mi, M, N, rows, row_ok, EMULATE)
 
 
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
-def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd,
-                 stride_wu, stride_os, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
+def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, part_ptr, count_ptr, M, N, K, sb_per_split, n_splits, stride_xq, stride_xd,
+                 stride_wu, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
                  ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
     """Q8_0 in two planes (layers/quantized.field_planes): w as int32 words, a row's K / 4 words of int8 values,
     then its K / 32 fp16 scales (w16: the same bytes as int16). SB counts groups of 8 blocks."""
@@ -396,18 +440,19 @@ def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_pe
             contrib = tl.sum(d * xd * dot, axis=1)
             acc = _add_row(acc, mi, m, contrib)
     wait_for_inputs(PDL)  # (also where a program had no iterations)
-    _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
+    _store_rows(out_ptr, part_ptr, count_ptr, acc, split, n_splits, stride_om, mi, M, N, rows, row_ok, EMULATE)
 
 
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
-def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd,
-                   stride_wu, stride_os, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
+def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, part_ptr, count_ptr, M, N, K, sb_per_split, n_splits, stride_xq, stride_xd,
+                   stride_wu, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
                    ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
     """IQ4_XS in two planes (layers/quantized.field_planes), w as int32 words: a row's super-blocks' 128 nibble
     bytes (32 words each), then their 8-byte headers (d and scales_h, scales_l: two words each). Sub-block j (32
     weights) has 6-bit scale ls = nibble j of scales_l | bits 2j..2j+1 of scales_h << 4, weight d * (ls - 32) *
     iq4.IQ4_VALUES[q]; its 16 bytes hold weights 0..15 in their low nibbles, 16..31 in the high."""
     start_dependents(PDL)
+    t0, t1, t2, t3 = iq4_table_words(lut_ptr)
     split, rows, row_ok, mi, acc = _row_tile(N, BLOCK_N, BM)
     sbi, j, t = tl.arange(0, SB), tl.arange(0, 8), tl.arange(0, 4)
     first = split * sb_per_split
@@ -425,7 +470,7 @@ def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_
         dl = _half(head) * (ls - 32).to(tl.float32)  # [N, SB, 8]
         words = tl.load(base[:, :, None, None] + jj[:, :, :, None] * 4 + t[None, None, None, :],
                         mask=ok[:, :, None, None], other=0)  # [N, SB, 8, 4]
-        lo, hi = iq4_nibbles(words, lut_ptr, EMULATE)
+        lo, hi = iq4_nibbles(words, lut_ptr, t0, t1, t2, t3, EMULATE)
         wait_for_inputs(PDL)  # x only after the weight loads are issued
         xs_ok = (s < last)[:, None]
         for m in tl.static_range(BM):
@@ -438,7 +483,7 @@ def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_
             contrib = tl.sum(tl.sum(dl * xd * dot, axis=2), axis=1)
             acc = _add_row(acc, mi, m, contrib)
     wait_for_inputs(PDL)  # (also where a program had no iterations)
-    _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
+    _store_rows(out_ptr, part_ptr, count_ptr, acc, split, n_splits, stride_om, mi, M, N, rows, row_ok, EMULATE)
 
 
 def splits_for(n: int, k: int, cfg: dict) -> tuple[int, int]:
@@ -477,6 +522,19 @@ def sum_splits(partial: Tensor, out: Tensor) -> None:
     block = 1024
     _sum_splits_kernel[(triton.cdiv(out.numel(), block),)](partial, out, partial.shape[0], out.numel(), out.shape[1],
                                                           out.stride(0), BLOCK=block, **pdl.launch(out))
+
+
+_COUNTERS: dict[torch.device, list[Tensor]] = {}
+
+
+def tile_counters(device: torch.device, tiles: int) -> Tensor:
+    """Zeroed int32 counters, one per row tile, for the split-K sum inside the integer kernels (`_store_rows`; each
+    kernel leaves them zero), shared by launches in stream order. A larger buffer, when needed, comes beside the
+    old one, which stays allocated: CUDA graphs keep the addresses they captured."""
+    buffers = _COUNTERS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < tiles:
+        buffers.append(torch.zeros(max(tiles, 1 << 17), device=device, dtype=torch.int32))
+    return buffers[-1]
 
 
 def row_align(w: Tensor) -> int:
@@ -518,7 +576,8 @@ def _gemv_into(out: Tensor, x: Tensor, xq: Tensor, xd: Tensor, xs: Tensor, qweig
     emulate = _emulate()
     cfg = INTERPRETED if emulate else TYPE_CONFIGS.get(qtype, CONFIG)
     splits, per_split = splits_for(n, k, cfg)
-    out, partial = split_outputs(x, n, splits, out)
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), splits)
+    partial = out if splits == 1 else torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
     if qtype in ("Q4_K", "Q5_K"):
         w = qweight.view(torch.int32)
         kernel, args, extra = _kquant_kernel, (w,), dict(FIVE_BITS=qtype == "Q5_K")
@@ -536,9 +595,7 @@ def _gemv_into(out: Tensor, x: Tensor, xq: Tensor, xd: Tensor, xs: Tensor, qweig
         table = iq4_table(x.device).view(torch.int32)
         kernel, args, extra = _block32_kernel, (w, qweight.view(torch.int16), table), dict(QTYPE=BLOCK32_IDS[qtype])
     align = row_align(w)
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), splits)
-    kernel[grid](xq, xd, xs, *args, partial, m, n, k, per_split, xq.stride(0), xd.stride(0), w.stride(0) // align,
-                 partial.stride(0), partial.stride(1), BM=bm, BLOCK_N=cfg["BLOCK_N"], SB=cfg["SB"], ROW_ALIGN=align,
-                 EMULATE=emulate, num_warps=cfg["num_warps"], **extra, **pdl.launch(x))
-    if splits > 1:
-        sum_splits(partial, out)
+    kernel[grid](xq, xd, xs, *args, out, partial, tile_counters(x.device, grid[0]), m, n, k, per_split, splits,
+                 xq.stride(0), xd.stride(0), w.stride(0) // align, out.stride(0), BM=bm, BLOCK_N=cfg["BLOCK_N"],
+                 SB=cfg["SB"], ROW_ALIGN=align, EMULATE=emulate, num_warps=cfg["num_warps"], **extra,
+                 **pdl.launch(x))

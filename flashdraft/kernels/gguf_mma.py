@@ -7,18 +7,17 @@ and of 2g + 1 (high nibbles, a shift and an AND); Q5_K adds bit J of each qh byt
 and one of qh bytes give four consecutive 6-bit values (signed by a bit trick); its scales change every 16 weights,
 so each 32 weights are two mmas with the other half's weights zeroed. IQ4_XS: the low or high nibbles of a word
 looked up in the level table by byte permutes. x is quantized to 8 bits per 32 values as the integer kernels take
-it (`gguf_gemv.quantize_rows`); each product is exact in int32 and scaled in float32 (the K types: d * sc(row) *
+it (`gguf_gemv.quantize_rows_paired`); each product is exact in int32 and scaled in float32 (the K types: d * sc(row) *
 xd(token) minus dmin * m(row) * xs(token); Q6_K and IQ4_XS: d * sc(row) * xd(token)). Rows of x are padded to 16
 and K is split by the matrix's shape only, so a token's result does not depend on how many rows share the call.
 
 Gluon has no interpreter: the CPU tests cannot run these kernels (the GPU test does, against the `gguf` package;
 the CPU tests read their unpacking assembly as PTX). Only the TIMED types are taken by gguf_matmul.
-H200 (benchmarks/gluon_mma.py, docs/PERF.md run 12), BLOCK_N 128: 16 rows of the 8B's four Q4_K matrices 0.180 ms
-against the float tensor-core kernel's 0.203; its Q6_K LM head and down projection 0.341 against 0.614. One row of
-those two Q6_K matrices ran 0.200 ms against the integer kernel's 0.238, but a Q6_K file's decode through these
-kernels measured 210 tok/s against 219 through the integer kernels: decode rows stay with gguf_gemv. Q5_K and
-IQ4_XS: not yet run on a GPU (statically, Triton 3.6: 0.248 and 0.366 warp-instructions per weight byte against the
-float kernel's ~0.5 and 0.847).
+H200 (benchmarks/gluon_mma.py, docs/PERF.md runs 12-13), BLOCK_N 128, 16 rows of the 8B's four matrices against the
+float tensor-core kernel: Q4_K 0.180 against 0.203 ms, Q5_K 0.192 against 0.270, IQ4_XS 0.192 against 0.404; Q6_K
+(its LM head and a down projection) 0.341 against 0.614. One row of those two Q6_K matrices ran 0.200 ms against
+the integer kernel's 0.238, but a Q6_K file's decode through these kernels measured 210 tok/s against 219 through
+the integer kernels: decode rows stay with gguf_gemv.
 """
 import torch
 import triton
@@ -27,7 +26,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from flashdraft.kernels import gguf_gemv
+from flashdraft.kernels import gguf_gemv, pdl
 from flashdraft.kernels.iq4 import IQ4_FOUR
 
 ENABLED = True
@@ -71,12 +70,16 @@ def _sub_block(acc, w, zero, a, b, s, d, dmin, b_ptr, b_ok, xds_ptr, toks, strid
 
 @gluon.jit
 def _tile(w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N: gl.constexpr,
-          NUM_WARPS: gl.constexpr):
+          NUM_WARPS: gl.constexpr, PDL: gl.constexpr):
     """A program's super-blocks [first, last) (grid axis 1 splits K) and its operands in the mma fragments'
     layouts: a_row [BLOCK_N, 1] (its weight rows' starts, in the A layout: plus a_col, or a function of it that
     keeps runs of four, for word loads), a_ok, a_col [1, 32] (k); b_ptr [32, TOKENS] (x's bytes + k, in the B
     layout), b_ok; s_ptr (the rows' starts as int32 words, for their scales), rows, row_ok and toks, tok_ok along
     the product's two axes; a float32 accumulator and an int32 zero for each mma."""
+    if PDL:  # kernels/pdl.py: let the next kernel be placed, then wait for x (launch overlap only)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
@@ -126,7 +129,8 @@ def _q5_values(q, qh, J: gl.constexpr):
 
 @gluon.jit
 def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn,
-                   stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, FIVE_BITS: gl.constexpr):
+                   stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, FIVE_BITS: gl.constexpr,
+                   PDL: gl.constexpr):
     """xq_ptr: x's 8-bit values as bytes [M, K]; xds [M, K / 32] int64: each block's float32 scale (low half) and
     scaled sum (high half); w: Q4_K rows as bytes (144 per super-block: d, dmin, 12 scale bytes, 128 nibble bytes)
     or Q5_K's (176: the same with 32 bytes of fifth bits before the nibbles, bit J of byte l for sub-block J's
@@ -134,7 +138,7 @@ def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
     WORDS: gl.constexpr = 44 if FIVE_BITS else 36
     NIBBLES: gl.constexpr = 48 if FIVE_BITS else 16
     first, last, a_row, a_ok, a_col, b_ptr, b_ok, s_ptr, rows, row_ok, toks, tok_ok, acc, zero = _tile(
-        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS)
+        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, PDL)
     a_ptr = a_row + a_col
     for c in range(first, last):
         head = gl.load(s_ptr + WORDS * c, mask=row_ok, other=0)
@@ -198,11 +202,11 @@ def _q6_values(ql0, ql1, qh, Q: gl.constexpr):
 
 @gluon.jit
 def _q6k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn,
-                stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr):
+                stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr):
     """Q6_K (kept padded to 212 bytes: ql 128, qh 64, 16 int8 scales, d): each 32 weights are one int8 mma per
     16-weight scale, the other half's weights zeroed, the two exact int32 products scaled in float32."""
     first, last, a_row, a_ok, a_col, b_ptr, b_ok, s_ptr, rows, row_ok, toks, tok_ok, acc, zero = _tile(
-        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS)
+        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, PDL)
     a_ptr = a_row + a_col
     first_half = a_col < 16
     for c in range(first, last):
@@ -230,14 +234,14 @@ def _q6k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_x
 
 @gluon.jit
 def _iq4_xs_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn,
-                   stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr):
+                   stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr):
     """IQ4_XS as layers/quantized.field_planes keeps it: a row's super-blocks' 128 nibble bytes (sub-block j's 16 at
     16j: byte l's low nibble is weight l, its high one l + 16), then their 8-byte headers (d, the scales' high bits
     (16), their low nibbles (4 bytes)). A's k 4t..4t+3 and 16+4t..16+4t+3 both load word t of the 16 bytes and look
     up its low or its high nibbles (iq4.IQ4_FOUR): the weights in order. Each 32 weights are one mma, scaled by
     d * (6-bit scale - 32)."""
     first, last, a_row, a_ok, a_col, b_ptr, b_ok, s_ptr, rows, row_ok, toks, tok_ok, acc, zero = _tile(
-        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS)
+        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, PDL)
     a_ptr = a_row + a_col % 16
     nibble_shift = gl.broadcast((a_col // 16 * 4).to(gl.int8), a_ptr)[0]  # low nibbles for k < 16, high for the rest
     for c in range(first, last):
@@ -270,17 +274,17 @@ def matmul(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:
     """x [M <= 16, K] @ dequantize(qweight)^T -> [M, N] in x's dtype (qweight as layers/quantized.stored_blocks
     keeps it)."""
     m, n = x.shape[0], qweight.shape[0]
-    xq, xd, xs = gguf_gemv.quantize_rows(x)
+    xq, xds = gguf_gemv.quantize_rows_paired(x)
     sbs = k // 256
     per_split = triton.cdiv(sbs, max(1, min(sbs, TARGET_PROGRAMS // triton.cdiv(n, BLOCK_N))))
     splits = triton.cdiv(sbs, per_split)
     out, partial = gguf_gemv.split_outputs(x, n, splits)
     xb = xq.view(torch.int8)
-    xds = torch.stack([xd, xs], -1).view(torch.int64)[..., 0]
     kernel, constants = KERNELS[qtype]
     kernel[(triton.cdiv(n, BLOCK_N), splits)](xb, xds, qweight, partial, m, n, k, per_split, xb.stride(0),
                                               xds.stride(0), qweight.stride(0), partial.stride(0), partial.stride(1),
-                                              BLOCK_N=BLOCK_N, NUM_WARPS=NUM_WARPS, num_warps=NUM_WARPS, **constants)
+                                              BLOCK_N=BLOCK_N, NUM_WARPS=NUM_WARPS, num_warps=NUM_WARPS, **constants,
+                                              **pdl.launch(x))
     if splits > 1:
         gguf_gemv.sum_splits(partial, out)
     return out

@@ -107,17 +107,23 @@ def _table_entry(table, nib):
 
 
 @triton.jit
-def iq4_nibbles(words, table, EMULATE: tl.constexpr):
+def iq4_table_words(table):
+    """The table's four int32 words (table: IQ4_VALUES as int32 words, iq4_table(...).view(torch.int32)), loaded
+    once per program, before its loop (the loop's waits on the kernel before keep loads in it from being hoisted)."""
+    return tl.load(table), tl.load(table + 1), tl.load(table + 2), tl.load(table + 3)
+
+
+@triton.jit
+def iq4_nibbles(words, table, t0, t1, t2, t3, EMULATE: tl.constexpr):
     """int32 words of nibbles -> (table values of nibbles 0-3, of nibbles 4-7), each a word of four int8
     (kvalues_iq4nl), nibble 2i being byte i's low nibble and 2i + 1 its high one. table: IQ4_VALUES as four int32
-    words (iq4_table(...).view(torch.int32))."""
+    words in memory, t0..t3: the same words loaded (`iq4_table_words`)."""
     if EMULATE:
         lo, hi = tl.zeros_like(words), tl.zeros_like(words)
         for i in tl.static_range(4):
             lo = lo | (_table_entry(table, (words >> (4 * i)) & 15) << (8 * i))
             hi = hi | (_table_entry(table, (words >> (16 + 4 * i)) & 15) << (8 * i))
     else:
-        t0, t1, t2, t3 = tl.load(table), tl.load(table + 1), tl.load(table + 2), tl.load(table + 3)
         lo, hi = tl.inline_asm_elementwise(IQ4_PAIRS, "=r,=r,r,r,r,r,r", [words, t0, t1, t2, t3],
                                            dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
     return lo, hi
