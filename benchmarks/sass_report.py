@@ -71,9 +71,8 @@ def cases(kernels: list[str], types: list[str], block_n: int):
                 sig["w16_ptr"] = "*i16"
             if qtype == "IQ4_XS" or block32:
                 sig["lut_ptr"] = "*i32"
-            sig |= {"out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
-                    "sb_per_split": "i32", "n_splits": "i32", "stride_xq": "i32", "stride_xd": "i32", "stride_wu": "i32",
-                    "stride_om": "i32"}
+            sig |= {"out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "sb_per_split": "i32", "stride_xq": "i32",
+                    "stride_xd": "i32", "stride_wu": "i32", "stride_os": "i32", "stride_om": "i32"}
             align = 1 if qtype == "Q6_K" else 4
             const = dict(BM=1, BLOCK_N=cfg["BLOCK_N"], SB=cfg["SB"], ROW_ALIGN=align, EMULATE=False, PDL=True)
             if qtype == "Q4_K":
@@ -83,7 +82,7 @@ def cases(kernels: list[str], types: list[str], block_n: int):
             sig |= {k: "constexpr" for k in const}
             fn = G._block32_kernel if block32 else {"Q4_K": G._kquant_kernel, "Q6_K": G._q6_k_kernel,
                                                     "Q8_0": G._q8_0_kernel, "IQ4_XS": G._iq4_xs_kernel}[qtype]
-            aligned = ("xq_ptr", "xd_ptr", "xs_ptr", "w_ptr", "out_ptr", "part_ptr", "count_ptr", "N", "K")
+            aligned = ("xq_ptr", "xd_ptr", "xs_ptr", "w_ptr", "out_ptr", "N", "K", "stride_os")
             per_iter = cfg["BLOCK_N"] * cfg["SB"] * K.chunk_bytes(qtype)
             yield f"{qtype} integer kernel, 1 row", fn, sig, const, aligned, cfg["num_warps"], per_iter
         if "dot" in kernels:

@@ -41,8 +41,9 @@ ROW_BUCKETS = (1, 2, 4, 8, 16)  # the kernels are compiled per bucket: rows of x
 # by benchmarks/gguf_kernels.py --gemv-sweep.
 # (software-pipelined loads, tl.range num_stages 2-3, ran slower at every tile: H200 run 12).
 CONFIG = {"BLOCK_N": 4, "SB": 16, "num_warps": 4, "target_programs": 2112}
-# Q6_K: 0.195 ms against 0.218 (8B + Gemma shapes; PERF run 7); IQ4: 0.062 ms against 0.074 (8B, run 12)
-TYPE_CONFIGS = {t: dict(CONFIG, BLOCK_N=8, SB=8) for t in ("Q6_K", "IQ4_XS")}  # (IQ4_NL: not swept)
+# Q6_K: 0.195 ms against 0.218 (8B + Gemma shapes; PERF run 7); IQ4_XS 16 x 8: the 8B's decode step 3.320 ms against
+# 3.503 at 8 x 8 (run 13; 8 x 8 had beaten 4 x 16 in run 12). IQ4_NL: not swept.
+TYPE_CONFIGS = {"Q6_K": dict(CONFIG, BLOCK_N=8, SB=8), "IQ4_XS": dict(CONFIG, BLOCK_N=16, SB=8)}
 # small tiles: the CPU tests' shapes
 INTERPRETED = {"BLOCK_N": 64, "SB": 1, "num_warps": 1, "target_programs": 64}
 
@@ -160,42 +161,14 @@ def _add_row(acc, mi, m, contrib):
 
 
 @triton.jit
-def _fence(EMULATE: tl.constexpr):
-    """Order this thread's memory operations at GPU scope (the interpreter runs programs one at a time)."""
-    if not EMULATE:
-        tl.inline_asm_elementwise("fence.acq_rel.gpu; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _store_rows(out_ptr, part_ptr, count_ptr, acc, split, n_splits, stride_om, mi, M, N, rows, row_ok,
-                EMULATE: tl.constexpr):
-    """acc [BM, BLOCK_N]: this program's product over its split of K. Stored to out (rows stride_om apart) when K is
-    not split; otherwise to its slot of part [splits, M, N] (float32), and the program that finishes a row tile's
-    last split adds the tile's splits in order (the same bits whichever finished last), stores the sum to out and
-    sets the tile's counter back to 0 for the next launch. No kernel of its own for the sum: a decode step has ~100
-    split products, each a launch and a gap."""
-    ok = (mi < M)[:, None] & row_ok[None, :]
-    out = out_ptr + mi[:, None] * stride_om + rows[None, :]
-    if n_splits == 1:
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=ok)
-    else:
-        at = part_ptr + mi[:, None] * N + rows[None, :]
-        tl.store(at + split * M * N, acc, mask=ok)
-        _fence(EMULATE)  # every thread's partial sums before the count that publishes them
-        tl.debug_barrier()
-        tile = count_ptr + tl.program_id(0)
-        if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
-            _fence(EMULATE)
-            total = tl.load(at, mask=ok, other=0.0, cache_modifier=".cg")  # L2: other SMs wrote them
-            for s in range(1, n_splits):
-                total += tl.load(at + s * M * N, mask=ok, other=0.0, cache_modifier=".cg")
-            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=ok)
-            tl.atomic_xchg(tile, 0)
+def _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok):
+    tl.store(out_ptr + split * stride_os + mi[:, None] * stride_om + rows[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(mi < M)[:, None] & row_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
-def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, sb_per_split, n_splits, stride_xq, stride_xd, stride_wu,
-                   stride_om, FIVE_BITS: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
+def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd, stride_wu,
+                   stride_os, stride_om, FIVE_BITS: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
                    SB: tl.constexpr, ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
     """Q4_K (144-byte super-blocks: d, dmin, 12 scale bytes, 128 nibble bytes) or Q5_K (176: the same with 32 bytes
     of fifth bits before the nibbles). w as int32 words; group g's 32 bytes hold sub-block 2g in their low nibbles
@@ -249,7 +222,7 @@ def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, part_ptr, count_ptr, 
             contrib = tl.sum(tl.sum(part, axis=2), axis=1)
             acc = _add_row(acc, mi, m, contrib)
     wait_for_inputs(PDL)  # (also where a program had no iterations)
-    _store_rows(out_ptr, part_ptr, count_ptr, acc, split, n_splits, stride_om, mi, M, N, rows, row_ok, EMULATE)
+    _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
 
 
 @triton.jit
@@ -276,8 +249,8 @@ def _dot16(v, x, EMULATE: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
-def _q6_k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, part_ptr, count_ptr, M, N, K, sb_per_split, n_splits, stride_xq, stride_xd,
-                 stride_wu, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
+def _q6_k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd,
+                 stride_wu, stride_os, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
                  ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
     """Q6_K: 210-byte super-blocks (ql 128 bytes, qh 64, 16 int8 scales, d) kept padded to 212 bytes (53 words;
     layers/quantized.py), read as int32 words (w_ptr) and, for the scales and d, as int16 halves (w16_ptr).
@@ -336,7 +309,7 @@ def _q6_k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, part_ptr, coun
             contrib = tl.sum(tl.sum(tl.sum(part, axis=3), axis=2), axis=1)
             acc = _add_row(acc, mi, m, contrib)
     wait_for_inputs(PDL)  # (also where a program had no iterations)
-    _store_rows(out_ptr, part_ptr, count_ptr, acc, split, n_splits, stride_om, mi, M, N, rows, row_ok, EMULATE)
+    _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
 
 
 @triton.jit
@@ -346,8 +319,8 @@ def _spread_bits(nib):
 
 
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
-def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, lut_ptr, out_ptr, part_ptr, count_ptr, M, N, K, sb_per_split, n_splits, stride_xq,
-                    stride_xd, stride_wu, stride_om, QTYPE: tl.constexpr, BM: tl.constexpr,
+def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, lut_ptr, out_ptr, M, N, K, sb_per_split, stride_xq,
+                    stride_xd, stride_wu, stride_os, stride_om, QTYPE: tl.constexpr, BM: tl.constexpr,
                     BLOCK_N: tl.constexpr, SB: tl.constexpr, ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
     """The 32-weight nibble block types as layers/quantized.field_planes keeps them, w as int32 words (w16: the
     same bytes as int16): a row's blocks' 16 nibble bytes (4 words each), then (Q5_0, Q5_1) their 32 fifth bits (a
@@ -408,12 +381,12 @@ def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, lut_ptr, out_ptr, pa
                 contrib = tl.sum(d * xd * dot + dm * xs, axis=1)
             acc = _add_row(acc, mi, m, contrib)
     wait_for_inputs(PDL)  # (also where a program had no iterations)
-    _store_rows(out_ptr, part_ptr, count_ptr, acc, split, n_splits, stride_om, mi, M, N, rows, row_ok, EMULATE)
+    _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
 
 
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
-def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, part_ptr, count_ptr, M, N, K, sb_per_split, n_splits, stride_xq, stride_xd,
-                 stride_wu, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
+def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd,
+                 stride_wu, stride_os, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
                  ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
     """Q8_0 in two planes (layers/quantized.field_planes): w as int32 words, a row's K / 4 words of int8 values,
     then its K / 32 fp16 scales (w16: the same bytes as int16). SB counts groups of 8 blocks."""
@@ -440,12 +413,12 @@ def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, part_ptr, coun
             contrib = tl.sum(d * xd * dot, axis=1)
             acc = _add_row(acc, mi, m, contrib)
     wait_for_inputs(PDL)  # (also where a program had no iterations)
-    _store_rows(out_ptr, part_ptr, count_ptr, acc, split, n_splits, stride_om, mi, M, N, rows, row_ok, EMULATE)
+    _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
 
 
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
-def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, part_ptr, count_ptr, M, N, K, sb_per_split, n_splits, stride_xq, stride_xd,
-                   stride_wu, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
+def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd,
+                   stride_wu, stride_os, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
                    ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
     """IQ4_XS in two planes (layers/quantized.field_planes), w as int32 words: a row's super-blocks' 128 nibble
     bytes (32 words each), then their 8-byte headers (d and scales_h, scales_l: two words each). Sub-block j (32
@@ -483,7 +456,7 @@ def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, part_ptr, co
             contrib = tl.sum(tl.sum(dl * xd * dot, axis=2), axis=1)
             acc = _add_row(acc, mi, m, contrib)
     wait_for_inputs(PDL)  # (also where a program had no iterations)
-    _store_rows(out_ptr, part_ptr, count_ptr, acc, split, n_splits, stride_om, mi, M, N, rows, row_ok, EMULATE)
+    _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
 
 
 def splits_for(n: int, k: int, cfg: dict) -> tuple[int, int]:
@@ -522,19 +495,6 @@ def sum_splits(partial: Tensor, out: Tensor) -> None:
     block = 1024
     _sum_splits_kernel[(triton.cdiv(out.numel(), block),)](partial, out, partial.shape[0], out.numel(), out.shape[1],
                                                           out.stride(0), BLOCK=block, **pdl.launch(out))
-
-
-_COUNTERS: dict[torch.device, list[Tensor]] = {}
-
-
-def tile_counters(device: torch.device, tiles: int) -> Tensor:
-    """Zeroed int32 counters, one per row tile, for the split-K sum inside the integer kernels (`_store_rows`; each
-    kernel leaves them zero), shared by launches in stream order. A larger buffer, when needed, comes beside the
-    old one, which stays allocated: CUDA graphs keep the addresses they captured."""
-    buffers = _COUNTERS.setdefault(device, [])
-    if not buffers or buffers[-1].numel() < tiles:
-        buffers.append(torch.zeros(max(tiles, 1 << 17), device=device, dtype=torch.int32))
-    return buffers[-1]
 
 
 def row_align(w: Tensor) -> int:
@@ -576,8 +536,7 @@ def _gemv_into(out: Tensor, x: Tensor, xq: Tensor, xd: Tensor, xs: Tensor, qweig
     emulate = _emulate()
     cfg = INTERPRETED if emulate else TYPE_CONFIGS.get(qtype, CONFIG)
     splits, per_split = splits_for(n, k, cfg)
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), splits)
-    partial = out if splits == 1 else torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
+    out, partial = split_outputs(x, n, splits, out)
     if qtype in ("Q4_K", "Q5_K"):
         w = qweight.view(torch.int32)
         kernel, args, extra = _kquant_kernel, (w,), dict(FIVE_BITS=qtype == "Q5_K")
@@ -595,7 +554,9 @@ def _gemv_into(out: Tensor, x: Tensor, xq: Tensor, xd: Tensor, xs: Tensor, qweig
         table = iq4_table(x.device).view(torch.int32)
         kernel, args, extra = _block32_kernel, (w, qweight.view(torch.int16), table), dict(QTYPE=BLOCK32_IDS[qtype])
     align = row_align(w)
-    kernel[grid](xq, xd, xs, *args, out, partial, tile_counters(x.device, grid[0]), m, n, k, per_split, splits,
-                 xq.stride(0), xd.stride(0), w.stride(0) // align, out.stride(0), BM=bm, BLOCK_N=cfg["BLOCK_N"],
-                 SB=cfg["SB"], ROW_ALIGN=align, EMULATE=emulate, num_warps=cfg["num_warps"], **extra,
-                 **pdl.launch(x))
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), splits)
+    kernel[grid](xq, xd, xs, *args, partial, m, n, k, per_split, xq.stride(0), xd.stride(0), w.stride(0) // align,
+                 partial.stride(0), partial.stride(1), BM=bm, BLOCK_N=cfg["BLOCK_N"], SB=cfg["SB"], ROW_ALIGN=align,
+                 EMULATE=emulate, num_warps=cfg["num_warps"], **extra, **pdl.launch(x))
+    if splits > 1:
+        sum_splits(partial, out)
