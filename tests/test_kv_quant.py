@@ -257,17 +257,26 @@ def check_quantize_kernel(device: str) -> None:
                 assert ulps.max() <= 1, (name, head_dim, int(ulps.max()))
                 continue
             assert torch.equal(got, want), (name, head_dim, int((got != want).sum()))
-    for bits in (3, 4):  # the rotated types: the same codes, each group's fp16 scale within an ulp
+    # the rotated types: the kernel rotates in float32 summed in its own order, so a coordinate within rounding of a
+    # level midpoint may take the other code: nearly all code bytes equal, scales within 0.2%
+    for bits in (3, 4):
         for head_dim in (64, 128, 256):
             x = torch.randn(7, 3, head_dim, generator=gen) * torch.rand(7, 3, 1, generator=gen) * 10
             x[0, 0] = 0
             want = KVCodec(f"turbo{bits}", torch.float32).encode(x)
             got = quantize_rotated_rows(x.to(device), bits).cpu()
             cut = want.shape[-1] - 2 * max(1, head_dim // 128)
-            assert torch.equal(got[..., :cut], want[..., :cut]), (bits, head_dim, int((got != want).sum()))
-            ulps = (got[..., cut:].contiguous().view(torch.int16).int() -
-                    want[..., cut:].contiguous().view(torch.int16).int()).abs()
-            assert ulps.max() <= 1, (bits, head_dim, int(ulps.max()))
+            same = (got[..., :cut] == want[..., :cut]).float().mean().item()
+            assert same > 0.995, (bits, head_dim, same)
+            scales = [r[..., cut:].contiguous().view(torch.float16).float() for r in (got, want)]
+            assert torch.allclose(scales[0], scales[1], rtol=2e-3, atol=0), (bits, head_dim)
+    from flashdraft.kernels.rotation import rotate_rows
+    from flashdraft.layers.kv_quant import rotate
+    for head_dim in (64, 128, 256):  # a query into the rotated domain and an output back, strided heads
+        x = torch.randn(3, 4, 2 * head_dim, generator=gen)[:, :, :head_dim]
+        for inverse in (False, True):
+            got = rotate_rows(x.to(device), inverse).cpu()
+            assert torch.allclose(got, rotate(x, inverse), rtol=1e-5, atol=1e-5), (head_dim, inverse)
 
 
 def test_quantize_kernel_interpreted_equals_the_torch_quantizers():

@@ -2,7 +2,7 @@
 rounding as layers/kv_quant.py's torch quantizers (and so the gguf package's), and iq4_nl with its levels (the
 scale's least-squares refit sums 32 products in another order than torch's, so its fp16 scale may differ by an
 ulp), written straight into the planar row layout the cache stores (every block's quants, then scales, then mins,
-then fifth bits); and the rotated turbo3/turbo4 rows, their rotation and norms in torch and the codes, scales and
+then fifth bits); and the rotated turbo3/turbo4 rows: norms, rotation (kernels/rotation.py), codes, scales and
 packing in one kernel. The torch path takes ~30 small kernels per row batch; inside a decode step's graph that
 was ~2 ms over a 32-layer model (docs/PERF.md)."""
 import torch
@@ -14,7 +14,8 @@ from flashdraft.kernels import pdl
 from flashdraft.kernels.iq4 import iq4_value
 from flashdraft.kernels.pdl import start_dependents, wait_for_inputs
 from flashdraft.kernels.split_attention import ROW_TYPES
-from flashdraft.layers.kv_quant import KERNEL_QUANTIZED, KVCodec, rotated_groups, rotation_group, table
+from flashdraft.kernels.rotation import rotated_group
+from flashdraft.layers.kv_quant import KERNEL_QUANTIZED, KVCodec, rotation, rotation_group, table
 
 TYPE_IDS = {name: ROW_TYPES[name] for name in KERNEL_QUANTIZED}
 
@@ -120,22 +121,26 @@ def quantize_rows(x: Tensor, name: str) -> Tensor:
 
 
 @triton.jit
-def _rotated_kernel(y_ptr, to_unit_ptr, norm_ptr, mids_ptr, levels_ptr, out_ptr, stride_o, N: tl.constexpr,
-                    G: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr):
-    """One row's N rotated groups y [N, G] -> codes (how many level midpoints lie below each coordinate of the unit
-    group, as torch.bucketize) packed in the row's planes, then each group's fp16 scale norm / |levels[codes]|."""
+def _rotated_kernel(x_ptr, r_ptr, mids_ptr, levels_ptr, out_ptr, stride_x, stride_o, N: tl.constexpr, G: tl.constexpr,
+                    BITS: tl.constexpr, PDL: tl.constexpr):
+    """One row's N groups x [N, G] -> rotated (x R^T), each group's norm kept aside; codes (how many level midpoints
+    lie below each coordinate of the unit group, as torch.bucketize) packed in the row's planes, then each group's
+    fp16 scale norm / |levels[codes]|."""
     start_dependents(PDL)
     wait_for_inputs(PDL)
     row = tl.program_id(0)
     gi = tl.arange(0, N)
     j = tl.arange(0, G)
-    z = tl.load(y_ptr + (row * N + gi)[:, None] * G + j[None, :]) * tl.load(to_unit_ptr + row * N + gi)[:, None]
+    x = tl.load(x_ptr + row * stride_x + gi[:, None] * G + j[None, :]).to(tl.float32)
+    norm = tl.sqrt(tl.sum(x * x, axis=1))
+    to_unit = tl.where(norm != 0, tl.sqrt(G * 1.0) / tl.where(norm != 0, norm, 1.0), 0.0)
+    z = rotated_group(x, r_ptr, G, False) * to_unit[:, None]
     codes = tl.zeros([N, G], tl.int32)
     for k in tl.static_range((1 << BITS) - 1):
         codes += (tl.load(mids_ptr + k) < z).to(tl.int32)
     level = tl.load(levels_ptr + codes)
     length = tl.sqrt(tl.sum(level * level, axis=1))
-    scale = tl.load(norm_ptr + row * N + gi) * tl.where(length != 0, 1.0 / tl.where(length != 0, length, 1.0), 0.0)
+    scale = norm * tl.where(length != 0, 1.0 / tl.where(length != 0, length, 1.0), 0.0)
     CODE_BYTES: tl.constexpr = G * BITS // 8
     out = out_ptr + row * stride_o + gi[:, None] * CODE_BYTES
     if BITS == 4:  # value c: byte c % (G/2), the high nibble for the second half
@@ -153,15 +158,18 @@ def _rotated_kernel(y_ptr, to_unit_ptr, norm_ptr, mids_ptr, levels_ptr, out_ptr,
 
 
 def quantize_rotated_rows(x: Tensor, bits: int) -> Tensor:
-    """Rows [..., D] -> stored turbo rows [..., row bytes]: the rotation and norms in torch (layers/kv_quant.
-    rotated_groups, as the torch quantizer), the codes, scales and packing in one kernel."""
+    """Rows [..., D] -> stored turbo rows [..., row bytes] in one kernel: the norms, the rotation (float32 products
+    summed in another order than torch's, so a coordinate on a level midpoint may take the other code), the codes,
+    the scales and the packing."""
     d = x.shape[-1]
     g = rotation_group(d)
-    rotated, to_unit, norm = rotated_groups(x.reshape(-1, g).float())
-    rows = rotated.shape[0] // (d // g)
+    flat = x.reshape(-1, d)
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    rows = flat.shape[0]
     out = torch.empty(rows, KVCodec(f"turbo{bits}", x.dtype).row_size(d), device=x.device, dtype=torch.uint8)
     if rows:
-        _rotated_kernel[(rows,)](rotated, to_unit, norm, table("midpoints", bits, x.device),
-                                 table("levels", bits, x.device), out, out.stride(0), N=d // g, G=g, BITS=bits,
-                                 **pdl.launch(x))
+        _rotated_kernel[(rows,)](flat, rotation(g, x.device), table("midpoints", bits, x.device),
+                                 table("levels", bits, x.device), out, flat.stride(0), out.stride(0), N=d // g, G=g,
+                                 BITS=bits, num_warps=8 if g > 64 else 4, **pdl.launch(x))
     return out.reshape(*x.shape[:-1], -1)

@@ -150,6 +150,9 @@ def rotation(group: int, device: torch.device | str = "cpu") -> Tensor:
 
 def rotate(x: Tensor, inverse: bool = False) -> Tensor:
     """x [..., D] -> each group of its last dimension times R (into a rotated type's domain) or R^T (back)."""
+    if x.is_cuda and x.dim() == 3:  # a query or an attention output [T, H, D]: one kernel
+        from flashdraft.kernels.rotation import rotate_rows
+        return rotate_rows(x, inverse)
     group = rotation_group(x.shape[-1])
     r = rotation(group, x.device)
     groups = x.float().unflatten(-1, (-1, group))
@@ -211,20 +214,14 @@ def _unpack_codes(packed: Tensor, bits: int, g: int) -> Tensor:
     return low | (high << 2)
 
 
-def rotated_groups(groups: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """float32 groups [n, g] -> (the rotated groups [n, g], sqrt(g) / norm [n, 1] (0 for a zero group), norm [n, 1]):
-    what the torch quantizer below and the CUDA write kernel (kernels/kv_quantize.py) both start from."""
-    g = groups.shape[1]
-    norm = groups.norm(dim=-1, keepdim=True)
-    return groups @ rotation(g, groups.device).T, math.sqrt(g) * _inverse(norm), norm
-
-
 def quantize_rotated(groups: Tensor, bits: int) -> tuple[Tensor, Tensor]:
     """float32 groups [n, g] -> (packed codes [n, g * bits / 8] of the rotated, normalised group, fp16 scale
-    bytes [n, 2])."""
+    bytes [n, 2]). (On CUDA, kernels/kv_quantize.quantize_rotated_rows does the same in one kernel.)"""
+    g = groups.shape[1]
     levels = table("levels", bits, groups.device)
-    rotated, to_unit, norm = rotated_groups(groups)
-    codes = torch.bucketize((rotated * to_unit).contiguous(), table("midpoints", bits, groups.device))  # ~ N(0, 1)
+    norm = groups.norm(dim=-1, keepdim=True)
+    unit = (groups @ rotation(g, groups.device).T) * (math.sqrt(g) * _inverse(norm))  # ~ N(0, 1) per coordinate
+    codes = torch.bucketize(unit.contiguous(), table("midpoints", bits, groups.device))
     scale = norm * _inverse(levels[codes].norm(dim=-1, keepdim=True))  # the decoded group keeps the norm
     return _pack_codes(codes, bits), _fp16_bytes(scale)
 
