@@ -6,15 +6,20 @@ and the scaled sum per 32 values). The weight kernels then read each row's bytes
 5- or 6-bit fields out of a word four at a time, and multiply them with x's bytes by `dp4a` (four int8
 products summed into an int32), so a weight costs about a quarter of an instruction per row of x instead of an
 unpack, a conversion and a multiply. The sub-block scales and the minimum's term (dmin * m * sum(x)) apply once
-per 32 weights. Each row of x goes through the same instructions whatever the row count, so a token's result
-is the same bits in a plain step and in a verify step.
+per 32 weights. Each row of x goes through the same instructions whatever the row count (up to MAX_ROWS; wider
+products take kernels/gguf_mma.py or the tensor-core kernel), so a token's result has the same bits whichever
+of these row counts computes it.
 
 The IQ4 types map each nibble through a 16-entry int8 table (kvalues_iq4nl) by byte permutes (PRMT), eight
 nibbles in six of them (x quantized in the lookup's order), so their words also go to `dp4a`.
 
 Layouts: ggml-common.h's block_q4_0 ... block_q8_0, block_iq4_nl, block_q4_K, block_q5_K, block_q6_K (kept padded
-to 212 bytes, so every block starts on a word) and block_iq4_xs. The 32-weight blocks (18-34 bytes) are only
-2-byte aligned, so their words are read as two 16-bit halves. Q2_K/Q3_K keep the tensor-core kernel.
+to 212 bytes, so every block starts on a word) and block_iq4_xs. Q8_0, IQ4_XS and the 32-weight block types are
+kept in planes by field (layers/quantized.field_planes: values, then fifth bits, then scales; the same bytes), so
+their values are read as aligned words. Q2_K/Q3_K keep the tensor-core kernel.
+
+Launched with programmatic dependent launch on Hopper (kernels/pdl.py): a program issues its weight loads before it
+waits for the kernel that wrote x.
 """
 import os
 
