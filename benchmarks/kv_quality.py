@@ -94,28 +94,36 @@ def main() -> int:
     ap.add_argument("--types", default=DEFAULT_TYPES, help="K/V pairs, comma-separated; the first is the reference")
     ap.add_argument("--llama-perplexity", help="llama.cpp's llama-perplexity binary: its KL figures beside ours")
     ap.add_argument("--ctx", type=int, default=512, help="llama-perplexity's chunk size")
+    ap.add_argument("--llama-protocol", action="store_true",
+                    help="score as llama-perplexity does: the texts joined, cut into chunks of --ctx tokens each from "
+                         "a fresh cache, positions ctx/2 .. ctx-2 of each scored")
     ap.add_argument("--out")
     args = ap.parse_args()
     torch.manual_seed(0)
     target, tok, path = load_target(str(resolve_model(args.model)), "cpu", torch.float32)
     pairs = [tuple(p.split("/")) for p in args.types.split(",")]
     contexts = []
-    for text in texts(args.texts, args.items):
-        ids = tok.encode(text)[:args.tokens]
-        contexts.append(torch.tensor(ids))
+    if args.llama_protocol:
+        ids = tok.encode("\n\n".join(texts(args.texts, args.items)))
+        contexts = [torch.tensor(ids[i:i + args.ctx]) for i in range(0, len(ids) - args.ctx + 1, args.ctx)]
+    else:
+        for text in texts(args.texts, args.items):
+            contexts.append(torch.tensor(tok.encode(text)[:args.tokens]))
+    scored = slice(args.ctx // 2, args.ctx - 1) if args.llama_protocol else slice(None)
     results = dict(model=Path(path).name, tokens=[len(c) for c in contexts], date=time.strftime("%Y-%m-%d"), rows=[])
     reference = [log_probs(target, ids, pairs[0]) for ids in contexts]
     for pair in pairs[1:]:
         per_position = []
         agree, n = 0, 0
         for ids, ref in zip(contexts, reference):
-            got = log_probs(target, ids, pair)
+            got = log_probs(target, ids, pair)[scored]
+            ref = ref[scored]
             per_position.append((ref.exp() * (ref - got)).sum(-1))
             agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
-            n += len(ids)
+            n += len(ref)
         kl = float(sum(p.sum() for p in per_position))
         by_range = {f"{lo}-{hi}": float(torch.cat([p[lo:hi] for p in per_position]).mean())
-                    for lo, hi in POSITION_RANGES if any(len(p) > lo for p in per_position)}
+                    for lo, hi in POSITION_RANGES if any(len(p) > lo for p in per_position) and not args.llama_protocol}
         row = dict(k=pair[0], v=pair[1], mean_kl=kl / n, top1_agreement=agree / n, positions=n, kl_by_position=by_range)
         results["rows"].append(row)
         print(f"{pair[0]}/{pair[1]}: mean KL {row['mean_kl']:.2e}, top-1 agreement {row['top1_agreement']:.2%}; by "
