@@ -30,7 +30,9 @@ def add_engine_args(ap: argparse.ArgumentParser, model: bool = True, context: bo
     ap.add_argument("-ctk", "--cache-type-k", default="auto", choices=("auto", *KV_CACHE_TYPES),
                     help="KV cache storage for K, as llama.cpp's (default auto: the model's dtype); q8_0, q5_0, "
                          "q5_1, q4_0, q4_1, iq4_nl are 32-value blocks with fp16 scales, quantized as rows are "
-                         "written; turbo3/turbo4: 3/4 bits per value after a randomised Hadamard rotation")
+                         "written (after a Hadamard rotation of each head where its size is a multiple of 64, as "
+                         "llama.cpp; LLAMA_ATTN_ROT_DISABLE=1 turns it off); turbo3/turbo4: 3/4 bits per value after "
+                         "a randomised Hadamard rotation")
     ap.add_argument("-ctv", "--cache-type-v", default="auto", choices=("auto", *KV_CACHE_TYPES),
                     help="KV cache storage for V (as --cache-type-k)")
     ap.add_argument("--spec-draft-type-k", "-ctkd", "--cache-type-k-draft", dest="draft_cache_type_k", default="auto",

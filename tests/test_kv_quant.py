@@ -10,13 +10,14 @@ import sys
 import numpy as np
 import pytest
 import torch
-from gguf import quants
+from gguf import GGMLQuantizationType as Q, quants
 from test_engine import oracle_proposals, random_draft
 from tiny import decode_tokens
 
 from flashdraft.engine.config import KV_CACHE_TYPES as CONFIG_TYPES
 from flashdraft.engine.generate import SpecStats
 from flashdraft.engine.sampling import SamplingParams
+from flashdraft.layers import kv_quant
 from flashdraft.layers.kv_cache import KVCache, window_cache
 from flashdraft.layers.kv_quant import (BLOCK_KV_TYPES, IQ4_NL_VALUES, KV_CACHE_TYPES, KVCodec, kv_codecs,
                                         lloyd_max_codebook, rotation)
@@ -33,21 +34,42 @@ def test_the_command_lines_and_the_codecs_name_the_same_types():
     assert CONFIG_TYPES == KV_CACHE_TYPES
 
 
+@pytest.mark.parametrize("rotated", [True, False])
 @pytest.mark.parametrize("name", [name for name in BLOCK_KV_TYPES if name != "iq4_nl"])
-def test_quantize_equals_gguf_reference_and_round_trip_within_bound(name):
+def test_quantize_equals_gguf_reference_and_round_trip_within_bound(name, rotated, monkeypatch):
+    """Block types store the gguf package's blocks of each head row, rotated first (as llama.cpp's attn_rot) unless
+    LLAMA_ATTN_ROT_DISABLE; decoding rotates back."""
+    monkeypatch.setattr(kv_quant, "ROTATE_BLOCKS", rotated)
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((96, 128)) * rng.uniform(1e-3, 30, (96, 1))).astype(np.float32)
     x[0], x[1, :32] = 0, 2.5  # an all-zero block and a constant one
     qtype = BLOCK_KV_TYPES[name]
     codec = KVCodec(name, torch.float32)
+    assert codec.rotates(128) == rotated
+    y = kv_quant.rotate(torch.from_numpy(x)).numpy() if rotated else x  # what is quantized
     stored = codec.encode(torch.from_numpy(x))
     assert stored.dtype == torch.uint8 and stored.shape == (96, codec.row_size(128))
-    assert np.array_equal(codec.to_blocks(stored).reshape(96, -1).numpy(), quants.quantize(x, qtype))
+    blocks = codec.to_blocks(stored).reshape(96, -1).numpy()
+    assert np.array_equal(blocks, quants.quantize(y, qtype))
+    values = quants.dequantize(blocks, qtype)
     back = codec.decode(stored)
-    assert np.array_equal(back.numpy(), quants.dequantize(codec.to_blocks(stored).reshape(96, -1).numpy(), qtype))
-    blocks, err = x.reshape(-1, 32), (back.numpy() - x).reshape(-1, 32)
+    want = kv_quant.rotate(torch.from_numpy(values), inverse=True) if rotated else torch.from_numpy(values)
+    assert torch.allclose(back, want, rtol=0, atol=1e-5) if rotated else torch.equal(back, want)
+    blocks, err = y.reshape(-1, 32), (values - y).reshape(-1, 32)
     scale = np.abs(blocks).max(-1) if name in ("q8_0", "q5_0", "q4_0") else np.ptp(blocks, -1) / 2
     assert (np.abs(err).max(-1) <= BOUNDS[name] * scale + 1e-6).all()
+
+
+def test_rotation_spreads_an_outlier_channel():
+    """Keys with a few large channels (Qwen2's key bias): the rotated q8_0 cache's error is less than half
+    than the plain blocks', whose outliers set the scale of every block they sit in."""
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((256, 64)).astype(np.float32)
+    k[:, [29, 31, 62]] += np.array([120.0, -130.0, 140.0], dtype=np.float32)
+    codec, x = KVCodec("q8_0", torch.float32), torch.from_numpy(k)
+    plain = torch.from_numpy(quants.dequantize(quants.quantize(k, Q.Q8_0), Q.Q8_0))
+    rotated = codec.decode(codec.encode(x))
+    assert (rotated - x).norm() * 2 < (plain - x).norm()
 
 
 def iq4_nl_reference(block: np.ndarray) -> bytes:
@@ -85,7 +107,8 @@ def iq4_nl_reference(block: np.ndarray) -> bytes:
     return np.float16(d).tobytes() + bytes(qs)
 
 
-def test_iq4_nl_equals_llama_cpp_and_decodes_as_gguf():
+def test_iq4_nl_equals_llama_cpp_and_decodes_as_gguf(monkeypatch):
+    monkeypatch.setattr(kv_quant, "ROTATE_BLOCKS", False)  # the block quantizer itself
     rng = np.random.default_rng(1)
     x = (rng.standard_normal((40, 64)) * rng.uniform(1e-2, 10, (40, 1))).astype(np.float32)
     x[0] = 0
@@ -238,25 +261,29 @@ def test_the_draft_ring_keeps_its_own_types(tmp_path):
 def check_quantize_kernel(device: str) -> None:
     """kernels/kv_quantize.py (the CUDA write path) bit for bit against the torch quantizers above, with an
     all-zero block, a constant one, a tie in magnitude (the first value of largest magnitude sets the scale) and
-    values halfway between two iq4_nl levels."""
+    values halfway between two iq4_nl levels. (The rotation before it is rotate's, tested on its own.)"""
     from flashdraft.kernels.kv_quantize import TYPE_IDS, quantize_rotated_rows, quantize_rows
     gen = torch.Generator().manual_seed(0)
-    for name in TYPE_IDS:
-        for head_dim in (64, 128, 256):
-            x = torch.randn(7, 3, head_dim, generator=gen) * torch.rand(7, 3, 1, generator=gen) * 10
-            x[0, 0], x[1, 0, :32] = 0, 2.5
-            x[2, 0, 5], x[2, 0, 9] = -x[2, 0].abs().max(), x[2, 0].abs().max()
-            x[3, 0, :32] = torch.tensor([-127.0, 7.0, -115.5, 95.5] * 8)  # iq4_nl: d = 1, values halfway between levels
-            codec = KVCodec(name, torch.float32)
-            want = codec.encode(x)
-            got = quantize_rows(x.to(device), name).cpu()
-            if name == "iq4_nl":  # the same levels; the refit scale's sum may round an fp16 ulp apart
-                levels, scales = got[..., :head_dim // 2], got[..., head_dim // 2:].contiguous().view(torch.int16)
-                assert torch.equal(levels, want[..., :head_dim // 2]), (name, head_dim)
-                ulps = (scales.int() - want[..., head_dim // 2:].contiguous().view(torch.int16).int()).abs()
-                assert ulps.max() <= 1, (name, head_dim, int(ulps.max()))
-                continue
-            assert torch.equal(got, want), (name, head_dim, int((got != want).sum()))
+    rotate_blocks, kv_quant.ROTATE_BLOCKS = kv_quant.ROTATE_BLOCKS, False  # the block quantizers themselves
+    try:
+        for name in TYPE_IDS:
+            for head_dim in (64, 128, 256):
+                x = torch.randn(7, 3, head_dim, generator=gen) * torch.rand(7, 3, 1, generator=gen) * 10
+                x[0, 0], x[1, 0, :32] = 0, 2.5
+                x[2, 0, 5], x[2, 0, 9] = -x[2, 0].abs().max(), x[2, 0].abs().max()
+                x[3, 0, :32] = torch.tensor([-127.0, 7.0, -115.5, 95.5] * 8)  # iq4_nl: d = 1, halfway between levels
+                codec = KVCodec(name, torch.float32)
+                want = codec.encode(x)
+                got = quantize_rows(x.to(device), name).cpu()
+                if name == "iq4_nl":  # the same levels; the refit scale's sum may round an fp16 ulp apart
+                    levels, scales = got[..., :head_dim // 2], got[..., head_dim // 2:].contiguous().view(torch.int16)
+                    assert torch.equal(levels, want[..., :head_dim // 2]), (name, head_dim)
+                    ulps = (scales.int() - want[..., head_dim // 2:].contiguous().view(torch.int16).int()).abs()
+                    assert ulps.max() <= 1, (name, head_dim, int(ulps.max()))
+                    continue
+                assert torch.equal(got, want), (name, head_dim, int((got != want).sum()))
+    finally:
+        kv_quant.ROTATE_BLOCKS = rotate_blocks
     # the rotated types: the kernel rotates in float32 summed in its own order, so a coordinate within rounding of a
     # level midpoint may take the other code: nearly all code bytes equal, scales within 0.2%
     for bits in (3, 4):

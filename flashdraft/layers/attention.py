@@ -138,10 +138,10 @@ def attend_cache(q: Tensor, cache, length: int, mask: Tensor, spec: AttentionSpe
         from flashdraft.layers.kv_quant import rotate
         keys, values = cache.stored(length)
         k_codec, v_codec = cache.codecs
-        query = rotate(q[0]) if k_codec.bits else q[0]
+        query = rotate(q[0]) if k_codec.rotates(q.shape[-1]) else q[0]
         out = torch.ops.flashdraft.split_attention(query, keys, values, mask[0], spec.scale, spec.softcap or 0.0,
                                                    ROW_TYPES.get(k_codec.name, 0), ROW_TYPES.get(v_codec.name, 0))
-        if v_codec.bits:
+        if v_codec.rotates(q.shape[-1]):
             out = rotate(out.view(*q.shape[1:]), inverse=True).flatten(-2)
         return out[None]
     keys, values = cache.read(length, q.dtype)

@@ -5,7 +5,9 @@ are written. Plus the rotated types `turbo3` / `turbo4` (BeeLlama's names, after
 128 values of a head vector is divided by its norm, rotated by a fixed randomised Hadamard transform (which
 makes its coordinates nearly Gaussian, N(0, 1/group)), and each coordinate is stored as the index of the nearest
 entry of a 3- or 4-bit Lloyd-Max codebook for that Gaussian, with one fp16 scale that gives the decoded group
-the original norm. Attention can consume them in the rotated domain (rotate q, un-rotate the output).
+the original norm. Attention can consume them in the rotated domain (rotate q, un-rotate the output). Block types
+are stored rotated too where the head size is a multiple of 64 (`ROTATE_BLOCKS`), as llama.cpp's cache is since its
+attn_rot: the same rotation, then ggml's blocks of the rotated row.
 
 A stored row holds exactly its type's bytes, but laid out by field rather than by block, so that the attention
 kernel reads the quantized values with wide aligned loads: a block type's row is every block's quants, then every
@@ -17,6 +19,7 @@ bits 2 (c // (g/4))) followed by one bit plane (byte c % (g/8), bit c // (g/8)).
 A `KVCodec` turns rows [..., head_dim] into what the cache stores and back."""
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +36,11 @@ KV_CACHE_TYPES = (*FLOAT_KV_TYPES, *BLOCK_KV_TYPES, *ROTATED_KV_TYPES)
 IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # kvalues_iq4nl
 ROTATION_GROUP = 128  # values per rotated group (a smaller power-of-two head is one group)
 ROTATION_SEED = 42
+# Block types are stored rotated too where the head size is a multiple of 64, as llama.cpp's KV cache does
+# (attn_rot_k / attn_rot_v, on by default for quantized types; LLAMA_ATTN_ROT_DISABLE=1 turns it off there and
+# here): a head's outlier channels (Qwen2's key bias) then no longer set the scale of every block they sit in.
+# Qwen2.5-0.5B, q8_0 keys, llama-perplexity's protocol: KL 1.37e-2 without, 2.07e-3 with (docs/PERF.md).
+ROTATE_BLOCKS = os.environ.get("LLAMA_ATTN_ROT_DISABLE", "0") in ("", "0")
 
 
 _TABLES: dict[tuple, Tensor] = {}
@@ -150,9 +158,9 @@ def rotation(group: int, device: torch.device | str = "cpu") -> Tensor:
 
 def rotate(x: Tensor, inverse: bool = False) -> Tensor:
     """x [..., D] -> each group of its last dimension times R (into a rotated type's domain) or R^T (back)."""
-    if x.is_cuda and x.dim() == 3:  # a query or an attention output [T, H, D]: one kernel
+    if x.is_cuda:  # one kernel (a query or an attention output [T, H, D] as it is)
         from flashdraft.kernels.rotation import rotate_rows
-        return rotate_rows(x, inverse)
+        return rotate_rows(x if x.dim() == 3 else x.reshape(-1, 1, x.shape[-1]), inverse).reshape(x.shape)
     group = rotation_group(x.shape[-1])
     r = rotation(group, x.device)
     groups = x.float().unflatten(-1, (-1, group))
@@ -241,6 +249,12 @@ class KVCodec:
         """Bits per value of a rotated type (None for the others)."""
         return ROTATED_KV_TYPES.get(self.name)
 
+    def rotates(self, head_dim: int) -> bool:
+        """Whether rows are stored rotated (layers/kv_quant.rotate): the turbo types always, block types where the
+        head size is a multiple of 64 (ROTATE_BLOCKS). Attention over the stored rows meets them with a rotated
+        query and rotates its output back."""
+        return self.bits is not None or (ROTATE_BLOCKS and self.qtype is not None and head_dim % 64 == 0)
+
     @property
     def packed(self) -> bool:
         """Rows stored as bytes (block or rotated types) rather than floats."""
@@ -271,6 +285,7 @@ class KVCodec:
         if self.bits is not None:
             table("levels", self.bits, device)
             table("midpoints", self.bits, device)
+        if self.rotates(head_dim):
             rotation(rotation_group(head_dim), device)
 
     def encode(self, x: Tensor) -> Tensor:
@@ -287,6 +302,8 @@ class KVCodec:
             return rows.reshape(*x.shape[:-1], -1)
         if self.qtype is None:
             return x.to(self.storage_dtype)
+        if self.rotates(head_dim):
+            x = rotate(x.float())  # (in float32: a bf16 copy would round as coarsely as q8_0 does)
         if x.is_cuda and self.name in KERNEL_QUANTIZED and head_dim & (head_dim - 1) == 0:
             from flashdraft.kernels.kv_quantize import quantize_rows  # one kernel instead of ~30 torch ops
             return quantize_rows(x, self.name)
@@ -308,7 +325,10 @@ class KVCodec:
         from flashdraft.formats.gguf import BLOCK_DEQUANTISERS  # (formats imports the model families)
         _, size = GGML_QUANT_SIZES[self.qtype]
         values = BLOCK_DEQUANTISERS[self.qtype](self.to_blocks(stored).reshape(-1, size))
-        return values.reshape(*stored.shape[:-1], -1).to(dtype or self.dtype)
+        values = values.reshape(*stored.shape[:-1], -1)
+        if self.rotates(values.shape[-1]):
+            values = rotate(values.float(), inverse=True)
+        return values.to(dtype or self.dtype)
 
     def head_dim(self, row_size: int) -> int:
         if self.bits is not None:  # 2 + group * bits / 8 bytes per group; heads under 128 are one group
