@@ -53,14 +53,22 @@ def _iq4_nl_blocks(x, i):
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, out_ptr, stride_x, stride_o, TYPE: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
+def _quantize_kernel(x_ptr, r_ptr, out_ptr, stride_x, stride_o, TYPE: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+                     PDL: tl.constexpr):
+    """One row of D values -> its stored planar row; G > 0: each group of G values rotated first (x R^T, R at r_ptr:
+    layers/kv_quant.ROTATE_BLOCKS)."""
     start_dependents(PDL)
     wait_for_inputs(PDL)
     row = tl.program_id(0)
     NB: tl.constexpr = D // 32
     b = tl.arange(0, NB)
     i = tl.arange(0, 32)
-    x = tl.load(x_ptr + row * stride_x + b[:, None] * 32 + i[None, :]).to(tl.float32)  # [NB, 32]
+    if G > 0:
+        j = tl.arange(0, G)
+        groups = tl.load(x_ptr + row * stride_x + tl.arange(0, D // G)[:, None] * G + j[None, :]).to(tl.float32)
+        x = tl.reshape(rotated_group(groups, r_ptr, G, False), [NB, 32])
+    else:
+        x = tl.load(x_ptr + row * stride_x + b[:, None] * 32 + i[None, :]).to(tl.float32)  # [NB, 32]
     out = out_ptr + row * stride_o
     if TYPE == 8:
         d = tl.max(tl.abs(x), axis=1) / 127.0
@@ -107,16 +115,20 @@ def _quantize_kernel(x_ptr, out_ptr, stride_x, stride_o, TYPE: tl.constexpr, D: 
                 tl.store(at + k, ((word >> (8 * k)) & 0xFF).to(tl.uint8))
 
 
-def quantize_rows(x: Tensor, name: str) -> Tensor:
-    """Rows [..., D] (D a multiple of 32, a power-of-two block count) -> stored planar rows [..., row bytes]."""
+def quantize_rows(x: Tensor, name: str, rotated: bool = False) -> Tensor:
+    """Rows [..., D] (D a multiple of 32, a power-of-two block count) -> stored planar rows [..., row bytes];
+    rotated: each head's groups rotated first, as layers/kv_quant.rotate (float32 products summed in another order,
+    so a value on a rounding boundary may take the next level)."""
     d = x.shape[-1]
     flat = x.reshape(-1, d)
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
     out = torch.empty(flat.shape[0], KVCodec(name, x.dtype).row_size(d), device=x.device, dtype=torch.uint8)
+    g = rotation_group(d) if rotated else 0
+    r = rotation(g, x.device) if rotated else out  # (any pointer when not rotated)
     if flat.shape[0]:
-        _quantize_kernel[(flat.shape[0],)](flat, out, flat.stride(0), out.stride(0), TYPE=TYPE_IDS[name], D=d,
-                                           **pdl.launch(x))
+        _quantize_kernel[(flat.shape[0],)](flat, r, out, flat.stride(0), out.stride(0), TYPE=TYPE_IDS[name], D=d, G=g,
+                                           num_warps=8 if g > 64 else 4, **pdl.launch(x))
     return out.reshape(*x.shape[:-1], -1)
 
 

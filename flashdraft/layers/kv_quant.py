@@ -302,11 +302,11 @@ class KVCodec:
             return rows.reshape(*x.shape[:-1], -1)
         if self.qtype is None:
             return x.to(self.storage_dtype)
-        if self.rotates(head_dim):
-            x = rotate(x.float())  # (in float32: a bf16 copy would round as coarsely as q8_0 does)
         if x.is_cuda and self.name in KERNEL_QUANTIZED and head_dim & (head_dim - 1) == 0:
             from flashdraft.kernels.kv_quantize import quantize_rows  # one kernel instead of ~30 torch ops
-            return quantize_rows(x, self.name)
+            return quantize_rows(x, self.name, self.rotates(head_dim))
+        if self.rotates(head_dim):
+            x = rotate(x.float())  # (in float32: a bf16 copy would round as coarsely as q8_0 does)
         block, _ = GGML_QUANT_SIZES[self.qtype]
         raw = quantize_blocks(x.float().reshape(-1, block), self.qtype)
         return blocks_to_row(raw.reshape(-1, head_dim // block, raw.shape[-1]), self.qtype).reshape(
