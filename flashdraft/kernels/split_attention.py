@@ -24,7 +24,8 @@ from torch import Tensor
 from flashdraft.kernels import pdl
 from flashdraft.kernels.iq4 import iq4_value
 from flashdraft.kernels.pdl import start_dependents, wait_for_inputs
-from flashdraft.layers.kv_quant import lloyd_max_codebook
+from flashdraft.kernels.rotation import rotated_group
+from flashdraft.layers.kv_quant import lloyd_max_codebook, rotation, rotation_group
 
 # benchmarks/attention_kernel.py on an H200 (8B shape, 1280 / 16640 keys, docs/PERF.md run 7): 128 keys per tile
 # and two pipeline stages took decode 24.9 -> 14.4 us and 112.7 -> 56.9 us; three stages of 64-key tiles had left
@@ -38,6 +39,7 @@ BLOCK_N = 128
 STORED_BLOCK_N, STORED_STAGES = 64, 3
 ROW_TILE = 16
 TARGET_PROGRAMS = 264  # about two programs per SM of an H100/H200
+MERGE_ROTATION_MAX = 128  # heads up to this size have a rotated V's output rotated back in the merge kernel
 NUM_WARPS, NUM_STAGES = 4, 2
 # stored row types: 0 float; GGML ids of the block types; 100 + bits for the rotated types
 ROW_TYPES = {"q8_0": 8, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "iq4_nl": 20, "turbo3": 103, "turbo4": 104}
@@ -239,8 +241,10 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr,
 
 
 @triton.jit(do_not_specialize=["stride_ot", "n_splits", "T", "G", "n_rows"])
-def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, stride_ot, stride_oh, n_splits, n_kv, T, G, n_rows,
-                  D: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
+def _merge_kernel(acc_ptr, m_ptr, l_ptr, r_ptr, out_ptr, stride_ot, stride_oh, n_splits, n_kv, T, G, n_rows,
+                  D: tl.constexpr, SPLITS: tl.constexpr, ROTATION: tl.constexpr, PDL: tl.constexpr):
+    """The splits' partial sums merged by their log-sum-exp; ROTATION > 0: V was stored rotated in groups of that
+    many values (layers/kv_quant.rotate), so each group of the output is rotated back (x R, R at r_ptr)."""
     start_dependents(PDL)
     wait_for_inputs(PDL)
     kv = tl.program_id(0)
@@ -255,6 +259,8 @@ def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, stride_ot, stride_oh, n_splits
     d = tl.arange(0, D)
     acc = tl.load(acc_ptr + at[:, None] * D + d[None, :], mask=s_ok[:, None], other=0.0)
     out = tl.sum(acc * weight[:, None], 0) / denom
+    if ROTATION > 0:
+        out = tl.reshape(rotated_group(tl.reshape(out, [D // ROTATION, ROTATION]), r_ptr, ROTATION, True), [D])
     head = kv * G + row // T
     tl.store(out_ptr + (row % T) * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
@@ -267,9 +273,10 @@ def triton_matmul_ready(device_index: int) -> bool:
 
 @torch.library.custom_op("flashdraft::split_attention", mutates_args=())
 def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float, softcap: float,
-                    k_type: int = 0, v_type: int = 0) -> Tensor:
+                    k_type: int = 0, v_type: int = 0, v_rotated: bool = False) -> Tensor:
     """q [T, H, D]; keys/values [KV, L, D] floats (any strides but the last), or [KV, L, row bytes] stored as
-    ROW_TYPES k_type / v_type say; mask [T, L] bool; softcap 0: none. Returns [T, H*D] in q's dtype."""
+    ROW_TYPES k_type / v_type say; mask [T, L] bool; softcap 0: none; v_rotated: V stored rotated
+    (layers/kv_quant.rotate; D <= MERGE_ROTATION_MAX): the output is rotated back. Returns [T, H*D] in q's dtype."""
     if q.is_cuda and not triton_matmul_ready(torch.cuda.current_device() if q.device.index is None else q.device.index):
         if k_type or v_type:
             raise ValueError("quantized KV rows need the Triton kernel (an Ampere or newer GPU)")
@@ -309,12 +316,17 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale
                                              V_PLANES=planes(v_type), num_warps=NUM_WARPS, num_stages=stages,
                                              **pdl.launch(q))
     out = torch.empty(T, H, D, device=q.device, dtype=q.dtype)
-    _merge_kernel[(KV, G * T)](acc, m, lse, out, out.stride(0), out.stride(1), splits, KV, T, G, n_rows,
-                               D=D, SPLITS=max(2, triton.next_power_of_2(max_splits)), **pdl.launch(q))
+    group = rotation_group(D) if v_rotated else 0
+    if D > MERGE_ROTATION_MAX and group:
+        raise ValueError(f"split_attention rotates outputs back for heads up to {MERGE_ROTATION_MAX}, got {D}")
+    _merge_kernel[(KV, G * T)](acc, m, lse, rotation(group, q.device) if group else acc, out, out.stride(0),
+                               out.stride(1), splits, KV, T, G, n_rows, D=D,
+                               SPLITS=max(2, triton.next_power_of_2(max_splits)), ROTATION=group,
+                               num_warps=8 if group > 64 else 4, **pdl.launch(q))
     return out.view(T, H * D)
 
 
 @split_attention.register_fake
 def _(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float, softcap: float, k_type: int = 0,
-      v_type: int = 0) -> Tensor:
+      v_type: int = 0, v_rotated: bool = False) -> Tensor:
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
