@@ -14,7 +14,7 @@ from flashdraft.kernels import pdl
 from flashdraft.kernels.iq4 import iq4_value
 from flashdraft.kernels.pdl import start_dependents, wait_for_inputs
 from flashdraft.kernels.split_attention import ROW_TYPES
-from flashdraft.kernels.rotation import rotated_group
+from flashdraft.kernels.rotation import rotated_group, rotation_warps
 from flashdraft.layers.kv_quant import KERNEL_QUANTIZED, KVCodec, rotation, rotation_group, table
 
 TYPE_IDS = {name: ROW_TYPES[name] for name in KERNEL_QUANTIZED}
@@ -128,7 +128,7 @@ def quantize_rows(x: Tensor, name: str, rotated: bool = False) -> Tensor:
     r = rotation(g, x.device) if rotated else out  # (any pointer when not rotated)
     if flat.shape[0]:
         _quantize_kernel[(flat.shape[0],)](flat, r, out, flat.stride(0), out.stride(0), TYPE=TYPE_IDS[name], D=d, G=g,
-                                           num_warps=8 if g > 64 else 4, **pdl.launch(x))
+                                           num_warps=rotation_warps(d, g) if rotated else 4, **pdl.launch(x))
     return out.reshape(*x.shape[:-1], -1)
 
 
@@ -183,5 +183,5 @@ def quantize_rotated_rows(x: Tensor, bits: int) -> Tensor:
     if rows:
         _rotated_kernel[(rows,)](flat, rotation(g, x.device), table("midpoints", bits, x.device),
                                  table("levels", bits, x.device), out, flat.stride(0), out.stride(0), N=d // g, G=g,
-                                 BITS=bits, num_warps=8 if g > 64 else 4, **pdl.launch(x))
+                                 BITS=bits, num_warps=rotation_warps(d, g), **pdl.launch(x))
     return out.reshape(*x.shape[:-1], -1)

@@ -24,7 +24,7 @@ from torch import Tensor
 from flashdraft.kernels import pdl
 from flashdraft.kernels.iq4 import iq4_value
 from flashdraft.kernels.pdl import start_dependents, wait_for_inputs
-from flashdraft.kernels.rotation import rotated_group
+from flashdraft.kernels.rotation import rotated_group, rotation_warps
 from flashdraft.layers.kv_quant import lloyd_max_codebook, rotation, rotation_group
 
 # benchmarks/attention_kernel.py on an H200 (8B shape, 1280 / 16640 keys, docs/PERF.md run 7): 128 keys per tile
@@ -322,7 +322,7 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale
     _merge_kernel[(KV, G * T)](acc, m, lse, rotation(group, q.device) if group else acc, out, out.stride(0),
                                out.stride(1), splits, KV, T, G, n_rows, D=D,
                                SPLITS=max(2, triton.next_power_of_2(max_splits)), ROTATION=group,
-                               num_warps=8 if group > 64 else 4, **pdl.launch(q))
+                               num_warps=rotation_warps(D, group) if group else 4, **pdl.launch(q))
     return out.view(T, H * D)
 
 
