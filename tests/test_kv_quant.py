@@ -228,6 +228,18 @@ def test_greedy_speculative_equals_plain_with_each_cache_type(monkeypatch, types
     assert max(stats.acceptance_lengths) > 2
 
 
+@pytest.mark.parametrize("head_dim", [64, 192, 256])
+def test_block_rows_of_any_head_size_round_trip(head_dim, monkeypatch):
+    """Heads the rotation's groups divide (64, 256) are stored rotated; a 192-value head, a multiple of 64 that the
+    128-value groups do not divide, is stored as plain blocks (it was refused)."""
+    monkeypatch.setattr(kv_quant, "ROTATE_BLOCKS", True)
+    codec = KVCodec("q8_0", torch.float32)
+    x = torch.randn(5, 2, head_dim, generator=torch.Generator().manual_seed(0))
+    back = codec.decode(codec.encode(x))
+    assert codec.rotates(head_dim) == (head_dim != 192)
+    assert (back - x).norm() < 0.01 * x.norm()
+
+
 def test_a_head_size_the_blocks_do_not_divide_is_named():
     with pytest.raises(ValueError, match="head size divisible by 32, got 16"):
         random_llama(head_dim=16).new_state(1, 64, ("q8_0", "f16"))

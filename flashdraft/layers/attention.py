@@ -140,11 +140,12 @@ def attend_cache(q: Tensor, cache, length: int, mask: Tensor, spec: AttentionSpe
         k_codec, v_codec = cache.codecs
         head = q.shape[-1]
         query = rotate(q[0]) if k_codec.rotates(head) else q[0]
-        merged = v_codec.rotates(head) and head <= MERGE_ROTATION_MAX  # the kernel rotates its output back
+        v_rotated = v_codec.rotates(head)
+        merged = v_rotated and head <= MERGE_ROTATION_MAX  # the kernel rotates its output back
         out = torch.ops.flashdraft.split_attention(query, keys, values, mask[0], spec.scale, spec.softcap or 0.0,
                                                    ROW_TYPES.get(k_codec.name, 0), ROW_TYPES.get(v_codec.name, 0),
                                                    merged)
-        if v_codec.rotates(head) and not merged:
+        if v_rotated and not merged:
             out = rotate(out.view(*q.shape[1:]), inverse=True).flatten(-2)
         return out[None]
     keys, values = cache.read(length, q.dtype)

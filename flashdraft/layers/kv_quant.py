@@ -252,8 +252,11 @@ class KVCodec:
     def rotates(self, head_dim: int) -> bool:
         """Whether rows are stored rotated (layers/kv_quant.rotate): the turbo types always, block types where the
         head size is a multiple of 64 (ROTATE_BLOCKS). Attention over the stored rows meets them with a rotated
-        query and rotates its output back."""
-        return self.bits is not None or (ROTATE_BLOCKS and self.qtype is not None and head_dim % 64 == 0)
+        query and rotates its output back. (llama.cpp rotates a 192-value head by 64-value groups; the rotated
+        types' groups are 128 values or the whole head.)"""
+        group = min(head_dim, ROTATION_GROUP)
+        return self.bits is not None or (ROTATE_BLOCKS and self.qtype is not None and head_dim % 64 == 0
+                                         and head_dim % group == 0)  # (a 192-value head: plain blocks)
 
     @property
     def packed(self) -> bool:
@@ -281,7 +284,8 @@ class KVCodec:
 
     def prepare(self, device: torch.device | str, head_dim: int) -> None:
         """Make the type's constant tables on `device` now (not inside a CUDA graph capture)."""
-        table("iq4_nl", 0, device)
+        if self.name == "iq4_nl":  # its torch dequantizer's levels
+            table("iq4_nl", 0, device)
         if self.bits is not None:
             table("levels", self.bits, device)
             table("midpoints", self.bits, device)
