@@ -197,6 +197,25 @@ def test_rows_are_stored_quantized_and_read_expanded(types, window):
     assert torch.equal(values[0], codecs[1].decode(cache.v[0][:, :keys.shape[2]], torch.bfloat16))
 
 
+def test_quantized_keys_are_stored_minus_the_key_shift_and_read_back_whole():
+    """A cache with a key shift stores the quantization of k - shift and reads back k (within q8_0's bound of
+    the shifted rows, far inside the bound of the rows with the shift in them)."""
+    torch.manual_seed(0)
+    codecs = kv_codecs(("q8_0", "q4_1"), torch.float32)
+    cache = KVCache(1, 2, 64, 32, torch.float32, "cpu", codecs)
+    cache.key_shift = 50 * torch.randn(2, 32)
+    k, v = torch.randn(1, 40, 2, 32) + cache.key_shift, torch.randn(1, 40, 2, 32)
+    view = cache.view(0)
+    view.write(torch.arange(40)[None], k, v)
+    assert torch.equal(cache.k[0, :, :40], codecs[0].encode((k[0] - cache.key_shift).transpose(0, 1)))
+    keys, _ = view.read(40)
+    err = (keys[0].transpose(0, 1) - k[0]).abs().max()
+    assert err < 0.05, err  # q8_0 of the rows with the shift in them: up to ~0.7
+    unshifted = KVCache(1, 2, 64, 32, torch.float32, "cpu", codecs).view(0)
+    unshifted.write(torch.arange(40)[None], k, v)
+    assert (unshifted.read(40)[0][0].transpose(0, 1) - k[0]).abs().max() > 4 * err
+
+
 def random_llama(head_dim: int = 32) -> Llama:
     cfg = LlamaConfig(arch="llama", vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=2,
                       num_kv_heads=1, head_dim=head_dim, rms_norm_eps=1e-5)
@@ -226,6 +245,40 @@ def test_greedy_speculative_equals_plain_with_each_cache_type(monkeypatch, types
     stats = SpecStats()
     assert decode_tokens(target, target.state, prompt, params, draft=draft, stats=stats) == plain
     assert max(stats.acceptance_lengths) > 2
+
+
+def test_a_biased_models_quantized_keys_are_shifted_by_its_mean_key(monkeypatch):
+    """A model whose keys carry a large bias on slowly turning channels (Qwen2's): a quantized K cache stores them minus the model's mean
+    key, and its logits come out closer to the float cache's than without the shift; a float cache has none."""
+    from flashdraft.models import decoder
+    cfg = LlamaConfig(arch="qwen2", vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, qkv_bias=True)
+    torch.manual_seed(0)
+    target = Llama(cfg).eval()
+    with torch.no_grad():
+        for name, p in target.named_parameters():
+            p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else torch.randn_like(p) * 0.2)
+        bias = target.model.layers[0].self_attn.qkv_proj.bias
+        low_frequency = torch.cat([torch.arange(24, 32), torch.arange(56, 64)])  # (NEOX pairs: i, i + 32)
+        for head in range(2):  # the keys' bias, on channels RoPE turns slowly, as Qwen2's
+            bias[256 + 64 * head + low_frequency] += 30 * torch.randn(16)
+    ids = torch.randint(0, 96, (1, 120))
+    positions = torch.arange(120)[None]
+
+    def logits(types):
+        state = target.new_state(1, 128, types)
+        with torch.inference_mode():
+            return target(ids, positions, state, attn_len=120)[0][0].float(), state
+
+    reference, state = logits(("f16", "f16"))
+    assert all(cache.key_shift is None for cache in state.layers)
+    shifted, state = logits(("q4_0", "f16"))
+    assert all(cache.key_shift is not None and cache.key_shift.shape == (2, 64) for cache in state.layers)
+    monkeypatch.setattr(decoder, "SHIFT_KEYS", False)
+    plain, state = logits(("q4_0", "f16"))
+    assert all(cache.key_shift is None for cache in state.layers)
+    err_shifted, err_plain = (shifted - reference).abs().mean(), (plain - reference).abs().mean()
+    assert err_shifted * 3 < err_plain, (err_shifted, err_plain)
 
 
 @pytest.mark.parametrize("head_dim", [64, 192, 256])

@@ -177,7 +177,8 @@ QUANTIZED_PAIRS = [("q8_0", "q4_0"), ("q4_1", "q5_0"), ("q5_1", "iq4_nl"), ("tur
 
 def check_quantized(device: str, dtype: torch.dtype, tol: float) -> None:
     """The kernel reading each stored KV type (through attend_cache, which rotates q and the output for the
-    rotated types) against attention over the cache's expansion (KVSlots.read + the matmul path)."""
+    rotated types; quantized keys as stored, minus the cache's key shift) against attention over the cache's
+    expansion (KVSlots.read, the shift added back, + the matmul path)."""
     from flashdraft.layers import attention
     from flashdraft.layers.attention import AttentionSpec, attend_cache, grouped_attention
     from flashdraft.layers.kv_cache import KVCache
@@ -188,6 +189,9 @@ def check_quantized(device: str, dtype: torch.dtype, tol: float) -> None:
                                        QUANTIZED_PAIRS):
         cache = KVCache(1, KV, L + 20, D, dtype, device, kv_codecs(types, dtype))
         k, v = torch.randn(2, 1, L, KV, D, generator=gen).to(device, dtype)
+        if cache.codecs[0].packed:  # keys stored minus a mean key, as a model's quantized cache stores them
+            cache.key_shift = 4 * torch.randn(KV, D, generator=gen).to(device)
+            k = (k + cache.key_shift).to(dtype)
         view = cache.view(0)
         view.write(torch.arange(L, device=device)[None], k, v)
         q = torch.randn(1, T, H, D, generator=gen).to(device, dtype)

@@ -7,7 +7,10 @@ another shape, a sliding ring or a quantized store is a new kind here, not a new
 - `window_cache`: a sliding-window layer's ring of window + step rows (row p % rows).
 - `RingKVCache`: a window ring (row p % window) after scratch rows that a step's own block K/V go into, with
   the position each ring row holds (the DFlash draft's context).
-The target's caches store K and V through codecs (f32/f16/bf16, or llama.cpp's block types: layers/kv_quant.py)."""
+The target's caches store K and V through codecs (f32/f16/bf16, or llama.cpp's block types: layers/kv_quant.py).
+A quantized K store may hold its keys minus a fixed `key_shift` per KV head (the model's mean key): every score of
+a query then moves by the same q . shift, which softmax ignores, while the blocks no longer spend their scale on
+the mean (Qwen2's key bias). Reads add the shift back; the split kernel reads the shifted rows as stored."""
 import torch
 from torch import Tensor
 
@@ -23,7 +26,7 @@ class KVSlots:
     stored through the cache's codecs (layers/kv_quant.py): quantized as written, expanded as read."""
 
     def __init__(self, cache: "KVCache", slots: Slots):
-        self.codecs, self.window = cache.codecs, cache.window
+        self.codecs, self.window, self.key_shift = cache.codecs, cache.window, cache.key_shift
         self.single = isinstance(slots, int)
         if self.single:
             self.k, self.v = cache.k[slots], cache.v[slots]  # [KV, rows, row size]
@@ -36,6 +39,8 @@ class KVSlots:
         if self.window:
             rows = self.k.shape[-2]
             positions, k, v = positions[:, -rows:] % rows, k[:, -rows:], v[:, -rows:]
+        if self.key_shift is not None:
+            k = k.float() - self.key_shift
         k, v = self.codecs[0].encode(k), self.codecs[1].encode(v)
         if self.single:  # along the row axis of the slot's own view
             self.k.index_copy_(1, positions[0], k[0].transpose(0, 1))
@@ -49,7 +54,7 @@ class KVSlots:
         return slice(None) if self.window else slice(None, length)
 
     def stored(self, length: int) -> tuple[Tensor, Tensor]:
-        """One slot's rows as stored: [KV, length, row size] views."""
+        """One slot's rows as stored (keys minus `key_shift`): [KV, length, row size] views."""
         rows = self._rows(length)
         return self.k[:, rows], self.v[:, rows]
 
@@ -60,7 +65,10 @@ class KVSlots:
             k, v = self.k[None, :, rows], self.v[None, :, rows]
         else:
             k, v = self.k[self.slots, :, rows], self.v[self.slots, :, rows]
-        return self.codecs[0].decode(k, dtype), self.codecs[1].decode(v, dtype)
+        if self.key_shift is None:
+            return self.codecs[0].decode(k, dtype), self.codecs[1].decode(v, dtype)
+        keys = self.codecs[0].decode(k, torch.float32) + self.key_shift[:, None]
+        return keys.to(dtype or self.codecs[0].dtype), self.codecs[1].decode(v, dtype)
 
 
 class KVCache:
@@ -74,6 +82,7 @@ class KVCache:
         self.k = torch.zeros((n_slots, kv_heads, rows, k.row_size(head_dim)), device=device, dtype=k.storage_dtype)
         self.v = torch.zeros((n_slots, kv_heads, rows, v.row_size(head_dim)), device=device, dtype=v.storage_dtype)
         self.rows, self.kv_heads, self.head_dim, self.dtype, self.window = rows, kv_heads, head_dim, dtype, window
+        self.key_shift: Tensor | None = None  # float32 [KV, head_dim], subtracted from keys as they are written
 
     @property
     def bytes_per_token(self) -> int:

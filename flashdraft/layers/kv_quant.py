@@ -41,6 +41,10 @@ ROTATION_SEED = 42
 # here): a head's outlier channels (Qwen2's key bias) then no longer set the scale of every block they sit in.
 # Qwen2.5-0.5B, q8_0 keys, llama-perplexity's protocol: KL 1.37e-2 without, 2.07e-3 with (docs/PERF.md).
 ROTATE_BLOCKS = os.environ.get("LLAMA_ATTN_ROT_DISABLE", "0") in ("", "0")
+# Quantized keys are stored minus the model's mean key (layers/kv_cache.py, models/decoder.key_shifts): Qwen2.5-0.5B,
+# q8_0 keys, llama-perplexity's protocol: KL 2.07e-3 with the rotation alone (docs/PERF.md). FLASHDRAFT_KV_SHIFT=0
+# turns it off.
+SHIFT_KEYS = os.environ.get("FLASHDRAFT_KV_SHIFT", "1") != "0"
 
 
 _TABLES: dict[tuple, Tensor] = {}

@@ -9,9 +9,12 @@ from torch import Tensor, nn
 
 from flashdraft.layers.compile import compile_layer_forward
 from flashdraft.layers.kv_cache import KVCache, KVState, Slots
-from flashdraft.layers.kv_quant import KVCodec, kv_codecs
+from flashdraft.layers.kv_quant import SHIFT_KEYS, KVCodec, kv_codecs
 from flashdraft.models.interface import LogitsAt
 from flashdraft.models.tp import gather_vocab
+
+KEY_SHIFT_TOKENS = 256  # random tokens from position 0 whose mean key per layer shifts a quantized cache's keys
+KEY_SHIFT_SEED = 0
 
 
 class DecoderLM(nn.Module):
@@ -20,6 +23,7 @@ class DecoderLM(nn.Module):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.compiled_layer = None
         self.compiled_widths: set[int] = set()
+        self.key_shift_means: list[Tensor | None] | None = None
 
     # -------------------------------------------------------------------------------- for the family to say
     def layer_cache(self, i: int, n_slots: int, max_len: int, codecs: tuple[KVCodec, KVCodec]) -> KVCache:
@@ -42,9 +46,31 @@ class DecoderLM(nn.Module):
         return self.model.norm.weight.device
 
     def new_state(self, n_slots: int, max_len: int, cache_types: tuple[str, str] | None = None) -> KVState:
-        self.prepare(max_len)
         codecs = kv_codecs(cache_types, self.dtype)
-        return KVState([self.layer_cache(i, n_slots, max_len, codecs) for i in range(len(self.model.layers))], max_len)
+        shifts = self.key_shifts() if SHIFT_KEYS and codecs[0].packed else [None] * len(self.model.layers)
+        self.prepare(max_len)
+        caches = [self.layer_cache(i, n_slots, max_len, codecs) for i in range(len(self.model.layers))]
+        for cache, shift in zip(caches, shifts):
+            if isinstance(cache, KVCache):
+                cache.key_shift = shift
+        return KVState(caches, max_len)
+
+    @torch.inference_mode()
+    def key_shifts(self) -> list[Tensor | None]:
+        """Per layer, the mean key [KV, D] (float32, after RoPE) over KEY_SHIFT_TOKENS random tokens from position
+        0, which a quantized K cache subtracts from its keys (layers/kv_cache.py); None for a layer whose scores
+        do not ignore a constant shift (softcapped). Random tokens find the same mean as text does: it is the
+        key bias and the few channels every token lights. Computed once per model."""
+        if self.key_shift_means is None:
+            n = KEY_SHIFT_TOKENS
+            ids = torch.randint(0, self.cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(KEY_SHIFT_SEED))
+            state = self.new_state(1, n)
+            self.forward(ids.to(self.device), torch.arange(n, device=self.device)[None], state, fresh=True,
+                         logits_at=None)
+            self.key_shift_means = [
+                cache.k[0, :, :n].float().mean(1) if isinstance(cache, KVCache) and layer.self_attn.spec.softcap is None
+                else None for cache, layer in zip(state.layers, self.model.layers)]
+        return self.key_shift_means
 
     def compile_layers(self, widths: tuple[int, ...] = (1, 16)) -> None:
         """Steps of `widths` tokens over the cache (decode and verify: the shapes CUDA graphs capture) run each
