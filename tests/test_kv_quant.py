@@ -348,13 +348,18 @@ def check_quantize_kernel(device: str) -> None:
                     assert ulps.max() <= 1, (name, head_dim, int(ulps.max()))
                     continue
                 assert torch.equal(got, want), (name, head_dim, int((got != want).sum()))
+                shift = 20 * torch.randn(3, head_dim, generator=gen)  # per head, subtracted first
+                got = quantize_rows((x + shift).to(device), name, shift=shift.to(device)).cpu()
+                assert torch.equal(got, codec.encode(x + shift, shift)), (name, head_dim, "shifted")
         kv_quant.ROTATE_BLOCKS = True  # rotated first: the rotation's float32 sums may move a value across a level
         for name in TYPE_IDS:
             for head_dim in (64, 128, 256):
                 x = torch.randn(5, 3, head_dim, generator=gen) * torch.rand(5, 3, 1, generator=gen) * 10
                 x[..., 7] += 50  # an outlier channel
-                want = KVCodec(name, torch.float32).encode(x)
-                got = quantize_rows(x.to(device), name, rotated=True).cpu()
+                shift = torch.randn(3, head_dim, generator=gen) if head_dim == 128 else None
+                want = KVCodec(name, torch.float32).encode(x, shift)
+                got = quantize_rows(x.to(device), name, rotated=True,
+                                    shift=None if shift is None else shift.to(device)).cpu()
                 same = (got == want).float().mean().item()
                 assert same > 0.99, (name, head_dim, same)
     finally:
@@ -365,8 +370,11 @@ def check_quantize_kernel(device: str) -> None:
         for head_dim in (64, 128, 256):
             x = torch.randn(7, 3, head_dim, generator=gen) * torch.rand(7, 3, 1, generator=gen) * 10
             x[0, 0] = 0
-            want = KVCodec(f"turbo{bits}", torch.float32).encode(x)
-            got = quantize_rotated_rows(x.to(device), bits).cpu()
+            shift = 3 * torch.randn(3, head_dim, generator=gen) if head_dim == 128 else None
+            if shift is not None:
+                x[0, 1] = shift[1]  # zero once shifted
+            want = KVCodec(f"turbo{bits}", torch.float32).encode(x, shift)
+            got = quantize_rotated_rows(x.to(device), bits, None if shift is None else shift.to(device)).cpu()
             cut = want.shape[-1] - 2 * max(1, head_dim // 128)
             same = (got[..., :cut] == want[..., :cut]).float().mean().item()
             assert same > 0.995, (bits, head_dim, same)

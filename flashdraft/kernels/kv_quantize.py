@@ -53,10 +53,10 @@ def _iq4_nl_blocks(x, i):
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, r_ptr, out_ptr, stride_x, stride_o, TYPE: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-                     PDL: tl.constexpr):
-    """One row of D values -> its stored planar row; G > 0: each group of G values rotated first (x R^T, R at r_ptr:
-    layers/kv_quant.ROTATE_BLOCKS)."""
+def _quantize_kernel(x_ptr, s_ptr, r_ptr, out_ptr, stride_x, stride_o, heads, TYPE: tl.constexpr, D: tl.constexpr,
+                     G: tl.constexpr, SHIFT: tl.constexpr, PDL: tl.constexpr):
+    """One row of D values -> its stored planar row; SHIFT: the row's head's shift (float32 [heads, D] at s_ptr)
+    subtracted first; G > 0: each group of G values rotated (x R^T, R at r_ptr: layers/kv_quant.ROTATE_BLOCKS)."""
     start_dependents(PDL)
     wait_for_inputs(PDL)
     row = tl.program_id(0)
@@ -65,10 +65,16 @@ def _quantize_kernel(x_ptr, r_ptr, out_ptr, stride_x, stride_o, TYPE: tl.constex
     i = tl.arange(0, 32)
     if G > 0:
         j = tl.arange(0, G)
-        groups = tl.load(x_ptr + row * stride_x + tl.arange(0, D // G)[:, None] * G + j[None, :]).to(tl.float32)
+        at = tl.arange(0, D // G)[:, None] * G + j[None, :]
+        groups = tl.load(x_ptr + row * stride_x + at).to(tl.float32)
+        if SHIFT:
+            groups -= tl.load(s_ptr + (row % heads) * D + at)
         x = tl.reshape(rotated_group(groups, r_ptr, G, False), [NB, 32])
     else:
-        x = tl.load(x_ptr + row * stride_x + b[:, None] * 32 + i[None, :]).to(tl.float32)  # [NB, 32]
+        at = b[:, None] * 32 + i[None, :]
+        x = tl.load(x_ptr + row * stride_x + at).to(tl.float32)  # [NB, 32]
+        if SHIFT:
+            x -= tl.load(s_ptr + (row % heads) * D + at)
     out = out_ptr + row * stride_o
     if TYPE == 8:
         d = tl.max(tl.abs(x), axis=1) / 127.0
@@ -115,10 +121,18 @@ def _quantize_kernel(x_ptr, r_ptr, out_ptr, stride_x, stride_o, TYPE: tl.constex
                 tl.store(at + k, ((word >> (8 * k)) & 0xFF).to(tl.uint8))
 
 
-def quantize_rows(x: Tensor, name: str, rotated: bool = False) -> Tensor:
+def _shift_args(x: Tensor, shift: Tensor | None) -> tuple[Tensor | None, int]:
+    """(float32 shift [heads, D], heads) for rows x [..., heads, D]; (None, 0) without one."""
+    if shift is None:
+        return None, 0
+    return shift.float().contiguous(), x.shape[-2]
+
+
+def quantize_rows(x: Tensor, name: str, rotated: bool = False, shift: Tensor | None = None) -> Tensor:
     """Rows [..., D] (D a multiple of 32, a power-of-two block count) -> stored planar rows [..., row bytes];
-    rotated: each head's groups rotated first, as layers/kv_quant.rotate (float32 products summed in another order,
-    so a value on a rounding boundary may take the next level)."""
+    shift [heads, D]: subtracted first from rows x [..., heads, D] (layers/kv_cache's key shift); rotated: each
+    head's groups rotated, as layers/kv_quant.rotate (float32 products summed in another order, so a value on a
+    rounding boundary may take the next level)."""
     d = x.shape[-1]
     flat = x.reshape(-1, d)
     if flat.stride(-1) != 1:
@@ -126,16 +140,18 @@ def quantize_rows(x: Tensor, name: str, rotated: bool = False) -> Tensor:
     out = torch.empty(flat.shape[0], KVCodec(name, x.dtype).row_size(d), device=x.device, dtype=torch.uint8)
     g = rotation_group(d) if rotated else 0
     r = rotation(g, x.device) if rotated else out  # (any pointer when not rotated)
+    s, heads = _shift_args(x, shift)
     if flat.shape[0]:
-        _quantize_kernel[(flat.shape[0],)](flat, r, out, flat.stride(0), out.stride(0), TYPE=TYPE_IDS[name], D=d, G=g,
+        _quantize_kernel[(flat.shape[0],)](flat, out if s is None else s, r, out, flat.stride(0), out.stride(0), heads,
+                                           TYPE=TYPE_IDS[name], D=d, G=g, SHIFT=s is not None,
                                            num_warps=rotation_warps(d, g) if rotated else 4, **pdl.launch(x))
     return out.reshape(*x.shape[:-1], -1)
 
 
 @triton.jit
-def _rotated_kernel(x_ptr, r_ptr, mids_ptr, levels_ptr, out_ptr, stride_x, stride_o, N: tl.constexpr, G: tl.constexpr,
-                    BITS: tl.constexpr, PDL: tl.constexpr):
-    """One row's N groups x [N, G] -> rotated (x R^T), each group's norm kept aside; codes (how many level midpoints
+def _rotated_kernel(x_ptr, s_ptr, r_ptr, mids_ptr, levels_ptr, out_ptr, stride_x, stride_o, heads, N: tl.constexpr,
+                    G: tl.constexpr, BITS: tl.constexpr, SHIFT: tl.constexpr, PDL: tl.constexpr):
+    """One row's N groups x [N, G] (less its head's shift where SHIFT, as _quantize_kernel) -> rotated (x R^T), each group's norm kept aside; codes (how many level midpoints
     lie below each coordinate of the unit group, as torch.bucketize) packed in the row's planes, then each group's
     fp16 scale norm / |levels[codes]|."""
     start_dependents(PDL)
@@ -144,6 +160,8 @@ def _rotated_kernel(x_ptr, r_ptr, mids_ptr, levels_ptr, out_ptr, stride_x, strid
     gi = tl.arange(0, N)
     j = tl.arange(0, G)
     x = tl.load(x_ptr + row * stride_x + gi[:, None] * G + j[None, :]).to(tl.float32)
+    if SHIFT:
+        x -= tl.load(s_ptr + (row % heads) * (N * G) + gi[:, None] * G + j[None, :])
     norm = tl.sqrt(tl.sum(x * x, axis=1))
     to_unit = tl.where(norm != 0, tl.sqrt(G * 1.0) / tl.where(norm != 0, norm, 1.0), 0.0)
     z = rotated_group(x, r_ptr, G, False) * to_unit[:, None]
@@ -169,8 +187,8 @@ def _rotated_kernel(x_ptr, r_ptr, mids_ptr, levels_ptr, out_ptr, stride_x, strid
     _store_half(out_ptr + row * stride_o + N * CODE_BYTES + 2 * gi, scale)
 
 
-def quantize_rotated_rows(x: Tensor, bits: int) -> Tensor:
-    """Rows [..., D] -> stored turbo rows [..., row bytes] in one kernel: the norms, the rotation (float32 products
+def quantize_rotated_rows(x: Tensor, bits: int, shift: Tensor | None = None) -> Tensor:
+    """Rows [..., D] -> stored turbo rows [..., row bytes] in one kernel (shift: as quantize_rows): the norms, the rotation (float32 products
     summed in another order than torch's, so a coordinate on a level midpoint may take the other code), the codes,
     the scales and the packing."""
     d = x.shape[-1]
@@ -180,8 +198,9 @@ def quantize_rotated_rows(x: Tensor, bits: int) -> Tensor:
         flat = flat.contiguous()
     rows = flat.shape[0]
     out = torch.empty(rows, KVCodec(f"turbo{bits}", x.dtype).row_size(d), device=x.device, dtype=torch.uint8)
+    s, heads = _shift_args(x, shift)
     if rows:
-        _rotated_kernel[(rows,)](flat, rotation(g, x.device), table("midpoints", bits, x.device),
-                                 table("levels", bits, x.device), out, flat.stride(0), out.stride(0), N=d // g, G=g,
-                                 BITS=bits, num_warps=rotation_warps(d, g), **pdl.launch(x))
+        _rotated_kernel[(rows,)](flat, out if s is None else s, rotation(g, x.device), table("midpoints", bits, x.device),
+                                 table("levels", bits, x.device), out, flat.stride(0), out.stride(0), heads, N=d // g,
+                                 G=g, BITS=bits, SHIFT=s is not None, num_warps=rotation_warps(d, g), **pdl.launch(x))
     return out.reshape(*x.shape[:-1], -1)

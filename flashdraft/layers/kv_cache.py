@@ -39,9 +39,7 @@ class KVSlots:
         if self.window:
             rows = self.k.shape[-2]
             positions, k, v = positions[:, -rows:] % rows, k[:, -rows:], v[:, -rows:]
-        if self.key_shift is not None:
-            k = k.float() - self.key_shift
-        k, v = self.codecs[0].encode(k), self.codecs[1].encode(v)
+        k, v = self.codecs[0].encode(k, self.key_shift), self.codecs[1].encode(v)
         if self.single:  # along the row axis of the slot's own view
             self.k.index_copy_(1, positions[0], k[0].transpose(0, 1))
             self.v.index_copy_(1, positions[0], v[0].transpose(0, 1))

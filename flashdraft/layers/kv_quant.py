@@ -296,14 +296,17 @@ class KVCodec:
         if self.rotates(head_dim):
             rotation(rotation_group(head_dim), device)
 
-    def encode(self, x: Tensor) -> Tensor:
-        """Rows [..., head_dim] -> stored [..., row_size] (planar rows: module docstring)."""
+    def encode(self, x: Tensor, shift: Tensor | None = None) -> Tensor:
+        """Rows [..., head_dim] -> stored [..., row_size] (planar rows: module docstring). shift [heads, head_dim]
+        (a packed type's): subtracted first from rows [..., heads, head_dim] (layers/kv_cache's key shift)."""
         head_dim = x.shape[-1]
         if self.bits is not None:
             group = rotation_group(head_dim)
             if x.is_cuda:
                 from flashdraft.kernels.kv_quantize import quantize_rotated_rows
-                return quantize_rotated_rows(x, self.bits)
+                return quantize_rotated_rows(x, self.bits, shift)
+            if shift is not None:
+                x = x.float() - shift
             codes, scales = quantize_rotated(x.float().reshape(-1, group), self.bits)
             n = head_dim // group
             rows = torch.cat([codes.reshape(-1, n * codes.shape[-1]), scales.reshape(-1, 2 * n)], -1)
@@ -312,7 +315,9 @@ class KVCodec:
             return x.to(self.storage_dtype)
         if x.is_cuda and self.name in KERNEL_QUANTIZED and head_dim & (head_dim - 1) == 0:
             from flashdraft.kernels.kv_quantize import quantize_rows  # one kernel instead of ~30 torch ops
-            return quantize_rows(x, self.name, self.rotates(head_dim))
+            return quantize_rows(x, self.name, self.rotates(head_dim), shift)
+        if shift is not None:
+            x = x.float() - shift
         if self.rotates(head_dim):
             x = rotate(x.float())  # (in float32: a bf16 copy would round as coarsely as q8_0 does)
         block, _ = GGML_QUANT_SIZES[self.qtype]
