@@ -55,7 +55,7 @@ class DecoderLM(nn.Module):
                 cache.key_shift = shift
         return KVState(caches, max_len)
 
-    @torch.inference_mode()
+    @torch.no_grad()  # (not inference tensors: compiled graphs and training may read the shifts)
     def key_shifts(self) -> list[Tensor | None]:
         """Per layer, the mean key [KV, D] (float32, after RoPE) over KEY_SHIFT_TOKENS random tokens from position
         0, which a quantized K cache subtracts from its keys (layers/kv_cache.py); None for a layer whose scores
