@@ -248,8 +248,9 @@ def test_greedy_speculative_equals_plain_with_each_cache_type(monkeypatch, types
 
 
 def test_a_biased_models_quantized_keys_are_shifted_by_its_mean_key(monkeypatch):
-    """A model whose keys carry a large bias on slowly turning channels (Qwen2's): a quantized K cache stores them minus the model's mean
-    key, and its logits come out closer to the float cache's than without the shift; a float cache has none."""
+    """A model whose keys carry a large bias on slowly turning channels (Qwen2's): a quantized K cache stores them
+    minus the model's mean key, and its logits come out closer to the float cache's than without the shift; a float
+    cache has none."""
     from flashdraft.models import decoder
     cfg = LlamaConfig(arch="qwen2", vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, qkv_bias=True)

@@ -121,16 +121,10 @@ def _quantize_kernel(x_ptr, s_ptr, r_ptr, out_ptr, stride_x, stride_o, heads, TY
                 tl.store(at + k, ((word >> (8 * k)) & 0xFF).to(tl.uint8))
 
 
-def _shift_args(x: Tensor, shift: Tensor | None) -> tuple[Tensor | None, int]:
-    """(float32 shift [heads, D], heads) for rows x [..., heads, D]; (None, 0) without one."""
-    if shift is None:
-        return None, 0
-    return shift.float().contiguous(), x.shape[-2]
-
-
 def quantize_rows(x: Tensor, name: str, rotated: bool = False, shift: Tensor | None = None) -> Tensor:
     """Rows [..., D] (D a multiple of 32, a power-of-two block count) -> stored planar rows [..., row bytes];
-    shift [heads, D]: subtracted first from rows x [..., heads, D] (layers/kv_cache's key shift); rotated: each
+    shift (float32 [heads, D], contiguous): subtracted first from rows x [..., heads, D] (layers/kv_cache's key
+    shift); rotated: each
     head's groups rotated, as layers/kv_quant.rotate (float32 products summed in another order, so a value on a
     rounding boundary may take the next level)."""
     d = x.shape[-1]
@@ -140,10 +134,10 @@ def quantize_rows(x: Tensor, name: str, rotated: bool = False, shift: Tensor | N
     out = torch.empty(flat.shape[0], KVCodec(name, x.dtype).row_size(d), device=x.device, dtype=torch.uint8)
     g = rotation_group(d) if rotated else 0
     r = rotation(g, x.device) if rotated else out  # (any pointer when not rotated)
-    s, heads = _shift_args(x, shift)
     if flat.shape[0]:
-        _quantize_kernel[(flat.shape[0],)](flat, out if s is None else s, r, out, flat.stride(0), out.stride(0), heads,
-                                           TYPE=TYPE_IDS[name], D=d, G=g, SHIFT=s is not None,
+        _quantize_kernel[(flat.shape[0],)](flat, out if shift is None else shift, r, out, flat.stride(0), out.stride(0),
+                                           x.shape[-2] if shift is not None else 1, TYPE=TYPE_IDS[name], D=d, G=g,
+                                           SHIFT=shift is not None,
                                            num_warps=rotation_warps(d, g) if rotated else 4, **pdl.launch(x))
     return out.reshape(*x.shape[:-1], -1)
 
@@ -151,9 +145,9 @@ def quantize_rows(x: Tensor, name: str, rotated: bool = False, shift: Tensor | N
 @triton.jit
 def _rotated_kernel(x_ptr, s_ptr, r_ptr, mids_ptr, levels_ptr, out_ptr, stride_x, stride_o, heads, N: tl.constexpr,
                     G: tl.constexpr, BITS: tl.constexpr, SHIFT: tl.constexpr, PDL: tl.constexpr):
-    """One row's N groups x [N, G] (less its head's shift where SHIFT, as _quantize_kernel) -> rotated (x R^T), each group's norm kept aside; codes (how many level midpoints
-    lie below each coordinate of the unit group, as torch.bucketize) packed in the row's planes, then each group's
-    fp16 scale norm / |levels[codes]|."""
+    """One row's N groups x [N, G] (less its head's shift where SHIFT, as _quantize_kernel) -> rotated (x R^T),
+    each group's norm kept aside; codes (how many level midpoints lie below each coordinate of the unit group, as
+    torch.bucketize) packed in the row's planes, then each group's fp16 scale norm / |levels[codes]|."""
     start_dependents(PDL)
     wait_for_inputs(PDL)
     row = tl.program_id(0)
@@ -188,9 +182,9 @@ def _rotated_kernel(x_ptr, s_ptr, r_ptr, mids_ptr, levels_ptr, out_ptr, stride_x
 
 
 def quantize_rotated_rows(x: Tensor, bits: int, shift: Tensor | None = None) -> Tensor:
-    """Rows [..., D] -> stored turbo rows [..., row bytes] in one kernel (shift: as quantize_rows): the norms, the rotation (float32 products
-    summed in another order than torch's, so a coordinate on a level midpoint may take the other code), the codes,
-    the scales and the packing."""
+    """Rows [..., D] -> stored turbo rows [..., row bytes] in one kernel (shift: as quantize_rows): the norms, the
+    rotation (float32 products summed in another order than torch's, so a coordinate on a level midpoint may take
+    the other code), the codes, the scales and the packing."""
     d = x.shape[-1]
     g = rotation_group(d)
     flat = x.reshape(-1, d)
@@ -198,9 +192,9 @@ def quantize_rotated_rows(x: Tensor, bits: int, shift: Tensor | None = None) -> 
         flat = flat.contiguous()
     rows = flat.shape[0]
     out = torch.empty(rows, KVCodec(f"turbo{bits}", x.dtype).row_size(d), device=x.device, dtype=torch.uint8)
-    s, heads = _shift_args(x, shift)
     if rows:
-        _rotated_kernel[(rows,)](flat, out if s is None else s, rotation(g, x.device), table("midpoints", bits, x.device),
-                                 table("levels", bits, x.device), out, flat.stride(0), out.stride(0), heads, N=d // g,
-                                 G=g, BITS=bits, SHIFT=s is not None, num_warps=rotation_warps(d, g), **pdl.launch(x))
+        _rotated_kernel[(rows,)](flat, out if shift is None else shift, rotation(g, x.device),
+                                 table("midpoints", bits, x.device), table("levels", bits, x.device), out,
+                                 flat.stride(0), out.stride(0), x.shape[-2] if shift is not None else 1, N=d // g, G=g,
+                                 BITS=bits, SHIFT=shift is not None, num_warps=rotation_warps(d, g), **pdl.launch(x))
     return out.reshape(*x.shape[:-1], -1)

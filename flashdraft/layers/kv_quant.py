@@ -298,30 +298,28 @@ class KVCodec:
 
     def encode(self, x: Tensor, shift: Tensor | None = None) -> Tensor:
         """Rows [..., head_dim] -> stored [..., row_size] (planar rows: module docstring). shift [heads, head_dim]
-        (a packed type's): subtracted first from rows [..., heads, head_dim] (layers/kv_cache's key shift)."""
+        (a packed type's, float32): subtracted first from rows [..., heads, head_dim] (layers/kv_cache's key
+        shift). On CUDA one kernel does it all (kernels/kv_quantize.py) instead of ~30 torch ops."""
         head_dim = x.shape[-1]
+        if not self.packed:
+            return x.to(self.storage_dtype)
+        if x.is_cuda:
+            from flashdraft.kernels import kv_quantize
+            if self.bits is not None:
+                return kv_quantize.quantize_rotated_rows(x, self.bits, shift)
+            if self.name in KERNEL_QUANTIZED and head_dim & (head_dim - 1) == 0:
+                return kv_quantize.quantize_rows(x, self.name, self.rotates(head_dim), shift)
+        x = x.float() if shift is None else x.float() - shift
         if self.bits is not None:
             group = rotation_group(head_dim)
-            if x.is_cuda:
-                from flashdraft.kernels.kv_quantize import quantize_rotated_rows
-                return quantize_rotated_rows(x, self.bits, shift)
-            if shift is not None:
-                x = x.float() - shift
-            codes, scales = quantize_rotated(x.float().reshape(-1, group), self.bits)
+            codes, scales = quantize_rotated(x.reshape(-1, group), self.bits)
             n = head_dim // group
             rows = torch.cat([codes.reshape(-1, n * codes.shape[-1]), scales.reshape(-1, 2 * n)], -1)
             return rows.reshape(*x.shape[:-1], -1)
-        if self.qtype is None:
-            return x.to(self.storage_dtype)
-        if x.is_cuda and self.name in KERNEL_QUANTIZED and head_dim & (head_dim - 1) == 0:
-            from flashdraft.kernels.kv_quantize import quantize_rows  # one kernel instead of ~30 torch ops
-            return quantize_rows(x, self.name, self.rotates(head_dim), shift)
-        if shift is not None:
-            x = x.float() - shift
         if self.rotates(head_dim):
-            x = rotate(x.float())  # (in float32: a bf16 copy would round as coarsely as q8_0 does)
+            x = rotate(x)  # (in float32: a bf16 copy would round as coarsely as q8_0 does)
         block, _ = GGML_QUANT_SIZES[self.qtype]
-        raw = quantize_blocks(x.float().reshape(-1, block), self.qtype)
+        raw = quantize_blocks(x.reshape(-1, block), self.qtype)
         return blocks_to_row(raw.reshape(-1, head_dim // block, raw.shape[-1]), self.qtype).reshape(
             *x.shape[:-1], -1)
 
