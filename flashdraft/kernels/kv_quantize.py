@@ -143,11 +143,14 @@ def quantize_rows(x: Tensor, name: str, rotated: bool = False, shift: Tensor | N
 
 
 @triton.jit
-def _rotated_kernel(x_ptr, s_ptr, r_ptr, mids_ptr, levels_ptr, out_ptr, stride_x, stride_o, heads, N: tl.constexpr,
-                    G: tl.constexpr, BITS: tl.constexpr, SHIFT: tl.constexpr, PDL: tl.constexpr):
+def _rotated_kernel(x_ptr, s_ptr, r_ptr, mids_ptr, levels_ptr, search_ptr, out_ptr, stride_x, stride_o, heads,
+                    N: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, SEARCH: tl.constexpr, SHIFT: tl.constexpr,
+                    PDL: tl.constexpr):
     """One row's N groups x [N, G] (less its head's shift where SHIFT, as _quantize_kernel) -> rotated (x R^T),
-    each group's norm kept aside; codes (how many level midpoints lie below each coordinate of the unit group, as
-    torch.bucketize) packed in the row's planes, then each group's fp16 scale norm / |levels[codes]|."""
+    each group's norm kept aside; for each of the SEARCH inverse scales at search_ptr, codes (how many level
+    midpoints lie below each coordinate of the unit group times it, as torch.bucketize), the group keeping the
+    best fit as layers/kv_quant.quantize_rotated; codes packed in the row's planes, then each group's fp16 scale
+    norm / |levels[codes]|."""
     start_dependents(PDL)
     wait_for_inputs(PDL)
     row = tl.program_id(0)
@@ -160,8 +163,18 @@ def _rotated_kernel(x_ptr, s_ptr, r_ptr, mids_ptr, levels_ptr, out_ptr, stride_x
     to_unit = tl.where(norm != 0, tl.sqrt(G * 1.0) / tl.where(norm != 0, norm, 1.0), 0.0)
     z = rotated_group(x, r_ptr, G, False) * to_unit[:, None]
     codes = tl.zeros([N, G], tl.int32)
-    for k in tl.static_range((1 << BITS) - 1):
-        codes += (tl.load(mids_ptr + k) < z).to(tl.int32)
+    best = tl.full([N], float("-inf"), tl.float32)
+    for s in range(SEARCH):
+        zs = z * tl.load(search_ptr + s)
+        trial = tl.zeros([N, G], tl.int32)
+        for k in tl.static_range((1 << BITS) - 1):
+            trial += (tl.load(mids_ptr + k) < zs).to(tl.int32)
+        level = tl.load(levels_ptr + trial)
+        dot = tl.sum(z * level, axis=1)
+        fit = dot * tl.abs(dot) / tl.sum(level * level, axis=1)
+        better = fit > best
+        codes = tl.where(better[:, None], trial, codes)
+        best = tl.where(better, fit, best)
     level = tl.load(levels_ptr + codes)
     length = tl.sqrt(tl.sum(level * level, axis=1))
     scale = norm * tl.where(length != 0, 1.0 / tl.where(length != 0, length, 1.0), 0.0)
@@ -184,7 +197,8 @@ def _rotated_kernel(x_ptr, s_ptr, r_ptr, mids_ptr, levels_ptr, out_ptr, stride_x
 def quantize_rotated_rows(x: Tensor, bits: int, shift: Tensor | None = None) -> Tensor:
     """Rows [..., D] -> stored turbo rows [..., row bytes] in one kernel (shift: as quantize_rows): the norms, the
     rotation (float32 products summed in another order than torch's, so a coordinate on a level midpoint may take
-    the other code), the codes, the scales and the packing."""
+    the other code, and two scales that fit a group equally well the other one), the codes, the scales and the
+    packing."""
     d = x.shape[-1]
     g = rotation_group(d)
     flat = x.reshape(-1, d)
@@ -192,9 +206,10 @@ def quantize_rotated_rows(x: Tensor, bits: int, shift: Tensor | None = None) -> 
         flat = flat.contiguous()
     rows = flat.shape[0]
     out = torch.empty(rows, KVCodec(f"turbo{bits}", x.dtype).row_size(d), device=x.device, dtype=torch.uint8)
+    search = table("search", 0, x.device)
     if rows:
         _rotated_kernel[(rows,)](flat, out if shift is None else shift, rotation(g, x.device),
-                                 table("midpoints", bits, x.device), table("levels", bits, x.device), out,
+                                 table("midpoints", bits, x.device), table("levels", bits, x.device), search, out,
                                  flat.stride(0), out.stride(0), x.shape[-2] if shift is not None else 1, N=d // g, G=g,
-                                 BITS=bits, SHIFT=shift is not None, num_warps=rotation_warps(d, g), **pdl.launch(x))
+                                 BITS=bits, SEARCH=search.numel(), SHIFT=shift is not None, num_warps=rotation_warps(d, g), **pdl.launch(x))
     return out.reshape(*x.shape[:-1], -1)
