@@ -385,7 +385,8 @@ def check_quantize_kernel(device: str) -> None:
     finally:
         kv_quant.ROTATE_BLOCKS = rotate_blocks
     # the rotated types: the kernel rotates in float32 summed in its own order, so a coordinate within rounding of a
-    # level midpoint may take the other code: nearly all code bytes equal, scales within 0.2%
+    # level midpoint may take the other code, and a group that two scales fit equally well the other scale's codes:
+    # nearly every group's code bytes equal and its scale within 0.2%, and no group decoded worse
     for bits in (3, 4):
         for head_dim in (64, 128, 256):
             x = torch.randn(7, 3, head_dim, generator=gen) * torch.rand(7, 3, 1, generator=gen) * 10
@@ -393,13 +394,19 @@ def check_quantize_kernel(device: str) -> None:
             shift = 3 * torch.randn(3, head_dim, generator=gen) if head_dim == 128 else None
             if shift is not None:
                 x[0, 1] = shift[1]  # zero once shifted
-            want = KVCodec(f"turbo{bits}", torch.float32).encode(x, shift)
+            codec = KVCodec(f"turbo{bits}", torch.float32)
+            want = codec.encode(x, shift)
             got = quantize_rotated_rows(x.to(device), bits, None if shift is None else shift.to(device)).cpu()
-            cut = want.shape[-1] - 2 * max(1, head_dim // 128)
-            same = (got[..., :cut] == want[..., :cut]).float().mean().item()
-            assert same > 0.995, (bits, head_dim, same)
+            n = max(1, head_dim // 128)
+            cut = want.shape[-1] - 2 * n
+            agree = (got[..., :cut] == want[..., :cut]).unflatten(-1, (n, -1)).float().mean(-1)  # per group
+            same = agree > 0.9
+            assert same.float().mean() > 0.9 and agree.mean() > 0.98, (bits, head_dim, agree.mean())
             scales = [r[..., cut:].contiguous().view(torch.float16).float() for r in (got, want)]
-            assert torch.allclose(scales[0], scales[1], rtol=2e-3, atol=0), (bits, head_dim)
+            assert torch.allclose(scales[0][same], scales[1][same], rtol=2e-3, atol=0), (bits, head_dim)
+            target = (x if shift is None else x - shift).unflatten(-1, (n, -1))
+            errors = [(codec.decode(r).unflatten(-1, (n, -1)) - target).pow(2).sum(-1) for r in (got, want)]
+            assert (errors[0] <= errors[1] * 1.001 + 1e-6 * target.pow(2).sum(-1)).all(), (bits, head_dim)
     from flashdraft.kernels.rotation import rotate_rows
     from flashdraft.layers.kv_quant import rotate
     for head_dim in (64, 128, 256):  # a query into the rotated domain and an output back, strided heads
