@@ -336,6 +336,13 @@ def measure(args) -> int:
 
                 iters = 5 if args.tiny else 30
                 ms = {f.__name__: timed(f, iters, dev) for f in (decode, verify, draft_step)}
+                sweep = {}
+                for programs in filter(None, args.mma_sweep.split(",")):  # verify's split of K, same model
+                    from flashdraft.kernels import gguf_mma
+                    kept, gguf_mma.TARGET_PROGRAMS = gguf_mma.TARGET_PROGRAMS, int(programs)
+                    graphs = GraphCache(dev)  # captured again: the split is chosen as a graph records
+                    sweep[int(programs)] = timed(verify, iters, dev)
+                    gguf_mma.TARGET_PROGRAMS = kept
                 p512 = torch.randint(0, target.cfg.vocab_size - 1, (512,), device=dev)
                 prefill_ms = timed(lambda: prefill(target, state, p512, 0, None), 3 if args.tiny else 5, dev)
             peak = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else 0.0
@@ -345,12 +352,15 @@ def measure(args) -> int:
                        draft_ms=ms["draft_step"], draft_over_decode=ms["draft_step"] / ms["decode"],
                        prefill512_tok_s=512e3 / prefill_ms, peak_mem_GiB=peak, weights_GB=weights / 1e9,
                        file_tensors_GB=total / 1e9, weights_over_file=weights / total, step_bytes_GB=step_bytes / 1e9,
-                       floor_ms=floor_ms, decode_over_floor=ms["decode"] / floor_ms, load_s=load_s)
+                       floor_ms=floor_ms, decode_over_floor=ms["decode"] / floor_ms, load_s=load_s,
+                       verify16_ms_by_mma_programs=sweep)
             results["rows"].append(row)
             print(f"{name} ctx {ctx}: decode {ms['decode']:.3f} ms ({1e3 / ms['decode']:.1f} tok/s, x{row['decode_over_floor']:.2f} "
                   f"the {floor_ms:.3f} ms floor), verify16 x{row['verify_over_decode']:.3f}, draft x{row['draft_over_decode']:.3f}, "
                   f"prefill {row['prefill512_tok_s']:.0f} tok/s, weights {weights / 1e9:.2f} GB of {total / 1e9:.2f} GB in the "
                   f"file, peak {peak:.1f} GiB", flush=True)
+            for programs, t in sweep.items():
+                print(f"  mma programs {programs}: verify16 {t:.3f} ms (x{t / ms['decode']:.3f} decode)", flush=True)
         target = draft = state = None  # free this file's model before the next loads
     print("\n| file | ctx | decode ms | tok/s | decode/floor | verify16/decode | draft/decode | prefill512 tok/s | "
           "weights GB / file GB | peak GiB |")
@@ -384,6 +394,8 @@ def main() -> int:
                     help="--compile's kernels launched with programmatic dependent launch too (torch._inductor.config.triton"
                          ".enable_pdl, where this torch has it)")
     ap.add_argument("--mma-programs", type=int, default=None, help="kernels/gguf_mma.TARGET_PROGRAMS (split-K of verify)")
+    ap.add_argument("--mma-sweep", default="", help="then time verify(16) again at each of these TARGET_PROGRAMS, "
+                                                     "e.g. 264,528,2112 (one load, graphs captured again)")
     ap.add_argument("--gemv-tiles", default="", help='integer-kernel tiles per type, "IQ4_XS=16,8;Q4_K=4,16" (BLOCK_N,SB)')
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke test of this script")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
