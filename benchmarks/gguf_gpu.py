@@ -78,8 +78,11 @@ def random_quantized(w, name: str, qtype: str, rows: int, cols: int) -> None:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
     from test_gguf_kernels import random_blocks
-    raw = random_blocks(qtype, rows, cols, seed=len(w.tensors[0]))
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+    if cols % block:
+        raise SystemExit(f"{name}: rows of {cols} values do not hold whole {qtype} blocks of {block} (with --tiny "
+                         f"take a 32-value type such as Q8_0)")
+    raw = random_blocks(qtype, rows, cols, seed=len(w.tensors[0]))
     w.add_tensor(name, raw.reshape(rows, -1), raw_shape=(rows, cols // block * size),
                  raw_dtype=GGMLQuantizationType[qtype])
 
