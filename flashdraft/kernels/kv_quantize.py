@@ -211,5 +211,6 @@ def quantize_rotated_rows(x: Tensor, bits: int, shift: Tensor | None = None) -> 
         _rotated_kernel[(rows,)](flat, out if shift is None else shift, rotation(g, x.device),
                                  table("midpoints", bits, x.device), table("levels", bits, x.device), search, out,
                                  flat.stride(0), out.stride(0), x.shape[-2] if shift is not None else 1, N=d // g, G=g,
-                                 BITS=bits, SEARCH=search.numel(), SHIFT=shift is not None, num_warps=rotation_warps(d, g), **pdl.launch(x))
+                                 BITS=bits, SEARCH=search.numel(), SHIFT=shift is not None,
+                                 num_warps=rotation_warps(d, g), **pdl.launch(x))
     return out.reshape(*x.shape[:-1], -1)

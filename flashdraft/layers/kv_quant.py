@@ -5,9 +5,10 @@ are written. Plus the rotated types `turbo3` / `turbo4` (BeeLlama's names, after
 128 values of a head vector is divided by its norm, rotated by a fixed randomised Hadamard transform (which
 makes its coordinates nearly Gaussian, N(0, 1/group)), and each coordinate is stored as the index of the nearest
 entry of a 3- or 4-bit Lloyd-Max codebook for that Gaussian at the best of a few scales (SCALE_SEARCH), with one
-fp16 scale that gives the decoded group the original norm. Attention can consume them in the rotated domain (rotate q, un-rotate the output). Block types
-are stored rotated too where the head size is a multiple of 64 (`ROTATE_BLOCKS`), as llama.cpp's cache is since its
-attn_rot: the same rotation, then ggml's blocks of the rotated row.
+fp16 scale that gives the decoded group the original norm. Attention can consume them in the rotated domain
+(rotate q, un-rotate the output). Block types are stored rotated too where the head size is a multiple of 64
+(`ROTATE_BLOCKS`), as llama.cpp's cache is since its attn_rot: the same rotation, then ggml's blocks of the rotated
+row.
 
 A stored row holds exactly its type's bytes, but laid out by field rather than by block, so that the attention
 kernel reads the quantized values with wide aligned loads: a block type's row is every block's quants, then every
