@@ -64,7 +64,8 @@ def log_probs(target, ids: torch.Tensor, types: tuple[str, str]) -> torch.Tensor
 
 
 def llama_cpp_kl(binary: str, model: str, text: str, pairs: list[tuple[str, str]], ctx: int) -> dict:
-    """(K, V) -> (mean KLD, same top token) from llama-perplexity against its run with pairs[0]."""
+    """(K, V) -> (mean KLD, same top token, median KLD, 99th percentile KLD) from llama-perplexity against its run
+    with pairs[0]."""
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         corpus, base = Path(tmp) / "text.txt", Path(tmp) / "base.kld"
@@ -82,8 +83,11 @@ def llama_cpp_kl(binary: str, model: str, text: str, pairs: list[tuple[str, str]
                 log = proc.stdout + proc.stderr
                 kld = float(re.search(r"Mean\s+KLD:\s+([-\d.e]+)", log).group(1))
                 same = float(re.search(r"Same top p:\s+([\d.]+)", log).group(1)) / 100
-                out[(k, v)] = (kld, same)
-                print(f"llama.cpp {k}/{v}: mean KLD {kld:.2e}, same top token {same:.2%}", flush=True)
+                median = float(re.search(r"Median\s+KLD:\s+([-\d.e]+)", log).group(1))
+                p99 = float(re.search(r"99\.0%\s+KLD:\s+([-\d.e]+)", log).group(1))
+                out[(k, v)] = (kld, same, median, p99)
+                print(f"llama.cpp {k}/{v}: mean KLD {kld:.2e} (median {median:.2e}, 99th percentile {p99:.2e}), same "
+                      f"top token {same:.2%}", flush=True)
     return out
 
 
@@ -137,13 +141,14 @@ def main() -> int:
         theirs = llama_cpp_kl(args.llama_perplexity, str(path), "\n\n".join(texts(args.texts, args.items)), pairs, args.ctx)
         for r in results["rows"]:
             if (r["k"], r["v"]) in theirs:
-                r["llama_cpp_mean_kld"], r["llama_cpp_same_top"] = theirs[(r["k"], r["v"])]
+                (r["llama_cpp_mean_kld"], r["llama_cpp_same_top"], r["llama_cpp_median_kld"],
+                 r["llama_cpp_kld_99"]) = theirs[(r["k"], r["v"])]
     print(f"\n{results['model']}, {len(contexts)} contexts of {results['tokens']} tokens, against {'/'.join(pairs[0])}")
-    print("| K / V | mean KL | median KL | 99th pct KL | top-1 agreement | llama.cpp mean KLD | llama.cpp same top |\n"
-          "|---|---|---|---|---|---|---|")
+    print("| K / V | mean KL | median KL | 99th pct KL | top-1 agreement | llama.cpp mean KLD | llama.cpp median | "
+          "llama.cpp 99th pct | llama.cpp same top |\n|---|---|---|---|---|---|---|---|---|")
     for r in results["rows"]:
-        lc = (f"{r['llama_cpp_mean_kld']:.2e} | {r['llama_cpp_same_top']:.2%}" if "llama_cpp_mean_kld" in r
-              else "- | -")
+        lc = (f"{r['llama_cpp_mean_kld']:.2e} | {r['llama_cpp_median_kld']:.2e} | {r['llama_cpp_kld_99']:.2e} | "
+              f"{r['llama_cpp_same_top']:.2%}" if "llama_cpp_mean_kld" in r else "- | - | - | -")
         print(f"| {r['k']} / {r['v']} | {r['mean_kl']:.2e} | {r['median_kl']:.2e} | {r['kl_99']:.2e} | "
               f"{r['top1_agreement']:.2%} | {lc} |")
     if args.out:
