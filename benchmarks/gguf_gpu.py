@@ -340,8 +340,8 @@ def measure(args) -> int:
                 iters = 5 if args.tiny else 30
                 ms = {f.__name__: timed(f, iters, dev) for f in (decode, verify, draft_step)}
                 sweep = {}
+                from flashdraft.kernels import gguf_mma
                 for programs in filter(None, args.mma_sweep.split(",")):  # verify's split of K, same model
-                    from flashdraft.kernels import gguf_mma
                     kept, gguf_mma.TARGET_PROGRAMS = gguf_mma.TARGET_PROGRAMS, int(programs)
                     graphs = GraphCache(dev)  # captured again: the split is chosen as a graph records
                     sweep[int(programs)] = timed(verify, iters, dev)

@@ -164,6 +164,7 @@ def _rotated_kernel(x_ptr, s_ptr, r_ptr, mids_ptr, levels_ptr, search_ptr, out_p
     z = rotated_group(x, r_ptr, G, False) * to_unit[:, None]
     codes = tl.zeros([N, G], tl.int32)
     best = tl.full([N], float("-inf"), tl.float32)
+    length2 = tl.zeros([N], tl.float32)  # |levels[codes]|^2 of the codes kept
     for s in range(SEARCH):
         zs = z * tl.load(search_ptr + s)
         trial = tl.zeros([N, G], tl.int32)
@@ -171,12 +172,13 @@ def _rotated_kernel(x_ptr, s_ptr, r_ptr, mids_ptr, levels_ptr, search_ptr, out_p
             trial += (tl.load(mids_ptr + k) < zs).to(tl.int32)
         level = tl.load(levels_ptr + trial)
         dot = tl.sum(z * level, axis=1)
-        fit = dot * tl.abs(dot) / tl.sum(level * level, axis=1)
+        trial_length2 = tl.sum(level * level, axis=1)
+        fit = dot * tl.abs(dot) / trial_length2
         better = fit > best
         codes = tl.where(better[:, None], trial, codes)
         best = tl.where(better, fit, best)
-    level = tl.load(levels_ptr + codes)
-    length = tl.sqrt(tl.sum(level * level, axis=1))
+        length2 = tl.where(better, trial_length2, length2)
+    length = tl.sqrt(length2)
     scale = norm * tl.where(length != 0, 1.0 / tl.where(length != 0, length, 1.0), 0.0)
     CODE_BYTES: tl.constexpr = G * BITS // 8
     out = out_ptr + row * stride_o + gi[:, None] * CODE_BYTES

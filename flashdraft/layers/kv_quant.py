@@ -246,15 +246,17 @@ def quantize_rotated(groups: Tensor, bits: int) -> tuple[Tensor, Tensor]:
     unit = (groups @ rotation(g, groups.device).T) * (math.sqrt(g) * _inverse(norm))  # ~ N(0, 1) per coordinate
     codes = torch.zeros(unit.shape, dtype=torch.long, device=unit.device)
     best = torch.full((unit.shape[0],), -math.inf, device=unit.device)
+    length2 = torch.zeros_like(best)  # |levels[codes]|^2 of the codes kept
     for inverse in table("search", 0, groups.device):
         trial = torch.bucketize((unit * inverse).contiguous(), midpoints)
         level = levels[trial]
-        dot = (unit * level).sum(-1)
-        fit = dot * dot.abs() / (level * level).sum(-1)
+        dot, trial_length2 = (unit * level).sum(-1), (level * level).sum(-1)
+        fit = dot * dot.abs() / trial_length2
         better = fit > best
         codes = torch.where(better[:, None], trial, codes)
         best = torch.where(better, fit, best)
-    scale = norm * _inverse(levels[codes].norm(dim=-1, keepdim=True))  # the decoded group keeps the norm
+        length2 = torch.where(better, trial_length2, length2)
+    scale = norm * _inverse(length2.sqrt()[:, None])  # the decoded group keeps the norm
     return _pack_codes(codes, bits), _fp16_bytes(scale)
 
 
