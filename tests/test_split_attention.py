@@ -169,6 +169,19 @@ def check_row_invariance(device: str, dtype: torch.dtype) -> None:
         for keys in (1024, 2048):
             one = split_attention(q[i:i + 1], k[:, :keys], v[:, :keys], mask[i:i + 1, :keys], scale, 0.0)
             assert torch.equal(one[0], verify[i]), (i, keys)
+    from flashdraft.layers.attention import AttentionSpec, attend_cache
+    from flashdraft.layers.kv_cache import KVCache
+    from flashdraft.layers.kv_quant import kv_codecs
+    for types in QUANTIZED_PAIRS + [("q5_0", "q4_1")]:  # over stored rows, as a verify step reads them
+        cache = KVCache(1, KV, 1024, D, dtype, device, kv_codecs(types, dtype))
+        cache.key_shift = torch.randn(KV, D, generator=gen).to(device) if cache.codecs[0].packed else None
+        view = cache.view(0)
+        view.write(torch.arange(L, device=device)[None], k[None, :, :L].transpose(1, 2), v[None, :, :L].transpose(1, 2))
+        spec = AttentionSpec(scale=scale)
+        verify = attend_cache(q[None], view, 1024, mask[None, :, :1024], spec)
+        for i in (0, 7, 15):
+            one = attend_cache(q[None, i:i + 1], view, 1024, mask[None, i:i + 1, :1024], spec)
+            assert torch.equal(one[0, 0], verify[0, i]), (types, i)
 
 
 QUANTIZED_PAIRS = [("q8_0", "q4_0"), ("q4_1", "q5_0"), ("q5_1", "iq4_nl"), ("turbo3", "turbo4"), ("turbo4", "q8_0"),

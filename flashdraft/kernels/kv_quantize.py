@@ -53,29 +53,31 @@ def _iq4_nl_blocks(x, i):
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, s_ptr, r_ptr, out_ptr, stride_x, stride_o, heads, TYPE: tl.constexpr, D: tl.constexpr,
-                     G: tl.constexpr, SHIFT: tl.constexpr, PDL: tl.constexpr):
-    """One row of D values -> its stored planar row; SHIFT: the row's head's shift (float32 [heads, D] at s_ptr)
-    subtracted first; G > 0: each group of G values rotated (x R^T, R at r_ptr: layers/kv_quant.ROTATE_BLOCKS)."""
-    start_dependents(PDL)
-    wait_for_inputs(PDL)
-    row = tl.program_id(0)
+def _load_blocks(x_row, s_row, r_ptr, D: tl.constexpr, G: tl.constexpr, SHIFT: tl.constexpr):
+    """One row's D values (float32 [D / 32, 32]), less its head's shift at s_row where SHIFT; G > 0: each group of G
+    values rotated (x R^T, R at r_ptr: layers/kv_quant.ROTATE_BLOCKS)."""
     NB: tl.constexpr = D // 32
-    b = tl.arange(0, NB)
-    i = tl.arange(0, 32)
     if G > 0:
         j = tl.arange(0, G)
         at = tl.arange(0, D // G)[:, None] * G + j[None, :]
-        groups = tl.load(x_ptr + row * stride_x + at).to(tl.float32)
+        groups = tl.load(x_row + at).to(tl.float32)
         if SHIFT:
-            groups -= tl.load(s_ptr + (row % heads) * D + at)
+            groups -= tl.load(s_row + at)
         x = tl.reshape(rotated_group(groups, r_ptr, G, False), [NB, 32])
     else:
-        at = b[:, None] * 32 + i[None, :]
-        x = tl.load(x_ptr + row * stride_x + at).to(tl.float32)  # [NB, 32]
+        at = tl.arange(0, NB)[:, None] * 32 + tl.arange(0, 32)[None, :]
+        x = tl.load(x_row + at).to(tl.float32)  # [NB, 32]
         if SHIFT:
-            x -= tl.load(s_ptr + (row % heads) * D + at)
-    out = out_ptr + row * stride_o
+            x -= tl.load(s_row + at)
+    return x
+
+
+@triton.jit
+def _store_blocks(x, out, TYPE: tl.constexpr, D: tl.constexpr):
+    """Blocks x [D / 32, 32] float32 -> their stored planar row at byte pointer `out`."""
+    NB: tl.constexpr = D // 32
+    b = tl.arange(0, NB)
+    i = tl.arange(0, 32)
     if TYPE == 8:
         d = tl.max(tl.abs(x), axis=1) / 127.0
         inv = tl.where(d != 0, 1.0 / tl.where(d != 0, d, 1.0), 0.0)
@@ -119,6 +121,37 @@ def _quantize_kernel(x_ptr, s_ptr, r_ptr, out_ptr, stride_x, stride_o, heads, TY
             at = out + D // 2 + 2 * NB * (1 + HAS_MIN) + 4 * b
             for k in tl.static_range(4):
                 tl.store(at + k, ((word >> (8 * k)) & 0xFF).to(tl.uint8))
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, s_ptr, r_ptr, out_ptr, stride_x, stride_o, heads, TYPE: tl.constexpr, D: tl.constexpr,
+                     G: tl.constexpr, SHIFT: tl.constexpr, PDL: tl.constexpr):
+    """One row of D values -> its stored planar row; SHIFT: the row's head's shift (float32 [heads, D] at s_ptr)
+    subtracted first; G > 0: each group of G values rotated."""
+    start_dependents(PDL)
+    wait_for_inputs(PDL)
+    row = tl.program_id(0)
+    x = _load_blocks(x_ptr + row * stride_x, s_ptr + (row % heads) * D, r_ptr, D, G, SHIFT)
+    _store_blocks(x, out_ptr + row * stride_o, TYPE, D)
+
+
+@triton.jit
+def _write_kernel(k_ptr, v_ptr, pos_ptr, s_ptr, r_ptr, kc_ptr, vc_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+                  stride_kch, stride_kcr, stride_vch, stride_vcr, heads, K_TYPE: tl.constexpr, V_TYPE: tl.constexpr,
+                  D: tl.constexpr, K_G: tl.constexpr, V_G: tl.constexpr, SHIFT: tl.constexpr, PDL: tl.constexpr):
+    """A step's new K and V rows [T, heads, D] quantized into the cache rows of their positions (program (t * heads
+    + h, 0) writes K, (.., 1) V): one launch for both instead of two quantizations and two row copies."""
+    start_dependents(PDL)
+    wait_for_inputs(PDL)
+    t = tl.program_id(0) // heads
+    h = tl.program_id(0) % heads
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    if tl.program_id(1) == 0:
+        x = _load_blocks(k_ptr + t * stride_kt + h * stride_kh, s_ptr + h * D, r_ptr, D, K_G, SHIFT)
+        _store_blocks(x, kc_ptr + h * stride_kch + pos * stride_kcr, K_TYPE, D)
+    else:
+        x = _load_blocks(v_ptr + t * stride_vt + h * stride_vh, s_ptr, r_ptr, D, V_G, False)
+        _store_blocks(x, vc_ptr + h * stride_vch + pos * stride_vcr, V_TYPE, D)
 
 
 def quantize_rows(x: Tensor, name: str, rotated: bool = False, shift: Tensor | None = None) -> Tensor:
@@ -216,3 +249,29 @@ def quantize_rotated_rows(x: Tensor, bits: int, shift: Tensor | None = None) -> 
                                  BITS=bits, SEARCH=search.numel(), SHIFT=shift is not None,
                                  num_warps=rotation_warps(d, g), **pdl.launch(x))
     return out.reshape(*x.shape[:-1], -1)
+
+
+@torch.library.custom_op("flashdraft::write_kv_rows", mutates_args=("k_cache", "v_cache"))
+def write_kv_rows(k_cache: Tensor, v_cache: Tensor, positions: Tensor, k: Tensor, v: Tensor, k_type: str,
+                  v_type: str, k_rotated: bool, v_rotated: bool, shift: Tensor | None) -> None:
+    """New rows k/v [T, heads, D] (last axis contiguous) quantized into one slot's stored rows k_cache/v_cache
+    [heads, rows, row bytes] at positions [T], in one launch; the block types of KERNEL_QUANTIZED, as quantize_rows
+    writes them (shift: subtracted from the keys first)."""
+    t, heads, d = k.shape
+    k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
+    rotated = k_rotated or v_rotated
+    g = rotation_group(d) if rotated else 0
+    if t == 0:
+        return
+    _write_kernel[(t * heads, 2)](k, v, positions, k_cache if shift is None else shift,
+                                  rotation(g, k.device) if rotated else k_cache, k_cache, v_cache, k.stride(0),
+                                  k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1),
+                                  v_cache.stride(0), v_cache.stride(1), heads, K_TYPE=TYPE_IDS[k_type],
+                                  V_TYPE=TYPE_IDS[v_type], D=d, K_G=g if k_rotated else 0, V_G=g if v_rotated else 0,
+                                  SHIFT=shift is not None, num_warps=rotation_warps(d, g) if rotated else 4,
+                                  **pdl.launch(k))
+
+
+@write_kv_rows.register_fake
+def _(k_cache, v_cache, positions, k, v, k_type, v_type, k_rotated, v_rotated, shift) -> None:
+    return None
