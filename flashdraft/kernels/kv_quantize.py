@@ -29,13 +29,27 @@ def _store_half(ptr, value):
 
 
 @triton.jit
+def _div(a, b):
+    """a / b rounded as IEEE division (Triton's `/` on float32 is the approximate div.full.f32 on NVIDIA GPUs: a
+    scale an ulp off moves values that sit on a rounding midpoint, and the rows would differ from the torch
+    quantizers')."""
+    return tl.math.div_rn(a, tl.full(a.shape, b, tl.float32))
+
+
+@triton.jit
+def _inverse(d):
+    """1 / d, 0 where d is 0 (IEEE-rounded, see _div)."""
+    return tl.where(d != 0, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), tl.where(d != 0, d, 1.0)), 0.0)
+
+
+@triton.jit
 def _iq4_nl_blocks(x, i):
     """Blocks x [NB, 32] -> (level indices [NB, 32] int32, scales [NB]) as layers/kv_quant._quantize_iq4_nl: the
     scale from the first value of largest magnitude, each value to the nearest level (a tie to the upper one), then
     the least-squares scale for those levels weighted by x^2."""
     first = tl.argmax(tl.abs(x), axis=1, tie_break_left=True)
-    d = tl.sum(tl.where(i[None, :] == first[:, None], x, 0.0), axis=1) / -127.0
-    inv = tl.where(d != 0, 1.0 / tl.where(d != 0, d, 1.0), 0.0)
+    d = _div(tl.sum(tl.where(i[None, :] == first[:, None], x, 0.0), axis=1), -127.0)
+    inv = _inverse(d)
     v = x * inv[:, None]
     n = tl.zeros_like(v).to(tl.int32)  # levels <= v (a binary search over the 16 sorted levels)
     for step in tl.static_range(3, -1, -1):
@@ -79,8 +93,8 @@ def _store_blocks(x, out, TYPE: tl.constexpr, D: tl.constexpr):
     b = tl.arange(0, NB)
     i = tl.arange(0, 32)
     if TYPE == 8:
-        d = tl.max(tl.abs(x), axis=1) / 127.0
-        inv = tl.where(d != 0, 1.0 / tl.where(d != 0, d, 1.0), 0.0)
+        d = _div(tl.max(tl.abs(x), axis=1), 127.0)
+        inv = _inverse(d)
         v = x * inv[:, None]
         q = tl.where(v < 0, -tl.floor(-v + 0.5), tl.floor(v + 0.5)).to(tl.int32)
         tl.store(out + b[:, None] * 32 + i[None, :], (q & 0xFF).to(tl.uint8))
@@ -93,8 +107,8 @@ def _store_blocks(x, out, TYPE: tl.constexpr, D: tl.constexpr):
         elif HAS_MIN:
             TOP: tl.constexpr = 31.0 if FIVE else 15.0
             lo = tl.min(x, axis=1)
-            d = (tl.max(x, axis=1) - lo) / TOP
-            inv = tl.where(d != 0, 1.0 / tl.where(d != 0, d, 1.0), 0.0)
+            d = _div(tl.max(x, axis=1) - lo, TOP)
+            inv = _inverse(d)
             q = tl.floor((x - lo[:, None]) * inv[:, None] + 0.5)
             q = tl.minimum(tl.maximum(q, 0.0), TOP).to(tl.int32)
         else:
@@ -102,8 +116,8 @@ def _store_blocks(x, out, TYPE: tl.constexpr, D: tl.constexpr):
             ax = tl.abs(x)
             first = tl.argmax(ax, axis=1, tie_break_left=True)  # the first value of largest magnitude, sign kept
             vmax = tl.sum(tl.where(i[None, :] == first[:, None], x, 0.0), axis=1)
-            d = vmax / -LEVELS
-            inv = tl.where(d != 0, 1.0 / tl.where(d != 0, d, 1.0), 0.0)
+            d = _div(vmax, -LEVELS)
+            inv = _inverse(d)
             v = x * inv[:, None] + (LEVELS + 0.5)
             q = tl.where(v < 0, -tl.floor(-v), tl.floor(v))  # trunc
             q = tl.minimum(tl.maximum(q, 0.0), 2 * LEVELS - 1).to(tl.int32)
