@@ -30,7 +30,8 @@ from flashdraft.kernels import gguf_gemv, pdl
 from flashdraft.kernels.iq4 import IQ4_FOUR
 
 ENABLED = True
-BLOCK_N, NUM_WARPS, TARGET_PROGRAMS = 128, 4, 1056  # 64 and 32 rows, 8 warps: slower at 16 rows (run 12)
+BLOCK_N, NUM_WARPS, TARGET_PROGRAMS = 128, 4, 264  # 64 and 32 rows, 8 warps: slower at 16 rows (run 12); 264
+# programs: verify16 6.24 ms against 6.60 at 1056 and 7.16 at 2112 (Q4_K_M, docs/PERF.md 2026-12-05)
 
 
 TOKENS = gl.constexpr(16)  # the mma's N: rows of x, padded
