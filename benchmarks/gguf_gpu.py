@@ -341,11 +341,13 @@ def measure(args) -> int:
                 ms = {f.__name__: timed(f, iters, dev) for f in (decode, verify, draft_step)}
                 sweep = {}
                 from flashdraft.kernels import gguf_mma
-                for programs in filter(None, args.mma_sweep.split(",")):  # verify's split of K, same model
-                    kept, gguf_mma.TARGET_PROGRAMS = gguf_mma.TARGET_PROGRAMS, int(programs)
+                for point in filter(None, args.mma_sweep.split(",")):  # verify's split of K (and tile), same model
+                    kept = gguf_mma.TARGET_PROGRAMS, gguf_mma.BLOCK_N, gguf_mma.NUM_WARPS
+                    programs, block_n, warps = (list(map(int, point.split(":"))) + list(kept[1:]))[:3]
+                    gguf_mma.TARGET_PROGRAMS, gguf_mma.BLOCK_N, gguf_mma.NUM_WARPS = programs, block_n, warps
                     graphs = GraphCache(dev)  # captured again: the split is chosen as a graph records
-                    sweep[int(programs)] = timed(verify, iters, dev)
-                    gguf_mma.TARGET_PROGRAMS = kept
+                    sweep[point] = timed(verify, iters, dev)
+                    gguf_mma.TARGET_PROGRAMS, gguf_mma.BLOCK_N, gguf_mma.NUM_WARPS = kept
                 p512 = torch.randint(0, target.cfg.vocab_size - 1, (512,), device=dev)
                 prefill_ms = timed(lambda: prefill(target, state, p512, 0, None), 3 if args.tiny else 5, dev)
             peak = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else 0.0
@@ -397,8 +399,8 @@ def main() -> int:
                     help="--compile's kernels launched with programmatic dependent launch too (torch._inductor.config.triton"
                          ".enable_pdl, where this torch has it)")
     ap.add_argument("--mma-programs", type=int, default=None, help="kernels/gguf_mma.TARGET_PROGRAMS (split-K of verify)")
-    ap.add_argument("--mma-sweep", default="", help="then time verify(16) again at each of these TARGET_PROGRAMS, "
-                                                     "e.g. 264,528,2112 (one load, graphs captured again)")
+    ap.add_argument("--mma-sweep", default="", help="then time verify(16) again at each of these TARGET_PROGRAMS[:BLOCK_N"
+                                                     "[:warps]], e.g. 132,264,264:64 (one load, graphs captured again)")
     ap.add_argument("--gemv-tiles", default="", help='integer-kernel tiles per type, "IQ4_XS=16,8;Q4_K=4,16" (BLOCK_N,SB)')
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke test of this script")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
