@@ -343,7 +343,8 @@ def measure(args) -> int:
                 from flashdraft.kernels import gguf_mma
                 for point in filter(None, args.mma_sweep.split(",")):  # verify's split of K (and tile), same model
                     kept = gguf_mma.TARGET_PROGRAMS, gguf_mma.BLOCK_N, gguf_mma.NUM_WARPS
-                    programs, block_n, warps = (list(map(int, point.split(":"))) + list(kept[1:]))[:3]
+                    given = [int(v) for v in point.split(":")]
+                    programs, block_n, warps = given + list(kept[len(given):])
                     gguf_mma.TARGET_PROGRAMS, gguf_mma.BLOCK_N, gguf_mma.NUM_WARPS = programs, block_n, warps
                     graphs = GraphCache(dev)  # captured again: the split is chosen as a graph records
                     sweep[point] = timed(verify, iters, dev)
