@@ -486,6 +486,17 @@ def check_quantize_kernel(device: str) -> None:
                 others = torch.ones(20, dtype=torch.bool)
                 others[positions] = False
                 assert not cache[:, others].any()
+    # custom ops with shapes torch.compile can trace (a raw launch's PDL assembly made it take every input as written)
+    x, shift = torch.randn(3, 2, 128, generator=gen).to(device), torch.randn(2, 128, generator=gen).to(device)
+    caches = [torch.zeros(2, 10, size, dtype=torch.uint8, device=device) for size in (80, 72)]
+    checks = (("rotate_rows", (x, True)), ("quantize_rows", (x, "q4_1", True, shift)),
+              ("quantize_rotated_rows", (x, 4, shift)),
+              ("write_kv_rows", (*caches, torch.tensor([1, 5, 7], device=device), x, x, "q4_1", "q4_0", True, False,
+                                 shift)))
+    for name, args in checks:
+        result = torch.library.opcheck(getattr(torch.ops.flashdraft, name).default, args,
+                                       test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+        assert set(result.values()) == {"SUCCESS"}, (name, result)
     from flashdraft.kernels.rotation import rotate_rows
     from flashdraft.layers.kv_quant import rotate
     for head_dim in (64, 128, 256):  # a query into the rotated domain and an output back, strided heads

@@ -168,6 +168,7 @@ def _write_kernel(k_ptr, v_ptr, pos_ptr, s_ptr, r_ptr, kc_ptr, vc_ptr, stride_kt
         _store_blocks(x, vc_ptr + h * stride_vch + pos * stride_vcr, V_TYPE, D)
 
 
+@torch.library.custom_op("flashdraft::quantize_rows", mutates_args=())
 def quantize_rows(x: Tensor, name: str, rotated: bool = False, shift: Tensor | None = None) -> Tensor:
     """Rows [..., D] (D a multiple of 32, a power-of-two block count) -> stored planar rows [..., row bytes];
     shift (float32 [heads, D], contiguous): subtracted first from rows x [..., heads, D] (layers/kv_cache's key
@@ -243,6 +244,7 @@ def _rotated_kernel(x_ptr, s_ptr, r_ptr, mids_ptr, levels_ptr, search_ptr, out_p
     _store_half(out_ptr + row * stride_o + N * CODE_BYTES + 2 * gi, scale)
 
 
+@torch.library.custom_op("flashdraft::quantize_rotated_rows", mutates_args=())
 def quantize_rotated_rows(x: Tensor, bits: int, shift: Tensor | None = None) -> Tensor:
     """Rows [..., D] -> stored turbo rows [..., row bytes] in one kernel (shift: as quantize_rows): the norms, the
     rotation (float32 products summed in another order than torch's, so a coordinate on a level midpoint may take
@@ -263,6 +265,16 @@ def quantize_rotated_rows(x: Tensor, bits: int, shift: Tensor | None = None) -> 
                                  BITS=bits, SEARCH=search.numel(), SHIFT=shift is not None,
                                  num_warps=rotation_warps(d, g), **pdl.launch(x))
     return out.reshape(*x.shape[:-1], -1)
+
+
+@quantize_rows.register_fake
+def _(x: Tensor, name: str, rotated: bool = False, shift: Tensor | None = None) -> Tensor:
+    return x.new_empty(*x.shape[:-1], KVCodec(name, x.dtype).row_size(x.shape[-1]), dtype=torch.uint8)
+
+
+@quantize_rotated_rows.register_fake
+def _(x: Tensor, bits: int, shift: Tensor | None = None) -> Tensor:
+    return x.new_empty(*x.shape[:-1], KVCodec(f"turbo{bits}", x.dtype).row_size(x.shape[-1]), dtype=torch.uint8)
 
 
 @torch.library.custom_op("flashdraft::write_kv_rows", mutates_args=("k_cache", "v_cache"))

@@ -44,6 +44,9 @@ def rotation_warps(head_dim: int, group: int) -> int:
     return 4 if group <= 64 else min(16, 8 * (head_dim // group))
 
 
+# custom ops (here and in kv_quantize.py): torch.compile cannot read the PDL instructions' inline assembly to find
+# what a raw Triton launch writes, and then takes every input as written (copies around each launch)
+@torch.library.custom_op("flashdraft::rotate_rows", mutates_args=())
 def rotate_rows(x: Tensor, inverse: bool = False) -> Tensor:
     """x [T, H, D] (D contiguous) -> each head's groups times R^T (or R, inverse) in x's dtype, as
     layers/kv_quant.rotate (float32 products, summed in another order)."""
@@ -56,3 +59,8 @@ def rotate_rows(x: Tensor, inverse: bool = False) -> Tensor:
         _rotate_kernel[(t * h,)](x, rotation(g, x.device), out, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
                                  h, N=d // g, G=g, INVERSE=inverse, num_warps=rotation_warps(d, g), **pdl.launch(x))
     return out
+
+
+@rotate_rows.register_fake
+def _(x: Tensor, inverse: bool = False) -> Tensor:
+    return x.new_empty(x.shape)
