@@ -46,20 +46,19 @@ def run(target, prompt, params, draft=None, **kw) -> list[int]:
 
 def oracle_proposals(monkeypatch, draft, truth: list[int], prompt_len: int, corrupt_every: int):
     """Make the draft propose the true continuation, corrupted at some positions, so that verify steps
-    accept varying numbers of tokens and the rollback path is exercised."""
+    accept varying numbers of tokens and the rollback path is exercised. Tensor ops only (on the draft's device),
+    so CUDA graphs can capture the draft step."""
     vocab = draft.cfg.vocab_size
+    known = torch.tensor(truth + [0], device=next(draft.parameters()).device)  # 0 past the truth's end
 
     def forward(noise, positions, slot=0, live=None, context_rows=None):
         return positions.float()[:, None].expand(-1, 4)
 
     def compute_logits(hidden, lm_head):
-        positions = hidden[:, 0].long()  # position of each drafted token
-        ids = []
-        for p in positions.tolist():
-            i = p - prompt_len
-            tok = truth[i] if i < len(truth) else 0
-            ids.append((tok + 1) % vocab if (p * 2654435761 >> 7) % corrupt_every == 0 else tok)
-        return torch.nn.functional.one_hot(torch.tensor(ids), vocab).float()
+        p = hidden[:, 0].long()  # position of each drafted token
+        ids = known[(p - prompt_len).clamp(0, len(truth))]
+        ids = torch.where((p * 2654435761 >> 7) % corrupt_every == 0, (ids + 1) % vocab, ids)
+        return torch.zeros(len(p), vocab, device=hidden.device).scatter_(1, ids[:, None], 1.0)
 
     monkeypatch.setattr(draft, "forward", forward)
     monkeypatch.setattr(draft, "compute_logits", compute_logits)

@@ -246,83 +246,44 @@ def random_llama(head_dim: int = 32) -> Llama:
     return model.eval()
 
 
-@pytest.mark.parametrize("types", [("q8_0", "q8_0"), ("q5_0", "q4_1"), ("q4_0", "q4_0"), ("q5_1", "f16"),
-                                   ("bf16", "q8_0"), ("iq4_nl", "iq4_nl"), ("turbo4", "turbo3")])
-def test_greedy_speculative_equals_plain_with_each_cache_type(monkeypatch, types):
-    """Rollback over quantized rows (stale rows of rejected tokens, rewritten positions) keeps the tokens. On a
-    real model a verify step's batched K/V projection can differ from a plain step's in the last bits, and a
-    value on a rounding boundary then quantizes a step apart (docs/PERF.md): this small model has no such case."""
-    target = random_llama()
-    target.state = target.new_state(1, 256, types)
-    assert target.state.layers[0].k.dtype == (torch.bfloat16 if types[0] == "bf16" else torch.uint8)
-    prompt = torch.randint(0, 90, (20,))
-    params = SamplingParams(max_tokens=50)
-    plain = decode_tokens(target, target.state, prompt, params)
-    draft = random_draft(target, block_size=8)
-    draft.setup_cache(256)
-    oracle_proposals(monkeypatch, draft, plain, len(prompt), 3)
-    stats = SpecStats()
-    assert decode_tokens(target, target.state, prompt, params, draft=draft, stats=stats) == plain
-    assert max(stats.acceptance_lengths) > 2
-
-
-def tensor_oracle(monkeypatch, draft, truth: list[int], prompt_len: int, corrupt_every: int, device: str):
-    """oracle_proposals in tensor ops only, so CUDA graphs can capture the draft step: the true continuation,
-    corrupted where a hash of the position says so."""
-    vocab, known = draft.cfg.vocab_size, torch.tensor(truth + [0], device=device)
-
-    def forward(noise, positions, slot=0, live=None, context_rows=None):
-        return positions.float()[:, None].expand(-1, 4)
-
-    def compute_logits(hidden, lm_head):
-        p = hidden[:, 0].long()
-        ids = known[(p - prompt_len).clamp(0, len(truth))]
-        ids = torch.where((p * 2654435761 >> 7) % corrupt_every == 0, (ids + 1) % vocab, ids)
-        return torch.zeros(len(p), vocab, device=hidden.device).scatter_(1, ids[:, None], 1.0)
-
-    monkeypatch.setattr(draft, "forward", forward)
-    monkeypatch.setattr(draft, "compute_logits", compute_logits)
-
-
-def greedy_speculative_against_plain(monkeypatch, types, device: str) -> list[int]:
-    """The engine's decode loop on `device` (CUDA: graphs, the split kernel over the stored rows, the write
-    kernels) with a head size of 128, as the GPU kernels take it: speculative tokens equal plain ones."""
-    from flashdraft.engine.steps import Steps
-    from flashdraft.engine.generate import decode
+def greedy_speculative_against_plain(monkeypatch, types, device: str = "cpu", head_dim: int = 32) -> Llama:
+    """Rollback over quantized rows (stale rows of rejected tokens, rewritten positions) keeps the tokens, through
+    the engine's decode loop on `device` (CUDA: graphs, the split kernel over the stored rows, the write kernels).
+    On a real model a verify step's batched K/V projection can differ from a plain step's in the last bits, and a
+    value on a rounding boundary then quantizes a step apart (docs/PERF.md): this small model has no such case on
+    the CPU, and on CUDA its projections are computed a row at a time (cuBLAS may round a row of 8 apart from the
+    same row alone; the kernels under test do not)."""
     from flashdraft.layers import linear as linear_module
-    if device != "cpu":  # cuBLAS may round a row of 8 apart from the same row alone; the kernels under test do not
+    if device != "cpu":
         dense = linear_module.linear
         monkeypatch.setattr(linear_module, "linear", lambda x, w, b=None: torch.cat(
             [dense(row, w, b) for row in x.split(1, dim=-2)], dim=-2))
-    target = random_llama(head_dim=128).to(device)
-    target.state = target.new_state(1, 512, types)
+    target = random_llama(head_dim).to(device)
+    target.state = target.new_state(1, 256, types)
     prompt = torch.randint(0, 90, (20,), device=device)
-    params = SamplingParams(max_tokens=60)
-
-    def run(draft=None, stats=None) -> list[int]:
-        steps = Steps(target, target.state, draft, device)
-        chunks = decode(steps, prompt, params, speculative=draft is not None, stats=stats)
-        return [t for chunk in chunks for t in chunk]
-
-    plain = run()
+    params = SamplingParams(max_tokens=50)
+    plain = decode_tokens(target, target.state, prompt, params, device=device)
     draft = random_draft(target, block_size=8).to(device)
-    draft.setup_cache(512)
-    tensor_oracle(monkeypatch, draft, plain, len(prompt), 3, device)
+    draft.setup_cache(256)
+    oracle_proposals(monkeypatch, draft, plain, len(prompt), 3)
     stats = SpecStats()
-    assert run(draft, stats) == plain, types
+    assert decode_tokens(target, target.state, prompt, params, draft=draft, device=device, stats=stats) == plain, types
     assert max(stats.acceptance_lengths) > 2
-    return plain
+    return target
 
 
-def test_tensor_oracle_speculates_as_the_list_oracle(monkeypatch):
-    greedy_speculative_against_plain(monkeypatch, ("q5_0", "q4_1"), "cpu")
+@pytest.mark.parametrize("types", [("q8_0", "q8_0"), ("q5_0", "q4_1"), ("q4_0", "q4_0"), ("q5_1", "f16"),
+                                   ("bf16", "q8_0"), ("iq4_nl", "iq4_nl"), ("turbo4", "turbo3")])
+def test_greedy_speculative_equals_plain_with_each_cache_type(monkeypatch, types):
+    target = greedy_speculative_against_plain(monkeypatch, types)
+    assert target.state.layers[0].k.dtype == (torch.bfloat16 if types[0] == "bf16" else torch.uint8)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("types", [("f16", "f16"), ("q8_0", "q8_0"), ("q5_0", "q4_1"), ("q4_1", "q4_1"),
                                    ("iq4_nl", "iq4_nl"), ("turbo4", "turbo4"), ("turbo3", "q8_0")])
 def test_greedy_speculative_equals_plain_on_gpu(monkeypatch, types):
-    greedy_speculative_against_plain(monkeypatch, types, "cuda")
+    greedy_speculative_against_plain(monkeypatch, types, "cuda", head_dim=128)
 
 
 def test_a_biased_models_quantized_keys_are_shifted_by_its_mean_key(monkeypatch):

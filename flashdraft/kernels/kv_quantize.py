@@ -284,11 +284,11 @@ def write_kv_rows(k_cache: Tensor, v_cache: Tensor, positions: Tensor, k: Tensor
     [heads, rows, row bytes] at positions [T], in one launch; the block types of KERNEL_QUANTIZED, as quantize_rows
     writes them (shift: subtracted from the keys first)."""
     t, heads, d = k.shape
+    if t == 0:
+        return
     k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
     rotated = k_rotated or v_rotated
     g = rotation_group(d) if rotated else 0
-    if t == 0:
-        return
     _write_kernel[(t * heads, 2)](k, v, positions, k_cache if shift is None else shift,
                                   rotation(g, k.device) if rotated else k_cache, k_cache, v_cache, k.stride(0),
                                   k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1),

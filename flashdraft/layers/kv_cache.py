@@ -14,13 +14,7 @@ the mean (Qwen2's key bias). Reads add the shift back; the split kernel reads th
 import torch
 from torch import Tensor
 
-from flashdraft.layers.kv_quant import KERNEL_QUANTIZED, KVCodec, kv_codecs
-
-def fused_write(codecs: tuple[KVCodec, KVCodec], head_dim: int) -> bool:
-    """Whether a CUDA write quantizes K and V straight into their rows in one kernel (kernels/kv_quantize.py's
-    write_kv_rows): both block types it writes, a power-of-two head size."""
-    return all(c.name in KERNEL_QUANTIZED for c in codecs) and head_dim & (head_dim - 1) == 0 and head_dim >= 32
-
+from flashdraft.layers.kv_quant import KVCodec, kv_codecs
 
 Slots = int | slice | Tensor  # one slot (a Python int: a fixed index for CUDA graphs), a range, or one per batch row
 
@@ -45,11 +39,12 @@ class KVSlots:
         if self.window:
             rows = self.k.shape[-2]
             positions, k, v = positions[:, -rows:] % rows, k[:, -rows:], v[:, -rows:]
-        if self.single and k.is_cuda and fused_write(self.codecs, k.shape[-1]):
-            from flashdraft.kernels import kv_quantize
-            kv_quantize.write_kv_rows(self.k, self.v, positions[0], k[0], v[0], self.codecs[0].name,
-                                      self.codecs[1].name, self.codecs[0].rotates(k.shape[-1]),
-                                      self.codecs[1].rotates(k.shape[-1]), self.key_shift)
+        head_dim = k.shape[-1]
+        if self.single and k.is_cuda and all(c.kernel_writes(head_dim) for c in self.codecs):
+            from flashdraft.kernels import kv_quantize  # K and V quantized into their rows in one launch
+            kc, vc = self.codecs
+            kv_quantize.write_kv_rows(self.k, self.v, positions[0], k[0], v[0], kc.name, vc.name, kc.rotates(head_dim),
+                                      vc.rotates(head_dim), self.key_shift)
             return
         k, v = self.codecs[0].encode(k, self.key_shift), self.codecs[1].encode(v)
         if self.single:  # along the row axis of the slot's own view

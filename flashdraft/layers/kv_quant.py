@@ -319,6 +319,10 @@ class KVCodec:
         if self.rotates(head_dim):
             rotation(rotation_group(head_dim), device)
 
+    def kernel_writes(self, head_dim: int) -> bool:
+        """Whether CUDA rows of this block type are quantized by kernels/kv_quantize.py's block kernels."""
+        return self.name in KERNEL_QUANTIZED and head_dim & (head_dim - 1) == 0
+
     def encode(self, x: Tensor, shift: Tensor | None = None) -> Tensor:
         """Rows [..., head_dim] -> stored [..., row_size] (planar rows: module docstring). shift [heads, head_dim]
         (a packed type's, float32): subtracted first from rows [..., heads, head_dim] (layers/kv_cache's key
@@ -330,7 +334,7 @@ class KVCodec:
             from flashdraft.kernels import kv_quantize
             if self.bits is not None:
                 return kv_quantize.quantize_rotated_rows(x, self.bits, shift)
-            if self.name in KERNEL_QUANTIZED and head_dim & (head_dim - 1) == 0:
+            if self.kernel_writes(head_dim):
                 return kv_quantize.quantize_rows(x, self.name, self.rotates(head_dim), shift)
         x = x.float() if shift is None else x.float() - shift
         if self.bits is not None:
