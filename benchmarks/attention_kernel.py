@@ -33,6 +33,7 @@ def main() -> int:
         k = codec.encode(torch.randn(KV, L, D, device="cuda", dtype=torch.bfloat16))
         v = codec.encode(torch.randn(KV, L, D, device="cuda", dtype=torch.bfloat16))
         row_type = S.ROW_TYPES.get(name, 0) if codec.packed else 0
+        rotated = codec.rotates(D)  # as the engine calls it: q rotated in the kernel, the output back in the merge
         for T in map(int, args.queries.split(",")):
             q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
             mask = torch.ones(T, L, device="cuda", dtype=torch.bool).tril(L - T)
@@ -40,7 +41,8 @@ def main() -> int:
                 S.ROW_TILE, S.BLOCK_N, S.TARGET_PROGRAMS, S.NUM_WARPS, S.NUM_STAGES = (int(c) for c in cfg.split(","))
                 S.STORED_BLOCK_N, S.STORED_STAGES = S.BLOCK_N, S.NUM_STAGES
                 try:
-                    ms = timed(graphed(lambda: S.split_attention(q, k, v, mask, D ** -0.5, 0.0, row_type, row_type),
+                    ms = timed(graphed(lambda: S.split_attention(q, k, v, mask, D ** -0.5, 0.0, row_type, row_type,
+                                                                      rotated, rotated),
                                       "cuda"), 50, "cuda")
                 except Exception as e:  # a tile that does not fit
                     print(f"{name} L={L} T={T} {cfg}: {type(e).__name__} {str(e)[:80]}", flush=True)

@@ -11,7 +11,9 @@ so torch.compile and CUDA graphs treat it as one opaque call.
 K and V may be read as the cache stores them (layers/kv_quant.py): float rows of any float dtype, llama.cpp's
 32-value blocks (q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl) or the rotated turbo types' codebook indices (their
 rotated-domain values: the caller rotates q and un-rotates the output). Each tile of keys is expanded in
-registers, so the cache is read at its stored size.
+registers, so the cache is read at its stored size. Rotated keys (a rotated type, or a block type stored rotated)
+meet q rotated inside the kernel (q times the rotation's +-1 matrix on the tensor cores), and a rotated V's output
+is rotated back in the merge kernel.
 """
 import functools
 
@@ -25,7 +27,7 @@ from flashdraft.kernels import pdl
 from flashdraft.kernels.iq4 import iq4_value
 from flashdraft.kernels.pdl import start_dependents, wait_for_inputs
 from flashdraft.kernels.rotation import rotated_group, rotation_warps
-from flashdraft.layers.kv_quant import lloyd_max_codebook, rotation, rotation_group
+from flashdraft.layers.kv_quant import lloyd_max_codebook, rotation, rotation_group, table
 
 # benchmarks/attention_kernel.py on an H200 (8B shape, 1280 / 16640 keys, docs/PERF.md run 7): 128 keys per tile
 # and two pipeline stages took decode 24.9 -> 14.4 us and 112.7 -> 56.9 us; three stages of 64-key tiles had left
@@ -39,7 +41,7 @@ BLOCK_N = 128
 STORED_BLOCK_N, STORED_STAGES = 64, 3
 ROW_TILE = 16
 TARGET_PROGRAMS = 264  # about two programs per SM of an H100/H200
-MERGE_ROTATION_MAX = 128  # heads up to this size have a rotated V's output rotated back in the merge kernel
+ROTATION_MAX = 128  # heads up to this size: the kernel rotates q for rotated keys, and the merge a rotated V's output back
 NUM_WARPS, NUM_STAGES = 4, 2
 # stored row types: 0 float; GGML ids of the block types; 100 + bits for the rotated types
 ROW_TYPES = {"q8_0": 8, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "iq4_nl": 20, "turbo3": 103, "turbo4": 104}
@@ -158,21 +160,32 @@ def _query_plane(q_ptr, t, head, row_ok, stride_qt, stride_qh, p: tl.constexpr, 
                    other=0.0)
 
 
+@triton.jit
+def _rotated_query_plane(q, signs_ptr, rot_scale, p: tl.constexpr, TYPE: tl.constexpr, D: tl.constexpr,
+                         PLANES: tl.constexpr):
+    """q [BLOCK_M, D] -> plane p's columns of q in a rotated type's domain (layers/kv_quant.rotate): q times the
+    rotation's +-1 matrix (kv_quant.table("query_signs")) on the tensor cores, exact products summed in float32,
+    then times 1/sqrt(group), rounded to q's dtype as the rotating kernel rounds a query."""
+    cols = _plane_cols(tl.arange(0, D // PLANES), p, TYPE, D)
+    signs = tl.load(signs_ptr + tl.arange(0, D)[:, None] * D + cols[None, :]).to(q.dtype)
+    return (tl.dot(q, signs, input_precision="ieee") * rot_scale).to(q.dtype)
+
+
 # Query count, group size, key count and the mask's row stride are runtime values, never specialised on: a plain
 # step (T=1) and a verify step (T=16) run the same machine code, so a row's arithmetic cannot differ between them.
 @triton.jit(do_not_specialize=["stride_mt", "L", "blocks_per_split", "T", "G", "n_rows"])
-def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr,
+def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, signs_ptr,
                     stride_qt, stride_qh, stride_kh, stride_vh, stride_mt,
-                    L, blocks_per_split, n_kv, scale, softcap, T, G, n_rows,
+                    L, blocks_per_split, n_kv, scale, softcap, rot_scale, T, G, n_rows,
                     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
                     K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, K_ROW: tl.constexpr, V_ROW: tl.constexpr,
-                    K_PLANES: tl.constexpr, V_PLANES: tl.constexpr, PDL: tl.constexpr):
+                    K_PLANES: tl.constexpr, V_PLANES: tl.constexpr, K_ROTATED: tl.constexpr, PDL: tl.constexpr):
     """Keys and values are read in planes (one for float rows and q8_0; low and high nibbles; turbo3's four 2-bit
-    fields): q is loaded once per plane in that plane's column order, the scores are the sum of the planes'
-    products, and each plane of V has its own accumulator, stored to its columns at the end."""
+    fields): q is loaded once per plane in that plane's column order (K_ROTATED: rotated here first), the scores
+    are the sum of the planes' products, and each plane of V has its own accumulator, stored to its columns at the
+    end."""
     # the row tiles of one (KV head, split) are neighbours in the launch order: they read the same keys together,
     # so a verify step's extra tiles find them in L2
-    start_dependents(PDL)
     wait_for_inputs(PDL)
     kv = tl.program_id(1)
     split = tl.program_id(2)
@@ -180,10 +193,18 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr,
     t = rows % T
     head = kv * G + rows // T
     row_ok = rows < G * T
-    q0 = _query_plane(q_ptr, t, head, row_ok, stride_qt, stride_qh, 0, K_TYPE, D, K_PLANES)
-    q1 = _query_plane(q_ptr, t, head, row_ok, stride_qt, stride_qh, 1 % K_PLANES, K_TYPE, D, K_PLANES)
-    q2 = _query_plane(q_ptr, t, head, row_ok, stride_qt, stride_qh, 2 % K_PLANES, K_TYPE, D, K_PLANES)
-    q3 = _query_plane(q_ptr, t, head, row_ok, stride_qt, stride_qh, 3 % K_PLANES, K_TYPE, D, K_PLANES)
+    if K_ROTATED:
+        q = tl.load(q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + tl.arange(0, D)[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        q0 = _rotated_query_plane(q, signs_ptr, rot_scale, 0, K_TYPE, D, K_PLANES)
+        q1 = _rotated_query_plane(q, signs_ptr, rot_scale, 1 % K_PLANES, K_TYPE, D, K_PLANES)
+        q2 = _rotated_query_plane(q, signs_ptr, rot_scale, 2 % K_PLANES, K_TYPE, D, K_PLANES)
+        q3 = _rotated_query_plane(q, signs_ptr, rot_scale, 3 % K_PLANES, K_TYPE, D, K_PLANES)
+    else:
+        q0 = _query_plane(q_ptr, t, head, row_ok, stride_qt, stride_qh, 0, K_TYPE, D, K_PLANES)
+        q1 = _query_plane(q_ptr, t, head, row_ok, stride_qt, stride_qh, 1 % K_PLANES, K_TYPE, D, K_PLANES)
+        q2 = _query_plane(q_ptr, t, head, row_ok, stride_qt, stride_qh, 2 % K_PLANES, K_TYPE, D, K_PLANES)
+        q3 = _query_plane(q_ptr, t, head, row_ok, stride_qt, stride_qh, 3 % K_PLANES, K_TYPE, D, K_PLANES)
     m_i = tl.full([BLOCK_M], -1e30, tl.float32)  # finite: a split with every key masked stays NaN-free
     l_i = tl.zeros([BLOCK_M], tl.float32)
     WV: tl.constexpr = D // V_PLANES
@@ -227,6 +248,9 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr,
             acc3 = acc3 * alpha[:, None] + tl.dot(p, _plane(v_base, cols, col_ok, 3, V_TYPE, D, V_ROW,
                                                             V_PLANES).to(q0.dtype))
         m_i = m_new
+    # the merge kernel is placed once every program got here, not at the start: a merge program placed early waits
+    # on its SM through the whole loop, holding registers (8 warps when it rotates V back) a program here could use
+    start_dependents(PDL)
     base = split * n_kv + kv
     out = acc_ptr + (base * n_rows + rows[:, None]) * D
     jv = tl.arange(0, WV)
@@ -273,10 +297,11 @@ def triton_matmul_ready(device_index: int) -> bool:
 
 @torch.library.custom_op("flashdraft::split_attention", mutates_args=())
 def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float, softcap: float,
-                    k_type: int = 0, v_type: int = 0, v_rotated: bool = False) -> Tensor:
+                    k_type: int = 0, v_type: int = 0, v_rotated: bool = False, k_rotated: bool = False) -> Tensor:
     """q [T, H, D]; keys/values [KV, L, D] floats (any strides but the last), or [KV, L, row bytes] stored as
-    ROW_TYPES k_type / v_type say; mask [T, L] bool; softcap 0: none; v_rotated: V stored rotated
-    (layers/kv_quant.rotate; D <= MERGE_ROTATION_MAX): the output is rotated back. Returns [T, H*D] in q's dtype."""
+    ROW_TYPES k_type / v_type say; mask [T, L] bool; softcap 0: none. Rotated rows (layers/kv_quant.rotate; D <=
+    ROTATION_MAX): k_rotated, q is taken into the keys' domain; v_rotated, the output is rotated back. Returns
+    [T, H*D] in q's dtype."""
     if q.is_cuda and not triton_matmul_ready(torch.cuda.current_device() if q.device.index is None else q.device.index):
         if k_type or v_type:
             raise ValueError("quantized KV rows need the Triton kernel (an Ampere or newer GPU)")
@@ -308,17 +333,19 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale
         keys = keys.contiguous()
     if values.stride(1) != values.shape[2]:
         values = values.contiguous()
-    _partial_kernel[(row_tiles, KV, splits)](q, keys, values, mask, acc, m, lse, q.stride(0), q.stride(1),
-                                             keys.stride(0), values.stride(0), mask.stride(0), L, blocks_per_split, KV,
-                                             scale, softcap or 1.0, T, G, n_rows, D=D, BLOCK_M=ROW_TILE, BLOCK_N=block_n,
-                                             SOFTCAP=softcap > 0, K_TYPE=k_type, V_TYPE=v_type, K_ROW=keys.shape[2],
-                                             V_ROW=values.shape[2], K_PLANES=planes(k_type),
-                                             V_PLANES=planes(v_type), num_warps=NUM_WARPS, num_stages=stages,
-                                             **pdl.launch(q))
+    if D > ROTATION_MAX and (k_rotated or v_rotated):
+        raise ValueError(f"split_attention rotates queries and outputs for heads up to {ROTATION_MAX}, got {D}")
+    _partial_kernel[(row_tiles, KV, splits)](q, keys, values, mask, acc, m, lse,
+                                             table("query_signs", D, q.device) if k_rotated else acc,
+                                             q.stride(0), q.stride(1), keys.stride(0), values.stride(0),
+                                             mask.stride(0), L, blocks_per_split, KV, scale, softcap or 1.0,
+                                             rotation_group(D) ** -0.5 if k_rotated else 1.0, T, G, n_rows, D=D,
+                                             BLOCK_M=ROW_TILE, BLOCK_N=block_n, SOFTCAP=softcap > 0, K_TYPE=k_type,
+                                             V_TYPE=v_type, K_ROW=keys.shape[2], V_ROW=values.shape[2],
+                                             K_PLANES=planes(k_type), V_PLANES=planes(v_type), K_ROTATED=k_rotated,
+                                             num_warps=NUM_WARPS, num_stages=stages, **pdl.launch(q))
     out = torch.empty(T, H, D, device=q.device, dtype=q.dtype)
     group = rotation_group(D) if v_rotated else 0
-    if D > MERGE_ROTATION_MAX and group:
-        raise ValueError(f"split_attention rotates outputs back for heads up to {MERGE_ROTATION_MAX}, got {D}")
     _merge_kernel[(KV, G * T)](acc, m, lse, rotation(group, q.device) if group else acc, out, out.stride(0),
                                out.stride(1), splits, KV, T, G, n_rows, D=D,
                                SPLITS=max(2, triton.next_power_of_2(max_splits)), ROTATION=group,
@@ -328,5 +355,5 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale
 
 @split_attention.register_fake
 def _(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float, softcap: float, k_type: int = 0,
-      v_type: int = 0, v_rotated: bool = False) -> Tensor:
+      v_type: int = 0, v_rotated: bool = False, k_rotated: bool = False) -> Tensor:
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])

@@ -67,6 +67,9 @@ def table(kind: str, arg: int, device: torch.device | str) -> Tensor:
         elif kind == "midpoints":  # between adjacent levels: a coordinate's code is how many lie below it
             levels = torch.tensor(lloyd_max_codebook(arg), dtype=torch.float32)
             table = (levels[1:] + levels[:-1]) / 2
+        elif kind == "query_signs":  # [D, D]: q @ it / sqrt(group) == rotate(q) (its entries +-1 and 0, exact in bf16)
+            group = rotation_group(arg)
+            table = torch.block_diag(*[_rotation_cpu(group).T * math.sqrt(group)] * (arg // group)).round()
         elif kind == "search":  # the inverses of SCALE_SEARCH's scales, as the write kernel multiplies by them
             table = (1 / torch.tensor(SCALE_SEARCH, dtype=torch.float64)).float()
         else:
@@ -318,6 +321,7 @@ class KVCodec:
             table("search", 0, device)
         if self.rotates(head_dim):
             rotation(rotation_group(head_dim), device)
+            table("query_signs", head_dim, device)
 
     def kernel_writes(self, head_dim: int) -> bool:
         """Whether CUDA rows of this block type are quantized by kernels/kv_quantize.py's block kernels."""
