@@ -2,7 +2,8 @@
 by kernel, for the random-weight shapes of benchmarks/gpu.py. Prints one table per step and a summary of
 matrix-product time against everything else.
 
-Usage: python benchmarks/profile_steps.py [--model llama-3.1-8b] [--ctx 1024] [--compile] [--out FILE.json]
+Usage: python benchmarks/profile_steps.py [--model llama-3.1-8b] [--ctx 1024] [--compile] [--cache-types K/V]
+           [--out FILE.json]
 """
 import argparse
 import collections
@@ -41,6 +42,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--file", help="a GGUF file (matrices kept quantized) instead of a random --model")
+    ap.add_argument("--cache-types", default="auto/auto", help="the target's KV cache types, K/V")
     ap.add_argument("--out")
     args = ap.parse_args()
     dev, dtype = args.device, torch.bfloat16
@@ -58,7 +60,7 @@ def main() -> int:
             cfg = (TINY if args.tiny else SHAPES)[args.model]
             target, draft = random_target(cfg, dev, dtype), draft_for(cfg, dev, dtype, args.tiny)
         max_len = ctx + 256
-        state = target.new_state(1, max_len)
+        state = target.new_state(1, max_len, tuple(args.cache_types.split("/")))
         draft.setup_cache(min(ctx, 1024))
         if args.compile:
             target.compile_layers((1, 16))
@@ -90,7 +92,8 @@ def main() -> int:
             launches = sum(c for _, _, c in table)
             results[name] = dict(kernel_us=total, gemm_us=gemm, launches=launches,
                                  kernels=[dict(name=k[:160], us=us, launches=c) for k, us, c in table])
-            print(f"\n== {args.model} ctx {ctx} {'compiled' if args.compile else 'eager layers'}: {name} step: "
+            print(f"\n== {args.model} ctx {ctx} {'compiled' if args.compile else 'eager layers'}, KV {args.cache_types}: {name} "
+                  f"step: "
                   f"{total:.0f} us of kernels in {launches} launches; matrix products {gemm:.0f} us, "
                   f"other {total - gemm:.0f} us")
             print("| us/step | launches | kernel |\n|---|---|---|")
