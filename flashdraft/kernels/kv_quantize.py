@@ -14,8 +14,8 @@ from flashdraft.kernels import pdl
 from flashdraft.kernels.iq4 import iq4_value
 from flashdraft.kernels.pdl import start_dependents, wait_for_inputs
 from flashdraft.kernels.split_attention import ROW_TYPES
-from flashdraft.kernels.rotation import rotated_group, rotation_warps
-from flashdraft.layers.kv_quant import KERNEL_QUANTIZED, KVCodec, rotation, rotation_group, table
+from flashdraft.kernels.rotation import rotated_group
+from flashdraft.layers.kv_quant import KERNEL_QUANTIZED, KVCodec, rotation_group, rotation_signs, table
 
 TYPE_IDS = {name: ROW_TYPES[name] for name in KERNEL_QUANTIZED}
 
@@ -67,9 +67,9 @@ def _iq4_nl_blocks(x, i):
 
 
 @triton.jit
-def _load_blocks(x_row, s_row, r_ptr, D: tl.constexpr, G: tl.constexpr, SHIFT: tl.constexpr):
+def _load_blocks(x_row, s_row, signs_ptr, D: tl.constexpr, G: tl.constexpr, SHIFT: tl.constexpr):
     """One row's D values (float32 [D / 32, 32]), less its head's shift at s_row where SHIFT; G > 0: each group of G
-    values rotated (x R^T, R at r_ptr: layers/kv_quant.ROTATE_BLOCKS)."""
+    values rotated (x R^T, R's signs at signs_ptr: layers/kv_quant.ROTATE_BLOCKS)."""
     NB: tl.constexpr = D // 32
     if G > 0:
         j = tl.arange(0, G)
@@ -77,7 +77,7 @@ def _load_blocks(x_row, s_row, r_ptr, D: tl.constexpr, G: tl.constexpr, SHIFT: t
         groups = tl.load(x_row + at).to(tl.float32)
         if SHIFT:
             groups -= tl.load(s_row + at)
-        x = tl.reshape(rotated_group(groups, r_ptr, G, False), [NB, 32])
+        x = tl.reshape(rotated_group(groups, signs_ptr, G, False), [NB, 32])
     else:
         at = tl.arange(0, NB)[:, None] * 32 + tl.arange(0, 32)[None, :]
         x = tl.load(x_row + at).to(tl.float32)  # [NB, 32]
@@ -138,19 +138,19 @@ def _store_blocks(x, out, TYPE: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, s_ptr, r_ptr, out_ptr, stride_x, stride_o, heads, TYPE: tl.constexpr, D: tl.constexpr,
+def _quantize_kernel(x_ptr, s_ptr, signs_ptr, out_ptr, stride_x, stride_o, heads, TYPE: tl.constexpr, D: tl.constexpr,
                      G: tl.constexpr, SHIFT: tl.constexpr, PDL: tl.constexpr):
     """One row of D values -> its stored planar row; SHIFT: the row's head's shift (float32 [heads, D] at s_ptr)
     subtracted first; G > 0: each group of G values rotated."""
     start_dependents(PDL)
     wait_for_inputs(PDL)
     row = tl.program_id(0)
-    x = _load_blocks(x_ptr + row * stride_x, s_ptr + (row % heads) * D, r_ptr, D, G, SHIFT)
+    x = _load_blocks(x_ptr + row * stride_x, s_ptr + (row % heads) * D, signs_ptr, D, G, SHIFT)
     _store_blocks(x, out_ptr + row * stride_o, TYPE, D)
 
 
 @triton.jit
-def _write_kernel(k_ptr, v_ptr, pos_ptr, s_ptr, r_ptr, kc_ptr, vc_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+def _write_kernel(k_ptr, v_ptr, pos_ptr, s_ptr, signs_ptr, kc_ptr, vc_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
                   stride_kch, stride_kcr, stride_vch, stride_vcr, heads, K_TYPE: tl.constexpr, V_TYPE: tl.constexpr,
                   D: tl.constexpr, K_G: tl.constexpr, V_G: tl.constexpr, SHIFT: tl.constexpr, PDL: tl.constexpr):
     """A step's new K and V rows [T, heads, D] quantized into the cache rows of their positions (program (t * heads
@@ -161,10 +161,10 @@ def _write_kernel(k_ptr, v_ptr, pos_ptr, s_ptr, r_ptr, kc_ptr, vc_ptr, stride_kt
     h = tl.program_id(0) % heads
     pos = tl.load(pos_ptr + t).to(tl.int64)
     if tl.program_id(1) == 0:
-        x = _load_blocks(k_ptr + t * stride_kt + h * stride_kh, s_ptr + h * D, r_ptr, D, K_G, SHIFT)
+        x = _load_blocks(k_ptr + t * stride_kt + h * stride_kh, s_ptr + h * D, signs_ptr, D, K_G, SHIFT)
         _store_blocks(x, kc_ptr + h * stride_kch + pos * stride_kcr, K_TYPE, D)
     else:
-        x = _load_blocks(v_ptr + t * stride_vt + h * stride_vh, s_ptr, r_ptr, D, V_G, False)
+        x = _load_blocks(v_ptr + t * stride_vt + h * stride_vh, s_ptr, signs_ptr, D, V_G, False)
         _store_blocks(x, vc_ptr + h * stride_vch + pos * stride_vcr, V_TYPE, D)
 
 
@@ -181,17 +181,17 @@ def quantize_rows(x: Tensor, name: str, rotated: bool = False, shift: Tensor | N
         flat = flat.contiguous()
     out = torch.empty(flat.shape[0], KVCodec(name, x.dtype).row_size(d), device=x.device, dtype=torch.uint8)
     g = rotation_group(d) if rotated else 0
-    r = rotation(g, x.device) if rotated else out  # (any pointer when not rotated)
+    r = rotation_signs(g, x.device) if rotated else out  # (any pointer when not rotated)
     if flat.shape[0]:
         _quantize_kernel[(flat.shape[0],)](flat, out if shift is None else shift, r, out, flat.stride(0), out.stride(0),
                                            x.shape[-2] if shift is not None else 1, TYPE=TYPE_IDS[name], D=d, G=g,
                                            SHIFT=shift is not None,
-                                           num_warps=rotation_warps(d, g) if rotated else 4, **pdl.launch(x))
+                                           **pdl.launch(x))
     return out.reshape(*x.shape[:-1], -1)
 
 
 @triton.jit
-def _rotated_kernel(x_ptr, s_ptr, r_ptr, mids_ptr, levels_ptr, search_ptr, out_ptr, stride_x, stride_o, heads,
+def _rotated_kernel(x_ptr, s_ptr, signs_ptr, mids_ptr, levels_ptr, search_ptr, out_ptr, stride_x, stride_o, heads,
                     N: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, SEARCH: tl.constexpr, SHIFT: tl.constexpr,
                     PDL: tl.constexpr):
     """One row's N groups x [N, G] (less its head's shift where SHIFT, as _quantize_kernel) -> rotated (x R^T),
@@ -209,7 +209,7 @@ def _rotated_kernel(x_ptr, s_ptr, r_ptr, mids_ptr, levels_ptr, search_ptr, out_p
         x -= tl.load(s_ptr + (row % heads) * (N * G) + gi[:, None] * G + j[None, :])
     norm = tl.sqrt(tl.sum(x * x, axis=1))
     to_unit = tl.where(norm != 0, tl.sqrt(G * 1.0) / tl.where(norm != 0, norm, 1.0), 0.0)
-    z = rotated_group(x, r_ptr, G, False) * to_unit[:, None]
+    z = rotated_group(x, signs_ptr, G, False) * to_unit[:, None]
     codes = tl.zeros([N, G], tl.int32)
     best = tl.full([N], float("-inf"), tl.float32)
     length2 = tl.zeros([N], tl.float32)  # |levels[codes]|^2 of the codes kept
@@ -247,7 +247,7 @@ def _rotated_kernel(x_ptr, s_ptr, r_ptr, mids_ptr, levels_ptr, search_ptr, out_p
 @torch.library.custom_op("flashdraft::quantize_rotated_rows", mutates_args=())
 def quantize_rotated_rows(x: Tensor, bits: int, shift: Tensor | None = None) -> Tensor:
     """Rows [..., D] -> stored turbo rows [..., row bytes] in one kernel (shift: as quantize_rows): the norms, the
-    rotation (float32 products summed in another order than torch's, so a coordinate on a level midpoint may take
+    rotation (float32 sums in another order than torch's, so a coordinate on a level midpoint may take
     the other code, and two scales that fit a group equally well the other one), the codes, the scales and the
     packing."""
     d = x.shape[-1]
@@ -259,11 +259,11 @@ def quantize_rotated_rows(x: Tensor, bits: int, shift: Tensor | None = None) -> 
     out = torch.empty(rows, KVCodec(f"turbo{bits}", x.dtype).row_size(d), device=x.device, dtype=torch.uint8)
     search = table("search", 0, x.device)
     if rows:
-        _rotated_kernel[(rows,)](flat, out if shift is None else shift, rotation(g, x.device),
+        _rotated_kernel[(rows,)](flat, out if shift is None else shift, rotation_signs(g, x.device),
                                  table("midpoints", bits, x.device), table("levels", bits, x.device), search, out,
                                  flat.stride(0), out.stride(0), x.shape[-2] if shift is not None else 1, N=d // g, G=g,
                                  BITS=bits, SEARCH=search.numel(), SHIFT=shift is not None,
-                                 num_warps=rotation_warps(d, g), **pdl.launch(x))
+                                 **pdl.launch(x))
     return out.reshape(*x.shape[:-1], -1)
 
 
@@ -290,11 +290,11 @@ def write_kv_rows(k_cache: Tensor, v_cache: Tensor, positions: Tensor, k: Tensor
     rotated = k_rotated or v_rotated
     g = rotation_group(d) if rotated else 0
     _write_kernel[(t * heads, 2)](k, v, positions, k_cache if shift is None else shift,
-                                  rotation(g, k.device) if rotated else k_cache, k_cache, v_cache, k.stride(0),
+                                  rotation_signs(g, k.device) if rotated else k_cache, k_cache, v_cache, k.stride(0),
                                   k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1),
                                   v_cache.stride(0), v_cache.stride(1), heads, K_TYPE=TYPE_IDS[k_type],
                                   V_TYPE=TYPE_IDS[v_type], D=d, K_G=g if k_rotated else 0, V_G=g if v_rotated else 0,
-                                  SHIFT=shift is not None, num_warps=rotation_warps(d, g) if rotated else 4,
+                                  SHIFT=shift is not None,
                                   **pdl.launch(k))
 
 

@@ -26,8 +26,8 @@ from torch import Tensor
 from flashdraft.kernels import pdl
 from flashdraft.kernels.iq4 import iq4_value
 from flashdraft.kernels.pdl import start_dependents, wait_for_inputs
-from flashdraft.kernels.rotation import rotated_group, rotation_warps
-from flashdraft.layers.kv_quant import lloyd_max_codebook, rotation, rotation_group, table
+from flashdraft.kernels.rotation import rotated_group
+from flashdraft.layers.kv_quant import lloyd_max_codebook, rotation_group, rotation_signs, table
 
 # benchmarks/attention_kernel.py on an H200 (8B shape, 1280 / 16640 keys, docs/PERF.md run 7): 128 keys per tile
 # and two pipeline stages took decode 24.9 -> 14.4 us and 112.7 -> 56.9 us; three stages of 64-key tiles had left
@@ -41,7 +41,7 @@ BLOCK_N = 128
 STORED_BLOCK_N, STORED_STAGES = 64, 3
 ROW_TILE = 16
 TARGET_PROGRAMS = 264  # about two programs per SM of an H100/H200
-ROTATION_MAX = 128  # heads up to this size: the kernel rotates q for rotated keys, and the merge a rotated V's output back
+ROTATION_MAX = 128  # heads up to this size: q rotated here for rotated keys, a rotated V's output back in the merge
 NUM_WARPS, NUM_STAGES = 4, 2
 # stored row types: 0 float; GGML ids of the block types; 100 + bits for the rotated types
 ROW_TYPES = {"q8_0": 8, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "iq4_nl": 20, "turbo3": 103, "turbo4": 104}
@@ -265,10 +265,10 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, signs_
 
 
 @triton.jit(do_not_specialize=["stride_ot", "n_splits", "T", "G", "n_rows"])
-def _merge_kernel(acc_ptr, m_ptr, l_ptr, r_ptr, out_ptr, stride_ot, stride_oh, n_splits, n_kv, T, G, n_rows,
+def _merge_kernel(acc_ptr, m_ptr, l_ptr, signs_ptr, out_ptr, stride_ot, stride_oh, n_splits, n_kv, T, G, n_rows,
                   D: tl.constexpr, SPLITS: tl.constexpr, ROTATION: tl.constexpr, PDL: tl.constexpr):
     """The splits' partial sums merged by their log-sum-exp; ROTATION > 0: V was stored rotated in groups of that
-    many values (layers/kv_quant.rotate), so each group of the output is rotated back (x R, R at r_ptr)."""
+    many values (layers/kv_quant.rotate), so each group of the output is rotated back (x R; R's signs at signs_ptr)."""
     start_dependents(PDL)
     wait_for_inputs(PDL)
     kv = tl.program_id(0)
@@ -284,7 +284,7 @@ def _merge_kernel(acc_ptr, m_ptr, l_ptr, r_ptr, out_ptr, stride_ot, stride_oh, n
     acc = tl.load(acc_ptr + at[:, None] * D + d[None, :], mask=s_ok[:, None], other=0.0)
     out = tl.sum(acc * weight[:, None], 0) / denom
     if ROTATION > 0:
-        out = tl.reshape(rotated_group(tl.reshape(out, [D // ROTATION, ROTATION]), r_ptr, ROTATION, True), [D])
+        out = tl.reshape(rotated_group(tl.reshape(out, [D // ROTATION, ROTATION]), signs_ptr, ROTATION, True), [D])
     head = kv * G + row // T
     tl.store(out_ptr + (row % T) * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
@@ -346,10 +346,10 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale
                                              num_warps=NUM_WARPS, num_stages=stages, **pdl.launch(q))
     out = torch.empty(T, H, D, device=q.device, dtype=q.dtype)
     group = rotation_group(D) if v_rotated else 0
-    _merge_kernel[(KV, G * T)](acc, m, lse, rotation(group, q.device) if group else acc, out, out.stride(0),
+    _merge_kernel[(KV, G * T)](acc, m, lse, rotation_signs(group, q.device) if group else acc, out, out.stride(0),
                                out.stride(1), splits, KV, T, G, n_rows, D=D,
                                SPLITS=max(2, triton.next_power_of_2(max_splits)), ROTATION=group,
-                               num_warps=rotation_warps(D, group) if group else 4, **pdl.launch(q))
+                               **pdl.launch(q))
     return out.view(T, H * D)
 
 

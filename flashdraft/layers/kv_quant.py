@@ -67,6 +67,8 @@ def table(kind: str, arg: int, device: torch.device | str) -> Tensor:
         elif kind == "midpoints":  # between adjacent levels: a coordinate's code is how many lie below it
             levels = torch.tensor(lloyd_max_codebook(arg), dtype=torch.float32)
             table = (levels[1:] + levels[:-1]) / 2
+        elif kind == "rotation_signs":
+            table = (_input_signs(arg) / math.sqrt(arg)).float()
         elif kind == "query_signs":  # [D, D]: q @ it / sqrt(group) == rotate(q) (its entries +-1 and 0, exact in bf16)
             group = rotation_group(arg)
             table = torch.block_diag(*[_rotation_cpu(group).T * math.sqrt(group)] * (arg // group)).round()
@@ -157,18 +159,26 @@ def lloyd_max_codebook(bits: int) -> tuple[float, ...]:
     return tuple(levels.tolist())
 
 
+def _input_signs(group: int) -> Tensor:
+    return torch.randint(0, 2, (group,), generator=torch.Generator().manual_seed(ROTATION_SEED)) * 2 - 1
+
+
 @functools.cache
 def _rotation_cpu(group: int) -> Tensor:
-    """R [group, group], orthogonal: the normalised Hadamard matrix times a fixed random sign per input."""
+    """R [group, group], orthogonal: the normalised (Sylvester) Hadamard matrix times a fixed random sign per input."""
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < group:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    signs = torch.randint(0, 2, (group,), generator=torch.Generator().manual_seed(ROTATION_SEED)) * 2 - 1
-    return (h * signs[None, :] / math.sqrt(group)).float()
+    return (h * _input_signs(group)[None, :] / math.sqrt(group)).float()
 
 
 def rotation(group: int, device: torch.device | str = "cpu") -> Tensor:
     return table("rotation", group, device)
+
+
+def rotation_signs(group: int, device: torch.device | str = "cpu") -> Tensor:
+    """R's input signs over sqrt(group), float32 [group]: what the kernels' fast transform needs (kernels/rotation)."""
+    return table("rotation_signs", group, device)
 
 
 def rotate(x: Tensor, inverse: bool = False) -> Tensor:
@@ -321,6 +331,7 @@ class KVCodec:
             table("search", 0, device)
         if self.rotates(head_dim):
             rotation(rotation_group(head_dim), device)
+            rotation_signs(rotation_group(head_dim), device)
             table("query_signs", head_dim, device)
 
     def kernel_writes(self, head_dim: int) -> bool:
