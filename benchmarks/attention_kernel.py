@@ -14,14 +14,16 @@ from gpu import graphed, timed  # noqa: E402
 from flashdraft.kernels import split_attention as S  # noqa: E402
 from flashdraft.layers.kv_quant import kv_codecs  # noqa: E402
 
-DEFAULT = f"{S.ROW_TILE},{S.BLOCK_N},{S.TARGET_PROGRAMS},{S.NUM_WARPS},{S.NUM_STAGES}"
+FLOAT_DEFAULT = f"{S.ROW_TILE},{S.BLOCK_N},{S.TARGET_PROGRAMS},{S.NUM_WARPS},{S.NUM_STAGES}"
+STORED_DEFAULT = f"{S.ROW_TILE},{S.STORED_BLOCK_N},{S.TARGET_PROGRAMS},{S.NUM_WARPS},{S.STORED_STAGES}"
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="1280,16640")
     ap.add_argument("--queries", default="1,16")
-    ap.add_argument("--configs", default=DEFAULT)
+    ap.add_argument("--configs", help=f"default: the kernel's own, {FLOAT_DEFAULT} over float rows and "
+                                      f"{STORED_DEFAULT} over stored types")
     ap.add_argument("--heads", default="32,8,128")
     ap.add_argument("--types", default="f16", help="KV cache types (K = V), as --cache-type-k takes them")
     args = ap.parse_args()
@@ -37,7 +39,7 @@ def main() -> int:
         for T in map(int, args.queries.split(",")):
             q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
             mask = torch.ones(T, L, device="cuda", dtype=torch.bool).tril(L - T)
-            for cfg in args.configs.split(";"):
+            for cfg in (args.configs or (STORED_DEFAULT if row_type else FLOAT_DEFAULT)).split(";"):
                 S.ROW_TILE, S.BLOCK_N, S.TARGET_PROGRAMS, S.NUM_WARPS, S.NUM_STAGES = (int(c) for c in cfg.split(","))
                 S.STORED_BLOCK_N, S.STORED_STAGES = S.BLOCK_N, S.NUM_STAGES
                 try:
