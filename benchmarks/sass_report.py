@@ -80,7 +80,7 @@ def attention_cases(kv_types: list[str]):
                "m_ptr": "*fp32", "l_ptr": "*fp32", "signs_ptr": "*fp32"}
         sig |= {a: "i32" for a in ("stride_qt", "stride_qh", "stride_kh", "stride_vh", "stride_mt", "L",
                                    "blocks_per_split", "n_kv")}
-        sig |= {"scale": "fp32", "softcap": "fp32", "rot_scale": "fp32", "T": "i32", "G": "i32", "n_rows": "i32"}
+        sig |= {"scale": "fp32", "softcap": "fp32", "T": "i32", "G": "i32", "n_rows": "i32"}
         block_n, stages = (S.STORED_BLOCK_N, S.STORED_STAGES) if row_type else (S.BLOCK_N, S.NUM_STAGES)
         const = dict(D=128, BLOCK_M=S.ROW_TILE, BLOCK_N=block_n, SOFTCAP=False, K_TYPE=row_type, V_TYPE=row_type,
                      K_ROW=row, V_ROW=row, K_PLANES=S.planes(row_type), V_PLANES=S.planes(row_type),

@@ -12,8 +12,8 @@ K and V may be read as the cache stores them (layers/kv_quant.py): float rows of
 32-value blocks (q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl) or the rotated turbo types' codebook indices (their
 rotated-domain values: the caller rotates q and un-rotates the output). Each tile of keys is expanded in
 registers, so the cache is read at its stored size. Rotated keys (a rotated type, or a block type stored rotated)
-meet q rotated inside the kernel (q times the rotation's +-1 matrix on the tensor cores), and a rotated V's output
-is rotated back in the merge kernel.
+meet q rotated inside the kernel (the fast Hadamard transform in registers), and a rotated V's output is rotated
+back in the merge kernel.
 """
 import functools
 
@@ -27,7 +27,7 @@ from flashdraft.kernels import pdl
 from flashdraft.kernels.iq4 import iq4_value
 from flashdraft.kernels.pdl import start_dependents, wait_for_inputs
 from flashdraft.kernels.rotation import rotated_group
-from flashdraft.layers.kv_quant import lloyd_max_codebook, rotation_group, rotation_signs, table
+from flashdraft.layers.kv_quant import lloyd_max_codebook, rotation_group, rotation_signs
 
 # benchmarks/attention_kernel.py on an H200 (8B shape, 1280 / 16640 keys, docs/PERF.md run 7): 128 keys per tile
 # and two pipeline stages took decode 24.9 -> 14.4 us and 112.7 -> 56.9 us; three stages of 64-key tiles had left
@@ -171,14 +171,29 @@ def _query_plane(q_ptr, t, head, row_ok, stride_qt, stride_qh, p: tl.constexpr, 
 
 
 @triton.jit
-def _rotated_query_plane(q, signs_ptr, rot_scale, p: tl.constexpr, TYPE: tl.constexpr, D: tl.constexpr,
-                         PLANES: tl.constexpr):
-    """q [BLOCK_M, D] -> plane p's columns of q in a rotated type's domain (layers/kv_quant.rotate): q times the
-    rotation's +-1 matrix (kv_quant.table("query_signs")) on the tensor cores, exact products summed in float32,
-    then times 1/sqrt(group), rounded to q's dtype as the rotating kernel rounds a query."""
-    cols = _plane_cols(tl.arange(0, D // PLANES), p, TYPE, D)
-    signs = tl.load(signs_ptr + tl.arange(0, D)[:, None] * D + cols[None, :]).to(q.dtype)
-    return (tl.dot(q, signs, input_precision="ieee") * rot_scale).to(q.dtype)
+def _plane_of(x, p: tl.constexpr, TYPE: tl.constexpr, D: tl.constexpr, PLANES: tl.constexpr):
+    """Rows x [M, D] in registers -> their plane p's columns [M, D / PLANES], in _plane_cols' order."""
+    M: tl.constexpr = x.shape[0]
+    if PLANES == 1:
+        plane = x
+    else:
+        G: tl.constexpr = (128 if D > 128 else D) if TYPE > 100 else 32  # columns per group of planes
+        W: tl.constexpr = G // PLANES
+        y = tl.permute(tl.reshape(x, [M, D // G, PLANES, W]), [0, 1, 3, 2])  # [M, groups, W, plane]
+        if PLANES == 4:  # plane 2a + b: split off b, then a
+            y0, y1 = tl.split(tl.reshape(y, [M, D // G, W, 2, 2]))
+            if p % 2 == 0:
+                a0, a1 = tl.split(y0)
+            else:
+                a0, a1 = tl.split(y1)
+        else:
+            a0, a1 = tl.split(y)
+        FIRST: tl.constexpr = p < 2 if PLANES == 4 else p == 0
+        if FIRST:
+            plane = tl.reshape(a0, [M, D // PLANES])
+        else:
+            plane = tl.reshape(a1, [M, D // PLANES])
+    return plane
 
 
 # Query count, group size, key count and the mask's row stride are runtime values, never specialised on: a plain
@@ -186,7 +201,7 @@ def _rotated_query_plane(q, signs_ptr, rot_scale, p: tl.constexpr, TYPE: tl.cons
 @triton.jit(do_not_specialize=["stride_mt", "L", "blocks_per_split", "T", "G", "n_rows"])
 def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, signs_ptr,
                     stride_qt, stride_qh, stride_kh, stride_vh, stride_mt,
-                    L, blocks_per_split, n_kv, scale, softcap, rot_scale, T, G, n_rows,
+                    L, blocks_per_split, n_kv, scale, softcap, T, G, n_rows,
                     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
                     K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, K_ROW: tl.constexpr, V_ROW: tl.constexpr,
                     K_PLANES: tl.constexpr, V_PLANES: tl.constexpr, K_ROTATED: tl.constexpr, PDL: tl.constexpr):
@@ -203,13 +218,14 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, signs_
     t = rows % T
     head = kv * G + rows // T
     row_ok = rows < G * T
-    if K_ROTATED:
+    if K_ROTATED:  # q into the keys' rotated domain (kernels/rotation.py; D <= ROTATION_MAX: one group), then planes
         q = tl.load(q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + tl.arange(0, D)[None, :],
                     mask=row_ok[:, None], other=0.0)
-        q0 = _rotated_query_plane(q, signs_ptr, rot_scale, 0, K_TYPE, D, K_PLANES)
-        q1 = _rotated_query_plane(q, signs_ptr, rot_scale, 1 % K_PLANES, K_TYPE, D, K_PLANES)
-        q2 = _rotated_query_plane(q, signs_ptr, rot_scale, 2 % K_PLANES, K_TYPE, D, K_PLANES)
-        q3 = _rotated_query_plane(q, signs_ptr, rot_scale, 3 % K_PLANES, K_TYPE, D, K_PLANES)
+        q = rotated_group(q.to(tl.float32), signs_ptr, D, False).to(q.dtype)
+        q0 = _plane_of(q, 0, K_TYPE, D, K_PLANES)
+        q1 = _plane_of(q, 1 % K_PLANES, K_TYPE, D, K_PLANES)
+        q2 = _plane_of(q, 2 % K_PLANES, K_TYPE, D, K_PLANES)
+        q3 = _plane_of(q, 3 % K_PLANES, K_TYPE, D, K_PLANES)
     else:
         q0 = _query_plane(q_ptr, t, head, row_ok, stride_qt, stride_qh, 0, K_TYPE, D, K_PLANES)
         q1 = _query_plane(q_ptr, t, head, row_ok, stride_qt, stride_qh, 1 % K_PLANES, K_TYPE, D, K_PLANES)
@@ -346,10 +362,10 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale
     if D > ROTATION_MAX and (k_rotated or v_rotated):
         raise ValueError(f"split_attention rotates queries and outputs for heads up to {ROTATION_MAX}, got {D}")
     _partial_kernel[(row_tiles, KV, splits)](q, keys, values, mask, acc, m, lse,
-                                             table("query_signs", D, q.device) if k_rotated else acc,
+                                             rotation_signs(D, q.device) if k_rotated else acc,
                                              q.stride(0), q.stride(1), keys.stride(0), values.stride(0),
-                                             mask.stride(0), L, blocks_per_split, KV, scale, softcap or 1.0,
-                                             rotation_group(D) ** -0.5 if k_rotated else 1.0, T, G, n_rows, D=D,
+                                             mask.stride(0), L, blocks_per_split, KV, scale, softcap or 1.0, T, G,
+                                             n_rows, D=D,
                                              BLOCK_M=ROW_TILE, BLOCK_N=block_n, SOFTCAP=softcap > 0, K_TYPE=k_type,
                                              V_TYPE=v_type, K_ROW=keys.shape[2], V_ROW=values.shape[2],
                                              K_PLANES=planes(k_type), V_PLANES=planes(v_type), K_ROTATED=k_rotated,

@@ -69,9 +69,6 @@ def table(kind: str, arg: int, device: torch.device | str) -> Tensor:
             table = (levels[1:] + levels[:-1]) / 2
         elif kind == "rotation_signs":
             table = (_input_signs(arg) / math.sqrt(arg)).float()
-        elif kind == "query_signs":  # [D, D]: q @ it / sqrt(group) == rotate(q) (its entries +-1 and 0, exact in bf16)
-            group = rotation_group(arg)
-            table = torch.block_diag(*[_rotation_cpu(group).T * math.sqrt(group)] * (arg // group)).round()
         elif kind == "search":  # the inverses of SCALE_SEARCH's scales, as the write kernel multiplies by them
             table = (1 / torch.tensor(SCALE_SEARCH, dtype=torch.float64)).float()
         else:
@@ -332,7 +329,6 @@ class KVCodec:
         if self.rotates(head_dim):
             rotation(rotation_group(head_dim), device)
             rotation_signs(rotation_group(head_dim), device)
-            table("query_signs", head_dim, device)
 
     def kernel_writes(self, head_dim: int) -> bool:
         """Whether CUDA rows of this block type are quantized by kernels/kv_quantize.py's block kernels."""
