@@ -25,7 +25,9 @@ from triton.backends.compiler import GPUTarget
 from flashdraft.kernels import gguf_gemv as G
 from flashdraft.kernels import gguf_matmul as K
 
-# issued at 16 results per clock per SM on sm_90 (a quarter of the FMA pipe's rate): conversions and special functions
+# conversions and special functions: 16 results per clock per SM on sm_90 (a quarter of the FMA pipe's rate) for
+# I2F (8- and 16-bit sources), F2F and MUFU; I2FP (32-bit sources, sm_86 and newer) is counted with them, though
+# it may issue faster
 QUARTER_RATE = ("I2F", "I2FP", "F2I", "F2F", "MUFU")
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
