@@ -145,9 +145,9 @@ def _plane(base, n, n_ok, p: tl.constexpr, TYPE: tl.constexpr, D: tl.constexpr, 
         else:
             # d * code + o (o: the min, or -8 d / -16 d) as one FMA f * (2^bits d) + (o - 2^bits d), rounded once as
             # d * code + o (2^bits d and o - 2^bits d are exact in float32), where f = 1 + code / 2^bits is the code
-            # put at the top of 1.0's mantissa: integer operations where a conversion would take an instruction
-            # issued at a quarter of the float rate (sm_90 SASS, benchmarks/sass_report.py --kernels attention:
-            # q4_1's loop 1290 -> 1413 instructions, 148 -> 20 of them quarter-rate; q5_0 2032 -> 1712, 148 -> 20)
+            # put at the top of 1.0's mantissa: integer operations where a conversion (I2F.U16) would issue at a
+            # quarter of the float rate (benchmarks/sass_report.py --kernels attention: 148 -> 20 such instructions
+            # a tile for q4_1 and q5_0, the loop 1290 -> 1356 and 2032 -> 1638 instructions; docs/PERF.md)
             BITS: tl.constexpr = 5 if FIVE else 4
             f = ((byte << (19 - BITS + 4 - 4 * p)) & (15 << (23 - BITS))) | 0x3F800000  # the nibble, placed
             if FIVE:  # block b's 32 fifth bits as one word; bit i for the block's value i = 16 p + r
@@ -163,14 +163,6 @@ def _plane(base, n, n_ok, p: tl.constexpr, TYPE: tl.constexpr, D: tl.constexpr, 
                 o = d * (-16.0 if FIVE else -8.0)
             x = f.to(tl.float32, bitcast=True) * _spread((1 << BITS) * d, 16) + _spread(o - (1 << BITS) * d, 16)
     return x
-
-
-@triton.jit
-def _query_plane(q_ptr, t, head, row_ok, stride_qt, stride_qh, p: tl.constexpr, TYPE: tl.constexpr, D: tl.constexpr,
-                 PLANES: tl.constexpr):
-    cols = _plane_cols(tl.arange(0, D // PLANES), p, TYPE, D)
-    return tl.load(q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + cols[None, :], mask=row_ok[:, None],
-                   other=0.0)
 
 
 @triton.jit
@@ -209,7 +201,7 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, signs_
                     K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, K_ROW: tl.constexpr, V_ROW: tl.constexpr,
                     K_PLANES: tl.constexpr, V_PLANES: tl.constexpr, K_ROTATED: tl.constexpr, PDL: tl.constexpr):
     """Keys and values are read in planes (one for float rows and q8_0; low and high nibbles; turbo3's four 2-bit
-    fields): q is loaded once per plane in that plane's column order (K_ROTATED: rotated here first), the scores
+    fields): q is loaded once (K_ROTATED: rotated here) and cut into the planes' column orders, the scores
     are the sum of the planes' products, and each plane of V has its own accumulator, stored to its columns at the
     end."""
     # the row tiles of one (KV head, split) are neighbours in the launch order: they read the same keys together,
@@ -221,19 +213,14 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, signs_
     t = rows % T
     head = kv * G + rows // T
     row_ok = rows < G * T
-    if K_ROTATED:  # q into the keys' rotated domain (kernels/rotation.py; D <= ROTATION_MAX: one group), then planes
-        q = tl.load(q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + tl.arange(0, D)[None, :],
-                    mask=row_ok[:, None], other=0.0)
+    q = tl.load(q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + tl.arange(0, D)[None, :],
+                mask=row_ok[:, None], other=0.0)
+    if K_ROTATED:  # into the keys' rotated domain (kernels/rotation.py; D <= ROTATION_MAX: one group)
         q = rotated_group(q.to(tl.float32), signs_ptr, D, False).to(q.dtype)
-        q0 = _plane_of(q, 0, K_TYPE, D, K_PLANES)
-        q1 = _plane_of(q, 1 % K_PLANES, K_TYPE, D, K_PLANES)
-        q2 = _plane_of(q, 2 % K_PLANES, K_TYPE, D, K_PLANES)
-        q3 = _plane_of(q, 3 % K_PLANES, K_TYPE, D, K_PLANES)
-    else:
-        q0 = _query_plane(q_ptr, t, head, row_ok, stride_qt, stride_qh, 0, K_TYPE, D, K_PLANES)
-        q1 = _query_plane(q_ptr, t, head, row_ok, stride_qt, stride_qh, 1 % K_PLANES, K_TYPE, D, K_PLANES)
-        q2 = _query_plane(q_ptr, t, head, row_ok, stride_qt, stride_qh, 2 % K_PLANES, K_TYPE, D, K_PLANES)
-        q3 = _query_plane(q_ptr, t, head, row_ok, stride_qt, stride_qh, 3 % K_PLANES, K_TYPE, D, K_PLANES)
+    q0 = _plane_of(q, 0, K_TYPE, D, K_PLANES)
+    q1 = _plane_of(q, 1 % K_PLANES, K_TYPE, D, K_PLANES)
+    q2 = _plane_of(q, 2 % K_PLANES, K_TYPE, D, K_PLANES)
+    q3 = _plane_of(q, 3 % K_PLANES, K_TYPE, D, K_PLANES)
     m_i = tl.full([BLOCK_M], -1e30, tl.float32)  # finite: a split with every key masked stays NaN-free
     l_i = tl.zeros([BLOCK_M], tl.float32)
     WV: tl.constexpr = D // V_PLANES

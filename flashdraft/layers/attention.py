@@ -134,19 +134,13 @@ def attend_cache(q: Tensor, cache, length: int, mask: Tensor, spec: AttentionSpe
     the rotated domain, and the output is rotated back); elsewhere the rows are expanded first."""
     if (mask is not None and q.shape[0] == 1 and q.shape[1] <= SMALL_QUERY and cache.single and uses_split_kernel(q[0])
             and kernel_reads(cache.codecs[1], q.shape[-1], q.is_cuda)):
-        from flashdraft.kernels.split_attention import ROTATION_MAX, ROW_TYPES
-        from flashdraft.layers.kv_quant import rotate
+        from flashdraft.kernels.split_attention import ROW_TYPES
         keys, values = cache.stored(length)
         k_codec, v_codec = cache.codecs
-        head = q.shape[-1]
-        inside = head <= ROTATION_MAX  # the kernel rotates q and the output itself
-        k_rotated, v_rotated = k_codec.rotates(head), v_codec.rotates(head)
-        query = rotate(q[0]) if k_rotated and not inside else q[0]
-        out = torch.ops.flashdraft.split_attention(query, keys, values, mask[0], spec.scale, spec.softcap or 0.0,
+        head = q.shape[-1]  # <= MAX_SPLIT_HEAD: the kernel rotates q and the output itself
+        out = torch.ops.flashdraft.split_attention(q[0], keys, values, mask[0], spec.scale, spec.softcap or 0.0,
                                                    ROW_TYPES.get(k_codec.name, 0), ROW_TYPES.get(v_codec.name, 0),
-                                                   v_rotated and inside, k_rotated and inside)
-        if v_rotated and not inside:
-            out = rotate(out.view(*q.shape[1:]), inverse=True).flatten(-2)
+                                                   v_codec.rotates(head), k_codec.rotates(head))
         return out[None]
     keys, values = cache.read(length, q.dtype)
     return attend(q, keys, values, mask, spec)
