@@ -107,15 +107,18 @@ def test_gguf_kernels_on_gpu_match_gguf_reference(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_int8_mma_kernels_on_gpu_match_gguf_reference():
+@pytest.mark.parametrize("stages", [0, 2, 3])
+def test_int8_mma_kernels_on_gpu_match_gguf_reference(stages):
     """kernels/gguf_mma.py (Gluon: no interpreter) for 5-16 rows of each type it has a kernel for (through
     gguf_matmul for the types it takes, directly for those not yet timed), x rounded to 8 bits per 32 as they take
-    it; a token's result the same bits for 5 and for 16 rows."""
+    it; a token's result the same bits for 5 and for 16 rows; the staged kernels (stages > 1) the same bits as the
+    direct ones."""
     from flashdraft.kernels import gguf_mma
     from flashdraft.kernels.gguf_matmul import gguf_matmul
     from flashdraft.layers.quantized import stored_blocks
     gen = torch.Generator().manual_seed(0)
     enabled, gguf_mma.ENABLED = gguf_mma.ENABLED, True
+    default_stages = gguf_mma.STAGES
     try:
         for i, qtype in enumerate(gguf_mma.KERNELS):
             for n, k in ((45, 512), (300, 4096)):
@@ -125,14 +128,18 @@ def test_int8_mma_kernels_on_gpu_match_gguf_reference():
                 x = torch.randn(16, k, generator=gen)
                 product = gguf_matmul if qtype in gguf_mma.TIMED else gguf_mma.matmul
                 for rows in (5, 16):
+                    gguf_mma.STAGES = 0
+                    direct = product(x[:rows].cuda(), w, qtype, k).cpu().double()
+                    gguf_mma.STAGES = stages
                     out = product(x[:rows].cuda(), w, qtype, k).cpu().double()
                     ref = as_int8_rows(x[:rows]).double() @ want.T
                     err = ((out - ref).norm() / ref.norm()).item()
                     assert err < 1e-3, f"{qtype} {n}x{k}, {rows} rows: relative error {err}"
+                    assert torch.equal(out, direct), f"{qtype} {n}x{k}, {rows} rows, {stages} stages"
                 xb = x.cuda().to(torch.bfloat16)
                 assert torch.equal(product(xb[:5], w, qtype, k)[0], product(xb, w, qtype, k)[0])
     finally:
-        gguf_mma.ENABLED = enabled
+        gguf_mma.ENABLED, gguf_mma.STAGES = enabled, default_stages
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -11,6 +11,9 @@ it (`gguf_gemv.quantize_rows_paired`); each product is exact in int32 and scaled
 xd(token) minus dmin * m(row) * xs(token); Q6_K and IQ4_XS: d * sc(row) * xd(token)). Rows of x are padded to 16
 and K is split by the matrix's shape only, so a token's result does not depend on how many rows share the call.
 
+The Q4_K, Q5_K and Q6_K kernels also come staged (STAGES > 1, off until timed): the same products with each
+program's super-blocks copied into shared memory by cp.async several deep.
+
 Gluon has no interpreter: the CPU tests cannot run these kernels (the GPU test does, against the `gguf` package;
 the CPU tests read their unpacking assembly as PTX). Only the TIMED types are taken by gguf_matmul.
 H200 (benchmarks/gluon_mma.py, docs/PERF.md runs 12-13), BLOCK_N 128, 16 rows of the 8B's four matrices against the
@@ -24,6 +27,7 @@ import triton
 from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from flashdraft.kernels import gguf_gemv, pdl
@@ -129,6 +133,34 @@ def _q5_values(q, qh, J: gl.constexpr):
 
 
 @gluon.jit
+def _kquant_super_block(acc, zero, head, a, b, s, qh, q0, q1, q2, q3, b_ptr, b_ok, xds_ptr, toks, stride_xds, tok_ok,
+                        c, FIVE_BITS: gl.constexpr):
+    """acc + Q4_K/Q5_K super-block c's products from its words (A-layout nibble tiles q0..q3 and qh, head words)."""
+    d, dmin = _half(head), _half(head >> 16)
+    for g in gl.static_range(4):
+        if g == 0:
+            q = q0
+        elif g == 1:
+            q = q1
+        elif g == 2:
+            q = q2
+        else:
+            q = q3
+        if FIVE_BITS:
+            lo, hi = _q5_values(q, qh, 2 * g), _q5_values(q, qh, 2 * g + 1)
+        else:
+            lo = gl.inline_asm_elementwise("and.b32 $0, $1, 0x0F0F0F0F;", "=r,r", [q], dtype=gl.int8,
+                                           is_pure=True, pack=4)
+            hi = gl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 4; and.b32 $0, t, 0x0F0F0F0F; }",
+                                           "=r,r", [q], dtype=gl.int8, is_pure=True, pack=4)
+        acc = _sub_block(acc, lo, zero, a, b, s, d, dmin, b_ptr + 256 * c, b_ok, xds_ptr, toks, stride_xds,
+                         tok_ok, 8 * c, 2 * g)
+        acc = _sub_block(acc, hi, zero, a, b, s, d, dmin, b_ptr + 256 * c, b_ok, xds_ptr, toks, stride_xds,
+                         tok_ok, 8 * c, 2 * g + 1)
+    return acc
+
+
+@gluon.jit
 def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn,
                    stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, FIVE_BITS: gl.constexpr,
                    PDL: gl.constexpr):
@@ -146,22 +178,14 @@ def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
         a = gl.load(s_ptr + WORDS * c + 1, mask=row_ok, other=0)
         b = gl.load(s_ptr + WORDS * c + 2, mask=row_ok, other=0)
         s = gl.load(s_ptr + WORDS * c + 3, mask=row_ok, other=0)
-        d, dmin = _half(head), _half(head >> 16)
-        if FIVE_BITS:
-            qh = gl.load(a_ptr + 4 * WORDS * c + 16, mask=a_ok, other=0)
-        for g in gl.static_range(4):
-            q = gl.load(a_ptr + 4 * WORDS * c + NIBBLES + 32 * g, mask=a_ok, other=0)
-            if FIVE_BITS:
-                lo, hi = _q5_values(q, qh, 2 * g), _q5_values(q, qh, 2 * g + 1)
-            else:
-                lo = gl.inline_asm_elementwise("and.b32 $0, $1, 0x0F0F0F0F;", "=r,r", [q], dtype=gl.int8,
-                                               is_pure=True, pack=4)
-                hi = gl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 4; and.b32 $0, t, 0x0F0F0F0F; }",
-                                               "=r,r", [q], dtype=gl.int8, is_pure=True, pack=4)
-            acc = _sub_block(acc, lo, zero, a, b, s, d, dmin, b_ptr + 256 * c, b_ok, xds_ptr, toks, stride_xds,
-                             tok_ok, 8 * c, 2 * g)
-            acc = _sub_block(acc, hi, zero, a, b, s, d, dmin, b_ptr + 256 * c, b_ok, xds_ptr, toks, stride_xds,
-                             tok_ok, 8 * c, 2 * g + 1)
+        q = a_ptr + 4 * WORDS * c + NIBBLES
+        q0 = gl.load(q, mask=a_ok, other=0)
+        q1 = gl.load(q + 32, mask=a_ok, other=0)
+        q2 = gl.load(q + 64, mask=a_ok, other=0)
+        q3 = gl.load(q + 96, mask=a_ok, other=0)
+        qh = gl.load(a_ptr + 4 * WORDS * c + 16, mask=a_ok, other=0) if FIVE_BITS else q0
+        acc = _kquant_super_block(acc, zero, head, a, b, s, qh, q0, q1, q2, q3, b_ptr, b_ok, xds_ptr, toks,
+                                  stride_xds, tok_ok, c, FIVE_BITS)
     _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
 
 
@@ -202,6 +226,26 @@ def _q6_values(ql0, ql1, qh, Q: gl.constexpr):
 
 
 @gluon.jit
+def _q6k_half(acc, zero, d, ql0, ql1, qh, sw0, sw1, first_half, b_ptr, b_ok, xds_ptr, toks, stride_xds, tok_ok, c,
+              H: gl.constexpr):
+    """acc + the products of Q6_K super-block c's 128-weight half H: ql0/ql1/qh its A-layout tiles (ql bytes 64H..,
+    64H + 32.., qh bytes 32H..), sw0/sw1 its scale words (scales 8H .. 8H + 3, 8H + 4 .. 8H + 7)."""
+    for q in gl.static_range(4):
+        v = _q6_values(ql0, ql1, qh, q)
+        xb = gl.load(b_ptr + 256 * c + 128 * H + 32 * q, mask=b_ok, other=0)
+        prod_a = mma_v2(gl.where(first_half, v, 0), xb, zero)
+        prod_b = mma_v2(gl.where(first_half, 0, v), xb, zero)
+        sw = sw0 if q < 2 else sw1
+        sc_a = ((sw << (24 - 16 * (q % 2))) >> 24).to(gl.float32)  # scale 2q, signed
+        sc_b = ((sw << (16 - 16 * (q % 2))) >> 24).to(gl.float32)  # scale 2q + 1
+        pair = gl.load(xds_ptr + toks * stride_xds + 8 * c + 4 * H + q, mask=tok_ok, other=0)
+        xd = pair.to(gl.int32).to(gl.float32, bitcast=True)
+        both = prod_a.to(gl.float32) * sc_a[:, None] + prod_b.to(gl.float32) * sc_b[:, None]
+        acc += both * (d[:, None] * xd[None, :])
+    return acc
+
+
+@gluon.jit
 def _q6k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn,
                 stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr):
     """Q6_K (kept padded to 212 bytes: ql 128, qh 64, 16 int8 scales, d): each 32 weights are one int8 mma per
@@ -216,20 +260,10 @@ def _q6k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_x
             ql0 = gl.load(a_ptr + 212 * c + 64 * h, mask=a_ok, other=0)
             ql1 = gl.load(a_ptr + 212 * c + 64 * h + 32, mask=a_ok, other=0)
             qh = gl.load(a_ptr + 212 * c + 128 + 32 * h, mask=a_ok, other=0)
-            sw0 = gl.load(s_ptr + 53 * c + 48 + 2 * h, mask=row_ok, other=0)  # scales 8h .. 8h + 3
-            sw1 = gl.load(s_ptr + 53 * c + 49 + 2 * h, mask=row_ok, other=0)  # scales 8h + 4 .. 8h + 7
-            for q in gl.static_range(4):
-                v = _q6_values(ql0, ql1, qh, q)
-                xb = gl.load(b_ptr + 256 * c + 128 * h + 32 * q, mask=b_ok, other=0)
-                prod_a = mma_v2(gl.where(first_half, v, 0), xb, zero)
-                prod_b = mma_v2(gl.where(first_half, 0, v), xb, zero)
-                sw = sw0 if q < 2 else sw1
-                sc_a = ((sw << (24 - 16 * (q % 2))) >> 24).to(gl.float32)  # scale 2q, signed
-                sc_b = ((sw << (16 - 16 * (q % 2))) >> 24).to(gl.float32)  # scale 2q + 1
-                pair = gl.load(xds_ptr + toks * stride_xds + 8 * c + 4 * h + q, mask=tok_ok, other=0)
-                xd = pair.to(gl.int32).to(gl.float32, bitcast=True)
-                both = prod_a.to(gl.float32) * sc_a[:, None] + prod_b.to(gl.float32) * sc_b[:, None]
-                acc += both * (d[:, None] * xd[None, :])
+            sw0 = gl.load(s_ptr + 53 * c + 48 + 2 * h, mask=row_ok, other=0)
+            sw1 = gl.load(s_ptr + 53 * c + 49 + 2 * h, mask=row_ok, other=0)
+            acc = _q6k_half(acc, zero, d, ql0, ql1, qh, sw0, sw1, first_half, b_ptr, b_ok, xds_ptr, toks, stride_xds,
+                            tok_ok, c, h)
     _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
 
 
@@ -260,9 +294,174 @@ def _iq4_xs_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
     _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
 
 
+# Staged kernels: a program's super-blocks reach shared memory by cp.async STAGES deep (as llama.cpp's mmq stages
+# its tiles), so its next ones are in flight while it multiplies this one; the products are the direct kernels'
+# (same helpers, bit-equal results). Each [BLOCK_N, 32]-byte tile and head word is its own allocation: views of one
+# allocation at a runtime slot may alias, and Triton then fences every copy with a barrier. sm_90 (Triton 3.6):
+# Q4_K 188 -> 138 registers (three programs per SM instead of two), Q6_K 254 -> 195.
+TILE_SHARED = gl.constexpr(gl.SwizzledSharedLayout(16, 4, 2, [1, 0]))  # no bank conflicts for copies or A loads
+WORD_SHARED = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
+
+
+@gluon.jit
+def _staging(N, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, VEC: gl.constexpr, PDL: gl.constexpr):
+    """The copies' row and column indices: tiles [BLOCK_N, 32] in VEC-byte pieces, head words [BLOCK_N]; and PDL's
+    launch of the next kernel (its wait comes after the first copies: weights are no kernel's output)."""
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+    copy_l: gl.constexpr = gl.BlockedLayout([1, VEC], [VEC, 32 // VEC], [NUM_WARPS, 1], [1, 0])
+    head_l: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+    first_row = gl.program_id(0) * BLOCK_N
+    q_rows = first_row + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy_l))
+    q_cols = gl.arange(0, 32, layout=gl.SliceLayout(0, copy_l))
+    h_rows = first_row + gl.arange(0, BLOCK_N, layout=head_l)
+    return q_rows, q_cols, (q_rows < N)[:, None], h_rows, h_rows < N
+
+
+@gluon.jit
+def _wait_for_x(PDL: gl.constexpr):
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _issue_kquant(q0, q1, q2, q3, qh, h0, h1, h2, h3, w_ptr, c, slot, live, q_rows, q_cols, q_ok, h_rows, h_ok,
+                  stride_wn, WORDS: gl.constexpr, NIBBLES: gl.constexpr, FIVE_BITS: gl.constexpr):
+    """Start copying Q4_K/Q5_K super-block c of the tile's rows into ring slot `slot` (nothing unless live)."""
+    base = w_ptr + q_rows.to(gl.int64)[:, None] * stride_wn + 4 * WORDS * c + q_cols[None, :]
+    ok = q_ok & live
+    cp.async_copy_global_to_shared(q0.index(slot), base + NIBBLES, mask=ok)
+    cp.async_copy_global_to_shared(q1.index(slot), base + NIBBLES + 32, mask=ok)
+    cp.async_copy_global_to_shared(q2.index(slot), base + NIBBLES + 64, mask=ok)
+    cp.async_copy_global_to_shared(q3.index(slot), base + NIBBLES + 96, mask=ok)
+    if FIVE_BITS:
+        cp.async_copy_global_to_shared(qh.index(slot), base + 16, mask=ok)
+    h_ptr = (w_ptr + h_rows.to(gl.int64) * stride_wn).to(gl.pointer_type(gl.int32)) + WORDS * c
+    cp.async_copy_global_to_shared(h0.index(slot), h_ptr, mask=h_ok & live)
+    cp.async_copy_global_to_shared(h1.index(slot), h_ptr + 1, mask=h_ok & live)
+    cp.async_copy_global_to_shared(h2.index(slot), h_ptr + 2, mask=h_ok & live)
+    cp.async_copy_global_to_shared(h3.index(slot), h_ptr + 3, mask=h_ok & live)
+    cp.commit_group()
+
+
+@gluon.jit
+def _kquant_staged_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn,
+                          stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr,
+                          FIVE_BITS: gl.constexpr, PDL: gl.constexpr, STAGES: gl.constexpr):
+    """_kquant_kernel with its super-blocks staged through shared memory."""
+    WORDS: gl.constexpr = 44 if FIVE_BITS else 36
+    NIBBLES: gl.constexpr = 48 if FIVE_BITS else 16
+    first, last, a_row, a_ok, a_col, b_ptr, b_ok, s_ptr, rows, row_ok, toks, tok_ok, acc, zero = _tile(
+        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, False)
+    q_rows, q_cols, q_ok, h_rows, h_ok = _staging(N, BLOCK_N, NUM_WARPS, 16, PDL)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
+    row_l: gl.constexpr = gl.SliceLayout(1, mma)
+    q0 = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, 32], TILE_SHARED)
+    q1 = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, 32], TILE_SHARED)
+    q2 = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, 32], TILE_SHARED)
+    q3 = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, 32], TILE_SHARED)
+    qh_s = gl.allocate_shared_memory(gl.int8, [STAGES if FIVE_BITS else 1, BLOCK_N, 32], TILE_SHARED)
+    h0 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], WORD_SHARED)
+    h1 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], WORD_SHARED)
+    h2 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], WORD_SHARED)
+    h3 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], WORD_SHARED)
+    for p in gl.static_range(STAGES - 1):
+        _issue_kquant(q0, q1, q2, q3, qh_s, h0, h1, h2, h3, w_ptr, first + p, p, first + p < last, q_rows, q_cols,
+                      q_ok, h_rows, h_ok, stride_wn, WORDS, NIBBLES, FIVE_BITS)
+    _wait_for_x(PDL)
+    for c in range(first, last):
+        i = c - first
+        cp.wait_group(STAGES - 2)
+        gl.thread_barrier()  # every thread's copies into slot i % STAGES landed; slot (i - 1) % STAGES is read
+        _issue_kquant(q0, q1, q2, q3, qh_s, h0, h1, h2, h3, w_ptr, c + STAGES - 1, (i + STAGES - 1) % STAGES,
+                      c + STAGES - 1 < last, q_rows, q_cols, q_ok, h_rows, h_ok, stride_wn, WORDS, NIBBLES, FIVE_BITS)
+        slot = i % STAGES
+        w0 = q0.index(slot).load(a_l)
+        qh = qh_s.index(slot).load(a_l) if FIVE_BITS else w0
+        acc = _kquant_super_block(acc, zero, h0.index(slot).load(row_l), h1.index(slot).load(row_l),
+                                  h2.index(slot).load(row_l), h3.index(slot).load(row_l), qh, w0,
+                                  q1.index(slot).load(a_l), q2.index(slot).load(a_l), q3.index(slot).load(a_l), b_ptr,
+                                  b_ok, xds_ptr, toks, stride_xds, tok_ok, c, FIVE_BITS)
+    cp.wait_group(0)
+    _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
+
+
+@gluon.jit
+def _issue_q6k(t0, t1, t2, t3, t4, t5, w0, w1, w2, w3, w4, w_ptr, c, slot, live, q_rows, q_cols, q_ok, h_rows, h_ok,
+               stride_wn):
+    """Start copying Q6_K super-block c (212 bytes, 4-byte aligned: 4-byte copies) into ring slot `slot`: ql as four
+    32-byte tiles, qh as two, the scale words 48-51 and d's word 52."""
+    base = w_ptr + q_rows.to(gl.int64)[:, None] * stride_wn + 212 * c + q_cols[None, :]
+    ok = q_ok & live
+    cp.async_copy_global_to_shared(t0.index(slot), base, mask=ok)
+    cp.async_copy_global_to_shared(t1.index(slot), base + 32, mask=ok)
+    cp.async_copy_global_to_shared(t2.index(slot), base + 64, mask=ok)
+    cp.async_copy_global_to_shared(t3.index(slot), base + 96, mask=ok)
+    cp.async_copy_global_to_shared(t4.index(slot), base + 128, mask=ok)
+    cp.async_copy_global_to_shared(t5.index(slot), base + 160, mask=ok)
+    h_ptr = (w_ptr + h_rows.to(gl.int64) * stride_wn).to(gl.pointer_type(gl.int32)) + 53 * c
+    cp.async_copy_global_to_shared(w0.index(slot), h_ptr + 48, mask=h_ok & live)
+    cp.async_copy_global_to_shared(w1.index(slot), h_ptr + 49, mask=h_ok & live)
+    cp.async_copy_global_to_shared(w2.index(slot), h_ptr + 50, mask=h_ok & live)
+    cp.async_copy_global_to_shared(w3.index(slot), h_ptr + 51, mask=h_ok & live)
+    cp.async_copy_global_to_shared(w4.index(slot), h_ptr + 52, mask=h_ok & live)
+    cp.commit_group()
+
+
+@gluon.jit
+def _q6k_staged_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn,
+                       stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr,
+                       STAGES: gl.constexpr):
+    """_q6k_kernel with its super-blocks staged through shared memory."""
+    first, last, a_row, a_ok, a_col, b_ptr, b_ok, s_ptr, rows, row_ok, toks, tok_ok, acc, zero = _tile(
+        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, False)
+    q_rows, q_cols, q_ok, h_rows, h_ok = _staging(N, BLOCK_N, NUM_WARPS, 4, PDL)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
+    row_l: gl.constexpr = gl.SliceLayout(1, mma)
+    t0 = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, 32], TILE_SHARED)
+    t1 = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, 32], TILE_SHARED)
+    t2 = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, 32], TILE_SHARED)
+    t3 = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, 32], TILE_SHARED)
+    t4 = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, 32], TILE_SHARED)
+    t5 = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, 32], TILE_SHARED)
+    w0 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], WORD_SHARED)
+    w1 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], WORD_SHARED)
+    w2 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], WORD_SHARED)
+    w3 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], WORD_SHARED)
+    w4 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], WORD_SHARED)
+    for p in gl.static_range(STAGES - 1):
+        _issue_q6k(t0, t1, t2, t3, t4, t5, w0, w1, w2, w3, w4, w_ptr, first + p, p, first + p < last, q_rows, q_cols,
+                   q_ok, h_rows, h_ok, stride_wn)
+    _wait_for_x(PDL)
+    first_half = a_col < 16
+    for c in range(first, last):
+        i = c - first
+        cp.wait_group(STAGES - 2)
+        gl.thread_barrier()
+        _issue_q6k(t0, t1, t2, t3, t4, t5, w0, w1, w2, w3, w4, w_ptr, c + STAGES - 1, (i + STAGES - 1) % STAGES,
+                   c + STAGES - 1 < last, q_rows, q_cols, q_ok, h_rows, h_ok, stride_wn)
+        slot = i % STAGES
+        d = _half(w4.index(slot).load(row_l))
+        acc = _q6k_half(acc, zero, d, t0.index(slot).load(a_l), t1.index(slot).load(a_l), t4.index(slot).load(a_l),
+                        w0.index(slot).load(row_l), w1.index(slot).load(row_l), first_half, b_ptr, b_ok, xds_ptr,
+                        toks, stride_xds, tok_ok, c, 0)
+        acc = _q6k_half(acc, zero, d, t2.index(slot).load(a_l), t3.index(slot).load(a_l), t5.index(slot).load(a_l),
+                        w2.index(slot).load(row_l), w3.index(slot).load(row_l), first_half, b_ptr, b_ok, xds_ptr,
+                        toks, stride_xds, tok_ok, c, 1)
+    cp.wait_group(0)
+    _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
+
+
 KERNELS = {"Q4_K": (_kquant_kernel, dict(FIVE_BITS=False)), "Q5_K": (_kquant_kernel, dict(FIVE_BITS=True)),
            "Q6_K": (_q6k_kernel, {}), "IQ4_XS": (_iq4_xs_kernel, {})}
 TIMED = {"Q4_K", "Q5_K", "Q6_K", "IQ4_XS"}  # types timed on a GPU and taken by covers(); see docs/PERF.md
+STAGED = {"Q4_K": (_kquant_staged_kernel, dict(FIVE_BITS=False)), "Q5_K": (_kquant_staged_kernel, dict(FIVE_BITS=True)),
+          "Q6_K": (_q6k_staged_kernel, {})}
+STAGES = 0  # > 1: the STAGED types take their staged kernel this many super-blocks deep; 0: the direct kernels (not
+# yet timed on a GPU: docs/PERF.md 2026-12-05, eleventh session)
 
 
 def covers(qtype: str, m: int, x: Tensor) -> bool:
@@ -282,6 +481,9 @@ def matmul(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:
     out, partial = gguf_gemv.split_outputs(x, n, splits)
     xb = xq.view(torch.int8)
     kernel, constants = KERNELS[qtype]
+    if STAGES > 1 and qtype in STAGED:
+        kernel, constants = STAGED[qtype]
+        constants = dict(constants, STAGES=STAGES)
     kernel[(triton.cdiv(n, BLOCK_N), splits)](xb, xds, qweight, partial, m, n, k, per_split, xb.stride(0),
                                               xds.stride(0), qweight.stride(0), partial.stride(0), partial.stride(1),
                                               BLOCK_N=BLOCK_N, NUM_WARPS=NUM_WARPS, num_warps=NUM_WARPS, **constants,
