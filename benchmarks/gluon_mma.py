@@ -37,8 +37,8 @@ def sass(qtype: str, block_n: int, num_warps: int, stages: int) -> None:
     total = sum(ops.values())
     regs = usage.split("REG:")[1].split()[0]
     staged = f", staged {stages} deep" if "STAGES" in constants else ""
-    print(f"Triton {triton.__version__}, {qtype}, BLOCK_N {block_n}, {num_warps} warps{staged}: {regs} registers; loop {total} "
-          f"instructions per warp, {total * num_warps / per_iter:.3f} warp-instructions per weight byte; "
+    print(f"Triton {triton.__version__}, {qtype}, BLOCK_N {block_n}, {num_warps} warps{staged}: {regs} registers; "
+          f"loop {total} instructions per warp, {total * num_warps / per_iter:.3f} warp-instructions per weight byte; "
           f"{', '.join(f'{k} {v}' for k, v in ops.most_common(10))}")
 
 

@@ -11,7 +11,7 @@ it (`gguf_gemv.quantize_rows_paired`); each product is exact in int32 and scaled
 xd(token) minus dmin * m(row) * xs(token); Q6_K and IQ4_XS: d * sc(row) * xd(token)). Rows of x are padded to 16
 and K is split by the matrix's shape only, so a token's result does not depend on how many rows share the call.
 
-The Q4_K, Q5_K and Q6_K kernels also come staged (STAGES > 1, off until timed): the same products with each
+Every kernel here also comes staged (STAGES > 1, off until timed): the same products with each
 program's super-blocks copied into shared memory by cp.async several deep.
 
 Gluon has no interpreter: the CPU tests cannot run these kernels (the GPU test does, against the `gguf` package;
@@ -285,13 +285,22 @@ def _iq4_xs_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
         d = _half(head)
         for j in gl.static_range(8):
             q = gl.load(a_ptr + 128 * c + 16 * j, mask=a_ok, other=0)
-            w = gl.inline_asm_elementwise(IQ4_FOUR, "=r,r,r", [q, nibble_shift], dtype=gl.int8, is_pure=True, pack=4)
-            prod = mma_v2(w, gl.load(b_ptr + 256 * c + 32 * j, mask=b_ok, other=0), zero)
-            scale = ((low >> (4 * j)) & 15) | (((head >> (16 + 2 * j)) & 3) << 4)
-            pair = gl.load(xds_ptr + toks * stride_xds + 8 * c + j, mask=tok_ok, other=0)
-            xd = pair.to(gl.int32).to(gl.float32, bitcast=True)
-            acc += prod.to(gl.float32) * ((d * (scale - 32).to(gl.float32))[:, None] * xd[None, :])
+            acc = _iq4_xs_sub_block(acc, zero, q, nibble_shift, head, low, d, b_ptr, b_ok, xds_ptr, toks, stride_xds,
+                                    tok_ok, c, j)
     _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
+
+
+@gluon.jit
+def _iq4_xs_sub_block(acc, zero, q, nibble_shift, head, low, d, b_ptr, b_ok, xds_ptr, toks, stride_xds, tok_ok, c,
+                      J: gl.constexpr):
+    """acc + IQ4_XS super-block c's sub-block J: q its 16 nibble bytes as an A-layout tile (k and k + 16 the same
+    byte), head and low the header's words, d its scale."""
+    w = gl.inline_asm_elementwise(IQ4_FOUR, "=r,r,r", [q, nibble_shift], dtype=gl.int8, is_pure=True, pack=4)
+    prod = mma_v2(w, gl.load(b_ptr + 256 * c + 32 * J, mask=b_ok, other=0), zero)
+    scale = ((low >> (4 * J)) & 15) | (((head >> (16 + 2 * J)) & 3) << 4)
+    pair = gl.load(xds_ptr + toks * stride_xds + 8 * c + J, mask=tok_ok, other=0)
+    xd = pair.to(gl.int32).to(gl.float32, bitcast=True)
+    return acc + prod.to(gl.float32) * ((d * (scale - 32).to(gl.float32))[:, None] * xd[None, :])
 
 
 # Staged kernels: a program's super-blocks reach shared memory by cp.async STAGES deep (as llama.cpp's mmq stages
@@ -455,13 +464,71 @@ def _q6k_staged_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, s
     _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
 
 
+@gluon.jit
+def _issue_iq4_xs(tiles, w0, w1, w_ptr, K, c, slot, live, q_rows, q_cols, q_ok, h_rows, h_ok, stride_wn):
+    """Start copying IQ4_XS super-block c (as field_planes keeps it) into ring slot `slot`: sub-block j's 16 nibble
+    bytes twice over into tiles[j] (the A tile's k and k + 16 read the same byte), the header's two words."""
+    base = w_ptr + q_rows.to(gl.int64)[:, None] * stride_wn + 128 * c + (q_cols % 16)[None, :]
+    ok = q_ok & live
+    for j in gl.static_range(8):
+        cp.async_copy_global_to_shared(tiles[j].index(slot), base + 16 * j, mask=ok)
+    h_ptr = (w_ptr + h_rows.to(gl.int64) * stride_wn).to(gl.pointer_type(gl.int32)) + K // 256 * 32 + 2 * c
+    cp.async_copy_global_to_shared(w0.index(slot), h_ptr, mask=h_ok & live)
+    cp.async_copy_global_to_shared(w1.index(slot), h_ptr + 1, mask=h_ok & live)
+    cp.commit_group()
+
+
+@gluon.jit
+def _iq4_xs_staged_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn,
+                          stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr,
+                          STAGES: gl.constexpr):
+    """_iq4_xs_kernel with its super-blocks staged through shared memory."""
+    first, last, a_row, a_ok, a_col, b_ptr, b_ok, s_ptr, rows, row_ok, toks, tok_ok, acc, zero = _tile(
+        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, False)
+    q_rows, q_cols, q_ok, h_rows, h_ok = _staging(N, BLOCK_N, NUM_WARPS, 16, PDL)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
+    row_l: gl.constexpr = gl.SliceLayout(1, mma)
+    tiles = (gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, 32], TILE_SHARED),
+             gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, 32], TILE_SHARED),
+             gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, 32], TILE_SHARED),
+             gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, 32], TILE_SHARED),
+             gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, 32], TILE_SHARED),
+             gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, 32], TILE_SHARED),
+             gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, 32], TILE_SHARED),
+             gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, 32], TILE_SHARED))
+    w0 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], WORD_SHARED)
+    w1 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], WORD_SHARED)
+    for p in gl.static_range(STAGES - 1):
+        _issue_iq4_xs(tiles, w0, w1, w_ptr, K, first + p, p, first + p < last, q_rows, q_cols, q_ok, h_rows, h_ok,
+                      stride_wn)
+    _wait_for_x(PDL)
+    nibble_shift = gl.broadcast((a_col // 16 * 4).to(gl.int8), a_row + a_col)[0]
+    for c in range(first, last):
+        i = c - first
+        cp.wait_group(STAGES - 2)
+        gl.thread_barrier()
+        _issue_iq4_xs(tiles, w0, w1, w_ptr, K, c + STAGES - 1, (i + STAGES - 1) % STAGES, c + STAGES - 1 < last,
+                      q_rows, q_cols, q_ok, h_rows, h_ok, stride_wn)
+        slot = i % STAGES
+        head = w0.index(slot).load(row_l)
+        low = w1.index(slot).load(row_l)
+        d = _half(head)
+        for j in gl.static_range(8):
+            acc = _iq4_xs_sub_block(acc, zero, tiles[j].index(slot).load(a_l), nibble_shift, head, low, d, b_ptr, b_ok,
+                                    xds_ptr, toks, stride_xds, tok_ok, c, j)
+    cp.wait_group(0)
+    _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
+
+
 KERNELS = {"Q4_K": (_kquant_kernel, dict(FIVE_BITS=False)), "Q5_K": (_kquant_kernel, dict(FIVE_BITS=True)),
            "Q6_K": (_q6k_kernel, {}), "IQ4_XS": (_iq4_xs_kernel, {})}
 TIMED = {"Q4_K", "Q5_K", "Q6_K", "IQ4_XS"}  # types timed on a GPU and taken by covers(); see docs/PERF.md
-STAGED = {"Q4_K": (_kquant_staged_kernel, dict(FIVE_BITS=False)), "Q5_K": (_kquant_staged_kernel, dict(FIVE_BITS=True)),
-          "Q6_K": (_q6k_staged_kernel, {})}
-STAGES = 0  # > 1: the STAGED types take their staged kernel this many super-blocks deep; 0: the direct kernels (not
-# yet timed on a GPU: docs/PERF.md 2026-12-05, eleventh session)
+STAGED = {"Q4_K": (_kquant_staged_kernel, dict(FIVE_BITS=False)),
+          "Q5_K": (_kquant_staged_kernel, dict(FIVE_BITS=True)),
+          "Q6_K": (_q6k_staged_kernel, {}), "IQ4_XS": (_iq4_xs_staged_kernel, {})}
+STAGES = 0  # > 1: each type takes its staged kernel this many super-blocks deep; 0: the direct kernels (the staged
+# ones are not yet timed on a GPU: docs/PERF.md, "2026-12-05, int8 mma kernels staged through shared memory")
 
 
 def covers(qtype: str, m: int, x: Tensor) -> bool:
