@@ -307,7 +307,7 @@ def _iq4_xs_sub_block(acc, zero, q, nibble_shift, head, low, d, b_ptr, b_ok, xds
 # its tiles), so its next ones are in flight while it multiplies this one; the products are the direct kernels'
 # (same helpers, bit-equal results). Each [BLOCK_N, 32]-byte tile and head word is its own allocation: views of one
 # allocation at a runtime slot may alias, and Triton then fences every copy with a barrier. sm_90 (Triton 3.6):
-# Q4_K 188 -> 138 registers (three programs per SM instead of two), Q6_K 254 -> 195.
+# Q4_K 188 -> 142 registers (three programs per SM instead of two), Q6_K 254 -> 195.
 TILE_SHARED = gl.constexpr(gl.SwizzledSharedLayout(16, 4, 2, [1, 0]))  # no bank conflicts for copies or A loads
 WORD_SHARED = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
