@@ -527,8 +527,22 @@ TIMED = {"Q4_K", "Q5_K", "Q6_K", "IQ4_XS"}  # types timed on a GPU and taken by 
 STAGED = {"Q4_K": (_kquant_staged_kernel, dict(FIVE_BITS=False)),
           "Q5_K": (_kquant_staged_kernel, dict(FIVE_BITS=True)),
           "Q6_K": (_q6k_staged_kernel, {}), "IQ4_XS": (_iq4_xs_staged_kernel, {})}
+STAGED_TILES = {"Q4_K": (4, 4), "Q5_K": (5, 4), "Q6_K": (6, 5), "IQ4_XS": (8, 2)}  # [BLOCK_N, 32] tiles, words
 STAGES = 0  # > 1: each type takes its staged kernel this many super-blocks deep; 0: the direct kernels (the staged
 # ones are not yet timed on a GPU: docs/PERF.md, "2026-12-05, int8 mma kernels staged through shared memory")
+
+
+def staged_shared_bytes(qtype: str, stages: int, block_n: int) -> int:
+    """Shared memory a staged kernel's program takes (the compiled kernels' own figure for BLOCK_N 128)."""
+    tiles, words = STAGED_TILES[qtype]
+    return stages * block_n * (32 * tiles + 4 * words)
+
+
+def _staged(qtype: str, x: Tensor) -> bool:
+    """Whether the staged kernel runs: on, and its ring fits the GPU's shared memory (an RTX 3090 has 99 KB a
+    program against the H100's 227; the direct kernel otherwise)."""
+    return (STAGES > 1 and qtype in STAGED and staged_shared_bytes(qtype, STAGES, BLOCK_N)
+            <= getattr(torch.cuda.get_device_properties(x.device), "shared_memory_per_block_optin", 49152))
 
 
 def covers(qtype: str, m: int, x: Tensor) -> bool:
@@ -548,7 +562,7 @@ def matmul(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:
     out, partial = gguf_gemv.split_outputs(x, n, splits)
     xb = xq.view(torch.int8)
     kernel, constants = KERNELS[qtype]
-    if STAGES > 1 and qtype in STAGED:
+    if _staged(qtype, x):
         kernel, constants = STAGED[qtype]
         constants = dict(constants, STAGES=STAGES)
     kernel[(triton.cdiv(n, BLOCK_N), splits)](xb, xds, qweight, partial, m, n, k, per_split, xb.stride(0),
