@@ -310,6 +310,8 @@ def _iq4_xs_sub_block(acc, zero, q, nibble_shift, head, low, d, b_ptr, b_ok, xds
 # Q4_K 188 -> 142 registers (three programs per SM instead of two), Q6_K 254 -> 195.
 TILE_SHARED = gl.constexpr(gl.SwizzledSharedLayout(16, 4, 2, [1, 0]))  # no bank conflicts for copies or A loads
 WORD_SHARED = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
+async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared  # names from Triton 3.7 on
+barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 
 @gluon.jit
@@ -340,17 +342,17 @@ def _issue_kquant(q0, q1, q2, q3, qh, h0, h1, h2, h3, w_ptr, c, slot, live, q_ro
     """Start copying Q4_K/Q5_K super-block c of the tile's rows into ring slot `slot` (nothing unless live)."""
     base = w_ptr + q_rows.to(gl.int64)[:, None] * stride_wn + 4 * WORDS * c + q_cols[None, :]
     ok = q_ok & live
-    cp.async_copy_global_to_shared(q0.index(slot), base + NIBBLES, mask=ok)
-    cp.async_copy_global_to_shared(q1.index(slot), base + NIBBLES + 32, mask=ok)
-    cp.async_copy_global_to_shared(q2.index(slot), base + NIBBLES + 64, mask=ok)
-    cp.async_copy_global_to_shared(q3.index(slot), base + NIBBLES + 96, mask=ok)
+    async_load(q0.index(slot), base + NIBBLES, mask=ok)
+    async_load(q1.index(slot), base + NIBBLES + 32, mask=ok)
+    async_load(q2.index(slot), base + NIBBLES + 64, mask=ok)
+    async_load(q3.index(slot), base + NIBBLES + 96, mask=ok)
     if FIVE_BITS:
-        cp.async_copy_global_to_shared(qh.index(slot), base + 16, mask=ok)
+        async_load(qh.index(slot), base + 16, mask=ok)
     h_ptr = (w_ptr + h_rows.to(gl.int64) * stride_wn).to(gl.pointer_type(gl.int32)) + WORDS * c
-    cp.async_copy_global_to_shared(h0.index(slot), h_ptr, mask=h_ok & live)
-    cp.async_copy_global_to_shared(h1.index(slot), h_ptr + 1, mask=h_ok & live)
-    cp.async_copy_global_to_shared(h2.index(slot), h_ptr + 2, mask=h_ok & live)
-    cp.async_copy_global_to_shared(h3.index(slot), h_ptr + 3, mask=h_ok & live)
+    async_load(h0.index(slot), h_ptr, mask=h_ok & live)
+    async_load(h1.index(slot), h_ptr + 1, mask=h_ok & live)
+    async_load(h2.index(slot), h_ptr + 2, mask=h_ok & live)
+    async_load(h3.index(slot), h_ptr + 3, mask=h_ok & live)
     cp.commit_group()
 
 
@@ -383,7 +385,7 @@ def _kquant_staged_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split
     for c in range(first, last):
         i = c - first
         cp.wait_group(STAGES - 2)
-        gl.thread_barrier()  # every thread's copies into slot i % STAGES landed; slot (i - 1) % STAGES is read
+        barrier()  # every thread's copies into slot i % STAGES landed; slot (i - 1) % STAGES is read
         _issue_kquant(q0, q1, q2, q3, qh_s, h0, h1, h2, h3, w_ptr, c + STAGES - 1, (i + STAGES - 1) % STAGES,
                       c + STAGES - 1 < last, q_rows, q_cols, q_ok, h_rows, h_ok, stride_wn, WORDS, NIBBLES, FIVE_BITS)
         slot = i % STAGES
@@ -404,18 +406,18 @@ def _issue_q6k(t0, t1, t2, t3, t4, t5, w0, w1, w2, w3, w4, w_ptr, c, slot, live,
     32-byte tiles, qh as two, the scale words 48-51 and d's word 52."""
     base = w_ptr + q_rows.to(gl.int64)[:, None] * stride_wn + 212 * c + q_cols[None, :]
     ok = q_ok & live
-    cp.async_copy_global_to_shared(t0.index(slot), base, mask=ok)
-    cp.async_copy_global_to_shared(t1.index(slot), base + 32, mask=ok)
-    cp.async_copy_global_to_shared(t2.index(slot), base + 64, mask=ok)
-    cp.async_copy_global_to_shared(t3.index(slot), base + 96, mask=ok)
-    cp.async_copy_global_to_shared(t4.index(slot), base + 128, mask=ok)
-    cp.async_copy_global_to_shared(t5.index(slot), base + 160, mask=ok)
+    async_load(t0.index(slot), base, mask=ok)
+    async_load(t1.index(slot), base + 32, mask=ok)
+    async_load(t2.index(slot), base + 64, mask=ok)
+    async_load(t3.index(slot), base + 96, mask=ok)
+    async_load(t4.index(slot), base + 128, mask=ok)
+    async_load(t5.index(slot), base + 160, mask=ok)
     h_ptr = (w_ptr + h_rows.to(gl.int64) * stride_wn).to(gl.pointer_type(gl.int32)) + 53 * c
-    cp.async_copy_global_to_shared(w0.index(slot), h_ptr + 48, mask=h_ok & live)
-    cp.async_copy_global_to_shared(w1.index(slot), h_ptr + 49, mask=h_ok & live)
-    cp.async_copy_global_to_shared(w2.index(slot), h_ptr + 50, mask=h_ok & live)
-    cp.async_copy_global_to_shared(w3.index(slot), h_ptr + 51, mask=h_ok & live)
-    cp.async_copy_global_to_shared(w4.index(slot), h_ptr + 52, mask=h_ok & live)
+    async_load(w0.index(slot), h_ptr + 48, mask=h_ok & live)
+    async_load(w1.index(slot), h_ptr + 49, mask=h_ok & live)
+    async_load(w2.index(slot), h_ptr + 50, mask=h_ok & live)
+    async_load(w3.index(slot), h_ptr + 51, mask=h_ok & live)
+    async_load(w4.index(slot), h_ptr + 52, mask=h_ok & live)
     cp.commit_group()
 
 
@@ -449,7 +451,7 @@ def _q6k_staged_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, s
     for c in range(first, last):
         i = c - first
         cp.wait_group(STAGES - 2)
-        gl.thread_barrier()
+        barrier()
         _issue_q6k(t0, t1, t2, t3, t4, t5, w0, w1, w2, w3, w4, w_ptr, c + STAGES - 1, (i + STAGES - 1) % STAGES,
                    c + STAGES - 1 < last, q_rows, q_cols, q_ok, h_rows, h_ok, stride_wn)
         slot = i % STAGES
@@ -471,10 +473,10 @@ def _issue_iq4_xs(tiles, w0, w1, w_ptr, K, c, slot, live, q_rows, q_cols, q_ok, 
     base = w_ptr + q_rows.to(gl.int64)[:, None] * stride_wn + 128 * c + (q_cols % 16)[None, :]
     ok = q_ok & live
     for j in gl.static_range(8):
-        cp.async_copy_global_to_shared(tiles[j].index(slot), base + 16 * j, mask=ok)
+        async_load(tiles[j].index(slot), base + 16 * j, mask=ok)
     h_ptr = (w_ptr + h_rows.to(gl.int64) * stride_wn).to(gl.pointer_type(gl.int32)) + K // 256 * 32 + 2 * c
-    cp.async_copy_global_to_shared(w0.index(slot), h_ptr, mask=h_ok & live)
-    cp.async_copy_global_to_shared(w1.index(slot), h_ptr + 1, mask=h_ok & live)
+    async_load(w0.index(slot), h_ptr, mask=h_ok & live)
+    async_load(w1.index(slot), h_ptr + 1, mask=h_ok & live)
     cp.commit_group()
 
 
@@ -507,7 +509,7 @@ def _iq4_xs_staged_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split
     for c in range(first, last):
         i = c - first
         cp.wait_group(STAGES - 2)
-        gl.thread_barrier()
+        barrier()
         _issue_iq4_xs(tiles, w0, w1, w_ptr, K, c + STAGES - 1, (i + STAGES - 1) % STAGES, c + STAGES - 1 < last,
                       q_rows, q_cols, q_ok, h_rows, h_ok, stride_wn)
         slot = i % STAGES
