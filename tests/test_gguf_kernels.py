@@ -251,6 +251,41 @@ def test_k_quant_mma_unpacking_reads_as_documented():
             assert np.array(list(got), dtype=np.uint8).view(np.int8).tolist() == want
 
 
+def test_staged_mma_kernels_compile_for_sm90_as_designed():
+    """The staged int8 mma kernels compiled for an H100/H200 without one (Triton's ptxas and cuobjdump): the shared
+    memory gguf_mma reckons with (whether a ring fits a GPU) is the compiled kernels' own, no registers spill, and
+    the main loop holds one or two barriers. Triton 3.6 (the GPU machine's) fences every copy into an allocation
+    another copy of the same super-block wrote (nine barriers a loop if the tiles shared one); 3.9 places no such
+    fence, so there only the count's floor is checked."""
+    pytest.importorskip("triton.experimental.gluon")
+    import triton
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import sass_report
+    if not os.path.exists(os.path.join(sass_report.BIN, "cuobjdump")):
+        pytest.skip("this Triton carries no cuobjdump")
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from flashdraft.kernels import gguf_mma
+    sig = {"xq_ptr": "*i8", "xds_ptr": "*i64", "w_ptr": "*u8", "out_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
+           "sb_per_split": "i32", "stride_xq": "i32", "stride_xds": "i32", "stride_wn": "i32", "stride_os": "i32",
+           "stride_om": "i32", "BLOCK_N": "constexpr", "NUM_WARPS": "constexpr", "PDL": "constexpr",
+           "STAGES": "constexpr"}
+    aligned = ("xq_ptr", "xds_ptr", "w_ptr", "out_ptr", "N", "K", "stride_xq", "stride_xds", "stride_wn", "stride_os",
+               "stride_om")
+    for qtype, (kernel, constants) in gguf_mma.STAGED.items():
+        signature = dict(sig, **{name: "constexpr" for name in constants})
+        names = list(signature)
+        constexprs = dict(BLOCK_N=128, NUM_WARPS=4, PDL=True, STAGES=3, **constants)
+        source = GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs,
+                                attrs={(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        assert compiled.metadata.shared == gguf_mma.staged_shared_bytes(qtype, 3, 128), qtype
+        usage, code = sass_report.compile_sm90(kernel, signature, constexprs, aligned, 4, GluonASTSource)
+        assert "STACK:0" in usage.replace(" ", ""), (qtype, usage)
+        loop = sass_report.main_loop(code)
+        assert loop["LDGSTS"] > 0 and 1 <= loop["BAR"] <= 2, (qtype, loop["LDGSTS"], loop["BAR"])
+
+
 def test_unknown_type_and_bad_shapes_are_clear_errors():
     pytest.importorskip("triton")
     from flashdraft.kernels.gguf_matmul import gguf_matmul
