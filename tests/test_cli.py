@@ -76,3 +76,26 @@ def test_prompt_longer_than_context(tiny_pair):
 def test_bad_prompt_ids(tiny_pair):
     target, _ = tiny_pair
     one_line_error(generate("-m", str(target), "--prompt-ids", "1,x", "--json"), "--prompt-ids")
+
+
+def test_kv_caches_too_large_for_memory(tiny_pair):
+    """A context no memory holds: one line naming the flags that shrink the caches, not an allocator traceback (on a
+    GPU the same path turns torch.OutOfMemoryError into it, with the GB left after the weights)."""
+    target, _ = tiny_pair
+    result = generate("-m", str(target), "--prompt-ids", "1,2", "--ctx-size", str(10 ** 11), "--json", "--device",
+                      "cpu")
+    one_line_error(result, "KV caches", "--ctx-size", "--cache-type-k")
+
+
+def test_out_of_gpu_memory_is_one_line(monkeypatch, capsys):
+    """torch.OutOfMemoryError from anywhere past the caches (warm-up, graph capture) ends the command with one line."""
+    import torch
+    from flashdraft import cli
+
+    def oom(argv):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+                                     "23.55 GiB\nOf the allocated memory ...")
+    monkeypatch.setattr(cli, "generate_main", oom)
+    assert cli.main(["generate", "-m", "x"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "out of GPU memory (CUDA out of memory. Tried to allocate 2.00 GiB" in err[0], err

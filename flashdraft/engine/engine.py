@@ -221,11 +221,21 @@ class Engine:
         self.width_costs: dict[int, float] | None = None
         if self.world_size > 1 and config.n_slots != 1:
             raise ValueError("tensor parallelism runs one request at a time: use one slot")
-        self.state = target.new_state(config.n_slots, config.ctx_size, (config.cache_type_k, config.cache_type_v))
-        if draft is not None:
-            draft.setup_cache(min(draft_window or config.ctx_size, config.ctx_size), config.n_slots,
-                              cache_dtypes=(FLOAT_KV_TYPES.get(config.draft_cache_type_k),
-                                            FLOAT_KV_TYPES.get(config.draft_cache_type_v)))
+        try:
+            self.state = target.new_state(config.n_slots, config.ctx_size, (config.cache_type_k, config.cache_type_v))
+            if draft is not None:
+                draft.setup_cache(min(draft_window or config.ctx_size, config.ctx_size), config.n_slots,
+                                  cache_dtypes=(FLOAT_KV_TYPES.get(config.draft_cache_type_k),
+                                                FLOAT_KV_TYPES.get(config.draft_cache_type_v)))
+        except RuntimeError as e:  # torch.OutOfMemoryError, or the CPU allocator's refusal
+            if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
+                raise
+            room = (f"the {torch.cuda.mem_get_info(torch.device(config.device))[0] / 1e9:.1f} GB of GPU memory left "
+                    "after the weights" if config.device.startswith("cuda") else "this machine's memory")
+            raise ValueError(f"the KV caches for {config.n_slots} slot(s) of {config.ctx_size} tokens "
+                             f"({config.cache_type_k}/{config.cache_type_v}) do not fit {room}: lower --ctx-size or "
+                             "--parallel, or take a smaller --cache-type-k/--cache-type-v (q8_0, q5_0, q4_1, ...)"
+                             ) from None
         self.steps = Steps(target, self.state, draft, config.device)
         self.startup_s = {}
         self.slots = SlotPool(config.n_slots, config.slot_prompt_similarity)
