@@ -122,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as e:  # torch.OutOfMemoryError (torch is not imported here): one line, not a traceback
         if type(e).__name__ != "OutOfMemoryError":
             raise
-        print(f"flashdraft {cmd}: error: out of GPU memory ({str(e).splitlines()[0]}); lower --ctx-size or --parallel, "
-              "or take a smaller --cache-type-k/--cache-type-v", file=sys.stderr)
+        print(f"flashdraft {cmd}: error: out of GPU memory ({str(e).splitlines()[0]}): the weights, the KV caches "
+              "(--ctx-size, --parallel, --cache-type-k/-v) and the CUDA graphs must fit together", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
