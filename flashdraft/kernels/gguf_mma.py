@@ -74,6 +74,21 @@ def _sub_block(acc, w, zero, a, b, s, d, dmin, b_ptr, b_ok, xds_ptr, toks, strid
 
 
 @gluon.jit
+def _launch_dependents(PDL: gl.constexpr):
+    """kernels/pdl.py's start_dependents in Gluon: let the next kernel be placed (launch overlap only)."""
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+
+
+@gluon.jit
+def _wait_for_inputs(PDL: gl.constexpr):
+    """kernels/pdl.py's wait_for_inputs in Gluon: wait for the kernel that wrote x."""
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _tile(w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N: gl.constexpr,
           NUM_WARPS: gl.constexpr, PDL: gl.constexpr):
     """A program's super-blocks [first, last) (grid axis 1 splits K) and its operands in the mma fragments'
@@ -81,10 +96,8 @@ def _tile(w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N: g
     keeps runs of four, for word loads), a_ok, a_col [1, 32] (k); b_ptr [32, TOKENS] (x's bytes + k, in the B
     layout), b_ok; s_ptr (the rows' starts as int32 words, for their scales), rows, row_ok and toks, tok_ok along
     the product's two axes; a float32 accumulator and an int32 zero for each mma."""
-    if PDL:  # kernels/pdl.py: let the next kernel be placed, then wait for x (launch overlap only)
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                  pack=1)
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    _launch_dependents(PDL)
+    _wait_for_inputs(PDL)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
@@ -306,219 +319,111 @@ def _iq4_xs_sub_block(acc, zero, q, nibble_shift, head, low, d, b_ptr, b_ok, xds
 # Staged kernels: a program's super-blocks reach shared memory by cp.async STAGES deep (as llama.cpp's mmq stages
 # its tiles), so its next ones are in flight while it multiplies this one; the products are the direct kernels'
 # (same helpers, bit-equal results). Each [BLOCK_N, 32]-byte tile and head word is its own allocation: views of one
-# allocation at a runtime slot may alias, and Triton then fences every copy with a barrier. sm_90 (Triton 3.6):
+# allocation at a runtime slot may alias, and Triton 3.6 then fences every copy with a barrier. sm_90 (Triton 3.6):
 # Q4_K 188 -> 142 registers (three programs per SM instead of two), Q6_K 254 -> 195.
 TILE_SHARED = gl.constexpr(gl.SwizzledSharedLayout(16, 4, 2, [1, 0]))  # no bank conflicts for copies or A loads
 WORD_SHARED = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
 async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared  # names from Triton 3.7 on
 barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
-
-@gluon.jit
-def _staging(N, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, VEC: gl.constexpr, PDL: gl.constexpr):
-    """The copies' row and column indices: tiles [BLOCK_N, 32] in VEC-byte pieces, head words [BLOCK_N]; and PDL's
-    launch of the next kernel (its wait comes after the first copies: weights are no kernel's output)."""
-    if PDL:
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                  pack=1)
-    copy_l: gl.constexpr = gl.BlockedLayout([1, VEC], [VEC, 32 // VEC], [NUM_WARPS, 1], [1, 0])
-    head_l: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
-    first_row = gl.program_id(0) * BLOCK_N
-    q_rows = first_row + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy_l))
-    q_cols = gl.arange(0, 32, layout=gl.SliceLayout(0, copy_l))
-    h_rows = first_row + gl.arange(0, BLOCK_N, layout=head_l)
-    return q_rows, q_cols, (q_rows < N)[:, None], h_rows, h_rows < N
+# Where a super-block's staged pieces are, per type (the layouts layers/quantized.stored_blocks keeps): TILES, byte
+# offsets of its [BLOCK_N, WIDTH]-byte tiles from the super-block's start (SB_BYTES apart; a 16-byte tile is copied
+# twice over into 32 bytes); WORDS, offsets of its head words from the super-block's (SB_WORDS apart), after
+# PLANE words per super-block of the row (IQ4_XS keeps its headers after all the nibbles); VEC, bytes per copy.
+STAGED_LAYOUTS = {
+    "Q4_K": dict(TILES=(16, 48, 80, 112), SB_BYTES=144, WIDTH=32, WORDS=(0, 1, 2, 3), SB_WORDS=36, PLANE=0, VEC=16),
+    "Q5_K": dict(TILES=(48, 80, 112, 144, 16), SB_BYTES=176, WIDTH=32, WORDS=(0, 1, 2, 3), SB_WORDS=44, PLANE=0,
+                 VEC=16),  # tile 4: the fifth bits
+    "Q6_K": dict(TILES=(0, 32, 64, 96, 128, 160), SB_BYTES=212, WIDTH=32, WORDS=(48, 49, 50, 51, 52), SB_WORDS=53,
+                 PLANE=0, VEC=4),  # 212-byte blocks are 4-byte aligned
+    "IQ4_XS": dict(TILES=tuple(range(0, 128, 16)), SB_BYTES=128, WIDTH=16, WORDS=(0, 1), SB_WORDS=2, PLANE=32,
+                   VEC=16),
+}
 
 
 @gluon.jit
-def _wait_for_x(PDL: gl.constexpr):
-    if PDL:
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+def _ring(COUNT: gl.constexpr, STAGES: gl.constexpr, SHAPE: gl.constexpr, DTYPE: gl.constexpr, LAYOUT: gl.constexpr):
+    """COUNT separate [STAGES, *SHAPE] shared allocations (up to 8; those a kernel never reads are not allocated)."""
+    return (gl.allocate_shared_memory(DTYPE, [STAGES] + SHAPE, LAYOUT),
+            gl.allocate_shared_memory(DTYPE, [STAGES] + SHAPE, LAYOUT),
+            gl.allocate_shared_memory(DTYPE, [STAGES] + SHAPE, LAYOUT),
+            gl.allocate_shared_memory(DTYPE, [STAGES] + SHAPE, LAYOUT),
+            gl.allocate_shared_memory(DTYPE, [STAGES] + SHAPE, LAYOUT),
+            gl.allocate_shared_memory(DTYPE, [STAGES] + SHAPE, LAYOUT),
+            gl.allocate_shared_memory(DTYPE, [STAGES] + SHAPE, LAYOUT),
+            gl.allocate_shared_memory(DTYPE, [STAGES] + SHAPE, LAYOUT))
 
 
 @gluon.jit
-def _issue_kquant(q0, q1, q2, q3, qh, h0, h1, h2, h3, w_ptr, c, slot, live, q_rows, q_cols, q_ok, h_rows, h_ok,
-                  stride_wn, WORDS: gl.constexpr, NIBBLES: gl.constexpr, FIVE_BITS: gl.constexpr):
-    """Start copying Q4_K/Q5_K super-block c of the tile's rows into ring slot `slot` (nothing unless live)."""
-    base = w_ptr + q_rows.to(gl.int64)[:, None] * stride_wn + 4 * WORDS * c + q_cols[None, :]
-    ok = q_ok & live
-    async_load(q0.index(slot), base + NIBBLES, mask=ok)
-    async_load(q1.index(slot), base + NIBBLES + 32, mask=ok)
-    async_load(q2.index(slot), base + NIBBLES + 64, mask=ok)
-    async_load(q3.index(slot), base + NIBBLES + 96, mask=ok)
-    if FIVE_BITS:
-        async_load(qh.index(slot), base + 16, mask=ok)
-    h_ptr = (w_ptr + h_rows.to(gl.int64) * stride_wn).to(gl.pointer_type(gl.int32)) + WORDS * c
-    async_load(h0.index(slot), h_ptr, mask=h_ok & live)
-    async_load(h1.index(slot), h_ptr + 1, mask=h_ok & live)
-    async_load(h2.index(slot), h_ptr + 2, mask=h_ok & live)
-    async_load(h3.index(slot), h_ptr + 3, mask=h_ok & live)
+def _issue(tiles, words, w_ptr, K, c, slot, live, q_rows, q_cols, q_ok, h_rows, h_ok, stride_wn, TILES: gl.constexpr,
+           SB_BYTES: gl.constexpr, WIDTH: gl.constexpr, WORDS: gl.constexpr, SB_WORDS: gl.constexpr,
+           PLANE: gl.constexpr):
+    """Start copying super-block c of the tile's rows into ring slot `slot` (nothing unless live), one group."""
+    base = w_ptr + q_rows.to(gl.int64)[:, None] * stride_wn + SB_BYTES * c + (q_cols % WIDTH)[None, :]
+    for j in gl.static_range(len(TILES)):
+        async_load(tiles[j].index(slot), base + TILES[j], mask=q_ok & live)
+    h_ptr = ((w_ptr + h_rows.to(gl.int64) * stride_wn).to(gl.pointer_type(gl.int32)) + PLANE * (K // 256)
+             + SB_WORDS * c)
+    for j in gl.static_range(len(WORDS)):
+        async_load(words[j].index(slot), h_ptr + WORDS[j], mask=h_ok & live)
     cp.commit_group()
 
 
 @gluon.jit
-def _kquant_staged_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn,
-                          stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr,
-                          FIVE_BITS: gl.constexpr, PDL: gl.constexpr, STAGES: gl.constexpr):
-    """_kquant_kernel with its super-blocks staged through shared memory."""
-    WORDS: gl.constexpr = 44 if FIVE_BITS else 36
-    NIBBLES: gl.constexpr = 48 if FIVE_BITS else 16
+def _staged_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn,
+                   stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr,
+                   STAGES: gl.constexpr, QTYPE: gl.constexpr, TILES: gl.constexpr, SB_BYTES: gl.constexpr,
+                   WIDTH: gl.constexpr, WORDS: gl.constexpr, SB_WORDS: gl.constexpr, PLANE: gl.constexpr,
+                   VEC: gl.constexpr):
+    """The direct kernel of QTYPE (STAGED_LAYOUTS gives the rest) with its super-blocks staged through shared
+    memory: copies STAGES - 1 ahead, then per super-block one wait, one barrier, the next copies, the products."""
     first, last, a_row, a_ok, a_col, b_ptr, b_ok, s_ptr, rows, row_ok, toks, tok_ok, acc, zero = _tile(
         w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, False)
-    q_rows, q_cols, q_ok, h_rows, h_ok = _staging(N, BLOCK_N, NUM_WARPS, 16, PDL)
+    _launch_dependents(PDL)  # its wait comes after the first copies: weights are no kernel's output
+    copy_l: gl.constexpr = gl.BlockedLayout([1, VEC], [VEC, 32 // VEC], [NUM_WARPS, 1], [1, 0])
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
     row_l: gl.constexpr = gl.SliceLayout(1, mma)
-    q0 = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, 32], TILE_SHARED)
-    q1 = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, 32], TILE_SHARED)
-    q2 = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, 32], TILE_SHARED)
-    q3 = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, 32], TILE_SHARED)
-    qh_s = gl.allocate_shared_memory(gl.int8, [STAGES if FIVE_BITS else 1, BLOCK_N, 32], TILE_SHARED)
-    h0 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], WORD_SHARED)
-    h1 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], WORD_SHARED)
-    h2 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], WORD_SHARED)
-    h3 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], WORD_SHARED)
+    q_rows = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy_l))
+    q_cols = gl.arange(0, 32, layout=gl.SliceLayout(0, copy_l))
+    h_rows = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.BlockedLayout([1], [32], [NUM_WARPS], [0]))
+    q_ok, h_ok = (q_rows < N)[:, None], h_rows < N
+    tiles = _ring(len(TILES), STAGES, [BLOCK_N, 32], gl.int8, TILE_SHARED)
+    words = _ring(len(WORDS), STAGES, [BLOCK_N], gl.int32, WORD_SHARED)
     for p in gl.static_range(STAGES - 1):
-        _issue_kquant(q0, q1, q2, q3, qh_s, h0, h1, h2, h3, w_ptr, first + p, p, first + p < last, q_rows, q_cols,
-                      q_ok, h_rows, h_ok, stride_wn, WORDS, NIBBLES, FIVE_BITS)
-    _wait_for_x(PDL)
+        _issue(tiles, words, w_ptr, K, first + p, p, first + p < last, q_rows, q_cols, q_ok, h_rows, h_ok, stride_wn,
+               TILES, SB_BYTES, WIDTH, WORDS, SB_WORDS, PLANE)
+    _wait_for_inputs(PDL)
     for c in range(first, last):
         i = c - first
         cp.wait_group(STAGES - 2)
         barrier()  # every thread's copies into slot i % STAGES landed; slot (i - 1) % STAGES is read
-        _issue_kquant(q0, q1, q2, q3, qh_s, h0, h1, h2, h3, w_ptr, c + STAGES - 1, (i + STAGES - 1) % STAGES,
-                      c + STAGES - 1 < last, q_rows, q_cols, q_ok, h_rows, h_ok, stride_wn, WORDS, NIBBLES, FIVE_BITS)
+        _issue(tiles, words, w_ptr, K, c + STAGES - 1, (i + STAGES - 1) % STAGES, c + STAGES - 1 < last, q_rows,
+               q_cols, q_ok, h_rows, h_ok, stride_wn, TILES, SB_BYTES, WIDTH, WORDS, SB_WORDS, PLANE)
         slot = i % STAGES
-        w0 = q0.index(slot).load(a_l)
-        qh = qh_s.index(slot).load(a_l) if FIVE_BITS else w0
-        acc = _kquant_super_block(acc, zero, h0.index(slot).load(row_l), h1.index(slot).load(row_l),
-                                  h2.index(slot).load(row_l), h3.index(slot).load(row_l), qh, w0,
-                                  q1.index(slot).load(a_l), q2.index(slot).load(a_l), q3.index(slot).load(a_l), b_ptr,
-                                  b_ok, xds_ptr, toks, stride_xds, tok_ok, c, FIVE_BITS)
-    cp.wait_group(0)
-    _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
-
-
-@gluon.jit
-def _issue_q6k(t0, t1, t2, t3, t4, t5, w0, w1, w2, w3, w4, w_ptr, c, slot, live, q_rows, q_cols, q_ok, h_rows, h_ok,
-               stride_wn):
-    """Start copying Q6_K super-block c (212 bytes, 4-byte aligned: 4-byte copies) into ring slot `slot`: ql as four
-    32-byte tiles, qh as two, the scale words 48-51 and d's word 52."""
-    base = w_ptr + q_rows.to(gl.int64)[:, None] * stride_wn + 212 * c + q_cols[None, :]
-    ok = q_ok & live
-    async_load(t0.index(slot), base, mask=ok)
-    async_load(t1.index(slot), base + 32, mask=ok)
-    async_load(t2.index(slot), base + 64, mask=ok)
-    async_load(t3.index(slot), base + 96, mask=ok)
-    async_load(t4.index(slot), base + 128, mask=ok)
-    async_load(t5.index(slot), base + 160, mask=ok)
-    h_ptr = (w_ptr + h_rows.to(gl.int64) * stride_wn).to(gl.pointer_type(gl.int32)) + 53 * c
-    async_load(w0.index(slot), h_ptr + 48, mask=h_ok & live)
-    async_load(w1.index(slot), h_ptr + 49, mask=h_ok & live)
-    async_load(w2.index(slot), h_ptr + 50, mask=h_ok & live)
-    async_load(w3.index(slot), h_ptr + 51, mask=h_ok & live)
-    async_load(w4.index(slot), h_ptr + 52, mask=h_ok & live)
-    cp.commit_group()
-
-
-@gluon.jit
-def _q6k_staged_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn,
-                       stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr,
-                       STAGES: gl.constexpr):
-    """_q6k_kernel with its super-blocks staged through shared memory."""
-    first, last, a_row, a_ok, a_col, b_ptr, b_ok, s_ptr, rows, row_ok, toks, tok_ok, acc, zero = _tile(
-        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, False)
-    q_rows, q_cols, q_ok, h_rows, h_ok = _staging(N, BLOCK_N, NUM_WARPS, 4, PDL)
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
-    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
-    row_l: gl.constexpr = gl.SliceLayout(1, mma)
-    t0 = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, 32], TILE_SHARED)
-    t1 = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, 32], TILE_SHARED)
-    t2 = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, 32], TILE_SHARED)
-    t3 = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, 32], TILE_SHARED)
-    t4 = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, 32], TILE_SHARED)
-    t5 = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, 32], TILE_SHARED)
-    w0 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], WORD_SHARED)
-    w1 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], WORD_SHARED)
-    w2 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], WORD_SHARED)
-    w3 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], WORD_SHARED)
-    w4 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], WORD_SHARED)
-    for p in gl.static_range(STAGES - 1):
-        _issue_q6k(t0, t1, t2, t3, t4, t5, w0, w1, w2, w3, w4, w_ptr, first + p, p, first + p < last, q_rows, q_cols,
-                   q_ok, h_rows, h_ok, stride_wn)
-    _wait_for_x(PDL)
-    first_half = a_col < 16
-    for c in range(first, last):
-        i = c - first
-        cp.wait_group(STAGES - 2)
-        barrier()
-        _issue_q6k(t0, t1, t2, t3, t4, t5, w0, w1, w2, w3, w4, w_ptr, c + STAGES - 1, (i + STAGES - 1) % STAGES,
-                   c + STAGES - 1 < last, q_rows, q_cols, q_ok, h_rows, h_ok, stride_wn)
-        slot = i % STAGES
-        d = _half(w4.index(slot).load(row_l))
-        acc = _q6k_half(acc, zero, d, t0.index(slot).load(a_l), t1.index(slot).load(a_l), t4.index(slot).load(a_l),
-                        w0.index(slot).load(row_l), w1.index(slot).load(row_l), first_half, b_ptr, b_ok, xds_ptr,
-                        toks, stride_xds, tok_ok, c, 0)
-        acc = _q6k_half(acc, zero, d, t2.index(slot).load(a_l), t3.index(slot).load(a_l), t5.index(slot).load(a_l),
-                        w2.index(slot).load(row_l), w3.index(slot).load(row_l), first_half, b_ptr, b_ok, xds_ptr,
-                        toks, stride_xds, tok_ok, c, 1)
-    cp.wait_group(0)
-    _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
-
-
-@gluon.jit
-def _issue_iq4_xs(tiles, w0, w1, w_ptr, K, c, slot, live, q_rows, q_cols, q_ok, h_rows, h_ok, stride_wn):
-    """Start copying IQ4_XS super-block c (as field_planes keeps it) into ring slot `slot`: sub-block j's 16 nibble
-    bytes twice over into tiles[j] (the A tile's k and k + 16 read the same byte), the header's two words."""
-    base = w_ptr + q_rows.to(gl.int64)[:, None] * stride_wn + 128 * c + (q_cols % 16)[None, :]
-    ok = q_ok & live
-    for j in gl.static_range(8):
-        async_load(tiles[j].index(slot), base + 16 * j, mask=ok)
-    h_ptr = (w_ptr + h_rows.to(gl.int64) * stride_wn).to(gl.pointer_type(gl.int32)) + K // 256 * 32 + 2 * c
-    async_load(w0.index(slot), h_ptr, mask=h_ok & live)
-    async_load(w1.index(slot), h_ptr + 1, mask=h_ok & live)
-    cp.commit_group()
-
-
-@gluon.jit
-def _iq4_xs_staged_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn,
-                          stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr,
-                          STAGES: gl.constexpr):
-    """_iq4_xs_kernel with its super-blocks staged through shared memory."""
-    first, last, a_row, a_ok, a_col, b_ptr, b_ok, s_ptr, rows, row_ok, toks, tok_ok, acc, zero = _tile(
-        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, False)
-    q_rows, q_cols, q_ok, h_rows, h_ok = _staging(N, BLOCK_N, NUM_WARPS, 16, PDL)
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
-    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
-    row_l: gl.constexpr = gl.SliceLayout(1, mma)
-    tiles = (gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, 32], TILE_SHARED),
-             gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, 32], TILE_SHARED),
-             gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, 32], TILE_SHARED),
-             gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, 32], TILE_SHARED),
-             gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, 32], TILE_SHARED),
-             gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, 32], TILE_SHARED),
-             gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, 32], TILE_SHARED),
-             gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, 32], TILE_SHARED))
-    w0 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], WORD_SHARED)
-    w1 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], WORD_SHARED)
-    for p in gl.static_range(STAGES - 1):
-        _issue_iq4_xs(tiles, w0, w1, w_ptr, K, first + p, p, first + p < last, q_rows, q_cols, q_ok, h_rows, h_ok,
-                      stride_wn)
-    _wait_for_x(PDL)
-    nibble_shift = gl.broadcast((a_col // 16 * 4).to(gl.int8), a_row + a_col)[0]
-    for c in range(first, last):
-        i = c - first
-        cp.wait_group(STAGES - 2)
-        barrier()
-        _issue_iq4_xs(tiles, w0, w1, w_ptr, K, c + STAGES - 1, (i + STAGES - 1) % STAGES, c + STAGES - 1 < last,
-                      q_rows, q_cols, q_ok, h_rows, h_ok, stride_wn)
-        slot = i % STAGES
-        head = w0.index(slot).load(row_l)
-        low = w1.index(slot).load(row_l)
-        d = _half(head)
-        for j in gl.static_range(8):
-            acc = _iq4_xs_sub_block(acc, zero, tiles[j].index(slot).load(a_l), nibble_shift, head, low, d, b_ptr, b_ok,
-                                    xds_ptr, toks, stride_xds, tok_ok, c, j)
+        if QTYPE == "Q6_K":
+            d = _half(words[4].index(slot).load(row_l))
+            first_half = a_col < 16
+            for h in gl.static_range(2):
+                acc = _q6k_half(acc, zero, d, tiles[2 * h].index(slot).load(a_l),
+                                tiles[2 * h + 1].index(slot).load(a_l), tiles[4 + h].index(slot).load(a_l),
+                                words[2 * h].index(slot).load(row_l), words[2 * h + 1].index(slot).load(row_l),
+                                first_half, b_ptr, b_ok, xds_ptr, toks, stride_xds, tok_ok, c, h)
+        elif QTYPE == "IQ4_XS":
+            head = words[0].index(slot).load(row_l)
+            low = words[1].index(slot).load(row_l)
+            nibble_shift = gl.broadcast((a_col // 16 * 4).to(gl.int8), a_row + a_col)[0]
+            for j in gl.static_range(8):
+                acc = _iq4_xs_sub_block(acc, zero, tiles[j].index(slot).load(a_l), nibble_shift, head, low,
+                                        _half(head), b_ptr, b_ok, xds_ptr, toks, stride_xds, tok_ok, c, j)
+        else:  # Q4_K, Q5_K (tile 4: the fifth bits)
+            q0 = tiles[0].index(slot).load(a_l)
+            qh = tiles[4].index(slot).load(a_l) if QTYPE == "Q5_K" else q0
+            acc = _kquant_super_block(acc, zero, words[0].index(slot).load(row_l), words[1].index(slot).load(row_l),
+                                      words[2].index(slot).load(row_l), words[3].index(slot).load(row_l), qh, q0,
+                                      tiles[1].index(slot).load(a_l), tiles[2].index(slot).load(a_l),
+                                      tiles[3].index(slot).load(a_l), b_ptr, b_ok, xds_ptr, toks, stride_xds,
+                                      tok_ok, c, QTYPE == "Q5_K")
     cp.wait_group(0)
     _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
 
@@ -526,18 +431,15 @@ def _iq4_xs_staged_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split
 KERNELS = {"Q4_K": (_kquant_kernel, dict(FIVE_BITS=False)), "Q5_K": (_kquant_kernel, dict(FIVE_BITS=True)),
            "Q6_K": (_q6k_kernel, {}), "IQ4_XS": (_iq4_xs_kernel, {})}
 TIMED = {"Q4_K", "Q5_K", "Q6_K", "IQ4_XS"}  # types timed on a GPU and taken by covers(); see docs/PERF.md
-STAGED = {"Q4_K": (_kquant_staged_kernel, dict(FIVE_BITS=False)),
-          "Q5_K": (_kquant_staged_kernel, dict(FIVE_BITS=True)),
-          "Q6_K": (_q6k_staged_kernel, {}), "IQ4_XS": (_iq4_xs_staged_kernel, {})}
-STAGED_TILES = {"Q4_K": (4, 4), "Q5_K": (5, 4), "Q6_K": (6, 5), "IQ4_XS": (8, 2)}  # [BLOCK_N, 32] tiles, words
+STAGED = {qtype: (_staged_kernel, dict(QTYPE=qtype, **layout)) for qtype, layout in STAGED_LAYOUTS.items()}
 STAGES = 0  # > 1: each type takes its staged kernel this many super-blocks deep; 0: the direct kernels (the staged
 # ones are not yet timed on a GPU: docs/PERF.md, "2026-12-05, int8 mma kernels staged through shared memory")
 
 
 def staged_shared_bytes(qtype: str, stages: int, block_n: int) -> int:
     """Shared memory a staged kernel's program takes (the compiled kernels' own figure for BLOCK_N 128)."""
-    tiles, words = STAGED_TILES[qtype]
-    return stages * block_n * (32 * tiles + 4 * words)
+    layout = STAGED_LAYOUTS[qtype]
+    return stages * block_n * (32 * len(layout["TILES"]) + 4 * len(layout["WORDS"]))
 
 
 def _staged(qtype: str, x: Tensor) -> bool:

@@ -326,8 +326,7 @@ class KVCodec:
             table("levels", self.bits, device)
             table("midpoints", self.bits, device)
             table("search", 0, device)
-        if self.rotates(head_dim):
-            rotation(rotation_group(head_dim), device)
+        if self.rotates(head_dim):  # (the kernels' fast transform: R itself serves the CPU path only, made on use)
             rotation_signs(rotation_group(head_dim), device)
 
     def kernel_writes(self, head_dim: int) -> bool:
