@@ -342,13 +342,13 @@ def measure(args) -> int:
                 sweep = {}
                 from flashdraft.kernels import gguf_mma
                 for point in filter(None, args.mma_sweep.split(",")):  # verify's split of K (and tile), same model
-                    kept = gguf_mma.TARGET_PROGRAMS, gguf_mma.BLOCK_N, gguf_mma.NUM_WARPS, gguf_mma.STAGES
+                    kept = gguf_mma.TARGET_PROGRAMS, gguf_mma.BLOCK_N, gguf_mma.NUM_WARPS
                     given = [int(v) for v in point.split(":")]
-                    (gguf_mma.TARGET_PROGRAMS, gguf_mma.BLOCK_N, gguf_mma.NUM_WARPS,
-                     gguf_mma.STAGES) = given + list(kept[len(given):])
+                    programs, block_n, warps = given + list(kept[len(given):])
+                    gguf_mma.TARGET_PROGRAMS, gguf_mma.BLOCK_N, gguf_mma.NUM_WARPS = programs, block_n, warps
                     graphs = GraphCache(dev)  # captured again: the split is chosen as a graph records
                     sweep[point] = timed(verify, iters, dev)
-                    gguf_mma.TARGET_PROGRAMS, gguf_mma.BLOCK_N, gguf_mma.NUM_WARPS, gguf_mma.STAGES = kept
+                    gguf_mma.TARGET_PROGRAMS, gguf_mma.BLOCK_N, gguf_mma.NUM_WARPS = kept
                 p512 = torch.randint(0, target.cfg.vocab_size - 1, (512,), device=dev)
                 prefill_ms = timed(lambda: prefill(target, state, p512, 0, None), 3 if args.tiny else 5, dev)
             peak = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else 0.0
@@ -401,8 +401,7 @@ def main() -> int:
                          ".enable_pdl, where this torch has it)")
     ap.add_argument("--mma-programs", type=int, default=None, help="kernels/gguf_mma.TARGET_PROGRAMS (split-K of verify)")
     ap.add_argument("--mma-sweep", default="", help="then time verify(16) again at each of these TARGET_PROGRAMS[:BLOCK_N"
-                                                     "[:warps[:stages]]], e.g. 132,264,264:64,396:128:4:3 (one load, graphs captured "
-                                                     "again)")
+                                                     "[:warps]], e.g. 132,264,264:64 (one load, graphs captured again)")
     ap.add_argument("--gemv-tiles", default="", help='integer-kernel tiles per type, "IQ4_XS=16,8;Q4_K=4,16" (BLOCK_N,SB)')
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke test of this script")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -1,8 +1,6 @@
 """One launch of the integer GGUF kernel per matrix shape, for Nsight Compute to read its counters.
 Usage: ncu --clock-control none --set full -k regex:_kquant -c 3 python benchmarks/ncu_gemv.py --types Q4_K
-(the first call of each shape compiles and warms up outside the profiled launches: ncu's --launch-skip).
---mma STAGES: the int8 mma kernel for verify widths instead (kernels/gguf_mma.py; 0 direct, > 1 staged), e.g.
-    ncu --set full -k regex:_kquant -c 3 python benchmarks/ncu_gemv.py --types Q4_K --rows 16 --mma 3"""
+(the first call of each shape compiles and warms up outside the profiled launches: ncu's --launch-skip)."""
 import argparse
 import sys
 from pathlib import Path
@@ -25,11 +23,7 @@ def main() -> int:
     ap.add_argument("--shapes", default=SHAPES)
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--dot", action="store_true", help="the tensor-core kernel (kernels/gguf_matmul.py) instead")
-    ap.add_argument("--mma", type=int, default=None, help="the int8 mma kernel at this gguf_mma.STAGES instead")
     args = ap.parse_args()
-    from flashdraft.kernels import gguf_mma
-    if args.mma is not None:
-        gguf_mma.STAGES = args.mma
     if args.dot:
         G.MAX_ROWS = 0
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";")]
@@ -38,10 +32,7 @@ def main() -> int:
             w = stored_blocks(torch.from_numpy(random_blocks(qtype, n, k, 0)), qtype).cuda()
             x = torch.randn(args.rows, k, device="cuda", dtype=torch.bfloat16)
             for _ in range(2):
-                if args.mma is not None:
-                    gguf_mma.matmul(x, w, qtype, k)
-                else:
-                    K.gguf_matmul(x, w, qtype, k) if args.dot else G.gemv(x, w, qtype, k)
+                K.gguf_matmul(x, w, qtype, k) if args.dot else G.gemv(x, w, qtype, k)
             torch.cuda.synchronize()
             print(f"{qtype} N={n} K={k} rows={args.rows}: {w.numel() / 1e6:.1f} MB", flush=True)
     return 0

@@ -11,9 +11,6 @@ it (`gguf_gemv.quantize_rows_paired`); each product is exact in int32 and scaled
 xd(token) minus dmin * m(row) * xs(token); Q6_K and IQ4_XS: d * sc(row) * xd(token)). Rows of x are padded to 16
 and K is split by the matrix's shape only, so a token's result does not depend on how many rows share the call.
 
-Every kernel here also comes staged (STAGES > 1, off until timed): the same products with each
-program's super-blocks copied into shared memory by cp.async several deep.
-
 Gluon has no interpreter: the CPU tests cannot run these kernels (the GPU test does, against the `gguf` package;
 the CPU tests read their unpacking assembly as PTX). Only the TIMED types are taken by gguf_matmul.
 H200 (benchmarks/gluon_mma.py, docs/PERF.md runs 12-13), BLOCK_N 128, 16 rows of the 8B's four matrices against the
@@ -27,7 +24,6 @@ import triton
 from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from flashdraft.kernels import gguf_gemv, pdl
@@ -36,6 +32,9 @@ from flashdraft.kernels.iq4 import IQ4_FOUR
 ENABLED = True
 BLOCK_N, NUM_WARPS, TARGET_PROGRAMS = 128, 4, 264  # 64 and 32 rows, 8 warps: slower at 16 rows (run 12); 264
 # programs: verify16 6.24 ms against 6.60 at 1056 and 7.16 at 2112 (Q4_K_M, docs/PERF.md 2026-12-05)
+# Ran slower on an H100 at 8 and 16 rows (docs/PERF.md, "2026-12-05, twelfth session"): super-blocks staged
+# through shared memory by cp.async 2-4 deep (x0.73-0.95), registers capped for three or four programs per SM
+# (x0.55-0.98), the next super-block's words loaded before this one's products, and float conversion by 2^23.
 
 
 TOKENS = gl.constexpr(16)  # the mma's N: rows of x, padded
@@ -316,137 +315,9 @@ def _iq4_xs_sub_block(acc, zero, q, nibble_shift, head, low, d, b_ptr, b_ok, xds
     return acc + prod.to(gl.float32) * ((d * (scale - 32).to(gl.float32))[:, None] * xd[None, :])
 
 
-# Staged kernels: a program's super-blocks reach shared memory by cp.async STAGES deep (as llama.cpp's mmq stages
-# its tiles), so its next ones are in flight while it multiplies this one; the products are the direct kernels'
-# (same helpers, bit-equal results). Each [BLOCK_N, 32]-byte tile and head word is its own allocation: views of one
-# allocation at a runtime slot may alias, and Triton 3.6 then fences every copy with a barrier. sm_90 (Triton 3.6):
-# Q4_K 188 -> 142 registers (three programs per SM instead of two), Q6_K 254 -> 195.
-TILE_SHARED = gl.constexpr(gl.SwizzledSharedLayout(16, 4, 2, [1, 0]))  # no bank conflicts for copies or A loads
-WORD_SHARED = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
-async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared  # names from Triton 3.7 on
-barrier = getattr(gl, "barrier", None) or gl.thread_barrier
-
-# Where a super-block's staged pieces are, per type (the layouts layers/quantized.stored_blocks keeps): TILES, byte
-# offsets of its [BLOCK_N, WIDTH]-byte tiles from the super-block's start (SB_BYTES apart; a 16-byte tile is copied
-# twice over into 32 bytes); WORDS, offsets of its head words from the super-block's (SB_WORDS apart), after
-# PLANE words per super-block of the row (IQ4_XS keeps its headers after all the nibbles); VEC, bytes per copy.
-STAGED_LAYOUTS = {
-    "Q4_K": dict(TILES=(16, 48, 80, 112), SB_BYTES=144, WIDTH=32, WORDS=(0, 1, 2, 3), SB_WORDS=36, PLANE=0, VEC=16),
-    "Q5_K": dict(TILES=(48, 80, 112, 144, 16), SB_BYTES=176, WIDTH=32, WORDS=(0, 1, 2, 3), SB_WORDS=44, PLANE=0,
-                 VEC=16),  # tile 4: the fifth bits
-    "Q6_K": dict(TILES=(0, 32, 64, 96, 128, 160), SB_BYTES=212, WIDTH=32, WORDS=(48, 49, 50, 51, 52), SB_WORDS=53,
-                 PLANE=0, VEC=4),  # 212-byte blocks are 4-byte aligned
-    "IQ4_XS": dict(TILES=tuple(range(0, 128, 16)), SB_BYTES=128, WIDTH=16, WORDS=(0, 1), SB_WORDS=2, PLANE=32,
-                   VEC=16),
-}
-
-
-@gluon.jit
-def _ring(COUNT: gl.constexpr, STAGES: gl.constexpr, SHAPE: gl.constexpr, DTYPE: gl.constexpr, LAYOUT: gl.constexpr):
-    """COUNT separate [STAGES, *SHAPE] shared allocations (up to 8; those a kernel never reads are not allocated)."""
-    return (gl.allocate_shared_memory(DTYPE, [STAGES] + SHAPE, LAYOUT),
-            gl.allocate_shared_memory(DTYPE, [STAGES] + SHAPE, LAYOUT),
-            gl.allocate_shared_memory(DTYPE, [STAGES] + SHAPE, LAYOUT),
-            gl.allocate_shared_memory(DTYPE, [STAGES] + SHAPE, LAYOUT),
-            gl.allocate_shared_memory(DTYPE, [STAGES] + SHAPE, LAYOUT),
-            gl.allocate_shared_memory(DTYPE, [STAGES] + SHAPE, LAYOUT),
-            gl.allocate_shared_memory(DTYPE, [STAGES] + SHAPE, LAYOUT),
-            gl.allocate_shared_memory(DTYPE, [STAGES] + SHAPE, LAYOUT))
-
-
-@gluon.jit
-def _issue(tiles, words, w_ptr, K, c, slot, live, q_rows, q_cols, q_ok, h_rows, h_ok, stride_wn, TILES: gl.constexpr,
-           SB_BYTES: gl.constexpr, WIDTH: gl.constexpr, WORDS: gl.constexpr, SB_WORDS: gl.constexpr,
-           PLANE: gl.constexpr):
-    """Start copying super-block c of the tile's rows into ring slot `slot` (nothing unless live), one group."""
-    base = w_ptr + q_rows.to(gl.int64)[:, None] * stride_wn + SB_BYTES * c + (q_cols % WIDTH)[None, :]
-    for j in gl.static_range(len(TILES)):
-        async_load(tiles[j].index(slot), base + TILES[j], mask=q_ok & live)
-    h_ptr = ((w_ptr + h_rows.to(gl.int64) * stride_wn).to(gl.pointer_type(gl.int32)) + PLANE * (K // 256)
-             + SB_WORDS * c)
-    for j in gl.static_range(len(WORDS)):
-        async_load(words[j].index(slot), h_ptr + WORDS[j], mask=h_ok & live)
-    cp.commit_group()
-
-
-@gluon.jit
-def _staged_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn,
-                   stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr,
-                   STAGES: gl.constexpr, QTYPE: gl.constexpr, TILES: gl.constexpr, SB_BYTES: gl.constexpr,
-                   WIDTH: gl.constexpr, WORDS: gl.constexpr, SB_WORDS: gl.constexpr, PLANE: gl.constexpr,
-                   VEC: gl.constexpr):
-    """The direct kernel of QTYPE (STAGED_LAYOUTS gives the rest) with its super-blocks staged through shared
-    memory: copies STAGES - 1 ahead, then per super-block one wait, one barrier, the next copies, the products."""
-    first, last, a_row, a_ok, a_col, b_ptr, b_ok, s_ptr, rows, row_ok, toks, tok_ok, acc, zero = _tile(
-        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, False)
-    _launch_dependents(PDL)  # its wait comes after the first copies: weights are no kernel's output
-    copy_l: gl.constexpr = gl.BlockedLayout([1, VEC], [VEC, 32 // VEC], [NUM_WARPS, 1], [1, 0])
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
-    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
-    row_l: gl.constexpr = gl.SliceLayout(1, mma)
-    q_rows = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy_l))
-    q_cols = gl.arange(0, 32, layout=gl.SliceLayout(0, copy_l))
-    h_rows = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.BlockedLayout([1], [32], [NUM_WARPS], [0]))
-    q_ok, h_ok = (q_rows < N)[:, None], h_rows < N
-    tiles = _ring(len(TILES), STAGES, [BLOCK_N, 32], gl.int8, TILE_SHARED)
-    words = _ring(len(WORDS), STAGES, [BLOCK_N], gl.int32, WORD_SHARED)
-    for p in gl.static_range(STAGES - 1):
-        _issue(tiles, words, w_ptr, K, first + p, p, first + p < last, q_rows, q_cols, q_ok, h_rows, h_ok, stride_wn,
-               TILES, SB_BYTES, WIDTH, WORDS, SB_WORDS, PLANE)
-    _wait_for_inputs(PDL)
-    for c in range(first, last):
-        i = c - first
-        cp.wait_group(STAGES - 2)
-        barrier()  # every thread's copies into slot i % STAGES landed; slot (i - 1) % STAGES is read
-        _issue(tiles, words, w_ptr, K, c + STAGES - 1, (i + STAGES - 1) % STAGES, c + STAGES - 1 < last, q_rows,
-               q_cols, q_ok, h_rows, h_ok, stride_wn, TILES, SB_BYTES, WIDTH, WORDS, SB_WORDS, PLANE)
-        slot = i % STAGES
-        if QTYPE == "Q6_K":
-            d = _half(words[4].index(slot).load(row_l))
-            first_half = a_col < 16
-            for h in gl.static_range(2):
-                acc = _q6k_half(acc, zero, d, tiles[2 * h].index(slot).load(a_l),
-                                tiles[2 * h + 1].index(slot).load(a_l), tiles[4 + h].index(slot).load(a_l),
-                                words[2 * h].index(slot).load(row_l), words[2 * h + 1].index(slot).load(row_l),
-                                first_half, b_ptr, b_ok, xds_ptr, toks, stride_xds, tok_ok, c, h)
-        elif QTYPE == "IQ4_XS":
-            head = words[0].index(slot).load(row_l)
-            low = words[1].index(slot).load(row_l)
-            nibble_shift = gl.broadcast((a_col // 16 * 4).to(gl.int8), a_row + a_col)[0]
-            for j in gl.static_range(8):
-                acc = _iq4_xs_sub_block(acc, zero, tiles[j].index(slot).load(a_l), nibble_shift, head, low,
-                                        _half(head), b_ptr, b_ok, xds_ptr, toks, stride_xds, tok_ok, c, j)
-        else:  # Q4_K, Q5_K (tile 4: the fifth bits)
-            q0 = tiles[0].index(slot).load(a_l)
-            qh = tiles[4].index(slot).load(a_l) if QTYPE == "Q5_K" else q0
-            acc = _kquant_super_block(acc, zero, words[0].index(slot).load(row_l), words[1].index(slot).load(row_l),
-                                      words[2].index(slot).load(row_l), words[3].index(slot).load(row_l), qh, q0,
-                                      tiles[1].index(slot).load(a_l), tiles[2].index(slot).load(a_l),
-                                      tiles[3].index(slot).load(a_l), b_ptr, b_ok, xds_ptr, toks, stride_xds,
-                                      tok_ok, c, QTYPE == "Q5_K")
-    cp.wait_group(0)
-    _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
-
-
 KERNELS = {"Q4_K": (_kquant_kernel, dict(FIVE_BITS=False)), "Q5_K": (_kquant_kernel, dict(FIVE_BITS=True)),
            "Q6_K": (_q6k_kernel, {}), "IQ4_XS": (_iq4_xs_kernel, {})}
 TIMED = {"Q4_K", "Q5_K", "Q6_K", "IQ4_XS"}  # types timed on a GPU and taken by covers(); see docs/PERF.md
-STAGED = {qtype: (_staged_kernel, dict(QTYPE=qtype, **layout)) for qtype, layout in STAGED_LAYOUTS.items()}
-STAGES = 0  # > 1: each type takes its staged kernel this many super-blocks deep; 0: the direct kernels (the staged
-# ones are not yet timed on a GPU: docs/PERF.md, "2026-12-05, int8 mma kernels staged through shared memory")
-
-
-def staged_shared_bytes(qtype: str, stages: int, block_n: int) -> int:
-    """Shared memory a staged kernel's program takes (the compiled kernels' own figure for BLOCK_N 128)."""
-    layout = STAGED_LAYOUTS[qtype]
-    return stages * block_n * (32 * len(layout["TILES"]) + 4 * len(layout["WORDS"]))
-
-
-def _staged(qtype: str, x: Tensor) -> bool:
-    """Whether the staged kernel runs: on, and its ring fits the GPU's shared memory (an RTX 3090 has 99 KB a
-    program against the H100's 227; the direct kernel otherwise)."""
-    return (STAGES > 1 and qtype in STAGED and staged_shared_bytes(qtype, STAGES, BLOCK_N)
-            <= getattr(torch.cuda.get_device_properties(x.device), "shared_memory_per_block_optin", 49152))
 
 
 def covers(qtype: str, m: int, x: Tensor) -> bool:
@@ -466,9 +337,6 @@ def matmul(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:
     out, partial = gguf_gemv.split_outputs(x, n, splits)
     xb = xq.view(torch.int8)
     kernel, constants = KERNELS[qtype]
-    if _staged(qtype, x):
-        kernel, constants = STAGED[qtype]
-        constants = dict(constants, STAGES=STAGES)
     kernel[(triton.cdiv(n, BLOCK_N), splits)](xb, xds, qweight, partial, m, n, k, per_split, xb.stride(0),
                                               xds.stride(0), qweight.stride(0), partial.stride(0), partial.stride(1),
                                               BLOCK_N=BLOCK_N, NUM_WARPS=NUM_WARPS, num_warps=NUM_WARPS, **constants,
