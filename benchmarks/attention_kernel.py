@@ -1,7 +1,7 @@
 """The split attention kernel alone (kernels/split_attention.py) at the 8B's decode and verify shapes (32 query heads
 over 8 KV heads of 128, a bf16 cache or a stored KV type), replayed in a CUDA graph, over a sweep of its tile settings.
 Usage: python benchmarks/attention_kernel.py [--lengths 1280,16640] [--types f16,q4_1]
-           [--configs "ROW_TILE,BLOCK_N,TARGET,warps,stages;..."] [--max-registers 168]"""
+           [--configs "ROW_TILE,BLOCK_N,TARGET,warps,stages;..."]"""
 import argparse
 import sys
 from pathlib import Path
@@ -26,10 +26,8 @@ def main() -> int:
                                       f"{STORED_DEFAULT} over stored types")
     ap.add_argument("--heads", default="32,8,128")
     ap.add_argument("--types", default="f16", help="KV cache types (K = V), as --cache-type-k takes them")
-    ap.add_argument("--max-registers", type=int, help="split_attention.STORED_MAX_REGISTERS for the stored types")
     args = ap.parse_args()
     H, KV, D = (int(v) for v in args.heads.split(","))
-    S.STORED_MAX_REGISTERS = args.max_registers
     rows = []
     for name, L in ((n, int(l)) for n in args.types.split(",") for l in args.lengths.split(",")):
         codec = kv_codecs((name, name), torch.bfloat16)[0]

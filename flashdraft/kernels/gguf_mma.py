@@ -33,8 +33,8 @@ ENABLED = True
 BLOCK_N, NUM_WARPS, TARGET_PROGRAMS = 128, 4, 264  # 64 and 32 rows, 8 warps: slower at 16 rows (run 12); 264
 # programs: verify16 6.24 ms against 6.60 at 1056 and 7.16 at 2112 (Q4_K_M, docs/PERF.md 2026-12-05)
 # Ran slower on an H100 at 8 and 16 rows (docs/PERF.md, "2026-12-05, twelfth session"): super-blocks staged
-# through shared memory by cp.async 2-4 deep (x0.73-0.95), registers capped for three or four programs per SM
-# (x0.55-0.98), the next super-block's words loaded before this one's products, and float conversion by 2^23.
+# through shared memory by cp.async 2-4 deep (x0.73-0.93), registers capped for three or four programs per SM
+# (x0.52-0.98), the next super-block's words loaded before this one's products, and float conversion by 2^23.
 
 
 TOKENS = gl.constexpr(16)  # the mma's N: rows of x, padded
@@ -73,21 +73,6 @@ def _sub_block(acc, w, zero, a, b, s, d, dmin, b_ptr, b_ok, xds_ptr, toks, strid
 
 
 @gluon.jit
-def _launch_dependents(PDL: gl.constexpr):
-    """kernels/pdl.py's start_dependents in Gluon: let the next kernel be placed (launch overlap only)."""
-    if PDL:
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                  pack=1)
-
-
-@gluon.jit
-def _wait_for_inputs(PDL: gl.constexpr):
-    """kernels/pdl.py's wait_for_inputs in Gluon: wait for the kernel that wrote x."""
-    if PDL:
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def _tile(w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N: gl.constexpr,
           NUM_WARPS: gl.constexpr, PDL: gl.constexpr):
     """A program's super-blocks [first, last) (grid axis 1 splits K) and its operands in the mma fragments'
@@ -95,8 +80,10 @@ def _tile(w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N: g
     keeps runs of four, for word loads), a_ok, a_col [1, 32] (k); b_ptr [32, TOKENS] (x's bytes + k, in the B
     layout), b_ok; s_ptr (the rows' starts as int32 words, for their scales), rows, row_ok and toks, tok_ok along
     the product's two axes; a float32 accumulator and an int32 zero for each mma."""
-    _launch_dependents(PDL)
-    _wait_for_inputs(PDL)
+    if PDL:  # kernels/pdl.py: let the next kernel be placed, then wait for x (launch overlap only)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
@@ -145,34 +132,6 @@ def _q5_values(q, qh, J: gl.constexpr):
 
 
 @gluon.jit
-def _kquant_super_block(acc, zero, head, a, b, s, qh, q0, q1, q2, q3, b_ptr, b_ok, xds_ptr, toks, stride_xds, tok_ok,
-                        c, FIVE_BITS: gl.constexpr):
-    """acc + Q4_K/Q5_K super-block c's products from its words (A-layout nibble tiles q0..q3 and qh, head words)."""
-    d, dmin = _half(head), _half(head >> 16)
-    for g in gl.static_range(4):
-        if g == 0:
-            q = q0
-        elif g == 1:
-            q = q1
-        elif g == 2:
-            q = q2
-        else:
-            q = q3
-        if FIVE_BITS:
-            lo, hi = _q5_values(q, qh, 2 * g), _q5_values(q, qh, 2 * g + 1)
-        else:
-            lo = gl.inline_asm_elementwise("and.b32 $0, $1, 0x0F0F0F0F;", "=r,r", [q], dtype=gl.int8,
-                                           is_pure=True, pack=4)
-            hi = gl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 4; and.b32 $0, t, 0x0F0F0F0F; }",
-                                           "=r,r", [q], dtype=gl.int8, is_pure=True, pack=4)
-        acc = _sub_block(acc, lo, zero, a, b, s, d, dmin, b_ptr + 256 * c, b_ok, xds_ptr, toks, stride_xds,
-                         tok_ok, 8 * c, 2 * g)
-        acc = _sub_block(acc, hi, zero, a, b, s, d, dmin, b_ptr + 256 * c, b_ok, xds_ptr, toks, stride_xds,
-                         tok_ok, 8 * c, 2 * g + 1)
-    return acc
-
-
-@gluon.jit
 def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn,
                    stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, FIVE_BITS: gl.constexpr,
                    PDL: gl.constexpr):
@@ -190,14 +149,22 @@ def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
         a = gl.load(s_ptr + WORDS * c + 1, mask=row_ok, other=0)
         b = gl.load(s_ptr + WORDS * c + 2, mask=row_ok, other=0)
         s = gl.load(s_ptr + WORDS * c + 3, mask=row_ok, other=0)
-        q = a_ptr + 4 * WORDS * c + NIBBLES
-        q0 = gl.load(q, mask=a_ok, other=0)
-        q1 = gl.load(q + 32, mask=a_ok, other=0)
-        q2 = gl.load(q + 64, mask=a_ok, other=0)
-        q3 = gl.load(q + 96, mask=a_ok, other=0)
-        qh = gl.load(a_ptr + 4 * WORDS * c + 16, mask=a_ok, other=0) if FIVE_BITS else q0
-        acc = _kquant_super_block(acc, zero, head, a, b, s, qh, q0, q1, q2, q3, b_ptr, b_ok, xds_ptr, toks,
-                                  stride_xds, tok_ok, c, FIVE_BITS)
+        d, dmin = _half(head), _half(head >> 16)
+        if FIVE_BITS:
+            qh = gl.load(a_ptr + 4 * WORDS * c + 16, mask=a_ok, other=0)
+        for g in gl.static_range(4):
+            q = gl.load(a_ptr + 4 * WORDS * c + NIBBLES + 32 * g, mask=a_ok, other=0)
+            if FIVE_BITS:
+                lo, hi = _q5_values(q, qh, 2 * g), _q5_values(q, qh, 2 * g + 1)
+            else:
+                lo = gl.inline_asm_elementwise("and.b32 $0, $1, 0x0F0F0F0F;", "=r,r", [q], dtype=gl.int8,
+                                               is_pure=True, pack=4)
+                hi = gl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 4; and.b32 $0, t, 0x0F0F0F0F; }",
+                                               "=r,r", [q], dtype=gl.int8, is_pure=True, pack=4)
+            acc = _sub_block(acc, lo, zero, a, b, s, d, dmin, b_ptr + 256 * c, b_ok, xds_ptr, toks, stride_xds,
+                             tok_ok, 8 * c, 2 * g)
+            acc = _sub_block(acc, hi, zero, a, b, s, d, dmin, b_ptr + 256 * c, b_ok, xds_ptr, toks, stride_xds,
+                             tok_ok, 8 * c, 2 * g + 1)
     _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
 
 
@@ -238,26 +205,6 @@ def _q6_values(ql0, ql1, qh, Q: gl.constexpr):
 
 
 @gluon.jit
-def _q6k_half(acc, zero, d, ql0, ql1, qh, sw0, sw1, first_half, b_ptr, b_ok, xds_ptr, toks, stride_xds, tok_ok, c,
-              H: gl.constexpr):
-    """acc + the products of Q6_K super-block c's 128-weight half H: ql0/ql1/qh its A-layout tiles (ql bytes 64H..,
-    64H + 32.., qh bytes 32H..), sw0/sw1 its scale words (scales 8H .. 8H + 3, 8H + 4 .. 8H + 7)."""
-    for q in gl.static_range(4):
-        v = _q6_values(ql0, ql1, qh, q)
-        xb = gl.load(b_ptr + 256 * c + 128 * H + 32 * q, mask=b_ok, other=0)
-        prod_a = mma_v2(gl.where(first_half, v, 0), xb, zero)
-        prod_b = mma_v2(gl.where(first_half, 0, v), xb, zero)
-        sw = sw0 if q < 2 else sw1
-        sc_a = ((sw << (24 - 16 * (q % 2))) >> 24).to(gl.float32)  # scale 2q, signed
-        sc_b = ((sw << (16 - 16 * (q % 2))) >> 24).to(gl.float32)  # scale 2q + 1
-        pair = gl.load(xds_ptr + toks * stride_xds + 8 * c + 4 * H + q, mask=tok_ok, other=0)
-        xd = pair.to(gl.int32).to(gl.float32, bitcast=True)
-        both = prod_a.to(gl.float32) * sc_a[:, None] + prod_b.to(gl.float32) * sc_b[:, None]
-        acc += both * (d[:, None] * xd[None, :])
-    return acc
-
-
-@gluon.jit
 def _q6k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn,
                 stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr):
     """Q6_K (kept padded to 212 bytes: ql 128, qh 64, 16 int8 scales, d): each 32 weights are one int8 mma per
@@ -272,10 +219,20 @@ def _q6k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_x
             ql0 = gl.load(a_ptr + 212 * c + 64 * h, mask=a_ok, other=0)
             ql1 = gl.load(a_ptr + 212 * c + 64 * h + 32, mask=a_ok, other=0)
             qh = gl.load(a_ptr + 212 * c + 128 + 32 * h, mask=a_ok, other=0)
-            sw0 = gl.load(s_ptr + 53 * c + 48 + 2 * h, mask=row_ok, other=0)
-            sw1 = gl.load(s_ptr + 53 * c + 49 + 2 * h, mask=row_ok, other=0)
-            acc = _q6k_half(acc, zero, d, ql0, ql1, qh, sw0, sw1, first_half, b_ptr, b_ok, xds_ptr, toks, stride_xds,
-                            tok_ok, c, h)
+            sw0 = gl.load(s_ptr + 53 * c + 48 + 2 * h, mask=row_ok, other=0)  # scales 8h .. 8h + 3
+            sw1 = gl.load(s_ptr + 53 * c + 49 + 2 * h, mask=row_ok, other=0)  # scales 8h + 4 .. 8h + 7
+            for q in gl.static_range(4):
+                v = _q6_values(ql0, ql1, qh, q)
+                xb = gl.load(b_ptr + 256 * c + 128 * h + 32 * q, mask=b_ok, other=0)
+                prod_a = mma_v2(gl.where(first_half, v, 0), xb, zero)
+                prod_b = mma_v2(gl.where(first_half, 0, v), xb, zero)
+                sw = sw0 if q < 2 else sw1
+                sc_a = ((sw << (24 - 16 * (q % 2))) >> 24).to(gl.float32)  # scale 2q, signed
+                sc_b = ((sw << (16 - 16 * (q % 2))) >> 24).to(gl.float32)  # scale 2q + 1
+                pair = gl.load(xds_ptr + toks * stride_xds + 8 * c + 4 * h + q, mask=tok_ok, other=0)
+                xd = pair.to(gl.int32).to(gl.float32, bitcast=True)
+                both = prod_a.to(gl.float32) * sc_a[:, None] + prod_b.to(gl.float32) * sc_b[:, None]
+                acc += both * (d[:, None] * xd[None, :])
     _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
 
 
@@ -297,22 +254,13 @@ def _iq4_xs_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
         d = _half(head)
         for j in gl.static_range(8):
             q = gl.load(a_ptr + 128 * c + 16 * j, mask=a_ok, other=0)
-            acc = _iq4_xs_sub_block(acc, zero, q, nibble_shift, head, low, d, b_ptr, b_ok, xds_ptr, toks, stride_xds,
-                                    tok_ok, c, j)
+            w = gl.inline_asm_elementwise(IQ4_FOUR, "=r,r,r", [q, nibble_shift], dtype=gl.int8, is_pure=True, pack=4)
+            prod = mma_v2(w, gl.load(b_ptr + 256 * c + 32 * j, mask=b_ok, other=0), zero)
+            scale = ((low >> (4 * j)) & 15) | (((head >> (16 + 2 * j)) & 3) << 4)
+            pair = gl.load(xds_ptr + toks * stride_xds + 8 * c + j, mask=tok_ok, other=0)
+            xd = pair.to(gl.int32).to(gl.float32, bitcast=True)
+            acc += prod.to(gl.float32) * ((d * (scale - 32).to(gl.float32))[:, None] * xd[None, :])
     _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
-
-
-@gluon.jit
-def _iq4_xs_sub_block(acc, zero, q, nibble_shift, head, low, d, b_ptr, b_ok, xds_ptr, toks, stride_xds, tok_ok, c,
-                      J: gl.constexpr):
-    """acc + IQ4_XS super-block c's sub-block J: q its 16 nibble bytes as an A-layout tile (k and k + 16 the same
-    byte), head and low the header's words, d its scale."""
-    w = gl.inline_asm_elementwise(IQ4_FOUR, "=r,r,r", [q, nibble_shift], dtype=gl.int8, is_pure=True, pack=4)
-    prod = mma_v2(w, gl.load(b_ptr + 256 * c + 32 * J, mask=b_ok, other=0), zero)
-    scale = ((low >> (4 * J)) & 15) | (((head >> (16 + 2 * J)) & 3) << 4)
-    pair = gl.load(xds_ptr + toks * stride_xds + 8 * c + J, mask=tok_ok, other=0)
-    xd = pair.to(gl.int32).to(gl.float32, bitcast=True)
-    return acc + prod.to(gl.float32) * ((d * (scale - 32).to(gl.float32))[:, None] * xd[None, :])
 
 
 KERNELS = {"Q4_K": (_kquant_kernel, dict(FIVE_BITS=False)), "Q5_K": (_kquant_kernel, dict(FIVE_BITS=True)),

@@ -39,9 +39,8 @@ BLOCK_N = 128
 # over a stored (block or rotated) type, 64-key tiles and three stages: at 33k keys q4_1 48.5 us against 60.7 at 128
 # keys and two stages, q5_0 69.3 against 80.7 (H200, benchmarks/attention_kernel.py --types, docs/PERF.md run 12)
 STORED_BLOCK_N, STORED_STAGES = 64, 3
-# a register cap for the stored types' programs (None: the compiler's choice, 244-248 a thread for q4_1 and q5_0 with
-# Triton 3.6, two programs per SM; 168 would fit three, with TARGET_PROGRAMS 396: benchmarks/attention_kernel.py)
-STORED_MAX_REGISTERS: int | None = None
+# no register cap: 168 a thread (three programs per SM) won some shapes and lost others by up to 2.7x (H100,
+# docs/PERF.md "twelfth session")
 ROW_TILE = 16
 TARGET_PROGRAMS = 264  # about two programs per SM of an H100/H200
 ROTATION_MAX = 128  # heads up to this size: q rotated here for rotated keys, a rotated V's output back in the merge
@@ -359,9 +358,7 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale
                                              BLOCK_M=ROW_TILE, BLOCK_N=block_n, SOFTCAP=softcap > 0, K_TYPE=k_type,
                                              V_TYPE=v_type, K_ROW=keys.shape[2], V_ROW=values.shape[2],
                                              K_PLANES=planes(k_type), V_PLANES=planes(v_type), K_ROTATED=k_rotated,
-                                             num_warps=NUM_WARPS, num_stages=stages, **pdl.launch(q),
-                                             **({"maxnreg": STORED_MAX_REGISTERS} if STORED_MAX_REGISTERS
-                                                and (k_type or v_type) and q.is_cuda else {}))
+                                             num_warps=NUM_WARPS, num_stages=stages, **pdl.launch(q))
     out = torch.empty(T, H, D, device=q.device, dtype=q.dtype)
     group = rotation_group(D) if v_rotated else 0
     _merge_kernel[(KV, G * T)](acc, m, lse, rotation_signs(group, q.device) if group else acc, out, out.stride(0),
