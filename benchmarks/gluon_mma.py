@@ -21,9 +21,10 @@ def sass(qtype: str, block_n: int, num_warps: int) -> None:
 
     from flashdraft.kernels.gguf_matmul import chunk_bytes
     sig = {"xq_ptr": "*i8", "xds_ptr": "*i64", "w_ptr": "*u8", "out_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
-           "sb_per_split": "i32", "stride_wn": "i32", "stride_os": "i32", "stride_om": "i32", "BLOCK_N": "constexpr",
-           "NUM_WARPS": "constexpr", "PDL": "constexpr"}
-    aligned = ("xq_ptr", "xds_ptr", "w_ptr", "out_ptr", "N", "K", "stride_wn", "stride_os", "stride_om")
+           "sb_per_split": "i32", "stride_xq": "i32", "stride_xds": "i32", "stride_wn": "i32", "stride_os": "i32",
+           "stride_om": "i32", "BLOCK_N": "constexpr", "NUM_WARPS": "constexpr", "PDL": "constexpr"}
+    aligned = ("xq_ptr", "xds_ptr", "w_ptr", "out_ptr", "N", "K", "stride_xq", "stride_xds", "stride_wn",
+               "stride_os", "stride_om")
     kernel, constants = KERNELS[qtype]
     usage, code = S.compile_sm90(kernel, sig, dict(BLOCK_N=block_n, NUM_WARPS=num_warps, PDL=True, **constants), aligned,
                                  num_warps, GluonASTSource)

@@ -68,15 +68,6 @@ def check(device: str, dtype: torch.dtype = torch.float32, tol: float = 1e-5) ->
         x = torch.randn(16, k, generator=gen).to(device, dtype)
         for few, many in ((1, MAX_ROWS), (MAX_ROWS + 1, 16)):
             assert torch.equal(gguf_matmul(x[:few], qweight, qtype, k)[0], gguf_matmul(x[:many], qweight, qtype, k)[0])
-    # x as the int8 mma kernels take it: quantize_rows' bytes, scales and sums, a block's 16 rows side by side
-    from flashdraft.kernels.gguf_gemv import quantize_rows, quantize_rows_tiled
-    x = torch.randn(5, 512, generator=gen).to(device, dtype)
-    q, d, s = quantize_rows(x)
-    q_tiled, pairs = quantize_rows_tiled(x)
-    by_row = q_tiled.view(torch.int8).view(512 // 32, 2, 16, 16)[:, :, :5].permute(2, 0, 1, 3).reshape(5, 512)
-    assert torch.equal(by_row.cpu(), q.view(torch.int8).cpu()), "tiled x: not the rows' bytes"
-    pairs = pairs.view(torch.float32).view(512 // 32, 16, 2)[:, :5].transpose(0, 1).cpu()
-    assert torch.equal(pairs, torch.stack([d, s], -1).cpu()), "tiled x: not the rows' scales and sums"
     # a fused matrix whose parts differ in type (Q4_K_M's q/k/v): each part's columns of one output
     from flashdraft.kernels.gguf_matmul import gguf_matmul_parts
     k, types, sizes = 512, ["Q4_K", "Q6_K", "IQ4_XS", "Q8_0"], [45, 17, 33, 8]

@@ -79,13 +79,11 @@ def _half(bits):
 
 @triton.jit
 def _quantize_kernel(x_ptr, q_ptr, d_ptr, s_ptr, K, stride_x, stride_q, stride_d, BLOCKS: tl.constexpr,
-                     ORDER: tl.constexpr, STEP: tl.constexpr, TILED: tl.constexpr, PDL: tl.constexpr):
+                     ORDER: tl.constexpr, STEP: tl.constexpr, PDL: tl.constexpr):
     """x [M, K] -> q [M, K / 4] int32 (four int8 per word), d [M, K / 32] scales, s [M, K / 32] = d * sum(q) (STEP
     floats apart: 2 writes them side by side).
     ORDER 0: each block's values in order; IQ4_ORDER: word 2t holds values 4t, 16 + 4t, 4t + 1, 17 + 4t and word
-    2t + 1 values 4t + 2, 18 + 4t, 4t + 3, 19 + 4t (the order `iq4_nibbles` gives a weight word's values).
-    TILED: block b's word w of row m at word b * 128 + w // 4 * 64 + 4 * m + w % 4 (stride_q 4): the 16 rows' values
-    of each half of a block side by side, as `quantize_rows_tiled` lays them out."""
+    2t + 1 values 4t + 2, 18 + 4t, 4t + 3, 19 + 4t (the order `iq4_nibbles` gives a weight word's values)."""
     start_dependents(PDL)
     wait_for_inputs(PDL)
     m = tl.program_id(0)
@@ -104,11 +102,7 @@ def _quantize_kernel(x_ptr, q_ptr, d_ptr, s_ptr, K, stride_x, stride_q, stride_d
     q = tl.floor(x * inv[:, None, None] + 0.5).to(tl.int32)
     q = tl.minimum(tl.maximum(q, -127), 127)
     words = tl.sum((q & 0xFF) << (byte * 8)[None, None, :], axis=2)
-    if TILED:
-        word = b[:, None] * 128 + (w // 4 * 64 + w % 4)[None, :]
-    else:
-        word = b[:, None] * 8 + w[None, :]
-    tl.store(q_ptr + m * stride_q + word, words, mask=ok[:, None])
+    tl.store(q_ptr + m * stride_q + b[:, None] * 8 + w[None, :], words, mask=ok[:, None])
     tl.store(d_ptr + m * stride_d + b * STEP, d, mask=ok)
     tl.store(s_ptr + m * stride_d + b * STEP, d * tl.sum(tl.sum(q, axis=2), axis=1).to(tl.float32), mask=ok)
 
@@ -125,34 +119,20 @@ def quantize_rows(x: Tensor, order: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     return _quantize_into(x, d, s, order, 1), d, s
 
 
-TILE_ROWS = 16  # rows of x quantize_rows_tiled lays out side by side
-
-
-def quantize_rows_tiled(x: Tensor) -> tuple[Tensor, Tensor]:
-    """x [M <= 16, K] -> (q: per block of 32 values, its first 16 values for rows 0..15 (16 bytes each), then its last
-    16, 512 bytes per block; [K / 32, 16] int64: each block's d and s side by side, the rows of a block adjacent).
-    The int8 mma kernels (kernels/gguf_mma.py) read each B fragment and each block's scales in one 128-byte
-    wavefront of the L1 cache this way, where rows K apart took eight. Rows past M are left unwritten."""
+def quantize_rows_paired(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [M, K] -> (q [M, K / 4] int32, [M, K / 32] int64: each block's d and s side by side, one 8-byte load)."""
     m, k = x.shape
-    assert m <= TILE_ROWS, m
-    pairs = torch.empty(k // QK8, TILE_ROWS, 2, device=x.device, dtype=torch.float32)
-    q = torch.empty(k // QK8 * 128, device=x.device, dtype=torch.int32)
-    _quantize_into(x, pairs[..., 0].T, pairs[..., 1].T, 0, 2 * TILE_ROWS, q, 4)
+    pairs = torch.empty(m, k // QK8, 2, device=x.device, dtype=torch.float32)
+    q = _quantize_into(x, pairs[..., 0], pairs[..., 1], 0, 2)
     return q, pairs.view(torch.int64)[..., 0]
 
 
-def _quantize_into(x: Tensor, d: Tensor, s: Tensor, order: int, step: int, q: Tensor | None = None,
-                   stride_q: int = 0) -> Tensor:
-    """Launches _quantize_kernel; q given: its TILED layout, rows stride_q words apart."""
+def _quantize_into(x: Tensor, d: Tensor, s: Tensor, order: int, step: int) -> Tensor:
     m, k = x.shape
-    tiled = q is not None
-    if not tiled:
-        q = torch.empty(m, k // 4, device=x.device, dtype=torch.int32)
-        stride_q = q.stride(0)
+    q = torch.empty(m, k // 4, device=x.device, dtype=torch.int32)
     blocks = 16
-    _quantize_kernel[(m, triton.cdiv(k // QK8, blocks))](x, q, d, s, k, x.stride(0), stride_q, d.stride(0),
-                                                          BLOCKS=blocks, ORDER=order, STEP=step, TILED=tiled,
-                                                          **pdl.launch(x))
+    _quantize_kernel[(m, triton.cdiv(k // QK8, blocks))](x, q, d, s, k, x.stride(0), q.stride(0), d.stride(0),
+                                                          BLOCKS=blocks, ORDER=order, STEP=step, **pdl.launch(x))
     return q
 
 

@@ -7,10 +7,8 @@ and of 2g + 1 (high nibbles, a shift and an AND); Q5_K adds bit J of each qh byt
 and one of qh bytes give four consecutive 6-bit values (signed by a bit trick); its scales change every 16 weights,
 so each 32 weights are two mmas with the other half's weights zeroed. IQ4_XS: the low or high nibbles of a word
 looked up in the level table by byte permutes. x is quantized to 8 bits per 32 values as the integer kernels take
-it, laid out by `gguf_gemv.quantize_rows_tiled` (a block's 16 rows side by side, so that a warp's load of a B
-fragment or of a block's scales is one 128-byte L1 wavefront, not eight); each product is exact in int32 and scaled
-in float32 (the K types: d * sc(row) * xd(token) minus dmin * m(row) * xs(token); Q6_K and IQ4_XS: d * sc(row) *
-xd(token)). Rows of x are padded to 16
+it (`gguf_gemv.quantize_rows_paired`); each product is exact in int32 and scaled in float32 (the K types: d * sc(row) *
+xd(token) minus dmin * m(row) * xs(token); Q6_K and IQ4_XS: d * sc(row) * xd(token)). Rows of x are padded to 16
 and K is split by the matrix's shape only, so a token's result does not depend on how many rows share the call.
 
 Gluon has no interpreter: the CPU tests cannot run these kernels (the GPU test does, against the `gguf` package;
@@ -62,24 +60,25 @@ def _half(bits):
 
 
 @gluon.jit
-def _sub_block(acc, w, zero, a, b, s, d, dmin, b_ptr, b_ok, xds_ptr, toks, tok_ok, block0, J: gl.constexpr):
+def _sub_block(acc, w, zero, a, b, s, d, dmin, b_ptr, b_ok, xds_ptr, toks, stride_xds, tok_ok, block0,
+               J: gl.constexpr):
     """acc + sub-block J's product: the exact int32 mma of its 32 weights with x's 8-bit values, scaled."""
-    xb = gl.load(b_ptr + 512 * J, mask=b_ok, other=0)
+    xb = gl.load(b_ptr + 32 * J, mask=b_ok, other=0)
     prod = mma_v2(w, xb, zero)
     sc, mn = _scale_byte(a, b, s, J)
-    pair = gl.load(xds_ptr + (block0 + J) * 16 + toks, mask=tok_ok, other=0)  # x's scale and sum, one load
+    pair = gl.load(xds_ptr + toks * stride_xds + block0 + J, mask=tok_ok, other=0)  # x's scale and sum, one load
     xd = pair.to(gl.int32).to(gl.float32, bitcast=True)
     xs = (pair >> 32).to(gl.int32).to(gl.float32, bitcast=True)
     return acc + prod.to(gl.float32) * ((d * sc)[:, None] * xd[None, :]) - (dmin * mn)[:, None] * xs[None, :]
 
 
 @gluon.jit
-def _tile(w_ptr, xq_ptr, M, N, K, sb_per_split, stride_wn, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr,
-          PDL: gl.constexpr):
+def _tile(w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N: gl.constexpr,
+          NUM_WARPS: gl.constexpr, PDL: gl.constexpr):
     """A program's super-blocks [first, last) (grid axis 1 splits K) and its operands in the mma fragments'
     layouts: a_row [BLOCK_N, 1] (its weight rows' starts, in the A layout: plus a_col, or a function of it that
-    keeps runs of four, for word loads), a_ok, a_col [1, 32] (k); b_ptr [32, TOKENS] (x's bytes of block 0 as
-    gguf_gemv.quantize_rows_tiled lays them out, in the B layout: block j at + 512 j), b_ok; s_ptr (the rows' starts as int32 words, for their scales), rows, row_ok and toks, tok_ok along
+    keeps runs of four, for word loads), a_ok, a_col [1, 32] (k); b_ptr [32, TOKENS] (x's bytes + k, in the B
+    layout), b_ok; s_ptr (the rows' starts as int32 words, for their scales), rows, row_ok and toks, tok_ok along
     the product's two axes; a float32 accumulator and an int32 zero for each mma."""
     if PDL:  # kernels/pdl.py: let the next kernel be placed, then wait for x (launch overlap only)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
@@ -99,7 +98,7 @@ def _tile(w_ptr, xq_ptr, M, N, K, sb_per_split, stride_wn, BLOCK_N: gl.constexpr
     first = gl.program_id(1) * sb_per_split
     s_ptr = (w_ptr + rows.to(gl.int64) * stride_wn).to(gl.pointer_type(gl.int32))
     return (first, gl.minimum(first + sb_per_split, K // 256), a_row, (a_rows < N)[:, None], a_col,
-            xq_ptr + b_t[None, :] * 16 + (b_k // 16 * 256 + b_k % 16)[:, None], (b_t < M)[None, :], s_ptr, rows, rows < N, toks,
+            xq_ptr + b_t[None, :] * stride_xq + b_k[:, None], (b_t < M)[None, :], s_ptr, rows, rows < N, toks,
             toks < M, gl.zeros([BLOCK_N, TOKENS], gl.float32, layout=mma), gl.zeros([BLOCK_N, TOKENS], gl.int32,
                                                                                    layout=mma))
 
@@ -133,16 +132,17 @@ def _q5_values(q, qh, J: gl.constexpr):
 
 
 @gluon.jit
-def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_wn, stride_os, stride_om,
-                   BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, FIVE_BITS: gl.constexpr, PDL: gl.constexpr):
-    """xq_ptr: x's 8-bit values and xds [K / 32, 16] int64 (each block's float32 scale (low half) and scaled sum (high
-    half)) as gguf_gemv.quantize_rows_tiled lays them out; w: Q4_K rows as bytes (144 per super-block: d, dmin, 12 scale bytes, 128 nibble bytes)
+def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn,
+                   stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, FIVE_BITS: gl.constexpr,
+                   PDL: gl.constexpr):
+    """xq_ptr: x's 8-bit values as bytes [M, K]; xds [M, K / 32] int64: each block's float32 scale (low half) and
+    scaled sum (high half); w: Q4_K rows as bytes (144 per super-block: d, dmin, 12 scale bytes, 128 nibble bytes)
     or Q5_K's (176: the same with 32 bytes of fifth bits before the nibbles, bit J of byte l for sub-block J's
     weight l); out [splits, M, N] float32 partial sums over this program's super-blocks."""
     WORDS: gl.constexpr = 44 if FIVE_BITS else 36
     NIBBLES: gl.constexpr = 48 if FIVE_BITS else 16
     first, last, a_row, a_ok, a_col, b_ptr, b_ok, s_ptr, rows, row_ok, toks, tok_ok, acc, zero = _tile(
-        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_wn, BLOCK_N, NUM_WARPS, PDL)
+        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, PDL)
     a_ptr = a_row + a_col
     for c in range(first, last):
         head = gl.load(s_ptr + WORDS * c, mask=row_ok, other=0)
@@ -161,10 +161,10 @@ def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
                                                is_pure=True, pack=4)
                 hi = gl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 4; and.b32 $0, t, 0x0F0F0F0F; }",
                                                "=r,r", [q], dtype=gl.int8, is_pure=True, pack=4)
-            acc = _sub_block(acc, lo, zero, a, b, s, d, dmin, b_ptr + 4096 * c, b_ok, xds_ptr, toks, tok_ok, 8 * c,
-                             2 * g)
-            acc = _sub_block(acc, hi, zero, a, b, s, d, dmin, b_ptr + 4096 * c, b_ok, xds_ptr, toks, tok_ok, 8 * c,
-                             2 * g + 1)
+            acc = _sub_block(acc, lo, zero, a, b, s, d, dmin, b_ptr + 256 * c, b_ok, xds_ptr, toks, stride_xds,
+                             tok_ok, 8 * c, 2 * g)
+            acc = _sub_block(acc, hi, zero, a, b, s, d, dmin, b_ptr + 256 * c, b_ok, xds_ptr, toks, stride_xds,
+                             tok_ok, 8 * c, 2 * g + 1)
     _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
 
 
@@ -205,12 +205,12 @@ def _q6_values(ql0, ql1, qh, Q: gl.constexpr):
 
 
 @gluon.jit
-def _q6k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_wn, stride_os, stride_om,
-                BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr):
+def _q6k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn,
+                stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr):
     """Q6_K (kept padded to 212 bytes: ql 128, qh 64, 16 int8 scales, d): each 32 weights are one int8 mma per
     16-weight scale, the other half's weights zeroed, the two exact int32 products scaled in float32."""
     first, last, a_row, a_ok, a_col, b_ptr, b_ok, s_ptr, rows, row_ok, toks, tok_ok, acc, zero = _tile(
-        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_wn, BLOCK_N, NUM_WARPS, PDL)
+        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, PDL)
     a_ptr = a_row + a_col
     first_half = a_col < 16
     for c in range(first, last):
@@ -223,13 +223,13 @@ def _q6k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_w
             sw1 = gl.load(s_ptr + 53 * c + 49 + 2 * h, mask=row_ok, other=0)  # scales 8h + 4 .. 8h + 7
             for q in gl.static_range(4):
                 v = _q6_values(ql0, ql1, qh, q)
-                xb = gl.load(b_ptr + 4096 * c + 2048 * h + 512 * q, mask=b_ok, other=0)
+                xb = gl.load(b_ptr + 256 * c + 128 * h + 32 * q, mask=b_ok, other=0)
                 prod_a = mma_v2(gl.where(first_half, v, 0), xb, zero)
                 prod_b = mma_v2(gl.where(first_half, 0, v), xb, zero)
                 sw = sw0 if q < 2 else sw1
                 sc_a = ((sw << (24 - 16 * (q % 2))) >> 24).to(gl.float32)  # scale 2q, signed
                 sc_b = ((sw << (16 - 16 * (q % 2))) >> 24).to(gl.float32)  # scale 2q + 1
-                pair = gl.load(xds_ptr + (8 * c + 4 * h + q) * 16 + toks, mask=tok_ok, other=0)
+                pair = gl.load(xds_ptr + toks * stride_xds + 8 * c + 4 * h + q, mask=tok_ok, other=0)
                 xd = pair.to(gl.int32).to(gl.float32, bitcast=True)
                 both = prod_a.to(gl.float32) * sc_a[:, None] + prod_b.to(gl.float32) * sc_b[:, None]
                 acc += both * (d[:, None] * xd[None, :])
@@ -237,15 +237,15 @@ def _q6k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_w
 
 
 @gluon.jit
-def _iq4_xs_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_wn, stride_os, stride_om,
-                   BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr):
+def _iq4_xs_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn,
+                   stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr):
     """IQ4_XS as layers/quantized.field_planes keeps it: a row's super-blocks' 128 nibble bytes (sub-block j's 16 at
     16j: byte l's low nibble is weight l, its high one l + 16), then their 8-byte headers (d, the scales' high bits
     (16), their low nibbles (4 bytes)). A's k 4t..4t+3 and 16+4t..16+4t+3 both load word t of the 16 bytes and look
     up its low or its high nibbles (iq4.IQ4_FOUR): the weights in order. Each 32 weights are one mma, scaled by
     d * (6-bit scale - 32)."""
     first, last, a_row, a_ok, a_col, b_ptr, b_ok, s_ptr, rows, row_ok, toks, tok_ok, acc, zero = _tile(
-        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_wn, BLOCK_N, NUM_WARPS, PDL)
+        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, PDL)
     a_ptr = a_row + a_col % 16
     nibble_shift = gl.broadcast((a_col // 16 * 4).to(gl.int8), a_ptr)[0]  # low nibbles for k < 16, high for the rest
     for c in range(first, last):
@@ -255,9 +255,9 @@ def _iq4_xs_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
         for j in gl.static_range(8):
             q = gl.load(a_ptr + 128 * c + 16 * j, mask=a_ok, other=0)
             w = gl.inline_asm_elementwise(IQ4_FOUR, "=r,r,r", [q, nibble_shift], dtype=gl.int8, is_pure=True, pack=4)
-            prod = mma_v2(w, gl.load(b_ptr + 4096 * c + 512 * j, mask=b_ok, other=0), zero)
+            prod = mma_v2(w, gl.load(b_ptr + 256 * c + 32 * j, mask=b_ok, other=0), zero)
             scale = ((low >> (4 * j)) & 15) | (((head >> (16 + 2 * j)) & 3) << 4)
-            pair = gl.load(xds_ptr + (8 * c + j) * 16 + toks, mask=tok_ok, other=0)
+            pair = gl.load(xds_ptr + toks * stride_xds + 8 * c + j, mask=tok_ok, other=0)
             xd = pair.to(gl.int32).to(gl.float32, bitcast=True)
             acc += prod.to(gl.float32) * ((d * (scale - 32).to(gl.float32))[:, None] * xd[None, :])
     _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
@@ -278,14 +278,15 @@ def matmul(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:
     """x [M <= 16, K] @ dequantize(qweight)^T -> [M, N] in x's dtype (qweight as layers/quantized.stored_blocks
     keeps it)."""
     m, n = x.shape[0], qweight.shape[0]
-    xq, xds = gguf_gemv.quantize_rows_tiled(x)
+    xq, xds = gguf_gemv.quantize_rows_paired(x)
     sbs = k // 256
     per_split = triton.cdiv(sbs, max(1, min(sbs, TARGET_PROGRAMS // triton.cdiv(n, BLOCK_N))))
     splits = triton.cdiv(sbs, per_split)
     out, partial = gguf_gemv.split_outputs(x, n, splits)
+    xb = xq.view(torch.int8)
     kernel, constants = KERNELS[qtype]
-    kernel[(triton.cdiv(n, BLOCK_N), splits)](xq.view(torch.int8), xds, qweight, partial, m, n, k, per_split,
-                                              qweight.stride(0), partial.stride(0), partial.stride(1),
+    kernel[(triton.cdiv(n, BLOCK_N), splits)](xb, xds, qweight, partial, m, n, k, per_split, xb.stride(0),
+                                              xds.stride(0), qweight.stride(0), partial.stride(0), partial.stride(1),
                                               BLOCK_N=BLOCK_N, NUM_WARPS=NUM_WARPS, num_warps=NUM_WARPS, **constants,
                                               **pdl.launch(x))
     if splits > 1:
