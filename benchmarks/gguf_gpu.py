@@ -344,8 +344,7 @@ def measure(args) -> int:
                 for point in filter(None, args.mma_sweep.split(",")):  # verify's split of K (and tile), same model
                     kept = gguf_mma.TARGET_PROGRAMS, gguf_mma.BLOCK_N, gguf_mma.NUM_WARPS
                     given = [int(v) for v in point.split(":")]
-                    programs, block_n, warps = given + list(kept[len(given):])
-                    gguf_mma.TARGET_PROGRAMS, gguf_mma.BLOCK_N, gguf_mma.NUM_WARPS = programs, block_n, warps
+                    gguf_mma.TARGET_PROGRAMS, gguf_mma.BLOCK_N, gguf_mma.NUM_WARPS = given + list(kept[len(given):])
                     graphs = GraphCache(dev)  # captured again: the split is chosen as a graph records
                     sweep[point] = timed(verify, iters, dev)
                     gguf_mma.TARGET_PROGRAMS, gguf_mma.BLOCK_N, gguf_mma.NUM_WARPS = kept

@@ -2,8 +2,7 @@
 llama.cpp's q8_1) against per 256 (llama.cpp's CPU Q8_K; lets a K-quant kernel sum its sub-blocks in int32): the
 next-token distribution with every projection's input rounded, against unrounded, on real text (mean KL, top-1
 agreement), and per-32 against per-256 (how often the two roundings pick different greedy tokens). CPU, float32,
-the file's weights dequantized; the rounding is emulated in torch as the kernels do it (absmax / 127, floor(v + 0.5),
-clamped to +-127).
+the file's weights dequantized; the rounding is the tests' emulation of the kernels' (as_int8_rows).
 
   python benchmarks/x_rounding_quality.py [-m smollm2-135m | FILE.gguf] [--tokens 1024] [--texts 2]
 """
@@ -14,7 +13,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 from kv_quality import log_probs, texts  # noqa: E402
+from test_gguf_kernels import as_int8_rows  # noqa: E402
 
 from flashdraft.formats.loader import load_target  # noqa: E402
 from flashdraft.formats.named import resolve_model  # noqa: E402
@@ -23,18 +24,10 @@ from flashdraft.layers import linear as L  # noqa: E402
 PLAIN = L.linear
 
 
-def rounded(x: torch.Tensor, block: int) -> torch.Tensor:
-    shape = x.shape
-    blocks = x.float().reshape(-1, shape[-1] // block, block)
-    d = blocks.abs().amax(-1, keepdim=True) / 127
-    inv = torch.where(d > 0, 1 / torch.where(d > 0, d, 1), 0)
-    return (torch.floor(blocks * inv + 0.5).clamp(-127, 127) * d).reshape(shape).to(x.dtype)
-
-
 def rounding(block: int | None):
     """L.linear with its input rounded per `block` values (None: unrounded)."""
     def linear(x, weight, bias=None):
-        return PLAIN(x if block is None or x.shape[-1] % block else rounded(x, block), weight, bias)
+        return PLAIN(x if block is None or x.shape[-1] % block else as_int8_rows(x, block).to(x.dtype), weight, bias)
     return linear
 
 

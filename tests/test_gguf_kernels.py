@@ -27,9 +27,9 @@ def reference(raw: np.ndarray, qtype: str) -> torch.Tensor:
     return torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[qtype]).astype(np.float32))
 
 
-def as_int8_rows(x: torch.Tensor) -> torch.Tensor:
-    """x rounded to 8 bits per 32 values with a float scale (absmax / 127), as the integer kernels take it."""
-    blocks = x.float().reshape(x.shape[0], -1, 32)
+def as_int8_rows(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """x rounded to 8 bits per `block` values with a float scale (absmax / 127), as the integer kernels take it."""
+    blocks = x.float().reshape(x.shape[0], -1, block)
     d = blocks.abs().amax(-1, keepdim=True) / 127
     inv = torch.where(d > 0, 1 / torch.where(d > 0, d, 1), 0)
     return (torch.floor(blocks * inv + 0.5).clamp(-127, 127) * d).reshape(x.shape)
