@@ -37,10 +37,16 @@ def as_int8_rows(x: torch.Tensor, block: int = 32) -> torch.Tensor:
 
 def check(device: str, dtype: torch.dtype = torch.float32, tol: float = 1e-5) -> None:
     """dtype, tol: of x and the product (float32 under the interpreter; bf16 on a GPU, as the engine runs)."""
-    from flashdraft.kernels.gguf_gemv import MAX_ROWS, covers
+    from flashdraft.kernels.gguf_gemv import MAX_ROWS, covers, quantize_rows_paired, quantize_rows_tiled
     from flashdraft.kernels.gguf_matmul import dequantize_gguf, gguf_matmul
     from flashdraft.layers.quantized import stored_blocks
     gen = torch.Generator().manual_seed(0)
+    # x tiled for the int8 mma kernels: the values and scale pairs of x by rows, each block's rows side by side
+    x = torch.randn(5, 512, generator=gen).to(device, dtype)
+    q, pairs = quantize_rows_paired(x)
+    tiled_q, tiled_pairs = quantize_rows_tiled(x)
+    assert torch.equal(tiled_q[:, :5].cpu(), q.view(torch.int8).view(5, 16, 32).transpose(0, 1).cpu())
+    assert torch.equal(tiled_pairs[:, :5].cpu(), pairs.T.cpu())
     # 45 rows: not a multiple of the kernels' row tiles; the older types' rows may end inside a 256 chunk; rows of an
     # odd count (544 / 32) of 18-, 22- or 34-byte blocks are not whole words and take the tensor-core kernel
     cases = [(t, 512 if t.endswith("_K") or t == "IQ4_XS" else 576) for t in TYPES] + [(t, 544) for t in

@@ -78,10 +78,10 @@ def _half(bits):
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, q_ptr, d_ptr, s_ptr, K, stride_x, stride_q, stride_d, BLOCKS: tl.constexpr,
+def _quantize_kernel(x_ptr, q_ptr, d_ptr, s_ptr, K, stride_x, stride_q, stride_qb, stride_d, BLOCKS: tl.constexpr,
                      ORDER: tl.constexpr, STEP: tl.constexpr, PDL: tl.constexpr):
-    """x [M, K] -> q [M, K / 4] int32 (four int8 per word), d [M, K / 32] scales, s [M, K / 32] = d * sum(q) (STEP
-    floats apart: 2 writes them side by side).
+    """x [M, K] -> q [M, K / 4] int32 (four int8 per word; a row's blocks stride_qb words apart), d [M, K / 32]
+    scales, s [M, K / 32] = d * sum(q) (STEP floats apart: 2 writes them side by side).
     ORDER 0: each block's values in order; IQ4_ORDER: word 2t holds values 4t, 16 + 4t, 4t + 1, 17 + 4t and word
     2t + 1 values 4t + 2, 18 + 4t, 4t + 3, 19 + 4t (the order `iq4_nibbles` gives a weight word's values)."""
     start_dependents(PDL)
@@ -102,7 +102,7 @@ def _quantize_kernel(x_ptr, q_ptr, d_ptr, s_ptr, K, stride_x, stride_q, stride_d
     q = tl.floor(x * inv[:, None, None] + 0.5).to(tl.int32)
     q = tl.minimum(tl.maximum(q, -127), 127)
     words = tl.sum((q & 0xFF) << (byte * 8)[None, None, :], axis=2)
-    tl.store(q_ptr + m * stride_q + b[:, None] * 8 + w[None, :], words, mask=ok[:, None])
+    tl.store(q_ptr + m * stride_q + b[:, None] * stride_qb + w[None, :], words, mask=ok[:, None])
     tl.store(d_ptr + m * stride_d + b * STEP, d, mask=ok)
     tl.store(s_ptr + m * stride_d + b * STEP, d * tl.sum(tl.sum(q, axis=2), axis=1).to(tl.float32), mask=ok)
 
@@ -116,23 +116,42 @@ def quantize_rows(x: Tensor, order: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     m, k = x.shape
     d = torch.empty(m, k // QK8, device=x.device, dtype=torch.float32)
     s = torch.empty_like(d)
-    return _quantize_into(x, d, s, order, 1), d, s
+    q = torch.empty(m, k // 4, device=x.device, dtype=torch.int32)
+    return _quantize_into(x, q, q.stride(0), 8, d, s, order, 1), d, s
 
 
 def quantize_rows_paired(x: Tensor) -> tuple[Tensor, Tensor]:
     """x [M, K] -> (q [M, K / 4] int32, [M, K / 32] int64: each block's d and s side by side, one 8-byte load)."""
     m, k = x.shape
     pairs = torch.empty(m, k // QK8, 2, device=x.device, dtype=torch.float32)
-    q = _quantize_into(x, pairs[..., 0], pairs[..., 1], 0, 2)
+    q = torch.empty(m, k // 4, device=x.device, dtype=torch.int32)
+    _quantize_into(x, q, q.stride(0), 8, pairs[..., 0], pairs[..., 1], 0, 2)
     return q, pairs.view(torch.int64)[..., 0]
 
 
-def _quantize_into(x: Tensor, d: Tensor, s: Tensor, order: int, step: int) -> Tensor:
+TILE_ROWS = 16  # rows of x quantize_rows_tiled lays side by side
+
+
+def quantize_rows_tiled(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [M <= 16, K] -> quantize_rows_paired's values and pairs with the rows of each block side by side: q [K / 32,
+    16, 32] int8 (block b's 32 values of row m at q[b, m]), pairs [K / 32, 16] int64. The int8 mma kernels
+    (kernels/gguf_mma.py) read a B fragment or a block's scales in one or two L1 wavefronts this way, where rows K
+    apart took eight. Rows past M are left unwritten."""
     m, k = x.shape
-    q = torch.empty(m, k // 4, device=x.device, dtype=torch.int32)
+    assert m <= TILE_ROWS, m
+    q = torch.empty(k // QK8, TILE_ROWS, QK8, device=x.device, dtype=torch.int8)
+    pairs = torch.empty(k // QK8, TILE_ROWS, 2, device=x.device, dtype=torch.float32)
+    _quantize_into(x, q.view(torch.int32), 8, 8 * TILE_ROWS, pairs[..., 0].T, pairs[..., 1].T, 0, 2 * TILE_ROWS)
+    return q, pairs.view(torch.int64)[..., 0]
+
+
+def _quantize_into(x: Tensor, q: Tensor, stride_q: int, stride_qb: int, d: Tensor, s: Tensor, order: int,
+                   step: int) -> Tensor:
+    m, k = x.shape
     blocks = 16
-    _quantize_kernel[(m, triton.cdiv(k // QK8, blocks))](x, q, d, s, k, x.stride(0), q.stride(0), d.stride(0),
-                                                          BLOCKS=blocks, ORDER=order, STEP=step, **pdl.launch(x))
+    _quantize_kernel[(m, triton.cdiv(k // QK8, blocks))](x, q, d, s, k, x.stride(0), stride_q, stride_qb,
+                                                          d.stride(0), BLOCKS=blocks, ORDER=order, STEP=step,
+                                                          **pdl.launch(x))
     return q
 
 

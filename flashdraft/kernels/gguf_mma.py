@@ -60,13 +60,25 @@ def _half(bits):
 
 
 @gluon.jit
+def _x_block(b_ptr, b_ok, xds_ptr, toks, stride_xds, tok_ok, block, TILED: gl.constexpr):
+    """x's block `block` (of 32 values): its 8-bit values as the B fragment and each token's (scale, scaled sum)
+    pair as int64, x laid out by rows (quantize_rows_paired) or tiled (quantize_rows_tiled)."""
+    if TILED:
+        xb = gl.load(b_ptr + 512 * block, mask=b_ok, other=0)
+        pair = gl.load(xds_ptr + 16 * block + toks, mask=tok_ok, other=0)
+    else:
+        xb = gl.load(b_ptr + 32 * block, mask=b_ok, other=0)
+        pair = gl.load(xds_ptr + toks * stride_xds + block, mask=tok_ok, other=0)
+    return xb, pair
+
+
+@gluon.jit
 def _sub_block(acc, w, zero, a, b, s, d, dmin, b_ptr, b_ok, xds_ptr, toks, stride_xds, tok_ok, block0,
-               J: gl.constexpr):
+               J: gl.constexpr, TILED: gl.constexpr):
     """acc + sub-block J's product: the exact int32 mma of its 32 weights with x's 8-bit values, scaled."""
-    xb = gl.load(b_ptr + 32 * J, mask=b_ok, other=0)
+    xb, pair = _x_block(b_ptr, b_ok, xds_ptr, toks, stride_xds, tok_ok, block0 + J, TILED)
     prod = mma_v2(w, xb, zero)
     sc, mn = _scale_byte(a, b, s, J)
-    pair = gl.load(xds_ptr + toks * stride_xds + block0 + J, mask=tok_ok, other=0)  # x's scale and sum, one load
     xd = pair.to(gl.int32).to(gl.float32, bitcast=True)
     xs = (pair >> 32).to(gl.int32).to(gl.float32, bitcast=True)
     return acc + prod.to(gl.float32) * ((d * sc)[:, None] * xd[None, :]) - (dmin * mn)[:, None] * xs[None, :]
@@ -74,19 +86,19 @@ def _sub_block(acc, w, zero, a, b, s, d, dmin, b_ptr, b_ok, xds_ptr, toks, strid
 
 @gluon.jit
 def _tile(w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N: gl.constexpr,
-          NUM_WARPS: gl.constexpr, PDL: gl.constexpr):
+          NUM_WARPS: gl.constexpr, K_WIDTH: gl.constexpr, TILED: gl.constexpr, PDL: gl.constexpr):
     """A program's super-blocks [first, last) (grid axis 1 splits K) and its operands in the mma fragments'
     layouts: a_row [BLOCK_N, 1] (its weight rows' starts, in the A layout: plus a_col, or a function of it that
-    keeps runs of four, for word loads), a_ok, a_col [1, 32] (k); b_ptr [32, TOKENS] (x's bytes + k, in the B
-    layout), b_ok; s_ptr (the rows' starts as int32 words, for their scales), rows, row_ok and toks, tok_ok along
+    keeps runs of K_WIDTH, for word loads), a_ok, a_col [1, 32] (k); b_ptr [32, TOKENS] (x's block 0 + k, in the
+    B layout: `_x_block` reads block j), b_ok; s_ptr (the rows' starts as int32 words, for their scales), rows, row_ok and toks, tok_ok along
     the product's two axes; a float32 accumulator and an int32 zero for each mma."""
     if PDL:  # kernels/pdl.py: let the next kernel be placed, then wait for x (launch overlap only)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
                                   pack=1)
         gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
-    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
-    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=K_WIDTH)
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=K_WIDTH)
     first_row = gl.program_id(0) * BLOCK_N
     a_rows = first_row + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_l))
     a_col = gl.arange(0, 32, layout=gl.SliceLayout(0, a_l))[None, :]
@@ -98,7 +110,7 @@ def _tile(w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N: g
     first = gl.program_id(1) * sb_per_split
     s_ptr = (w_ptr + rows.to(gl.int64) * stride_wn).to(gl.pointer_type(gl.int32))
     return (first, gl.minimum(first + sb_per_split, K // 256), a_row, (a_rows < N)[:, None], a_col,
-            xq_ptr + b_t[None, :] * stride_xq + b_k[:, None], (b_t < M)[None, :], s_ptr, rows, rows < N, toks,
+            xq_ptr + b_t[None, :] * (32 if TILED else stride_xq) + b_k[:, None], (b_t < M)[None, :], s_ptr, rows, rows < N, toks,
             toks < M, gl.zeros([BLOCK_N, TOKENS], gl.float32, layout=mma), gl.zeros([BLOCK_N, TOKENS], gl.int32,
                                                                                    layout=mma))
 
@@ -134,7 +146,7 @@ def _q5_values(q, qh, J: gl.constexpr):
 @gluon.jit
 def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn,
                    stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, FIVE_BITS: gl.constexpr,
-                   PDL: gl.constexpr):
+                   K_WIDTH: gl.constexpr, TILED: gl.constexpr, PDL: gl.constexpr):
     """xq_ptr: x's 8-bit values as bytes [M, K]; xds [M, K / 32] int64: each block's float32 scale (low half) and
     scaled sum (high half); w: Q4_K rows as bytes (144 per super-block: d, dmin, 12 scale bytes, 128 nibble bytes)
     or Q5_K's (176: the same with 32 bytes of fifth bits before the nibbles, bit J of byte l for sub-block J's
@@ -142,7 +154,7 @@ def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
     WORDS: gl.constexpr = 44 if FIVE_BITS else 36
     NIBBLES: gl.constexpr = 48 if FIVE_BITS else 16
     first, last, a_row, a_ok, a_col, b_ptr, b_ok, s_ptr, rows, row_ok, toks, tok_ok, acc, zero = _tile(
-        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, PDL)
+        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, K_WIDTH, TILED, PDL)
     a_ptr = a_row + a_col
     for c in range(first, last):
         head = gl.load(s_ptr + WORDS * c, mask=row_ok, other=0)
@@ -161,10 +173,10 @@ def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
                                                is_pure=True, pack=4)
                 hi = gl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 4; and.b32 $0, t, 0x0F0F0F0F; }",
                                                "=r,r", [q], dtype=gl.int8, is_pure=True, pack=4)
-            acc = _sub_block(acc, lo, zero, a, b, s, d, dmin, b_ptr + 256 * c, b_ok, xds_ptr, toks, stride_xds,
-                             tok_ok, 8 * c, 2 * g)
-            acc = _sub_block(acc, hi, zero, a, b, s, d, dmin, b_ptr + 256 * c, b_ok, xds_ptr, toks, stride_xds,
-                             tok_ok, 8 * c, 2 * g + 1)
+            acc = _sub_block(acc, lo, zero, a, b, s, d, dmin, b_ptr, b_ok, xds_ptr, toks, stride_xds, tok_ok,
+                             8 * c, 2 * g, TILED)
+            acc = _sub_block(acc, hi, zero, a, b, s, d, dmin, b_ptr, b_ok, xds_ptr, toks, stride_xds, tok_ok,
+                             8 * c, 2 * g + 1, TILED)
     _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
 
 
@@ -206,11 +218,12 @@ def _q6_values(ql0, ql1, qh, Q: gl.constexpr):
 
 @gluon.jit
 def _q6k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn,
-                stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr):
+                stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, K_WIDTH: gl.constexpr,
+                TILED: gl.constexpr, PDL: gl.constexpr):
     """Q6_K (kept padded to 212 bytes: ql 128, qh 64, 16 int8 scales, d): each 32 weights are one int8 mma per
     16-weight scale, the other half's weights zeroed, the two exact int32 products scaled in float32."""
     first, last, a_row, a_ok, a_col, b_ptr, b_ok, s_ptr, rows, row_ok, toks, tok_ok, acc, zero = _tile(
-        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, PDL)
+        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, K_WIDTH, TILED, PDL)
     a_ptr = a_row + a_col
     first_half = a_col < 16
     for c in range(first, last):
@@ -223,13 +236,12 @@ def _q6k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_x
             sw1 = gl.load(s_ptr + 53 * c + 49 + 2 * h, mask=row_ok, other=0)  # scales 8h + 4 .. 8h + 7
             for q in gl.static_range(4):
                 v = _q6_values(ql0, ql1, qh, q)
-                xb = gl.load(b_ptr + 256 * c + 128 * h + 32 * q, mask=b_ok, other=0)
+                xb, pair = _x_block(b_ptr, b_ok, xds_ptr, toks, stride_xds, tok_ok, 8 * c + 4 * h + q, TILED)
                 prod_a = mma_v2(gl.where(first_half, v, 0), xb, zero)
                 prod_b = mma_v2(gl.where(first_half, 0, v), xb, zero)
                 sw = sw0 if q < 2 else sw1
                 sc_a = ((sw << (24 - 16 * (q % 2))) >> 24).to(gl.float32)  # scale 2q, signed
                 sc_b = ((sw << (16 - 16 * (q % 2))) >> 24).to(gl.float32)  # scale 2q + 1
-                pair = gl.load(xds_ptr + toks * stride_xds + 8 * c + 4 * h + q, mask=tok_ok, other=0)
                 xd = pair.to(gl.int32).to(gl.float32, bitcast=True)
                 both = prod_a.to(gl.float32) * sc_a[:, None] + prod_b.to(gl.float32) * sc_b[:, None]
                 acc += both * (d[:, None] * xd[None, :])
@@ -238,14 +250,15 @@ def _q6k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_x
 
 @gluon.jit
 def _iq4_xs_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn,
-                   stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr):
+                   stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, K_WIDTH: gl.constexpr,
+                   TILED: gl.constexpr, PDL: gl.constexpr):
     """IQ4_XS as layers/quantized.field_planes keeps it: a row's super-blocks' 128 nibble bytes (sub-block j's 16 at
     16j: byte l's low nibble is weight l, its high one l + 16), then their 8-byte headers (d, the scales' high bits
     (16), their low nibbles (4 bytes)). A's k 4t..4t+3 and 16+4t..16+4t+3 both load word t of the 16 bytes and look
     up its low or its high nibbles (iq4.IQ4_FOUR): the weights in order. Each 32 weights are one mma, scaled by
     d * (6-bit scale - 32)."""
     first, last, a_row, a_ok, a_col, b_ptr, b_ok, s_ptr, rows, row_ok, toks, tok_ok, acc, zero = _tile(
-        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, PDL)
+        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, K_WIDTH, TILED, PDL)
     a_ptr = a_row + a_col % 16
     nibble_shift = gl.broadcast((a_col // 16 * 4).to(gl.int8), a_ptr)[0]  # low nibbles for k < 16, high for the rest
     for c in range(first, last):
@@ -255,22 +268,51 @@ def _iq4_xs_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
         for j in gl.static_range(8):
             q = gl.load(a_ptr + 128 * c + 16 * j, mask=a_ok, other=0)
             w = gl.inline_asm_elementwise(IQ4_FOUR, "=r,r,r", [q, nibble_shift], dtype=gl.int8, is_pure=True, pack=4)
-            prod = mma_v2(w, gl.load(b_ptr + 256 * c + 32 * j, mask=b_ok, other=0), zero)
+            xb, pair = _x_block(b_ptr, b_ok, xds_ptr, toks, stride_xds, tok_ok, 8 * c + j, TILED)
+            prod = mma_v2(w, xb, zero)
             scale = ((low >> (4 * j)) & 15) | (((head >> (16 + 2 * j)) & 3) << 4)
-            pair = gl.load(xds_ptr + toks * stride_xds + 8 * c + j, mask=tok_ok, other=0)
             xd = pair.to(gl.int32).to(gl.float32, bitcast=True)
             acc += prod.to(gl.float32) * ((d * (scale - 32).to(gl.float32))[:, None] * xd[None, :])
     _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
 
 
-KERNELS = {"Q4_K": (_kquant_kernel, dict(FIVE_BITS=False)), "Q5_K": (_kquant_kernel, dict(FIVE_BITS=True)),
-           "Q6_K": (_q6k_kernel, {}), "IQ4_XS": (_iq4_xs_kernel, {})}
-TIMED = {"Q4_K", "Q5_K", "Q6_K", "IQ4_XS"}  # types timed on a GPU and taken by covers(); see docs/PERF.md
+@gluon.jit
+def _q8_0_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn,
+                 stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, K_WIDTH: gl.constexpr,
+                 TILED: gl.constexpr, PDL: gl.constexpr):
+    """Q8_0 as layers/quantized.field_planes keeps it (a row's K int8 values, then its K / 32 fp16 scales), K a
+    multiple of 256: each block's exact int32 product scaled by d(row) * xd(token)."""
+    first, last, a_row, a_ok, a_col, b_ptr, b_ok, s_ptr, rows, row_ok, toks, tok_ok, acc, zero = _tile(
+        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, K_WIDTH, TILED, PDL)
+    a_ptr = (a_row + a_col).to(gl.pointer_type(gl.int8))
+    d_ptr = (w_ptr + rows.to(gl.int64) * stride_wn + K).to(gl.pointer_type(gl.int16))
+    for c in range(first, last):
+        for j in gl.static_range(8):
+            w = gl.load(a_ptr + 256 * c + 32 * j, mask=a_ok, other=0)
+            xb, pair = _x_block(b_ptr, b_ok, xds_ptr, toks, stride_xds, tok_ok, 8 * c + j, TILED)
+            prod = mma_v2(w, xb, zero)
+            d = gl.load(d_ptr + 8 * c + j, mask=row_ok, other=0).to(gl.float16, bitcast=True).to(gl.float32)
+            xd = pair.to(gl.int32).to(gl.float32, bitcast=True)
+            acc += prod.to(gl.float32) * (d[:, None] * xd[None, :])
+    _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
+
+
+# K_WIDTH: consecutive k per thread in the A and B fragments (Triton permutes k alike in both, so the same bits);
+# 8 gives 64-bit weight loads and fewer registers (Q4_K 134 against 186), but turns Q6_K's half-block selects into
+# byte selects. TILED: x laid out by quantize_rows_tiled. Chosen per type on an H100 (docs/PERF.md, fourteenth
+# session).
+KERNELS = {"Q4_K": (_kquant_kernel, dict(FIVE_BITS=False, K_WIDTH=8, TILED=True)),
+           "Q5_K": (_kquant_kernel, dict(FIVE_BITS=True, K_WIDTH=8, TILED=True)),
+           "Q6_K": (_q6k_kernel, dict(K_WIDTH=4, TILED=False)),
+           "IQ4_XS": (_iq4_xs_kernel, dict(K_WIDTH=8, TILED=False)),
+           "Q8_0": (_q8_0_kernel, dict(K_WIDTH=4, TILED=False))}
+TIMED = {"Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q8_0"}  # types timed on a GPU and taken by covers(); see docs/PERF.md
 
 
 def covers(qtype: str, m: int, x: Tensor) -> bool:
-    """Whether these kernels take the product: enabled, a type they read, 5-16 rows, an Ampere or newer GPU."""
-    return (ENABLED and qtype in TIMED and gguf_gemv.MAX_ROWS < m <= 16 and x.is_cuda
+    """Whether these kernels take the product: enabled, a type they read, 5-16 rows, K a multiple of 256 (Q8_0's
+    rows need not be), an Ampere or newer GPU."""
+    return (ENABLED and qtype in TIMED and gguf_gemv.MAX_ROWS < m <= 16 and x.shape[1] % 256 == 0 and x.is_cuda
             and not gguf_gemv._emulate() and torch.cuda.get_device_capability(x.device) >= (8, 0))
 
 
@@ -278,15 +320,20 @@ def matmul(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:
     """x [M <= 16, K] @ dequantize(qweight)^T -> [M, N] in x's dtype (qweight as layers/quantized.stored_blocks
     keeps it)."""
     m, n = x.shape[0], qweight.shape[0]
-    xq, xds = gguf_gemv.quantize_rows_paired(x)
+    kernel, constants = KERNELS[qtype]
+    if constants["TILED"]:
+        xq, xds = gguf_gemv.quantize_rows_tiled(x)
+        stride_xq = stride_xds = 0  # the kernels' tiled offsets
+    else:
+        xq, xds = gguf_gemv.quantize_rows_paired(x)
+        xq = xq.view(torch.int8)
+        stride_xq, stride_xds = xq.stride(0), xds.stride(0)
     sbs = k // 256
     per_split = triton.cdiv(sbs, max(1, min(sbs, TARGET_PROGRAMS // triton.cdiv(n, BLOCK_N))))
     splits = triton.cdiv(sbs, per_split)
     out, partial = gguf_gemv.split_outputs(x, n, splits)
-    xb = xq.view(torch.int8)
-    kernel, constants = KERNELS[qtype]
-    kernel[(triton.cdiv(n, BLOCK_N), splits)](xb, xds, qweight, partial, m, n, k, per_split, xb.stride(0),
-                                              xds.stride(0), qweight.stride(0), partial.stride(0), partial.stride(1),
+    kernel[(triton.cdiv(n, BLOCK_N), splits)](xq, xds, qweight, partial, m, n, k, per_split, stride_xq, stride_xds,
+                                              qweight.stride(0), partial.stride(0), partial.stride(1),
                                               BLOCK_N=BLOCK_N, NUM_WARPS=NUM_WARPS, num_warps=NUM_WARPS, **constants,
                                               **pdl.launch(x))
     if splits > 1:
