@@ -1,23 +1,24 @@
-"""Q4_K, Q5_K, Q6_K and IQ4_XS products for verify widths (5-16 rows of x) on the int8 tensor cores, llama.cpp's
-mmq shape, in Gluon (Triton's dialect with explicit layouts): each thread loads the 32-bit words its
-`mma.m16n8k32.s8` fragment needs, so the weights reach the tensor cores without shared memory or layout conversions.
+"""Q4_K, Q5_K, Q6_K, IQ4_XS and Q8_0 products for verify widths (5-16 rows of x) on the int8 tensor cores, llama.cpp's
+mmq shape, in Gluon (Triton's dialect with explicit layouts): each thread loads the words its `mma.m16n8k32.s8`
+fragment needs, so the weights reach the tensor cores without shared memory or layout conversions.
 
 Q4_K: four consecutive bytes of a nibble group are four consecutive weights of sub-block 2g (low nibbles, one AND)
 and of 2g + 1 (high nibbles, a shift and an AND); Q5_K adds bit J of each qh byte as 16. Q6_K: a word of ql bytes
 and one of qh bytes give four consecutive 6-bit values (signed by a bit trick); its scales change every 16 weights,
 so each 32 weights are two mmas with the other half's weights zeroed. IQ4_XS: the low or high nibbles of a word
-looked up in the level table by byte permutes. x is quantized to 8 bits per 32 values as the integer kernels take
-it (`gguf_gemv.quantize_rows_paired`); each product is exact in int32 and scaled in float32 (the K types: d * sc(row) *
-xd(token) minus dmin * m(row) * xs(token); Q6_K and IQ4_XS: d * sc(row) * xd(token)). Rows of x are padded to 16
-and K is split by the matrix's shape only, so a token's result does not depend on how many rows share the call.
+looked up in the level table by byte permutes. Q8_0: its int8 plane as it is. x is quantized to 8 bits per 32 values
+as the integer kernels take it, by rows (`gguf_gemv.quantize_rows_paired`) or with each block's 16 rows side by side
+(`quantize_rows_tiled`: a warp's B-fragment or scale load is one or two L1 wavefronts, where rows K apart took eight;
+the kernels were bound by L1 wavefronts, not DRAM); each product is exact in int32 and scaled in float32 (the K types:
+d * sc(row) * xd(token) minus dmin * m(row) * xs(token); the others: d * sc(row) * xd(token)). Rows of x are padded to
+16 and K is split by the matrix's shape only, so a token's result does not depend on how many rows share the call.
 
 Gluon has no interpreter: the CPU tests cannot run these kernels (the GPU test does, against the `gguf` package;
-the CPU tests read their unpacking assembly as PTX). Only the TIMED types are taken by gguf_matmul.
-H200 (benchmarks/gluon_mma.py, docs/PERF.md runs 12-13), BLOCK_N 128, 16 rows of the 8B's four matrices against the
-float tensor-core kernel: Q4_K 0.180 against 0.203 ms, Q5_K 0.192 against 0.270, IQ4_XS 0.192 against 0.404; Q6_K
-(its LM head and a down projection) 0.341 against 0.614. One row of those two Q6_K matrices ran 0.200 ms against
-the integer kernel's 0.238, but a Q6_K file's decode through these kernels measured 210 tok/s against 219 through
-the integer kernels: decode rows stay with gguf_gemv.
+the CPU tests read their unpacking assembly as PTX and the tiled layout through the interpreter).
+H100 (docs/PERF.md, fourteenth session), 16 rows of the 8B's four matrices with x's rounding, against these kernels at
+k_width 4 with x by rows: Q4_K x0.68, Q5_K x0.70, IQ4_XS x0.87, Q6_K x0.92; Q8_0 0.172 ms against the float
+tensor-core kernel's 0.280. Decode rows stay with gguf_gemv (a Q6_K file's decode through these kernels measured 210
+tok/s against 219 through the integer kernels).
 """
 import torch
 import triton
@@ -303,9 +304,9 @@ def _q8_0_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_
 # session).
 KERNELS = {"Q4_K": (_kquant_kernel, dict(FIVE_BITS=False, K_WIDTH=8, TILED=True)),
            "Q5_K": (_kquant_kernel, dict(FIVE_BITS=True, K_WIDTH=8, TILED=True)),
-           "Q6_K": (_q6k_kernel, dict(K_WIDTH=4, TILED=False)),
-           "IQ4_XS": (_iq4_xs_kernel, dict(K_WIDTH=8, TILED=False)),
-           "Q8_0": (_q8_0_kernel, dict(K_WIDTH=4, TILED=False))}
+           "Q6_K": (_q6k_kernel, dict(K_WIDTH=4, TILED=True)),
+           "IQ4_XS": (_iq4_xs_kernel, dict(K_WIDTH=8, TILED=True)),
+           "Q8_0": (_q8_0_kernel, dict(K_WIDTH=8, TILED=False))}
 TIMED = {"Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q8_0"}  # types timed on a GPU and taken by covers(); see docs/PERF.md
 
 
