@@ -1,6 +1,8 @@
 """Times the int8 tensor-core kernels for verify widths (kernels/gguf_mma.py) beside the float tensor-core kernel,
 after checking them against the `gguf` package; or, without a GPU, compiles them for sm_90 and reads the SASS.
     python benchmarks/gluon_mma.py [--types Q4_K,Q6_K] [--configs "64,4;32,4"]     BLOCK_N,warps
+    python benchmarks/gluon_mma.py --configs 128,4 --rows 16,8 --layouts "4,rows;8,rows;8,tiled;4,tiled"
+        each kernel also at these K_WIDTH and x layouts (the same bits as the first checked)
     python benchmarks/gluon_mma.py --sass
 """
 import argparse
@@ -40,10 +42,12 @@ def sass(qtype: str, block_n: int, num_warps: int) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sass", action="store_true")
-    ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K,IQ4_XS")
+    ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K,IQ4_XS,Q8_0")
     ap.add_argument("--configs", default="64,4;32,4;128,4;64,8", help="BLOCK_N,warps;...")
     ap.add_argument("--rows", default="1,16", help="rows of x timed (1: beside the integer decode kernel)")
+    ap.add_argument("--layouts", default="", help="K_WIDTH,rows|tiled;... (default: each type's own)")
     args = ap.parse_args()
+    layouts = [(int(w), x == "tiled") for w, x in (c.split(",") for c in filter(None, args.layouts.split(";")))]
     configs = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";")]
     types = args.types.split(",")
     if args.sass:
@@ -82,12 +86,23 @@ def main() -> int:
             gguf_mma.ENABLED = True
             today = "integer" if m <= 4 else "float tensor-core"
             print(f"{qtype} {today} kernel, {m} rows: {ms:.3f} ms ({gbytes / ms * 1e3:.0f} GB/s)", flush=True)
+            kernel, own = KERNELS[qtype]
             for bn, warps in configs:
                 gguf_mma.BLOCK_N, gguf_mma.NUM_WARPS = bn, warps
-                ms = timed(graphed(lambda: [gguf_mma.matmul(x[s], weights[s], qtype, s[1]) for s in weights],
-                                   "cuda"), 20, "cuda")
-                print(f"{qtype} int8 mma kernel BLOCK_N {bn}, {warps} warps, {m} rows: {ms:.3f} ms "
-                      f"({gbytes / ms * 1e3:.0f} GB/s)", flush=True)
+                first = None
+                for k_width, tiled in layouts or [(own.get("K_WIDTH", 8), own["TILED"])]:
+                    variant = dict(own, TILED=tiled) | ({"K_WIDTH": k_width} if "K_WIDTH" in own else {})
+                    k_width = variant.get("K_WIDTH", 8)  # a kernel without the parameter has its own
+                    KERNELS[qtype] = (kernel, variant)
+                    outs = [gguf_mma.matmul(x[s], weights[s], qtype, s[1]) for s in weights]
+                    first = first or outs
+                    same = all(torch.equal(a, b) for a, b in zip(outs, first))
+                    ms = timed(graphed(lambda: [gguf_mma.matmul(x[s], weights[s], qtype, s[1]) for s in weights],
+                                       "cuda"), 20, "cuda")
+                    print(f"{qtype} int8 mma kernel BLOCK_N {bn}, {warps} warps, k_width {k_width}, x "
+                          f"{'tiled' if tiled else 'by rows'}, {m} rows: {ms:.3f} ms ({gbytes / ms * 1e3:.0f} GB/s)"
+                          f"{'' if same else ', NOT the bits of the first layout'}", flush=True)
+                KERNELS[qtype] = (kernel, own)
     return 0
 
 
