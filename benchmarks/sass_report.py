@@ -95,8 +95,9 @@ def attention_cases(kv_types: list[str]):
                stages, per_iter)
 
 
-def cases(kernels: list[str], types: list[str], block_n: int):
-    """(label, fn, signature, constexprs, aligned, warps, stages, weight bytes per loop iteration per program)."""
+def cases(kernels: list[str], types: list[str], block_n: int, split_sum: bool = False):
+    """(label, fn, signature, constexprs, aligned, warps, stages, weight bytes per loop iteration per program);
+    split_sum: the integer kernels with K's splits added by the tile's last program (gguf_gemv.SPLIT_SUM)."""
     for qtype in types:
         if "gemv" in kernels and qtype in ("Q4_K", "Q6_K", "Q8_0", "IQ4_XS", *G.BLOCK32_IDS):
             block32 = qtype in G.BLOCK32_IDS
@@ -106,10 +107,12 @@ def cases(kernels: list[str], types: list[str], block_n: int):
                 sig["w16_ptr"] = "*i16"
             if qtype == "IQ4_XS" or block32:
                 sig["lut_ptr"] = "*i32"
-            sig |= {"out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "sb_per_split": "i32", "stride_xq": "i32",
-                    "stride_xd": "i32", "stride_wu": "i32", "stride_os": "i32", "stride_om": "i32"}
+            sig |= {"out_ptr": "*fp32" if split_sum else "*bf16", "sum_ptr": "*bf16", "count_ptr": "*i32", "M": "i32",
+                    "N": "i32", "K": "i32", "sb_per_split": "i32", "stride_xq": "i32", "stride_xd": "i32",
+                    "stride_wu": "i32", "stride_os": "i32", "stride_om": "i32", "stride_sm": "i32"}
             align = 1 if qtype == "Q6_K" else 4
-            const = dict(BM=1, BLOCK_N=cfg["BLOCK_N"], SB=cfg["SB"], ROW_ALIGN=align, EMULATE=False, PDL=True)
+            const = dict(BM=1, BLOCK_N=cfg["BLOCK_N"], SB=cfg["SB"], ROW_ALIGN=align, EMULATE=False,
+                         SUM_HERE=split_sum, PDL=True)
             if qtype == "Q4_K":
                 const = dict(FIVE_BITS=False, **const)
             if block32:
@@ -136,6 +139,7 @@ def main() -> int:
     ap.add_argument("--kernels", default="gemv,dot")
     ap.add_argument("--types", default="Q4_K,Q6_K")
     ap.add_argument("--block-n", type=int, default=K.BLOCK_N)
+    ap.add_argument("--split-sum", action="store_true", help="the integer kernels adding K's splits themselves")
     ap.add_argument("--kv-types", default="bf16,q8_0,q4_1,q5_0,iq4_nl,turbo4",
                     help="with --kernels attention: the split kernel over these KV cache types")
     args = ap.parse_args()
@@ -143,7 +147,7 @@ def main() -> int:
     print("| kernel | registers | shared B | loop instructions (per warp) | warp-instructions per byte streamed | "
           "quarter-rate conversions (per warp) | loop's most frequent |\n|---|---|---|---|---|---|---|")
     kernels = args.kernels.split(",")
-    all_cases = list(cases(kernels, args.types.split(","), args.block_n))
+    all_cases = list(cases(kernels, args.types.split(","), args.block_n, args.split_sum))
     if "attention" in kernels:
         all_cases += list(attention_cases(args.kv_types.split(",")))
     for label, fn, sig, const, aligned, warps, stages, per_iter in all_cases:

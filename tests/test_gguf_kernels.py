@@ -35,6 +35,23 @@ def as_int8_rows(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     return (torch.floor(blocks * inv + 0.5).clamp(-127, 127) * d).reshape(x.shape)
 
 
+def both_split_sums(product):
+    """product() with K's splits added by a sum_splits launch, then by each tile's last program
+    (gguf_gemv.SPLIT_SUM): the same bits, and every tile's count back at 0."""
+    from flashdraft.kernels import gguf_gemv
+    saved = gguf_gemv.SPLIT_SUM
+    try:
+        gguf_gemv.SPLIT_SUM = "launch"
+        launched = product()
+        gguf_gemv.SPLIT_SUM = "kernel"
+        summed_here = product()
+    finally:
+        gguf_gemv.SPLIT_SUM = saved
+    assert torch.equal(launched, summed_here), f"split sums differ by {(launched - summed_here).abs().max()}"
+    assert not gguf_gemv.split_counts(launched.device).any()
+    return launched
+
+
 def check(device: str, dtype: torch.dtype = torch.float32, tol: float = 1e-5) -> None:
     """dtype, tol: of x and the product (float32 under the interpreter; bf16 on a GPU, as the engine runs)."""
     from flashdraft.kernels.gguf_gemv import MAX_ROWS, covers, quantize_rows_paired, quantize_rows_tiled
@@ -65,7 +82,8 @@ def check(device: str, dtype: torch.dtype = torch.float32, tol: float = 1e-5) ->
             x = torch.randn(rows, k, generator=gen)
             for b in (None, bias):
                 x = x.to(dtype)
-                out = gguf_matmul(x.to(device), qweight, qtype, k, None if b is None else b.to(device)).cpu()
+                out = both_split_sums(lambda: gguf_matmul(x.to(device), qweight, qtype, k,
+                                                          None if b is None else b.to(device))).cpu()
                 xr = as_int8_rows(x) if covers(qtype, k) and rows <= MAX_ROWS else x
                 ref = xr.double() @ want.double().T + (0 if b is None else b.double())
                 err = ((out.double() - ref).norm() / ref.norm()).item()
@@ -82,7 +100,7 @@ def check(device: str, dtype: torch.dtype = torch.float32, tol: float = 1e-5) ->
     parts = [stored_blocks(torch.from_numpy(r), t).to(device) for r, t in zip(raws, types)]
     for rows in (1, 3, 16):
         x = torch.randn(rows, k, generator=gen).to(dtype)
-        out = gguf_matmul_parts(x.to(device), parts, ",".join(types), k).cpu()
+        out = both_split_sums(lambda: gguf_matmul_parts(x.to(device), parts, ",".join(types), k)).cpu()
         xr = as_int8_rows(x) if rows <= MAX_ROWS else x
         ref = xr.double() @ want.double().T
         err = ((out.double() - ref).norm() / ref.norm()).item()
@@ -131,7 +149,7 @@ def test_int8_mma_kernels_on_gpu_match_gguf_reference():
                 x = torch.randn(16, k, generator=gen)
                 product = gguf_matmul if qtype in gguf_mma.TIMED else gguf_mma.matmul
                 for rows in (5, 16):
-                    out = product(x[:rows].cuda(), w, qtype, k).cpu().double()
+                    out = both_split_sums(lambda: product(x[:rows].cuda(), w, qtype, k)).cpu().double()
                     ref = as_int8_rows(x[:rows]).double() @ want.T
                     err = ((out - ref).norm() / ref.norm()).item()
                     assert err < 1e-3, f"{qtype} {n}x{k}, {rows} rows: relative error {err}"
@@ -146,41 +164,47 @@ def test_dependent_launches_in_a_graph_match_plain_launches():
     """kernels/pdl.py: integer products each reading the one before (x rounded, the product, its split-K sum),
     captured in a CUDA graph with programmatic dependent launch, give the bits of plain launches when replayed on
     a new input (a kernel that read its input before the one before it had written it would read the values the
-    last replay left there)."""
+    last replay left there); so do the splits added by each tile's last program (a sum read before every split had
+    stored would differ)."""
     from flashdraft.kernels import pdl
     from flashdraft.kernels.gguf_matmul import gguf_matmul
     from flashdraft.layers.quantized import stored_blocks
     if not pdl.launch(torch.empty(0, device="cuda"))["PDL"]:
         pytest.skip("programmatic dependent launch needs a Hopper or newer GPU")
-    k = 4096
-    weights = [(stored_blocks(torch.from_numpy(random_blocks(t, k, k, seed=i)), t).cuda(), t)
-               for i, t in enumerate(["Q4_K", "IQ4_XS", "Q6_K", "Q8_0", "Q5_K", "Q4_0"])]
+    k, wide = 4096, 14336  # the 8B's up and down shapes: a down projection's K is split in decode steps too
+    shapes = [(wide, k), (k, wide)] * 3
+    weights = [(stored_blocks(torch.from_numpy(random_blocks(t, n, kk, seed=i)), t).cuda(), t, kk)
+               for i, (t, (n, kk)) in enumerate(zip(["Q4_K", "IQ4_XS", "Q6_K", "Q8_0", "Q5_K", "Q4_0"], shapes))]
 
     def chain(x: torch.Tensor) -> torch.Tensor:
-        for i, (w, t) in enumerate(weights):
-            x = gguf_matmul(x, w, t, k)
+        for i, (w, t, kk) in enumerate(weights):
+            x = gguf_matmul(x, w, t, kk)
             if i % 2:  # two products back to back, then back to unit size
                 x = x / x.float().norm()
         return x
 
+    from flashdraft.kernels import gguf_gemv
     gen = torch.Generator().manual_seed(0)
-    first, second = (torch.randn(1, k, generator=gen).cuda().to(torch.bfloat16) for _ in range(2))
-    enabled = pdl.ENABLED
+    enabled, split_sum = pdl.ENABLED, gguf_gemv.SPLIT_SUM
     try:
-        pdl.ENABLED = False
-        want = [chain(first), chain(second)]
-        pdl.ENABLED = True
-        x = first.clone()
-        chain(x)  # compile outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = chain(x)
-        for inp, ref in zip((first, second, first), want + want[:1]):
-            x.copy_(inp)
-            graph.replay()
-            assert torch.equal(out, ref)
+        for rows in (1, 16):  # the integer decode kernels, the int8 mma kernels
+            first, second = (torch.randn(rows, k, generator=gen).cuda().to(torch.bfloat16) for _ in range(2))
+            pdl.ENABLED, gguf_gemv.SPLIT_SUM = False, "launch"
+            want = [chain(first), chain(second)]
+            for gguf_gemv.SPLIT_SUM in ("launch", "kernel"):  # K's splits: a sum_splits launch or the last program
+                pdl.ENABLED = True
+                x = first.clone()
+                chain(x)  # compile outside the capture
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    out = chain(x)
+                for inp, ref in zip((first, second, first) * 3, (want + want[:1]) * 3):
+                    x.copy_(inp)
+                    graph.replay()
+                    assert torch.equal(out, ref), (rows, gguf_gemv.SPLIT_SUM)
+                assert not gguf_gemv.split_counts(x.device).any()
     finally:
-        pdl.ENABLED = enabled
+        pdl.ENABLED, gguf_gemv.SPLIT_SUM = enabled, split_sum
 
 
 def run_ptx(asm: str, inputs: list[int], outputs: int) -> list[int]:

@@ -21,6 +21,7 @@ their values are read as aligned words. Q2_K/Q3_K keep the tensor-core kernel.
 Launched with programmatic dependent launch on Hopper (kernels/pdl.py): a program issues its weight loads before it
 waits for the kernel that wrote x.
 """
+import functools
 import os
 
 import torch
@@ -185,15 +186,38 @@ def _add_row(acc, mi, m, contrib):
 
 
 @triton.jit
-def _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok):
-    tl.store(out_ptr + split * stride_os + mi[:, None] * stride_om + rows[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=(mi < M)[:, None] & row_ok[None, :])
+def sum_if_last(partial, stride_ps, out, ok, count_ptr, splits):
+    """Called by every program of a tile after storing its split's partial sums (pointers `partial` + split *
+    stride_ps): the tile's last program to arrive adds the splits in order (the bits of sum_splits) into `out` and
+    sets the tile's count back to 0. The barrier and the acq_rel atomic order every thread's stores before the
+    arrival; the partials are read from L2 (.cg), past any stale L1 line."""
+    tl.debug_barrier()
+    if tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == splits - 1:
+        total = tl.load(partial, mask=ok, other=0.0, cache_modifier=".cg")
+        for s in range(1, splits):
+            total += tl.load(partial + s * stride_ps, mask=ok, other=0.0, cache_modifier=".cg")
+        tl.store(out, total.to(out.dtype.element_ty), mask=ok)
+        tl.atomic_xchg(count_ptr, 0)
 
 
-@triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
-def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd, stride_wu,
-                   stride_os, stride_om, FIVE_BITS: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SB: tl.constexpr, ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
+@triton.jit
+def _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok, sum_ptr, count_ptr, stride_sm,
+                SUM_HERE: tl.constexpr):
+    """acc into out [splits, M, N] at its split (where K is not split, out is the product itself). SUM_HERE: the
+    tile's last program also adds the splits into sum [M, N] (rows stride_sm apart), where sum_splits would."""
+    ok = (mi < M)[:, None] & row_ok[None, :]
+    at = out_ptr + mi[:, None] * stride_om + rows[None, :]
+    tl.store(at + split * stride_os, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    if SUM_HERE:
+        sum_if_last(at, stride_os, sum_ptr + mi[:, None] * stride_sm + rows[None, :], ok, count_ptr + tl.program_id(0),
+                    tl.num_programs(1))
+
+
+@triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om", "stride_sm"])
+def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M, N, K, sb_per_split, stride_xq,
+                   stride_xd, stride_wu, stride_os, stride_om, stride_sm, FIVE_BITS: tl.constexpr, BM: tl.constexpr,
+                   BLOCK_N: tl.constexpr, SB: tl.constexpr, ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr,
+                   SUM_HERE: tl.constexpr, PDL: tl.constexpr):
     """Q4_K (144-byte super-blocks: d, dmin, 12 scale bytes, 128 nibble bytes) or Q5_K (176: the same with 32 bytes
     of fifth bits before the nibbles). w as int32 words; group g's 32 bytes hold sub-block 2g in their low nibbles
     and 2g + 1 in their high ones."""
@@ -246,7 +270,8 @@ def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split
             contrib = tl.sum(tl.sum(part, axis=2), axis=1)
             acc = _add_row(acc, mi, m, contrib)
     wait_for_inputs(PDL)  # (also where a program had no iterations)
-    _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
+    _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok, sum_ptr, count_ptr, stride_sm,
+                SUM_HERE)
 
 
 @triton.jit
@@ -272,10 +297,11 @@ def _dot16(v, x, EMULATE: tl.constexpr):
     return tl.sum(_dp4a(v, x[None], EMULATE), axis=4).to(tl.float32)
 
 
-@triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
-def _q6_k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd,
-                 stride_wu, stride_os, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
-                 ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
+@triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om", "stride_sm"])
+def _q6_k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, sum_ptr, count_ptr, M, N, K, sb_per_split,
+                 stride_xq, stride_xd, stride_wu, stride_os, stride_om, stride_sm, BM: tl.constexpr,
+                 BLOCK_N: tl.constexpr, SB: tl.constexpr, ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr,
+                 SUM_HERE: tl.constexpr, PDL: tl.constexpr):
     """Q6_K: 210-byte super-blocks (ql 128 bytes, qh 64, 16 int8 scales, d) kept padded to 212 bytes (53 words;
     layers/quantized.py), read as int32 words (w_ptr) and, for the scales and d, as int16 halves (w16_ptr).
     Half h's weight 128h + 32k + l (k = 0..3, l = 0..31) is ql[64h + l + 32 (k & 1)]'s low (k < 2) or high
@@ -333,7 +359,8 @@ def _q6_k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_pe
             contrib = tl.sum(tl.sum(tl.sum(part, axis=3), axis=2), axis=1)
             acc = _add_row(acc, mi, m, contrib)
     wait_for_inputs(PDL)  # (also where a program had no iterations)
-    _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
+    _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok, sum_ptr, count_ptr, stride_sm,
+                SUM_HERE)
 
 
 @triton.jit
@@ -342,11 +369,11 @@ def _spread_bits(nib):
     return ((nib * 0x00204081) & 0x01010101) << 4
 
 
-@triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
-def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, lut_ptr, out_ptr, M, N, K, sb_per_split, stride_xq,
-                    stride_xd, stride_wu, stride_os, stride_om, QTYPE: tl.constexpr, BM: tl.constexpr,
-                    BLOCK_N: tl.constexpr, SB: tl.constexpr, ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr,
-                    PDL: tl.constexpr):
+@triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om", "stride_sm"])
+def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, lut_ptr, out_ptr, sum_ptr, count_ptr, M, N, K,
+                    sb_per_split, stride_xq, stride_xd, stride_wu, stride_os, stride_om, stride_sm,
+                    QTYPE: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
+                    ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr, SUM_HERE: tl.constexpr, PDL: tl.constexpr):
     """The 32-weight nibble block types as layers/quantized.field_planes keeps them, w as int32 words (w16: the
     same bytes as int16): a row's blocks' 16 nibble bytes (4 words each), then (Q5_0, Q5_1) their 32 fifth bits (a
     word each), then their fp16 d (and m). Q4_0, Q4_1 (d, m), Q5_0, Q5_1 (d, m), IQ4_NL (each nibble an index into
@@ -406,13 +433,15 @@ def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, lut_ptr, out_ptr, M,
                 contrib = tl.sum(d * xd * dot + dm * xs, axis=1)
             acc = _add_row(acc, mi, m, contrib)
     wait_for_inputs(PDL)  # (also where a program had no iterations)
-    _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
+    _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok, sum_ptr, count_ptr, stride_sm,
+                SUM_HERE)
 
 
-@triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
-def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd,
-                 stride_wu, stride_os, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
-                 ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
+@triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om", "stride_sm"])
+def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, sum_ptr, count_ptr, M, N, K, sb_per_split,
+                 stride_xq, stride_xd, stride_wu, stride_os, stride_om, stride_sm, BM: tl.constexpr,
+                 BLOCK_N: tl.constexpr, SB: tl.constexpr, ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr,
+                 SUM_HERE: tl.constexpr, PDL: tl.constexpr):
     """Q8_0 in two planes (layers/quantized.field_planes): w as int32 words, a row's K / 4 words of int8 values,
     then its K / 32 fp16 scales (w16: the same bytes as int16). SB counts groups of 8 blocks."""
     start_dependents(PDL)
@@ -438,13 +467,15 @@ def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_pe
             contrib = tl.sum(d * xd * dot, axis=1)
             acc = _add_row(acc, mi, m, contrib)
     wait_for_inputs(PDL)  # (also where a program had no iterations)
-    _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
+    _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok, sum_ptr, count_ptr, stride_sm,
+                SUM_HERE)
 
 
-@triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
-def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd,
-                   stride_wu, stride_os, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
-                   ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
+@triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om", "stride_sm"])
+def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, sum_ptr, count_ptr, M, N, K, sb_per_split,
+                   stride_xq, stride_xd, stride_wu, stride_os, stride_om, stride_sm, BM: tl.constexpr,
+                   BLOCK_N: tl.constexpr, SB: tl.constexpr, ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr,
+                   SUM_HERE: tl.constexpr, PDL: tl.constexpr):
     """IQ4_XS in two planes (layers/quantized.field_planes), w as int32 words: a row's super-blocks' 128 nibble
     bytes (32 words each), then their 8-byte headers (d and scales_h, scales_l: two words each). Sub-block j (32
     weights) has 6-bit scale ls = nibble j of scales_l | bits 2j..2j+1 of scales_h << 4, weight d * (ls - 32) *
@@ -481,7 +512,8 @@ def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_
             contrib = tl.sum(tl.sum(dl * xd * dot, axis=2), axis=1)
             acc = _add_row(acc, mi, m, contrib)
     wait_for_inputs(PDL)  # (also where a program had no iterations)
-    _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
+    _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok, sum_ptr, count_ptr, stride_sm,
+                SUM_HERE)
 
 
 def splits_for(n: int, k: int, cfg: dict) -> tuple[int, int]:
@@ -512,6 +544,33 @@ def split_outputs(x: Tensor, n: int, splits: int, out: Tensor | None = None) -> 
     sums for `sum_splits`. `out` may be given: columns of a wider output (rows strided)."""
     out = torch.empty(x.shape[0], n, device=x.device, dtype=x.dtype) if out is None else out
     return out, out[None] if splits == 1 else torch.empty(splits, x.shape[0], n, device=x.device, dtype=torch.float32)
+
+
+# "kernel": where K is split, each tile's last program to finish adds the splits (`sum_if_last`); "launch": a
+# sum_splits launch after the product does. The same bits either way.
+SPLIT_SUM = os.environ.get("FLASHDRAFT_SPLIT_SUM", "launch")
+MAX_SPLIT_TILES = 4096  # K is split only where the output rows give fewer tiles than the target programs
+
+
+@functools.cache
+def split_counts(device: torch.device) -> Tensor:
+    """Each tile's count of arrived splits (int32 zeros; `sum_if_last` sets a tile's back to 0 when it is done), one
+    buffer per device shared by every product: products on one stream run one after another."""
+    return torch.zeros(MAX_SPLIT_TILES, device=device, dtype=torch.int32)
+
+
+def split_sum_args(out: Tensor, partial: Tensor, tiles: int) -> dict:
+    """The product kernels' split-sum arguments for out [M, N] and partial [splits, M, N] (split_outputs)."""
+    here = SPLIT_SUM == "kernel" and partial.shape[0] > 1
+    assert not here or tiles <= MAX_SPLIT_TILES, tiles
+    counts = split_counts(out.device) if here else partial
+    return dict(sum_ptr=out, count_ptr=counts, stride_sm=out.stride(0), SUM_HERE=here)
+
+
+def finish_splits(partial: Tensor, out: Tensor, sum_args: dict) -> None:
+    """out = the splits' sum, unless the product's kernel added them itself (or K was not split)."""
+    if partial.shape[0] > 1 and not sum_args["SUM_HERE"]:
+        sum_splits(partial, out)
 
 
 def sum_splits(partial: Tensor, out: Tensor) -> None:
@@ -580,8 +639,9 @@ def _gemv_into(out: Tensor, x: Tensor, xq: Tensor, xd: Tensor, xs: Tensor, qweig
         kernel, args, extra = _block32_kernel, (w, qweight.view(torch.int16), table), dict(QTYPE=BLOCK32_IDS[qtype])
     align = row_align(w)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), splits)
-    kernel[grid](xq, xd, xs, *args, partial, m, n, k, per_split, xq.stride(0), xd.stride(0), w.stride(0) // align,
-                 partial.stride(0), partial.stride(1), BM=bm, BLOCK_N=cfg["BLOCK_N"], SB=cfg["SB"], ROW_ALIGN=align,
-                 EMULATE=emulate, num_warps=cfg["num_warps"], **extra, **pdl.launch(x))
-    if splits > 1:
-        sum_splits(partial, out)
+    sums = split_sum_args(out, partial, grid[0])
+    kernel[grid](xq, xd, xs, *args, partial, M=m, N=n, K=k, sb_per_split=per_split, stride_xq=xq.stride(0),
+                 stride_xd=xd.stride(0), stride_wu=w.stride(0) // align, stride_os=partial.stride(0),
+                 stride_om=partial.stride(1), BM=bm, BLOCK_N=cfg["BLOCK_N"], SB=cfg["SB"], ROW_ALIGN=align,
+                 EMULATE=emulate, num_warps=cfg["num_warps"], **sums, **extra, **pdl.launch(x))
+    finish_splits(partial, out, sums)

@@ -117,10 +117,23 @@ def _tile(w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N: g
 
 
 @gluon.jit
-def _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om):
-    """The program's partial sums into out [splits, M, N] at its split (grid axis 1)."""
-    gl.store(out_ptr + gl.program_id(1) * stride_os + toks[None, :] * stride_om + rows[:, None],
-             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & tok_ok[None, :])
+def _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om, sum_ptr, count_ptr, stride_sm,
+           SUM_HERE: gl.constexpr):
+    """The program's partial sums into out [splits, M, N] at its split (grid axis 1); SUM_HERE: the tile's last
+    program adds the splits into sum [M, N] (gguf_gemv.sum_if_last's protocol, in Gluon)."""
+    ok = row_ok[:, None] & tok_ok[None, :]
+    at = out_ptr + toks[None, :] * stride_om + rows[:, None]
+    gl.store(at + gl.program_id(1) * stride_os, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    if SUM_HERE:
+        gl.thread_barrier()
+        splits = gl.num_programs(1)
+        if gl.atomic_add(count_ptr + gl.program_id(0), 1, sem="acq_rel", scope="gpu") == splits - 1:
+            total = gl.load(at, mask=ok, other=0.0, cache_modifier=".cg")
+            for s in range(1, splits):
+                total += gl.load(at + s * stride_os, mask=ok, other=0.0, cache_modifier=".cg")
+            gl.store(sum_ptr + toks[None, :] * stride_sm + rows[:, None], total.to(sum_ptr.dtype.element_ty),
+                     mask=ok)
+            gl.atomic_xchg(count_ptr + gl.program_id(0), 0)
 
 
 Q5_ASM = gl.constexpr("""{
@@ -145,9 +158,10 @@ def _q5_values(q, qh, J: gl.constexpr):
 
 
 @gluon.jit
-def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn,
-                   stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, FIVE_BITS: gl.constexpr,
-                   K_WIDTH: gl.constexpr, TILED: gl.constexpr, PDL: gl.constexpr):
+def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M, N, K, sb_per_split, stride_xq, stride_xds,
+                   stride_wn, stride_os, stride_om, stride_sm, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr,
+                   FIVE_BITS: gl.constexpr, K_WIDTH: gl.constexpr, TILED: gl.constexpr, SUM_HERE: gl.constexpr,
+                   PDL: gl.constexpr):
     """xq_ptr: x's 8-bit values as bytes [M, K]; xds [M, K / 32] int64: each block's float32 scale (low half) and
     scaled sum (high half); w: Q4_K rows as bytes (144 per super-block: d, dmin, 12 scale bytes, 128 nibble bytes)
     or Q5_K's (176: the same with 32 bytes of fifth bits before the nibbles, bit J of byte l for sub-block J's
@@ -178,7 +192,8 @@ def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
                              8 * c, 2 * g, TILED)
             acc = _sub_block(acc, hi, zero, a, b, s, d, dmin, b_ptr, b_ok, xds_ptr, toks, stride_xds, tok_ok,
                              8 * c, 2 * g + 1, TILED)
-    _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
+    _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om, sum_ptr, count_ptr, stride_sm,
+           SUM_HERE)
 
 
 def _q6_asm(nibble_shift: int, high_shift: int) -> str:
@@ -218,9 +233,9 @@ def _q6_values(ql0, ql1, qh, Q: gl.constexpr):
 
 
 @gluon.jit
-def _q6k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn,
-                stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, K_WIDTH: gl.constexpr,
-                TILED: gl.constexpr, PDL: gl.constexpr):
+def _q6k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M, N, K, sb_per_split, stride_xq, stride_xds,
+                stride_wn, stride_os, stride_om, stride_sm, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr,
+                K_WIDTH: gl.constexpr, TILED: gl.constexpr, SUM_HERE: gl.constexpr, PDL: gl.constexpr):
     """Q6_K (kept padded to 212 bytes: ql 128, qh 64, 16 int8 scales, d): each 32 weights are one int8 mma per
     16-weight scale, the other half's weights zeroed, the two exact int32 products scaled in float32."""
     first, last, a_row, a_ok, a_col, b_ptr, b_ok, s_ptr, rows, row_ok, toks, tok_ok, acc, zero = _tile(
@@ -246,13 +261,14 @@ def _q6k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_x
                 xd = pair.to(gl.int32).to(gl.float32, bitcast=True)
                 both = prod_a.to(gl.float32) * sc_a[:, None] + prod_b.to(gl.float32) * sc_b[:, None]
                 acc += both * (d[:, None] * xd[None, :])
-    _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
+    _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om, sum_ptr, count_ptr, stride_sm,
+           SUM_HERE)
 
 
 @gluon.jit
-def _iq4_xs_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn,
-                   stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, K_WIDTH: gl.constexpr,
-                   TILED: gl.constexpr, PDL: gl.constexpr):
+def _iq4_xs_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M, N, K, sb_per_split, stride_xq, stride_xds,
+                   stride_wn, stride_os, stride_om, stride_sm, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr,
+                   K_WIDTH: gl.constexpr, TILED: gl.constexpr, SUM_HERE: gl.constexpr, PDL: gl.constexpr):
     """IQ4_XS as layers/quantized.field_planes keeps it: a row's super-blocks' 128 nibble bytes (sub-block j's 16 at
     16j: byte l's low nibble is weight l, its high one l + 16), then their 8-byte headers (d, the scales' high bits
     (16), their low nibbles (4 bytes)). A's k 4t..4t+3 and 16+4t..16+4t+3 both load word t of the 16 bytes and look
@@ -274,13 +290,14 @@ def _iq4_xs_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
             scale = ((low >> (4 * j)) & 15) | (((head >> (16 + 2 * j)) & 3) << 4)
             xd = pair.to(gl.int32).to(gl.float32, bitcast=True)
             acc += prod.to(gl.float32) * ((d * (scale - 32).to(gl.float32))[:, None] * xd[None, :])
-    _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
+    _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om, sum_ptr, count_ptr, stride_sm,
+           SUM_HERE)
 
 
 @gluon.jit
-def _q8_0_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn,
-                 stride_os, stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, K_WIDTH: gl.constexpr,
-                 TILED: gl.constexpr, PDL: gl.constexpr):
+def _q8_0_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M, N, K, sb_per_split, stride_xq, stride_xds,
+                 stride_wn, stride_os, stride_om, stride_sm, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr,
+                 K_WIDTH: gl.constexpr, TILED: gl.constexpr, SUM_HERE: gl.constexpr, PDL: gl.constexpr):
     """Q8_0 as layers/quantized.field_planes keeps it (a row's K int8 values, then its K / 32 fp16 scales), K a
     multiple of 256: each block's exact int32 product scaled by d(row) * xd(token)."""
     first, last, a_row, a_ok, a_col, b_ptr, b_ok, s_ptr, rows, row_ok, toks, tok_ok, acc, zero = _tile(
@@ -295,7 +312,8 @@ def _q8_0_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_
             d = gl.load(d_ptr + 8 * c + j, mask=row_ok, other=0).to(gl.float16, bitcast=True).to(gl.float32)
             xd = pair.to(gl.int32).to(gl.float32, bitcast=True)
             acc += prod.to(gl.float32) * (d[:, None] * xd[None, :])
-    _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
+    _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om, sum_ptr, count_ptr, stride_sm,
+           SUM_HERE)
 
 
 # K_WIDTH: consecutive k per thread in the A and B fragments (Triton permutes k alike in both, so the same bits);
@@ -333,10 +351,11 @@ def matmul(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:
     per_split = triton.cdiv(sbs, max(1, min(sbs, TARGET_PROGRAMS // triton.cdiv(n, BLOCK_N))))
     splits = triton.cdiv(sbs, per_split)
     out, partial = gguf_gemv.split_outputs(x, n, splits)
-    kernel[(triton.cdiv(n, BLOCK_N), splits)](xq, xds, qweight, partial, m, n, k, per_split, stride_xq, stride_xds,
-                                              qweight.stride(0), partial.stride(0), partial.stride(1),
-                                              BLOCK_N=BLOCK_N, NUM_WARPS=NUM_WARPS, num_warps=NUM_WARPS, **constants,
-                                              **pdl.launch(x))
-    if splits > 1:
-        gguf_gemv.sum_splits(partial, out)
+    grid = (triton.cdiv(n, BLOCK_N), splits)
+    sums = gguf_gemv.split_sum_args(out, partial, grid[0])
+    kernel[grid](xq, xds, qweight, partial, M=m, N=n, K=k, sb_per_split=per_split, stride_xq=stride_xq,
+                 stride_xds=stride_xds, stride_wn=qweight.stride(0), stride_os=partial.stride(0),
+                 stride_om=partial.stride(1), BLOCK_N=BLOCK_N, NUM_WARPS=NUM_WARPS, num_warps=NUM_WARPS, **sums,
+                 **constants, **pdl.launch(x))
+    gguf_gemv.finish_splits(partial, out, sums)
     return out
