@@ -17,7 +17,7 @@ from flashdraft.kernels.gguf_mma import KERNELS
 
 def sass(qtype: str, block_n: int, num_warps: int, split_sum: bool = False) -> None:
     """Compile for sm_90 here (no GPU) and print the main loop's instruction counts, as sass_report does
-    (split_sum: K's splits added by each tile's last program, gguf_gemv.SPLIT_SUM)."""
+    (split_sum: K's splits added by each tile's last program, split_k.SPLIT_SUM)."""
     sys.path.insert(0, str(Path(__file__).parent))
     import sass_report as S
     from triton.experimental.gluon._runtime import GluonASTSource

@@ -97,7 +97,7 @@ def attention_cases(kv_types: list[str]):
 
 def cases(kernels: list[str], types: list[str], block_n: int, split_sum: bool = False):
     """(label, fn, signature, constexprs, aligned, warps, stages, weight bytes per loop iteration per program);
-    split_sum: the integer kernels with K's splits added by the tile's last program (gguf_gemv.SPLIT_SUM)."""
+    split_sum: the integer kernels with K's splits added by the tile's last program (split_k.SPLIT_SUM)."""
     for qtype in types:
         if "gemv" in kernels and qtype in ("Q4_K", "Q6_K", "Q8_0", "IQ4_XS", *G.BLOCK32_IDS):
             block32 = qtype in G.BLOCK32_IDS

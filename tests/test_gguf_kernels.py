@@ -37,18 +37,18 @@ def as_int8_rows(x: torch.Tensor, block: int = 32) -> torch.Tensor:
 
 def both_split_sums(product):
     """product() with K's splits added by a sum_splits launch, then by each tile's last program
-    (gguf_gemv.SPLIT_SUM): the same bits, and every tile's count back at 0."""
-    from flashdraft.kernels import gguf_gemv
-    saved = gguf_gemv.SPLIT_SUM
+    (split_k.SPLIT_SUM): the same bits, and every tile's count back at 0."""
+    from flashdraft.kernels import split_k
+    saved = split_k.SPLIT_SUM
     try:
-        gguf_gemv.SPLIT_SUM = "launch"
+        split_k.SPLIT_SUM = "launch"
         launched = product()
-        gguf_gemv.SPLIT_SUM = "kernel"
+        split_k.SPLIT_SUM = "kernel"
         summed_here = product()
     finally:
-        gguf_gemv.SPLIT_SUM = saved
+        split_k.SPLIT_SUM = saved
     assert torch.equal(launched, summed_here), f"split sums differ by {(launched - summed_here).abs().max()}"
-    assert not gguf_gemv.split_counts(launched.device).any()
+    assert not split_k.split_counts(launched.device).any()
     return launched
 
 
@@ -183,15 +183,15 @@ def test_dependent_launches_in_a_graph_match_plain_launches():
                 x = x / x.float().norm()
         return x
 
-    from flashdraft.kernels import gguf_gemv
+    from flashdraft.kernels import split_k
     gen = torch.Generator().manual_seed(0)
-    enabled, split_sum = pdl.ENABLED, gguf_gemv.SPLIT_SUM
+    enabled, split_sum = pdl.ENABLED, split_k.SPLIT_SUM
     try:
         for rows in (1, 16):  # the integer decode kernels, the int8 mma kernels
             first, second = (torch.randn(rows, k, generator=gen).cuda().to(torch.bfloat16) for _ in range(2))
-            pdl.ENABLED, gguf_gemv.SPLIT_SUM = False, "launch"
+            pdl.ENABLED, split_k.SPLIT_SUM = False, "launch"
             want = [chain(first), chain(second)]
-            for gguf_gemv.SPLIT_SUM in ("launch", "kernel"):  # K's splits: a sum_splits launch or the last program
+            for split_k.SPLIT_SUM in ("launch", "kernel"):  # K's splits: a sum_splits launch or the last program
                 pdl.ENABLED = True
                 x = first.clone()
                 chain(x)  # compile outside the capture
@@ -201,10 +201,10 @@ def test_dependent_launches_in_a_graph_match_plain_launches():
                 for inp, ref in zip((first, second, first) * 3, (want + want[:1]) * 3):
                     x.copy_(inp)
                     graph.replay()
-                    assert torch.equal(out, ref), (rows, gguf_gemv.SPLIT_SUM)
-                assert not gguf_gemv.split_counts(x.device).any()
+                    assert torch.equal(out, ref), (rows, split_k.SPLIT_SUM)
+                assert not split_k.split_counts(x.device).any()
     finally:
-        pdl.ENABLED, gguf_gemv.SPLIT_SUM = enabled, split_sum
+        pdl.ENABLED, split_k.SPLIT_SUM = enabled, split_sum
 
 
 def run_ptx(asm: str, inputs: list[int], outputs: int) -> list[int]:

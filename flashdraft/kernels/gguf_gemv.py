@@ -21,7 +21,6 @@ their values are read as aligned words. Q2_K/Q3_K keep the tensor-core kernel.
 Launched with programmatic dependent launch on Hopper (kernels/pdl.py): a program issues its weight loads before it
 waits for the kernel that wrote x.
 """
-import functools
 import os
 
 import torch
@@ -29,9 +28,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from flashdraft.kernels import pdl
+from flashdraft.kernels import pdl, split_k
 from flashdraft.kernels.iq4 import iq4_nibbles, iq4_table, iq4_table_words
 from flashdraft.kernels.pdl import start_dependents, wait_for_inputs
+from flashdraft.kernels.split_k import sum_if_last
 from flashdraft.layers.quantized import FIELD_PLANES
 
 QK8 = 32  # x values per 8-bit block
@@ -183,21 +183,6 @@ def _row_tile(N, BLOCK_N: tl.constexpr, BM: tl.constexpr):
 def _add_row(acc, mi, m, contrib):
     """acc with contrib [BLOCK_N] added to row m of x's (rows of x are unrolled: m is a constant)."""
     return tl.where(mi[:, None] == m, acc + contrib[None, :], acc)
-
-
-@triton.jit
-def sum_if_last(partial, stride_ps, out, ok, count_ptr, splits):
-    """Called by every program of a tile after storing its split's partial sums (pointers `partial` + split *
-    stride_ps): the tile's last program to arrive adds the splits in order (the bits of sum_splits) into `out` and
-    sets the tile's count back to 0. The barrier and the acq_rel atomic order every thread's stores before the
-    arrival; the partials are read from L2 (.cg), past any stale L1 line."""
-    tl.debug_barrier()
-    if tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == splits - 1:
-        total = tl.load(partial, mask=ok, other=0.0, cache_modifier=".cg")
-        for s in range(1, splits):
-            total += tl.load(partial + s * stride_ps, mask=ok, other=0.0, cache_modifier=".cg")
-        tl.store(out, total.to(out.dtype.element_ty), mask=ok)
-        tl.atomic_xchg(count_ptr, 0)
 
 
 @triton.jit
@@ -525,62 +510,6 @@ def splits_for(n: int, k: int, cfg: dict) -> tuple[int, int]:
     return triton.cdiv(sbs, per_split), per_split
 
 
-@triton.jit
-def _sum_splits_kernel(partial_ptr, out_ptr, splits, numel, n, stride_om, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """out [M, n] (rows stride_om apart) = partial [splits, M, n].sum(0) in out's dtype, the splits added in order
-    (deterministic), one launch."""
-    start_dependents(PDL)
-    wait_for_inputs(PDL)
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < numel
-    acc = tl.load(partial_ptr + i, mask=ok, other=0.0)
-    for s in range(1, splits):
-        acc += tl.load(partial_ptr + s * numel + i, mask=ok, other=0.0)
-    tl.store(out_ptr + (i // n) * stride_om + i % n, acc.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-def split_outputs(x: Tensor, n: int, splits: int, out: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """(out [M, N] in x's dtype, partial [splits, M, N]): one split writes out itself, more write float32 partial
-    sums for `sum_splits`. `out` may be given: columns of a wider output (rows strided)."""
-    out = torch.empty(x.shape[0], n, device=x.device, dtype=x.dtype) if out is None else out
-    return out, out[None] if splits == 1 else torch.empty(splits, x.shape[0], n, device=x.device, dtype=torch.float32)
-
-
-# "kernel": where K is split, each tile's last program to finish adds the splits (`sum_if_last`); "launch": a
-# sum_splits launch after the product does. The same bits either way.
-SPLIT_SUM = os.environ.get("FLASHDRAFT_SPLIT_SUM", "launch")
-MAX_SPLIT_TILES = 4096  # K is split only where the output rows give fewer tiles than the target programs
-
-
-@functools.cache
-def split_counts(device: torch.device) -> Tensor:
-    """Each tile's count of arrived splits (int32 zeros; `sum_if_last` sets a tile's back to 0 when it is done), one
-    buffer per device shared by every product: products on one stream run one after another."""
-    return torch.zeros(MAX_SPLIT_TILES, device=device, dtype=torch.int32)
-
-
-def split_sum_args(out: Tensor, partial: Tensor, tiles: int) -> dict:
-    """The product kernels' split-sum arguments for out [M, N] and partial [splits, M, N] (split_outputs)."""
-    here = SPLIT_SUM == "kernel" and partial.shape[0] > 1
-    assert not here or tiles <= MAX_SPLIT_TILES, tiles
-    counts = split_counts(out.device) if here else partial
-    return dict(sum_ptr=out, count_ptr=counts, stride_sm=out.stride(0), SUM_HERE=here)
-
-
-def finish_splits(partial: Tensor, out: Tensor, sum_args: dict) -> None:
-    """out = the splits' sum, unless the product's kernel added them itself (or K was not split)."""
-    if partial.shape[0] > 1 and not sum_args["SUM_HERE"]:
-        sum_splits(partial, out)
-
-
-def sum_splits(partial: Tensor, out: Tensor) -> None:
-    """out [M, N] (its rows may be strided) = partial [splits, M, N] summed over splits in order, in out's dtype
-    (one launch)."""
-    block = 1024
-    _sum_splits_kernel[(triton.cdiv(out.numel(), block),)](partial, out, partial.shape[0], out.numel(), out.shape[1],
-                                                          out.stride(0), BLOCK=block, **pdl.launch(out))
-
-
 def row_align(w: Tensor) -> int:
     """The most elements, up to 16 bytes' worth, that divide w's row stride: a constant to the kernels, so they
     know how far each row's start is aligned and can load 16 bytes at once (a runtime stride tells them nothing)."""
@@ -620,7 +549,7 @@ def _gemv_into(out: Tensor, x: Tensor, xq: Tensor, xd: Tensor, xs: Tensor, qweig
     emulate = _emulate()
     cfg = INTERPRETED if emulate else TYPE_CONFIGS.get(qtype, CONFIG)
     splits, per_split = splits_for(n, k, cfg)
-    out, partial = split_outputs(x, n, splits, out)
+    out, partial = split_k.outputs(x, n, splits, out)
     if qtype in ("Q4_K", "Q5_K"):
         w = qweight.view(torch.int32)
         kernel, args, extra = _kquant_kernel, (w,), dict(FIVE_BITS=qtype == "Q5_K")
@@ -639,9 +568,9 @@ def _gemv_into(out: Tensor, x: Tensor, xq: Tensor, xd: Tensor, xs: Tensor, qweig
         kernel, args, extra = _block32_kernel, (w, qweight.view(torch.int16), table), dict(QTYPE=BLOCK32_IDS[qtype])
     align = row_align(w)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), splits)
-    sums = split_sum_args(out, partial, grid[0])
+    sums = split_k.sum_args(out, partial, grid[0])
     kernel[grid](xq, xd, xs, *args, partial, M=m, N=n, K=k, sb_per_split=per_split, stride_xq=xq.stride(0),
                  stride_xd=xd.stride(0), stride_wu=w.stride(0) // align, stride_os=partial.stride(0),
                  stride_om=partial.stride(1), BM=bm, BLOCK_N=cfg["BLOCK_N"], SB=cfg["SB"], ROW_ALIGN=align,
                  EMULATE=emulate, num_warps=cfg["num_warps"], **sums, **extra, **pdl.launch(x))
-    finish_splits(partial, out, sums)
+    split_k.finish(partial, out, sums)

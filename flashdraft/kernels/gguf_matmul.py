@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from flashdraft.kernels import gguf_gemv
+from flashdraft.kernels import gguf_gemv, split_k
 from flashdraft.kernels.iq4 import iq4_value
 from flashdraft.layers.quantized import PADDED_BLOCK_BYTES
 
@@ -361,13 +361,13 @@ def gguf_matmul(x: Tensor, qweight: Tensor, qtype: str, k: int, bias: Tensor | N
         out = gguf_gemv.gemv(x, qweight, qtype, k)
         return out if bias is None else out + bias
     splits, per_split = splits_for(n, k)
-    out, partial = gguf_gemv.split_outputs(x, n, splits)
+    out, partial = split_k.outputs(x, n, splits)
     grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, BLOCK_M), splits)
     _matmul_kernel[grid](x, qweight, partial, m, n, k, per_split, x.stride(0), qweight.stride(0),
                          partial.stride(0), partial.stride(1), QTYPE=TYPE_IDS[qtype], CHUNK_BYTES=chunk_bytes(qtype),
                          BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS)
     if splits > 1:
-        gguf_gemv.sum_splits(partial, out)
+        split_k.sum_splits(partial, out)
     return out if bias is None else out + bias
 
 

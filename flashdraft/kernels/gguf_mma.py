@@ -27,7 +27,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from flashdraft.kernels import gguf_gemv, pdl
+from flashdraft.kernels import gguf_gemv, pdl, split_k
 from flashdraft.kernels.iq4 import IQ4_FOUR
 
 ENABLED = True
@@ -120,7 +120,7 @@ def _tile(w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N: g
 def _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om, sum_ptr, count_ptr, stride_sm,
            SUM_HERE: gl.constexpr):
     """The program's partial sums into out [splits, M, N] at its split (grid axis 1); SUM_HERE: the tile's last
-    program adds the splits into sum [M, N] (gguf_gemv.sum_if_last's protocol, in Gluon)."""
+    program adds the splits into sum [M, N] (split_k's protocol, in Gluon)."""
     ok = row_ok[:, None] & tok_ok[None, :]
     at = out_ptr + toks[None, :] * stride_om + rows[:, None]
     gl.store(at + gl.program_id(1) * stride_os, acc.to(out_ptr.dtype.element_ty), mask=ok)
@@ -350,12 +350,12 @@ def matmul(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:
     sbs = k // 256
     per_split = triton.cdiv(sbs, max(1, min(sbs, TARGET_PROGRAMS // triton.cdiv(n, BLOCK_N))))
     splits = triton.cdiv(sbs, per_split)
-    out, partial = gguf_gemv.split_outputs(x, n, splits)
+    out, partial = split_k.outputs(x, n, splits)
     grid = (triton.cdiv(n, BLOCK_N), splits)
-    sums = gguf_gemv.split_sum_args(out, partial, grid[0])
+    sums = split_k.sum_args(out, partial, grid[0])
     kernel[grid](xq, xds, qweight, partial, M=m, N=n, K=k, sb_per_split=per_split, stride_xq=stride_xq,
                  stride_xds=stride_xds, stride_wn=qweight.stride(0), stride_os=partial.stride(0),
                  stride_om=partial.stride(1), BLOCK_N=BLOCK_N, NUM_WARPS=NUM_WARPS, num_warps=NUM_WARPS, **sums,
                  **constants, **pdl.launch(x))
-    gguf_gemv.finish_splits(partial, out, sums)
+    split_k.finish(partial, out, sums)
     return out
