@@ -67,7 +67,7 @@ def main_loop(sass: str) -> collections.Counter:
     return ops
 
 
-def attention_cases(kv_types: list[str]):
+def attention_cases(kv_types: list[str], merge_here: bool = False):
     """The split attention kernel's partial program over each stored KV type (K = V), as the engine launches it for
     the 8B's heads (head size 128; a rotated type's q rotated inside): (label, fn, signature, constexprs, aligned,
     warps, stages, K + V bytes per loop iteration)."""
@@ -79,14 +79,16 @@ def attention_cases(kv_types: list[str]):
         row = codec.row_size(128)
         cache = "*u8" if row_type else "*bf16"
         sig = {"q_ptr": "*bf16", "k_ptr": cache, "v_ptr": cache, "mask_ptr": "*u8", "acc_ptr": "*fp32",
-               "m_ptr": "*fp32", "l_ptr": "*fp32", "signs_ptr": "*fp32"}
-        sig |= {a: "i32" for a in ("stride_qt", "stride_qh", "stride_kh", "stride_vh", "stride_mt", "L",
-                                   "blocks_per_split", "n_kv")}
+               "m_ptr": "*fp32", "l_ptr": "*fp32", "signs_ptr": "*fp32", "out_ptr": "*bf16", "v_signs_ptr": "*fp32",
+               "count_ptr": "*i32"}
+        sig |= {a: "i32" for a in ("stride_qt", "stride_qh", "stride_kh", "stride_vh", "stride_mt", "stride_ot",
+                                   "stride_oh", "L", "blocks_per_split", "n_kv")}
         sig |= {"scale": "fp32", "softcap": "fp32", "T": "i32", "G": "i32", "n_rows": "i32"}
         block_n, stages = (S.STORED_BLOCK_N, S.STORED_STAGES) if row_type else (S.BLOCK_N, S.NUM_STAGES)
         const = dict(D=128, BLOCK_M=S.ROW_TILE, BLOCK_N=block_n, SOFTCAP=False, K_TYPE=row_type, V_TYPE=row_type,
                      K_ROW=row, V_ROW=row, K_PLANES=S.planes(row_type), V_PLANES=S.planes(row_type),
-                     K_ROTATED=codec.rotates(128), PDL=True)
+                     K_ROTATED=codec.rotates(128), MERGE_HERE=merge_here,
+                     ROTATION=128 if merge_here and codec.rotates(128) else 0, PDL=True)
         sig |= {k: "constexpr" for k in const}
         aligned = ("q_ptr", "k_ptr", "v_ptr", "mask_ptr", "acc_ptr", "m_ptr", "l_ptr", "signs_ptr", "stride_qt",
                    "stride_qh", "stride_kh", "stride_vh", "n_kv")
@@ -139,7 +141,8 @@ def main() -> int:
     ap.add_argument("--kernels", default="gemv,dot")
     ap.add_argument("--types", default="Q4_K,Q6_K")
     ap.add_argument("--block-n", type=int, default=K.BLOCK_N)
-    ap.add_argument("--split-sum", action="store_true", help="the integer kernels adding K's splits themselves")
+    ap.add_argument("--split-sum", action="store_true",
+                    help="the integer kernels adding K's splits, the attention kernel merging its splits, themselves")
     ap.add_argument("--kv-types", default="bf16,q8_0,q4_1,q5_0,iq4_nl,turbo4",
                     help="with --kernels attention: the split kernel over these KV cache types")
     args = ap.parse_args()
@@ -149,7 +152,7 @@ def main() -> int:
     kernels = args.kernels.split(",")
     all_cases = list(cases(kernels, args.types.split(","), args.block_n, args.split_sum))
     if "attention" in kernels:
-        all_cases += list(attention_cases(args.kv_types.split(",")))
+        all_cases += list(attention_cases(args.kv_types.split(","), args.split_sum))
     for label, fn, sig, const, aligned, warps, stages, per_iter in all_cases:
         usage, sass = compile_sm90(fn, sig, const, aligned, warps, num_stages=stages)
         regs, shared = re.search(r"REG:(\d+)", usage).group(1), re.search(r"SHARED:(\d+)", usage).group(1)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from test_split_attention import INTERPRETER
+from test_split_attention import INTERPRETER, both_split_sums
 
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
 
@@ -33,23 +33,6 @@ def as_int8_rows(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     d = blocks.abs().amax(-1, keepdim=True) / 127
     inv = torch.where(d > 0, 1 / torch.where(d > 0, d, 1), 0)
     return (torch.floor(blocks * inv + 0.5).clamp(-127, 127) * d).reshape(x.shape)
-
-
-def both_split_sums(product):
-    """product() with K's splits added by a sum_splits launch, then by each tile's last program
-    (split_k.SPLIT_SUM): the same bits, and every tile's count back at 0."""
-    from flashdraft.kernels import split_k
-    saved = split_k.SPLIT_SUM
-    try:
-        split_k.SPLIT_SUM = "launch"
-        launched = product()
-        split_k.SPLIT_SUM = "kernel"
-        summed_here = product()
-    finally:
-        split_k.SPLIT_SUM = saved
-    assert torch.equal(launched, summed_here), f"split sums differ by {(launched - summed_here).abs().max()}"
-    assert not split_k.split_counts(launched.device).any()
-    return launched
 
 
 def check(device: str, dtype: torch.dtype = torch.float32, tol: float = 1e-5) -> None:
