@@ -6,8 +6,8 @@ program leaves most of the GPU idle while it walks the cache. Here the keys are 
 without repeating K/V), and the splits are merged by their log-sum-exp: by a second kernel, or (kernels/split_k.py
 SPLIT_SUM "kernel") by each row tile's last split program to finish, one launch fewer per layer and step. The
 mask is an explicit bool [T, L] (True = attend), so causal, sliding-window and the draft's non-causal ring layouts
-all go through the same kernel; the score scale and an optional tanh softcap are arguments. Registered as a torch custom op,
-so torch.compile and CUDA graphs treat it as one opaque call.
+all go through the same kernel; the score scale and an optional tanh softcap are arguments. Registered as a torch
+custom op, so torch.compile and CUDA graphs treat it as one opaque call.
 
 K and V may be read as the cache stores them (layers/kv_quant.py): float rows of any float dtype, llama.cpp's
 32-value blocks (q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl) or the rotated turbo types' codebook indices (their
@@ -268,7 +268,7 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, signs_
                                                             V_PLANES).to(q0.dtype))
         m_i = m_new
     # the next kernel (the merge) is placed once every program got here, not at the start: a merge program placed
-    # early waits on its SM through the whole loop, holding registers (8 warps when it rotates V back) a program here could use
+    # early waits on its SM through the whole loop, holding registers a program here could use
     start_dependents(PDL)
     base = split * n_kv + kv
     out = acc_ptr + (base * n_rows + rows[:, None]) * D
