@@ -165,9 +165,10 @@ def _k_scales(p, ok, BN: tl.constexpr):
 
 @triton.jit
 def _k_nibbles(p, ok, BN: tl.constexpr):
-    """128 bytes at p -> [N, 8, 32] 4-bit values in order: sub-block 2g is group g's low nibbles, 2g + 1 its
-    high ones (32 bytes per group)."""
-    b = tl.load(p[:, None, None] + 32 * tl.arange(0, 4)[None, :, None] + tl.arange(0, 32)[None, None, :],
+    """128 bytes at p (layers/quantized.lane_grouped: group g's bytes 8p..8p+7 at 32p + 8g) -> [N, 8, 32] 4-bit
+    values in order: sub-block 2g is group g's low nibbles, 2g + 1 its high ones."""
+    c = tl.arange(0, 32)
+    b = tl.load(p[:, None, None] + 8 * tl.arange(0, 4)[None, :, None] + (c // 8 * 32 + c % 8)[None, None, :],
                 mask=ok[:, None, None], other=0)
     pair = tl.join(b & 15, b >> 4)  # [N, 4, 32, 2]
     return tl.reshape(tl.permute(pair, (0, 1, 3, 2)), (BN, 8, 32))

@@ -157,19 +157,51 @@ def _q5_values(q, qh, J: gl.constexpr):
                                      dtype=gl.int8, is_pure=True, pack=4)
 
 
+@gluon.constexpr_function
+def _lane_pieces_layout(block_n, num_warps):
+    """[block_n, 128] nibble bytes as layers/quantized.lane_grouped keeps them (column 32p + 8g + i: group g's byte
+    8p + i): each thread holds the 32 bytes of its lane piece p of a row, the rows those of its A fragments (rows r
+    and r + 8 of its warp's 16, lane 4r + p), so that `_groups` needs no data movement."""
+    assert block_n % (16 * num_warps) == 0, (block_n, num_warps)
+    regs = [[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [8, 0]]
+    regs += [[16 * num_warps << i, 0] for i in range((block_n // (16 * num_warps)).bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]],
+                                      warp_bases=[[16 << i, 0] for i in range(num_warps.bit_length() - 1)],
+                                      block_bases=[], shape=[block_n, 128])
+
+
+@gluon.jit
+def _groups(q, a_l: gl.constexpr, BLOCK_N: gl.constexpr):
+    """q [BLOCK_N, 128] in _lane_pieces_layout -> the four groups' [BLOCK_N, 32] tiles in the A layout (k_width 8),
+    by register renaming only."""
+    q = gl.permute(gl.reshape(q, [BLOCK_N, 4, 4, 8]), [0, 2, 1, 3])  # (row, g, p, i)
+    q = gl.reshape(gl.permute(gl.reshape(q, [BLOCK_N, 4, 32]), [0, 2, 1]), [BLOCK_N, 32, 2, 2])  # (row, k, g // 2, g % 2)
+    even, odd = gl.split(q)
+    q0, q2 = gl.split(even)
+    q1, q3 = gl.split(odd)
+    return (gl.convert_layout(q0, a_l, assert_trivial=True), gl.convert_layout(q1, a_l, assert_trivial=True),
+            gl.convert_layout(q2, a_l, assert_trivial=True), gl.convert_layout(q3, a_l, assert_trivial=True))
+
+
 @gluon.jit
 def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M, N, K, sb_per_split, stride_xq, stride_xds,
                    stride_wn, stride_os, stride_om, stride_sm, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr,
-                   FIVE_BITS: gl.constexpr, K_WIDTH: gl.constexpr, TILED: gl.constexpr, SUM_HERE: gl.constexpr,
-                   PDL: gl.constexpr):
+                   FIVE_BITS: gl.constexpr, TILED: gl.constexpr, SUM_HERE: gl.constexpr, PDL: gl.constexpr):
     """xq_ptr: x's 8-bit values as bytes [M, K]; xds [M, K / 32] int64: each block's float32 scale (low half) and
     scaled sum (high half); w: Q4_K rows as bytes (144 per super-block: d, dmin, 12 scale bytes, 128 nibble bytes)
     or Q5_K's (176: the same with 32 bytes of fifth bits before the nibbles, bit J of byte l for sub-block J's
-    weight l); out [splits, M, N] float32 partial sums over this program's super-blocks."""
+    weight l), the nibbles lane_grouped (layers/quantized.py): a row's 128 load at once, two 16-byte loads per
+    thread; out [splits, M, N] float32 partial sums over this program's super-blocks."""
     WORDS: gl.constexpr = 44 if FIVE_BITS else 36
     NIBBLES: gl.constexpr = 48 if FIVE_BITS else 16
     first, last, a_row, a_ok, a_col, b_ptr, b_ok, s_ptr, rows, row_ok, toks, tok_ok, acc, zero = _tile(
-        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, K_WIDTH, TILED, PDL)
+        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, 8, TILED, PDL)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
+    wide: gl.constexpr = _lane_pieces_layout(BLOCK_N, NUM_WARPS)
+    w_rows = gl.minimum(gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, wide)), N - 1)
+    q_ptr = (w_ptr + w_rows.to(gl.int64)[:, None] * stride_wn + NIBBLES
+             + gl.arange(0, 128, layout=gl.SliceLayout(0, wide))[None, :])  # rows past N read row N - 1, unstored
     a_ptr = a_row + a_col
     for c in range(first, last):
         head = gl.load(s_ptr + WORDS * c, mask=row_ok, other=0)
@@ -179,8 +211,9 @@ def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M, N, K,
         d, dmin = _half(head), _half(head >> 16)
         if FIVE_BITS:
             qh = gl.load(a_ptr + 4 * WORDS * c + 16, mask=a_ok, other=0)
+        groups = _groups(gl.load(q_ptr + 4 * WORDS * c), a_l, BLOCK_N)
         for g in gl.static_range(4):
-            q = gl.load(a_ptr + 4 * WORDS * c + NIBBLES + 32 * g, mask=a_ok, other=0)
+            q = groups[g]
             if FIVE_BITS:
                 lo, hi = _q5_values(q, qh, 2 * g), _q5_values(q, qh, 2 * g + 1)
             else:
@@ -320,8 +353,8 @@ def _q8_0_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M, N, K, s
 # 8 gives 64-bit weight loads and fewer registers (Q4_K 134 against 186), but turns Q6_K's half-block selects into
 # byte selects. TILED: x laid out by quantize_rows_tiled. Chosen per type on an H100 (docs/PERF.md, fourteenth
 # session).
-KERNELS = {"Q4_K": (_kquant_kernel, dict(FIVE_BITS=False, K_WIDTH=8, TILED=True)),
-           "Q5_K": (_kquant_kernel, dict(FIVE_BITS=True, K_WIDTH=8, TILED=True)),
+KERNELS = {"Q4_K": (_kquant_kernel, dict(FIVE_BITS=False, TILED=True)),  # k_width 8: _lane_pieces_layout's
+           "Q5_K": (_kquant_kernel, dict(FIVE_BITS=True, TILED=True)),
            "Q6_K": (_q6k_kernel, dict(K_WIDTH=4, TILED=True)),
            "IQ4_XS": (_iq4_xs_kernel, dict(K_WIDTH=8, TILED=True)),
            "Q8_0": (_q8_0_kernel, dict(K_WIDTH=8, TILED=False))}
