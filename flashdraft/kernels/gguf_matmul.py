@@ -380,12 +380,15 @@ def _(x: Tensor, qweight: Tensor, qtype: str, k: int, bias: Tensor | None = None
 @torch.library.custom_op("flashdraft::gguf_matmul_parts", mutates_args=())
 def gguf_matmul_parts(x: Tensor, qweights: list[Tensor], qtypes: str, k: int) -> Tensor:
     """x [M, K] @ [dequantize(part 0); dequantize(part 1); ...]^T -> [M, sum of N]: a fused q/k/v or gate/up whose
-    parts keep their own types (qtypes: comma-separated). For the integer kernels' row counts x is quantized once
-    and every part writes its columns of one output; otherwise the parts' products are concatenated."""
+    parts keep their own types (qtypes: comma-separated). For the integer and int8 mma kernels' row counts x is
+    quantized once and every part writes its columns of one output; otherwise the parts' products are
+    concatenated."""
     types = qtypes.split(",")
     x = x.contiguous()
     if x.shape[0] <= gguf_gemv.MAX_ROWS and all(gguf_gemv.covers(q, k) for q in types):
         return gguf_gemv.gemv_parts(x, qweights, types, k)
+    if gguf_mma is not None and all(gguf_mma.covers(q, x.shape[0], x) for q in types):
+        return gguf_mma.matmul_parts(x, qweights, types, k)
     return torch.cat([gguf_matmul(x, w, q, k) for w, q in zip(qweights, types)], dim=-1)
 
 

@@ -371,19 +371,41 @@ def covers(qtype: str, m: int, x: Tensor) -> bool:
 def matmul(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:
     """x [M <= 16, K] @ dequantize(qweight)^T -> [M, N] in x's dtype (qweight as layers/quantized.stored_blocks
     keeps it)."""
+    return matmul_parts(x, [qweight], [qtype], k)
+
+
+def matmul_parts(x: Tensor, qweights: list[Tensor], qtypes: list[str], k: int) -> Tensor:
+    """x @ [part 0; part 1; ...]^T -> [M, sum of N] (a fused q/k/v or gate/up whose parts differ in type): x is
+    rounded once per layout the parts' kernels take, and each part writes its own columns of one output."""
+    rounded = {}
+    out = torch.empty(x.shape[0], sum(w.shape[0] for w in qweights), device=x.device, dtype=x.dtype)
+    col = 0
+    for w, qtype in zip(qweights, qtypes):
+        tiled = KERNELS[qtype][1]["TILED"]
+        if tiled not in rounded:
+            rounded[tiled] = _rounded(x, tiled)
+        _matmul_into(out[:, col:col + w.shape[0]], x, *rounded[tiled], w, qtype, k)
+        col += w.shape[0]
+    return out
+
+
+def _rounded(x: Tensor, tiled: bool) -> tuple[Tensor, Tensor, int, int]:
+    """x rounded to 8 bits per 32 values for the kernels: (values, scale pairs, their row strides)."""
+    if tiled:
+        xq, xds = gguf_gemv.quantize_rows_tiled(x)
+        return xq, xds, 0, 0  # the kernels' tiled offsets
+    xq, xds = gguf_gemv.quantize_rows_paired(x)
+    return xq.view(torch.int8), xds, xq.view(torch.int8).stride(0), xds.stride(0)
+
+
+def _matmul_into(out: Tensor, x: Tensor, xq: Tensor, xds: Tensor, stride_xq: int, stride_xds: int, qweight: Tensor,
+                 qtype: str, k: int) -> None:
     m, n = x.shape[0], qweight.shape[0]
     kernel, constants = KERNELS[qtype]
-    if constants["TILED"]:
-        xq, xds = gguf_gemv.quantize_rows_tiled(x)
-        stride_xq = stride_xds = 0  # the kernels' tiled offsets
-    else:
-        xq, xds = gguf_gemv.quantize_rows_paired(x)
-        xq = xq.view(torch.int8)
-        stride_xq, stride_xds = xq.stride(0), xds.stride(0)
     sbs = k // 256
     per_split = triton.cdiv(sbs, max(1, min(sbs, TARGET_PROGRAMS // triton.cdiv(n, BLOCK_N))))
     splits = triton.cdiv(sbs, per_split)
-    out, partial = split_k.outputs(x, n, splits)
+    out, partial = split_k.outputs(x, n, splits, out)
     grid = (triton.cdiv(n, BLOCK_N), splits)
     sums = split_k.sum_args(out, partial, grid[0])
     kernel[grid](xq, xds, qweight, partial, M=m, N=n, K=k, sb_per_split=per_split, stride_xq=stride_xq,
@@ -391,4 +413,3 @@ def matmul(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:
                  stride_om=partial.stride(1), BLOCK_N=BLOCK_N, NUM_WARPS=NUM_WARPS, num_warps=NUM_WARPS, **sums,
                  **constants, **pdl.launch(x))
     split_k.finish(partial, out, sums)
-    return out
