@@ -1,8 +1,8 @@
 """Integer dot products for a few rows of x against GGUF weights of the 4-, 5-, 6- and 8-bit types (decode, verify and draft
 steps): the shape of llama.cpp's mmvq, written for Triton.
 
-x is first quantized to 8 bits per 32 values (`quantize_rows`: int8 packed four to an int32 word, a float scale
-and the scaled sum per 32 values). The weight kernels then read each row's bytes as 32-bit words, mask the 4-,
+x is first quantized to 8 bits (`quantize_rows`: int8 packed four to an int32 word, a float scale per 32 values
+or, for the K types and IQ4_XS, per 256 (`x_group`), and the scaled sum per 32 values). The weight kernels then read each row's bytes as 32-bit words, mask the 4-,
 5- or 6-bit fields out of a word four at a time, and multiply them with x's bytes by `dp4a` (four int8
 products summed into an int32), so a weight costs about a quarter of an instruction per row of x instead of an
 unpack, a conversion and a multiply. The sub-block scales and the minimum's term (dmin * m * sum(x)) apply once
@@ -80,9 +80,10 @@ def _half(bits):
 
 @triton.jit
 def _quantize_kernel(x_ptr, q_ptr, d_ptr, s_ptr, K, stride_x, stride_q, stride_qb, stride_d, BLOCKS: tl.constexpr,
-                     ORDER: tl.constexpr, STEP: tl.constexpr, PDL: tl.constexpr):
+                     ORDER: tl.constexpr, STEP: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr):
     """x [M, K] -> q [M, K / 4] int32 (four int8 per word; a row's blocks stride_qb words apart), d [M, K / 32]
-    scales, s [M, K / 32] = d * sum(q) (STEP floats apart: 2 writes them side by side).
+    scales, s [M, K / 32] = d * sum(q) (STEP floats apart: 2 writes them side by side). One scale per GROUP (32 or
+    256) values: per 256 every block of a group gets the same d.
     ORDER 0: each block's values in order; IQ4_ORDER: word 2t holds values 4t, 16 + 4t, 4t + 1, 17 + 4t and word
     2t + 1 values 4t + 2, 18 + 4t, 4t + 3, 19 + 4t (the order `iq4_nibbles` gives a weight word's values)."""
     start_dependents(PDL)
@@ -98,6 +99,9 @@ def _quantize_kernel(x_ptr, q_ptr, d_ptr, s_ptr, K, stride_x, stride_q, stride_q
     col = b[:, None, None] * 32 + within[None, :, :]
     x = tl.load(x_ptr + m * stride_x + col, mask=ok[:, None, None], other=0.0).to(tl.float32)
     amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
+    if GROUP == 256:  # the largest of each 8 blocks, for all 8
+        PER: tl.constexpr = BLOCKS // 8
+        amax = tl.reshape(tl.broadcast_to(tl.max(tl.reshape(amax, [PER, 8]), axis=1)[:, None], [PER, 8]), [BLOCKS])
     d = amax / 127.0
     inv = tl.where(d > 0, 1.0 / tl.where(d > 0, d, 1.0), 0.0)
     q = tl.floor(x * inv[:, None, None] + 0.5).to(tl.int32)
@@ -112,28 +116,39 @@ IQ4_ORDER = 1  # quantize_rows' order for the IQ4 kernels
 IQ4_TYPES = ("IQ4_NL", "IQ4_XS")
 
 
-def quantize_rows(x: Tensor, order: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+# x's rounding group per weight type: the types whose blocks are 256 weights with small integer sub-block scales round
+# x per 256 (llama.cpp's CPU Q8_K), so the int8 mma kernels sum a super-block's sub-block products in int32 and
+# convert once (docs/PERF.md: per 256 costs what per 32 costs in KL); the 32-weight types round per 32. Decode and
+# verify round alike, so a token's greedy choice does not depend on which computed it.
+GROUP_256 = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
+
+
+def x_group(qtype: str) -> int:
+    return 256 if qtype in GROUP_256 else QK8
+
+
+def quantize_rows(x: Tensor, order: int = 0, group: int = QK8) -> tuple[Tensor, Tensor, Tensor]:
     """x [M, K] -> (q [M, K / 4] int32, d [M, K / 32], s [M, K / 32]) as `_quantize_kernel` writes them."""
     m, k = x.shape
     d = torch.empty(m, k // QK8, device=x.device, dtype=torch.float32)
     s = torch.empty_like(d)
     q = torch.empty(m, k // 4, device=x.device, dtype=torch.int32)
-    return _quantize_into(x, q, q.stride(0), 8, d, s, order, 1), d, s
+    return _quantize_into(x, q, q.stride(0), 8, d, s, order, 1, group), d, s
 
 
-def quantize_rows_paired(x: Tensor) -> tuple[Tensor, Tensor]:
+def quantize_rows_paired(x: Tensor, group: int = QK8) -> tuple[Tensor, Tensor]:
     """x [M, K] -> (q [M, K / 4] int32, [M, K / 32] int64: each block's d and s side by side, one 8-byte load)."""
     m, k = x.shape
     pairs = torch.empty(m, k // QK8, 2, device=x.device, dtype=torch.float32)
     q = torch.empty(m, k // 4, device=x.device, dtype=torch.int32)
-    _quantize_into(x, q, q.stride(0), 8, pairs[..., 0], pairs[..., 1], 0, 2)
+    _quantize_into(x, q, q.stride(0), 8, pairs[..., 0], pairs[..., 1], 0, 2, group)
     return q, pairs.view(torch.int64)[..., 0]
 
 
 TILE_ROWS = 16  # rows of x quantize_rows_tiled lays side by side
 
 
-def quantize_rows_tiled(x: Tensor) -> tuple[Tensor, Tensor]:
+def quantize_rows_tiled(x: Tensor, group: int = QK8) -> tuple[Tensor, Tensor]:
     """x [M <= 16, K] -> quantize_rows_paired's values and pairs with the rows of each block side by side: q [K / 32,
     16, 32] int8 (block b's 32 values of row m at q[b, m]), pairs [K / 32, 16] int64. The int8 mma kernels
     (kernels/gguf_mma.py) read a B fragment or a block's scales in one or two L1 wavefronts this way, where rows K
@@ -142,17 +157,19 @@ def quantize_rows_tiled(x: Tensor) -> tuple[Tensor, Tensor]:
     assert m <= TILE_ROWS, m
     q = torch.empty(k // QK8, TILE_ROWS, QK8, device=x.device, dtype=torch.int8)
     pairs = torch.empty(k // QK8, TILE_ROWS, 2, device=x.device, dtype=torch.float32)
-    _quantize_into(x, q.view(torch.int32), 8, 8 * TILE_ROWS, pairs[..., 0].T, pairs[..., 1].T, 0, 2 * TILE_ROWS)
+    _quantize_into(x, q.view(torch.int32), 8, 8 * TILE_ROWS, pairs[..., 0].T, pairs[..., 1].T, 0, 2 * TILE_ROWS,
+                   group)
     return q, pairs.view(torch.int64)[..., 0]
 
 
 def _quantize_into(x: Tensor, q: Tensor, stride_q: int, stride_qb: int, d: Tensor, s: Tensor, order: int,
-                   step: int) -> Tensor:
+                   step: int, group: int) -> Tensor:
     m, k = x.shape
+    assert group == QK8 or k % group == 0, (k, group)
     blocks = 16
     _quantize_kernel[(m, triton.cdiv(k // QK8, blocks))](x, q, d, s, k, x.stride(0), stride_q, stride_qb,
                                                           d.stride(0), BLOCKS=blocks, ORDER=order, STEP=step,
-                                                          **pdl.launch(x))
+                                                          GROUP=group, **pdl.launch(x))
     return q
 
 
@@ -534,19 +551,19 @@ def covers(qtype: str, k: int) -> bool:
 
 
 def gemv(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:
-    """x [M <= MAX_ROWS, K] @ dequantize(qweight)^T -> [M, N] in x's dtype (x quantized to 8 bits per 32 values)."""
+    """x [M <= MAX_ROWS, K] @ dequantize(qweight)^T -> [M, N] in x's dtype (x quantized to 8 bits, x_group)."""
     return gemv_parts(x, [qweight], [qtype], k)
 
 
 def gemv_parts(x: Tensor, qweights: list[Tensor], qtypes: list[str], k: int) -> Tensor:
     """x @ [part 0; part 1; ...]^T -> [M, sum of N] (a fused q/k/v or gate/up whose parts differ in type): x is
     quantized once and each part writes its own columns of one output."""
-    orders = {q: IQ4_ORDER if q in IQ4_TYPES else 0 for q in qtypes}
-    rounded = {o: quantize_rows(x, o) for o in set(orders.values())}
+    roundings = {q: (IQ4_ORDER if q in IQ4_TYPES else 0, x_group(q)) for q in qtypes}
+    rounded = {r: quantize_rows(x, *r) for r in set(roundings.values())}
     out = torch.empty(x.shape[0], sum(w.shape[0] for w in qweights), device=x.device, dtype=x.dtype)
     col = 0
     for w, qtype in zip(qweights, qtypes):
-        _gemv_into(out[:, col:col + w.shape[0]], x, *rounded[orders[qtype]], w, qtype, k)
+        _gemv_into(out[:, col:col + w.shape[0]], x, *rounded[roundings[qtype]], w, qtype, k)
         col += w.shape[0]
     return out
 

@@ -350,8 +350,8 @@ def splits_for(n: int, k: int) -> tuple[int, int]:
 @torch.library.custom_op("flashdraft::gguf_matmul", mutates_args=())
 def gguf_matmul(x: Tensor, qweight: Tensor, qtype: str, k: int, bias: Tensor | None = None) -> Tensor:
     """x [M, K] (M <= 64 in practice) @ dequantize(qweight [N, bytes])^T (+ bias) -> [M, N] in x's dtype. Up to
-    gguf_gemv.MAX_ROWS rows of a type it covers take its integer kernels (x rounded to 8 bits per 32 values, as
-    llama.cpp's mmvq does); the rest multiply in x's dtype on the tensor cores."""
+    gguf_gemv.MAX_ROWS rows of a type it covers take its integer kernels and 5-16 rows the int8 mma kernels (x
+    rounded to 8 bits per 32 or 256 values, gguf_gemv.x_group); the rest multiply in x's dtype on the tensor cores."""
     _check(qweight, qtype, k)
     x = x.contiguous()
     m, n = x.shape[0], qweight.shape[0]

@@ -6,12 +6,15 @@ Q4_K: four consecutive bytes of a nibble group are four consecutive weights of s
 and of 2g + 1 (high nibbles, a shift and an AND); Q5_K adds bit J of each qh byte as 16. Q6_K: a word of ql bytes
 and one of qh bytes give four consecutive 6-bit values (signed by a bit trick); its scales change every 16 weights,
 so each 32 weights are two mmas with the other half's weights zeroed. IQ4_XS: the low or high nibbles of a word
-looked up in the level table by byte permutes. Q8_0: its int8 plane as it is. x is quantized to 8 bits per 32 values
-as the integer kernels take it, by rows (`gguf_gemv.quantize_rows_paired`) or with each block's 16 rows side by side
-(`quantize_rows_tiled`: a warp's B-fragment or scale load is one or two L1 wavefronts, where rows K apart took eight;
-the kernels were bound by L1 wavefronts, not DRAM); each product is exact in int32 and scaled in float32 (the K types:
-d * sc(row) * xd(token) minus dmin * m(row) * xs(token); the others: d * sc(row) * xd(token)). Rows of x are padded to
-16 and K is split by the matrix's shape only, so a token's result does not depend on how many rows share the call.
+looked up in the level table by byte permutes. Q8_0: its int8 plane as it is. x is quantized to 8 bits as the integer
+kernels take it (per 256 values for the K types and IQ4_XS, per 32 for Q8_0: gguf_gemv.x_group), by rows
+(`gguf_gemv.quantize_rows_paired`) or with each block's 16 rows side by side (`quantize_rows_tiled`: a warp's
+B-fragment or scale load is one or two L1 wavefronts, where rows K apart took eight; the kernels were bound by L1
+wavefronts, not DRAM). Each product is exact in int32; with one x scale per super-block the sub-blocks' products
+times their integer scales are summed in int32 (and Q4_K/Q5_K's minimum term as an mma of the rows' 6-bit mins
+with x), so a super-block converts to float once: d * xd(token) * sum(sc * (w . x)) minus dmin * xd(token) *
+sum(m * sum(x)) (Q8_0: d * xd per block). Rows of x are padded to 16 and K is split by the matrix's shape only, so a
+token's result does not depend on how many rows share the call.
 
 Gluon has no interpreter: the CPU tests cannot run these kernels (the GPU test does, against the `gguf` package;
 the CPU tests read their unpacking assembly as PTX and the tiled layout through the interpreter).
@@ -44,7 +47,7 @@ TOKENS = gl.constexpr(16)  # the mma's N: rows of x, padded
 @gluon.jit
 def _scale_byte(a, b, c, J: gl.constexpr):
     """Q4_K's 6-bit scale and min of sub-block J (0..7) from the 12 scale bytes as words a, b, c (ggml's
-    get_scale_min_k4), as float32."""
+    get_scale_min_k4), as int32."""
     if J < 4:
         sc = (a >> (8 * J)) & 63
         mn = (b >> (8 * J)) & 63
@@ -52,7 +55,7 @@ def _scale_byte(a, b, c, J: gl.constexpr):
         sh: gl.constexpr = 8 * (J - 4)
         sc = ((c >> sh) & 15) | (((a >> sh) >> 6) & 3) << 4
         mn = ((c >> sh) >> 4 & 15) | (((b >> sh) >> 6) & 3) << 4
-    return sc.to(gl.float32), mn.to(gl.float32)
+    return sc, mn
 
 
 @gluon.jit
@@ -61,28 +64,38 @@ def _half(bits):
 
 
 @gluon.jit
-def _x_block(b_ptr, b_ok, xds_ptr, toks, stride_xds, tok_ok, block, TILED: gl.constexpr):
-    """x's block `block` (of 32 values): its 8-bit values as the B fragment and each token's (scale, scaled sum)
-    pair as int64, x laid out by rows (quantize_rows_paired) or tiled (quantize_rows_tiled)."""
-    if TILED:
-        xb = gl.load(b_ptr + 512 * block, mask=b_ok, other=0)
-        pair = gl.load(xds_ptr + 16 * block + toks, mask=tok_ok, other=0)
-    else:
-        xb = gl.load(b_ptr + 32 * block, mask=b_ok, other=0)
-        pair = gl.load(xds_ptr + toks * stride_xds + block, mask=tok_ok, other=0)
-    return xb, pair
+def _x_values(b_ptr, b_ok, block, TILED: gl.constexpr):
+    """x's block `block` (of 32 values): its 8-bit values as the B fragment, x laid out by rows
+    (quantize_rows_paired) or tiled (quantize_rows_tiled)."""
+    return gl.load(b_ptr + (512 if TILED else 32) * block, mask=b_ok, other=0)
 
 
 @gluon.jit
-def _sub_block(acc, w, zero, a, b, s, d, dmin, b_ptr, b_ok, xds_ptr, toks, stride_xds, tok_ok, block0,
-               J: gl.constexpr, TILED: gl.constexpr):
-    """acc + sub-block J's product: the exact int32 mma of its 32 weights with x's 8-bit values, scaled."""
-    xb, pair = _x_block(b_ptr, b_ok, xds_ptr, toks, stride_xds, tok_ok, block0 + J, TILED)
-    prod = mma_v2(w, xb, zero)
+def _x_scale(xds_ptr, toks, stride_xds, tok_ok, block, TILED: gl.constexpr):
+    """Each token's scale of x's block `block`, float32 (the low half of its (scale, scaled sum) pair)."""
+    if TILED:
+        pair = gl.load(xds_ptr + 16 * block + toks, mask=tok_ok, other=0)
+    else:
+        pair = gl.load(xds_ptr + toks * stride_xds + block, mask=tok_ok, other=0)
+    return pair.to(gl.int32).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _scaled(acc, isum, d, xd):
+    """acc + d (per row) * xd (per token) * isum: a super-block's exact int32 sum converted once."""
+    return acc + isum.to(gl.float32) * (d[:, None] * xd[None, :])
+
+
+@gluon.jit
+def _sub_block(isum, msum, w, zero, a, b, s, b_ptr, b_ok, block0, J: gl.constexpr, a_l: gl.constexpr,
+               TILED: gl.constexpr):
+    """A Q4_K/Q5_K super-block's sums with sub-block J added, in int32 (x rounded per 256: one scale for all 8):
+    isum + sc(row) * (w . x), and msum + m(row) * sum(x) as an mma of the rows' 6-bit mins, repeated over k, with x."""
+    xb = _x_values(b_ptr, b_ok, block0 + J, TILED)
     sc, mn = _scale_byte(a, b, s, J)
-    xd = pair.to(gl.int32).to(gl.float32, bitcast=True)
-    xs = (pair >> 32).to(gl.int32).to(gl.float32, bitcast=True)
-    return acc + prod.to(gl.float32) * ((d * sc)[:, None] * xd[None, :]) - (dmin * mn)[:, None] * xs[None, :]
+    mins = gl.convert_layout(mn.to(gl.int8), gl.SliceLayout(1, a_l), assert_trivial=True)[:, None]
+    return (isum + mma_v2(w, xb, zero) * sc[:, None],
+            mma_v2(gl.broadcast(mins, w)[0], xb, msum))
 
 
 @gluon.jit
@@ -91,7 +104,7 @@ def _tile(w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N: g
     """A program's super-blocks [first, last) (grid axis 1 splits K) and its operands in the mma fragments'
     layouts: a_row [BLOCK_N, 1] (its weight rows' starts, in the A layout: plus a_col, or a function of it that
     keeps runs of K_WIDTH, for word loads), a_ok, a_col [1, 32] (k); b_ptr [32, TOKENS] (x's block 0 + k, in the
-    B layout: `_x_block` reads block j), b_ok; s_ptr (the rows' starts as int32 words, for their scales), rows, row_ok and toks, tok_ok along
+    B layout: `_x_values` reads block j), b_ok; s_ptr (the rows' starts as int32 words, for their scales), rows, row_ok and toks, tok_ok along
     the product's two axes; a float32 accumulator and an int32 zero for each mma."""
     if PDL:  # kernels/pdl.py: let the next kernel be placed, then wait for x (launch overlap only)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
@@ -212,6 +225,7 @@ def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M, N, K,
         if FIVE_BITS:
             qh = gl.load(a_ptr + 4 * WORDS * c + 16, mask=a_ok, other=0)
         groups = _groups(gl.load(q_ptr + 4 * WORDS * c), a_l, BLOCK_N)
+        isum, msum = zero, zero
         for g in gl.static_range(4):
             q = groups[g]
             if FIVE_BITS:
@@ -221,10 +235,10 @@ def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M, N, K,
                                                is_pure=True, pack=4)
                 hi = gl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 4; and.b32 $0, t, 0x0F0F0F0F; }",
                                                "=r,r", [q], dtype=gl.int8, is_pure=True, pack=4)
-            acc = _sub_block(acc, lo, zero, a, b, s, d, dmin, b_ptr, b_ok, xds_ptr, toks, stride_xds, tok_ok,
-                             8 * c, 2 * g, TILED)
-            acc = _sub_block(acc, hi, zero, a, b, s, d, dmin, b_ptr, b_ok, xds_ptr, toks, stride_xds, tok_ok,
-                             8 * c, 2 * g + 1, TILED)
+            isum, msum = _sub_block(isum, msum, lo, zero, a, b, s, b_ptr, b_ok, 8 * c, 2 * g, a_l, TILED)
+            isum, msum = _sub_block(isum, msum, hi, zero, a, b, s, b_ptr, b_ok, 8 * c, 2 * g + 1, a_l, TILED)
+        xd = _x_scale(xds_ptr, toks, stride_xds, tok_ok, 8 * c, TILED)
+        acc = _scaled(_scaled(acc, isum, d, xd), msum, -dmin, xd)
     _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om, sum_ptr, count_ptr, stride_sm,
            SUM_HERE)
 
@@ -277,6 +291,7 @@ def _q6k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M, N, K, sb
     first_half = a_col < 16
     for c in range(first, last):
         d = _half(gl.load(s_ptr + 53 * c + 52, mask=row_ok, other=0))
+        isum = zero
         for h in gl.static_range(2):  # 128-weight halves
             ql0 = gl.load(a_ptr + 212 * c + 64 * h, mask=a_ok, other=0)
             ql1 = gl.load(a_ptr + 212 * c + 64 * h + 32, mask=a_ok, other=0)
@@ -285,15 +300,13 @@ def _q6k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M, N, K, sb
             sw1 = gl.load(s_ptr + 53 * c + 49 + 2 * h, mask=row_ok, other=0)  # scales 8h + 4 .. 8h + 7
             for q in gl.static_range(4):
                 v = _q6_values(ql0, ql1, qh, q)
-                xb, pair = _x_block(b_ptr, b_ok, xds_ptr, toks, stride_xds, tok_ok, 8 * c + 4 * h + q, TILED)
-                prod_a = mma_v2(gl.where(first_half, v, 0), xb, zero)
-                prod_b = mma_v2(gl.where(first_half, 0, v), xb, zero)
+                xb = _x_values(b_ptr, b_ok, 8 * c + 4 * h + q, TILED)
                 sw = sw0 if q < 2 else sw1
-                sc_a = ((sw << (24 - 16 * (q % 2))) >> 24).to(gl.float32)  # scale 2q, signed
-                sc_b = ((sw << (16 - 16 * (q % 2))) >> 24).to(gl.float32)  # scale 2q + 1
-                xd = pair.to(gl.int32).to(gl.float32, bitcast=True)
-                both = prod_a.to(gl.float32) * sc_a[:, None] + prod_b.to(gl.float32) * sc_b[:, None]
-                acc += both * (d[:, None] * xd[None, :])
+                sc_a = (sw << (24 - 16 * (q % 2))) >> 24  # scale 2q, signed
+                sc_b = (sw << (16 - 16 * (q % 2))) >> 24  # scale 2q + 1
+                isum += (mma_v2(gl.where(first_half, v, 0), xb, zero) * sc_a[:, None]
+                         + mma_v2(gl.where(first_half, 0, v), xb, zero) * sc_b[:, None])
+        acc = _scaled(acc, isum, d, _x_scale(xds_ptr, toks, stride_xds, tok_ok, 8 * c, TILED))
     _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om, sum_ptr, count_ptr, stride_sm,
            SUM_HERE)
 
@@ -314,15 +327,13 @@ def _iq4_xs_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M, N, K,
     for c in range(first, last):
         head = gl.load(s_ptr + K // 256 * 32 + 2 * c, mask=row_ok, other=0)
         low = gl.load(s_ptr + K // 256 * 32 + 2 * c + 1, mask=row_ok, other=0)
-        d = _half(head)
+        isum = zero
         for j in gl.static_range(8):
             q = gl.load(a_ptr + 128 * c + 16 * j, mask=a_ok, other=0)
             w = gl.inline_asm_elementwise(IQ4_FOUR, "=r,r,r", [q, nibble_shift], dtype=gl.int8, is_pure=True, pack=4)
-            xb, pair = _x_block(b_ptr, b_ok, xds_ptr, toks, stride_xds, tok_ok, 8 * c + j, TILED)
-            prod = mma_v2(w, xb, zero)
             scale = ((low >> (4 * j)) & 15) | (((head >> (16 + 2 * j)) & 3) << 4)
-            xd = pair.to(gl.int32).to(gl.float32, bitcast=True)
-            acc += prod.to(gl.float32) * ((d * (scale - 32).to(gl.float32))[:, None] * xd[None, :])
+            isum += mma_v2(w, _x_values(b_ptr, b_ok, 8 * c + j, TILED), zero) * (scale - 32)[:, None]
+        acc = _scaled(acc, isum, _half(head), _x_scale(xds_ptr, toks, stride_xds, tok_ok, 8 * c, TILED))
     _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om, sum_ptr, count_ptr, stride_sm,
            SUM_HERE)
 
@@ -340,11 +351,9 @@ def _q8_0_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M, N, K, s
     for c in range(first, last):
         for j in gl.static_range(8):
             w = gl.load(a_ptr + 256 * c + 32 * j, mask=a_ok, other=0)
-            xb, pair = _x_block(b_ptr, b_ok, xds_ptr, toks, stride_xds, tok_ok, 8 * c + j, TILED)
-            prod = mma_v2(w, xb, zero)
+            prod = mma_v2(w, _x_values(b_ptr, b_ok, 8 * c + j, TILED), zero)
             d = gl.load(d_ptr + 8 * c + j, mask=row_ok, other=0).to(gl.float16, bitcast=True).to(gl.float32)
-            xd = pair.to(gl.int32).to(gl.float32, bitcast=True)
-            acc += prod.to(gl.float32) * (d[:, None] * xd[None, :])
+            acc = _scaled(acc, prod, d, _x_scale(xds_ptr, toks, stride_xds, tok_ok, 8 * c + j, TILED))
     _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om, sum_ptr, count_ptr, stride_sm,
            SUM_HERE)
 
@@ -381,20 +390,20 @@ def matmul_parts(x: Tensor, qweights: list[Tensor], qtypes: list[str], k: int) -
     out = torch.empty(x.shape[0], sum(w.shape[0] for w in qweights), device=x.device, dtype=x.dtype)
     col = 0
     for w, qtype in zip(qweights, qtypes):
-        tiled = KERNELS[qtype][1]["TILED"]
-        if tiled not in rounded:
-            rounded[tiled] = _rounded(x, tiled)
-        _matmul_into(out[:, col:col + w.shape[0]], x, *rounded[tiled], w, qtype, k)
+        rounding = KERNELS[qtype][1]["TILED"], gguf_gemv.x_group(qtype)
+        if rounding not in rounded:
+            rounded[rounding] = _rounded(x, *rounding)
+        _matmul_into(out[:, col:col + w.shape[0]], x, *rounded[rounding], w, qtype, k)
         col += w.shape[0]
     return out
 
 
-def _rounded(x: Tensor, tiled: bool) -> tuple[Tensor, Tensor, int, int]:
-    """x rounded to 8 bits per 32 values for the kernels: (values, scale pairs, their row strides)."""
+def _rounded(x: Tensor, tiled: bool, group: int) -> tuple[Tensor, Tensor, int, int]:
+    """x rounded to 8 bits per `group` values for the kernels: (values, scale pairs, their row strides)."""
     if tiled:
-        xq, xds = gguf_gemv.quantize_rows_tiled(x)
+        xq, xds = gguf_gemv.quantize_rows_tiled(x, group)
         return xq, xds, 0, 0  # the kernels' tiled offsets
-    xq, xds = gguf_gemv.quantize_rows_paired(x)
+    xq, xds = gguf_gemv.quantize_rows_paired(x, group)
     return xq.view(torch.int8), xds, xq.view(torch.int8).stride(0), xds.stride(0)
 
 
