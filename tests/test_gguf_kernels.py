@@ -225,18 +225,19 @@ def run_ptx(asm: str, inputs: list[int], outputs: int) -> list[int]:
 
 
 def test_iq4_byte_permute_lookups_give_the_table():
-    """iq4.IQ4_FOUR (the int8 mma kernel's) and IQ4_PAIRS (the integer kernels') read as PTX: every nibble of
-    random words comes out as its kvalues_iq4nl level, in each form's documented byte order."""
-    from flashdraft.kernels.iq4 import IQ4_FOUR, IQ4_PAIRS, IQ4_VALUES
+    """iq4.IQ4_EIGHT (the int8 mma kernel's) and IQ4_PAIRS (the integer kernels') read as PTX: every nibble of
+    random words comes out as its kvalues_iq4nl level, in the documented order (byte b's low nibble, then its high),
+    the same for both."""
+    from flashdraft.kernels.iq4 import IQ4_EIGHT, IQ4_PAIRS, IQ4_VALUES
     table = np.array(IQ4_VALUES, dtype=np.int8).view(np.uint32).tolist()
     signed = lambda word: np.array([word], dtype=np.uint32).view(np.int8).tolist()  # noqa: E731
     for word in np.random.default_rng(0).integers(0, 2 ** 32, 300).tolist() + [0, 0xFFFFFFFF, 0x76543210]:
         nibbles = [(word >> (4 * i)) & 15 for i in range(8)]  # byte b: nibbles 2b (low) and 2b + 1 (high)
-        for shift, half in ((0, 0), (0x04040404, 1)):
-            assert signed(run_ptx(IQ4_FOUR.value, [word, shift], 1)[0]) == [IQ4_VALUES[nibbles[2 * b + half]]
-                                                                            for b in range(4)]
+        want = [IQ4_VALUES[n] for n in nibbles]
         lo, hi = run_ptx(IQ4_PAIRS.value, [word, *table], 2)
-        assert signed(lo) + signed(hi) == [IQ4_VALUES[n] for n in nibbles]
+        assert signed(lo) + signed(hi) == want
+        lo, hi = run_ptx(IQ4_EIGHT.value, [word, 0xDEADBEEF], 2)  # $3: the tile's other four bytes, unused
+        assert signed(lo) + signed(hi) == want
 
 
 

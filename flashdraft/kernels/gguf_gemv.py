@@ -148,7 +148,7 @@ def quantize_rows_paired(x: Tensor, group: int = QK8) -> tuple[Tensor, Tensor]:
 TILE_ROWS = 16  # rows of x quantize_rows_tiled lays side by side
 
 
-def quantize_rows_tiled(x: Tensor, group: int = QK8) -> tuple[Tensor, Tensor]:
+def quantize_rows_tiled(x: Tensor, group: int = QK8, order: int = 0) -> tuple[Tensor, Tensor]:
     """x [M <= 16, K] -> quantize_rows_paired's values and pairs with the rows of each block side by side: q [K / 32,
     16, 32] int8 (block b's 32 values of row m at q[b, m]), pairs [K / 32, 16] int64. The int8 mma kernels
     (kernels/gguf_mma.py) read a B fragment or a block's scales in one or two L1 wavefronts this way, where rows K
@@ -157,7 +157,7 @@ def quantize_rows_tiled(x: Tensor, group: int = QK8) -> tuple[Tensor, Tensor]:
     assert m <= TILE_ROWS, m
     q = torch.empty(k // QK8, TILE_ROWS, QK8, device=x.device, dtype=torch.int8)
     pairs = torch.empty(k // QK8, TILE_ROWS, 2, device=x.device, dtype=torch.float32)
-    _quantize_into(x, q.view(torch.int32), 8, 8 * TILE_ROWS, pairs[..., 0].T, pairs[..., 1].T, 0, 2 * TILE_ROWS,
+    _quantize_into(x, q.view(torch.int32), 8, 8 * TILE_ROWS, pairs[..., 0].T, pairs[..., 1].T, order, 2 * TILE_ROWS,
                    group)
     return q, pairs.view(torch.int64)[..., 0]
 

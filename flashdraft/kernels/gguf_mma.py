@@ -31,7 +31,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from flashdraft.kernels import gguf_gemv, pdl, split_k
-from flashdraft.kernels.iq4 import IQ4_FOUR
+from flashdraft.kernels.iq4 import IQ4_EIGHT
 
 ENABLED = True
 BLOCK_N, NUM_WARPS, TARGET_PROGRAMS = 128, 4, 264  # 64 and 32 rows, 8 warps: slower at 16 rows (run 12); 264
@@ -314,23 +314,24 @@ def _q6k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M, N, K, sb
 @gluon.jit
 def _iq4_xs_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M, N, K, sb_per_split, stride_xq, stride_xds,
                    stride_wn, stride_os, stride_om, stride_sm, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr,
-                   K_WIDTH: gl.constexpr, TILED: gl.constexpr, SUM_HERE: gl.constexpr, PDL: gl.constexpr):
+                   TILED: gl.constexpr, SUM_HERE: gl.constexpr, PDL: gl.constexpr):
     """IQ4_XS as layers/quantized.field_planes keeps it: a row's super-blocks' 128 nibble bytes (sub-block j's 16 at
     16j: byte l's low nibble is weight l, its high one l + 16), then their 8-byte headers (d, the scales' high bits
-    (16), their low nibbles (4 bytes)). A's k 4t..4t+3 and 16+4t..16+4t+3 both load word t of the 16 bytes and look
-    up its low or its high nibbles (iq4.IQ4_FOUR): the weights in order. Each 32 weights are one mma, scaled by
-    d * (6-bit scale - 32)."""
+    (16), their low nibbles (4 bytes)). With k_width 8 a thread's k 8t..8t+7 of a row are the eight nibbles of the
+    sub-block's word t, looked up at once (iq4.IQ4_EIGHT: one 4-byte load and 12 instructions for eight weights),
+    in the order x is quantized in for them (gguf_gemv.IQ4_ORDER). Each 32 weights are one mma; a super-block's
+    eight, times their scales (6-bit - 32), summed in int32."""
     first, last, a_row, a_ok, a_col, b_ptr, b_ok, s_ptr, rows, row_ok, toks, tok_ok, acc, zero = _tile(
-        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, K_WIDTH, TILED, PDL)
-    a_ptr = a_row + a_col % 16
-    nibble_shift = gl.broadcast((a_col // 16 * 4).to(gl.int8), a_ptr)[0]  # low nibbles for k < 16, high for the rest
+        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, 8, TILED, PDL)
+    a_ptr = a_row + 4 * (a_col // 8) + a_col % 4  # k 8t + i: byte i % 4 of word t
+    word_ok = a_ok & (a_col % 8 < 4)  # the other four bytes of a thread's eight are not read
     for c in range(first, last):
         head = gl.load(s_ptr + K // 256 * 32 + 2 * c, mask=row_ok, other=0)
         low = gl.load(s_ptr + K // 256 * 32 + 2 * c + 1, mask=row_ok, other=0)
         isum = zero
         for j in gl.static_range(8):
-            q = gl.load(a_ptr + 128 * c + 16 * j, mask=a_ok, other=0)
-            w = gl.inline_asm_elementwise(IQ4_FOUR, "=r,r,r", [q, nibble_shift], dtype=gl.int8, is_pure=True, pack=4)
+            q = gl.load(a_ptr + 128 * c + 16 * j, mask=word_ok, other=0)
+            w = gl.inline_asm_elementwise(IQ4_EIGHT, "=r,=r,r,r", [q], dtype=gl.int8, is_pure=True, pack=8)
             scale = ((low >> (4 * j)) & 15) | (((head >> (16 + 2 * j)) & 3) << 4)
             isum += mma_v2(w, _x_values(b_ptr, b_ok, 8 * c + j, TILED), zero) * (scale - 32)[:, None]
         acc = _scaled(acc, isum, _half(head), _x_scale(xds_ptr, toks, stride_xds, tok_ok, 8 * c, TILED))
@@ -365,8 +366,9 @@ def _q8_0_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M, N, K, s
 KERNELS = {"Q4_K": (_kquant_kernel, dict(FIVE_BITS=False, TILED=True)),  # k_width 8: _lane_pieces_layout's
            "Q5_K": (_kquant_kernel, dict(FIVE_BITS=True, TILED=True)),
            "Q6_K": (_q6k_kernel, dict(K_WIDTH=4, TILED=True)),
-           "IQ4_XS": (_iq4_xs_kernel, dict(K_WIDTH=8, TILED=True)),
+           "IQ4_XS": (_iq4_xs_kernel, dict(TILED=True)),  # k_width 8: IQ4_EIGHT's
            "Q8_0": (_q8_0_kernel, dict(K_WIDTH=8, TILED=False))}
+X_ORDERS = {"IQ4_XS": gguf_gemv.IQ4_ORDER}  # x's values in a block as the kernel's A fragments hold the weights
 TIMED = {"Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q8_0"}  # types timed on a GPU and taken by covers(); see docs/PERF.md
 
 
@@ -390,7 +392,7 @@ def matmul_parts(x: Tensor, qweights: list[Tensor], qtypes: list[str], k: int) -
     out = torch.empty(x.shape[0], sum(w.shape[0] for w in qweights), device=x.device, dtype=x.dtype)
     col = 0
     for w, qtype in zip(qweights, qtypes):
-        rounding = KERNELS[qtype][1]["TILED"], gguf_gemv.x_group(qtype)
+        rounding = KERNELS[qtype][1]["TILED"], gguf_gemv.x_group(qtype), X_ORDERS.get(qtype, 0)
         if rounding not in rounded:
             rounded[rounding] = _rounded(x, *rounding)
         _matmul_into(out[:, col:col + w.shape[0]], x, *rounded[rounding], w, qtype, k)
@@ -398,11 +400,12 @@ def matmul_parts(x: Tensor, qweights: list[Tensor], qtypes: list[str], k: int) -
     return out
 
 
-def _rounded(x: Tensor, tiled: bool, group: int) -> tuple[Tensor, Tensor, int, int]:
+def _rounded(x: Tensor, tiled: bool, group: int, order: int) -> tuple[Tensor, Tensor, int, int]:
     """x rounded to 8 bits per `group` values for the kernels: (values, scale pairs, their row strides)."""
     if tiled:
-        xq, xds = gguf_gemv.quantize_rows_tiled(x, group)
+        xq, xds = gguf_gemv.quantize_rows_tiled(x, group, order)
         return xq, xds, 0, 0  # the kernels' tiled offsets
+    assert order == 0, order
     xq, xds = gguf_gemv.quantize_rows_paired(x, group)
     return xq.view(torch.int8), xds, xq.view(torch.int8).stride(0), xds.stride(0)
 
