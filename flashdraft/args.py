@@ -21,10 +21,11 @@ def add_engine_args(ap: argparse.ArgumentParser, model: bool = True, context: bo
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--dtype", default="auto", choices=DTYPES)
     ap.add_argument("--dequantize", action="store_true",
-                    help="expand GGUF weights to --dtype at load (default: on CUDA they stay in their block format, "
-                         "read by the GGUF kernels, where the expanded weights would not fit the free GPU memory)")
+                    help="expand GGUF weights (target and draft) to --dtype at load (default: on CUDA they stay in "
+                         "their block format, read by the GGUF kernels; on the CPU they are expanded)")
     ap.add_argument("--quantized", action="store_true",
-                    help="keep a GGUF file's matrices in their block format on the GPU even where expanded ones fit")
+                    help="keep GGUF matrices in their block format (the default on CUDA; the CPU runs the kernels "
+                         "only under TRITON_INTERPRET=1)")
     ap.add_argument("--compile", action="store_true",
                     help="fuse each layer's small ops with torch.compile for decode/verify steps (slower start)")
     ap.add_argument("-ctk", "--cache-type-k", default="auto", choices=("auto", *KV_CACHE_TYPES),

@@ -257,6 +257,20 @@ def test_k_quant_mma_unpacking_reads_as_documented():
             assert np.array(list(got), dtype=np.uint8).view(np.int8).tolist() == want
 
 
+def test_gguf_weights_stay_quantized_by_default_on_cuda_only(monkeypatch):
+    """EngineConfig.weights "auto": quantized on CUDA (target and GGUF draft), expanded on the CPU; --quantized on the
+    CPU without Triton's interpreter is a clear error, not a crash in a kernel launch."""
+    from flashdraft.engine.engine import EngineConfig, keep_quantized
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert keep_quantized(EngineConfig("m.gguf", device="cuda")) and keep_quantized(EngineConfig("m", device="cuda:1"))
+    assert not keep_quantized(EngineConfig("m.gguf", device="cpu"))
+    assert not keep_quantized(EngineConfig("m.gguf", device="cuda", weights="dequantized"))
+    with pytest.raises(ValueError, match="--quantized: the GGUF kernels run on CUDA"):
+        keep_quantized(EngineConfig("m.gguf", device="cpu", weights="quantized"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert keep_quantized(EngineConfig("m.gguf", device="cpu", weights="quantized"))
+
+
 def test_unknown_type_and_bad_shapes_are_clear_errors():
     pytest.importorskip("triton")
     from flashdraft.kernels.gguf_matmul import gguf_matmul
@@ -335,6 +349,26 @@ def check_engine_blocks(root, device: str) -> None:
     for block in (3, 8):
         spec = engine.generate(Request(prompt, SamplingParams(max_tokens=12, ignore_eos=True), block_size=block))
         assert spec.token_ids == plain.token_ids and spec.spec.draft_steps
+    # the draft as a Q8_0 GGUF (BeeLlama's layout) follows the target's rule: its matrices stay quantized
+    from tiny import write_beellama_draft_gguf
+
+    from flashdraft.draft.load import load_draft_folder, load_draft_gguf
+    draft_gguf = write_beellama_draft_gguf(root / "draft-q8_0.gguf", load_draft_folder(draft), "Q8_0")
+    engine = Engine.load(EngineConfig(model=str(gguf_file), draft=str(draft_gguf), device=device, ctx_size=128,
+                                      weights="quantized"))
+    assert GGUFLinear in {type(m) for m in engine.draft.modules()}
+    spec = engine.generate(Request(prompt, SamplingParams(max_tokens=12, ignore_eos=True), block_size=8))
+    assert spec.token_ids == plain.token_ids and spec.spec.draft_steps
+    # its fused q/k/v's k and v rows alone (the context append) against the same file expanded
+    dense = load_draft_gguf(draft_gguf, device=device, vocab_size=96, num_target_layers=2)
+    quant, expanded = engine.draft.layers[0].self_attn.qkv_proj, dense.layers[0].self_attn.qkv_proj
+    start = engine.draft.layers[0].self_attn.q_size
+    assert isinstance(quant, GGUFLinear) and not isinstance(expanded, GGUFLinear)
+    for rows in (3, 70):  # the integer kernel (x rounded to 8 bits), the dequantized product
+        x = torch.randn(rows, quant.in_features, generator=torch.Generator().manual_seed(rows)).to(device)
+        got, want = quant.part(x, start, quant.out_features), expanded.part(x, start, expanded.out_features)
+        err = ((got - want).norm() / want.norm()).item()
+        assert got.shape == (rows, quant.out_features - start) and err < (2e-2 if rows <= 4 else 1e-5), (rows, err)
 
 
 @pytest.mark.skipif(INTERPRETER is not None, reason=str(INTERPRETER))

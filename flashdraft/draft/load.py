@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from flashdraft.draft.config import DRAFT_ARCHITECTURE, DraftConfig
 from flashdraft.draft.model import DFlashDraft
 from flashdraft.formats.safetensors import iter_tensors
+from flashdraft.layers.quantized import QuantizedWeight, swap_quantized
 
 def check_compatible(
     cfg: DraftConfig, target_hidden_size: int, target_vocab_size: int, target_num_layers: int
@@ -78,22 +80,25 @@ def load_draft_folder(
 
 
 def load_draft_gguf(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-                    vocab_size: int | None = None, num_target_layers: int | None = None) -> DFlashDraft:
+                    vocab_size: int | None = None, num_target_layers: int | None = None,
+                    quantized: bool = False) -> DFlashDraft:
     """Load a draft GGUF (BeeLlama's dflash-draft or llama.cpp's dflash; formats/gguf_draft.py); block types are
-    dequantized. `vocab_size`, `num_target_layers`: the target's, which the files do not always say."""
+    dequantized, or with `quantized` kept in their block format where the GPU kernels read them, as a target's.
+    `vocab_size`, `num_target_layers`: the target's, which the files do not always say."""
     from flashdraft.formats.gguf import read_gguf
     from flashdraft.formats.gguf_draft import draft_hf_config, iter_draft_tensors
     g = read_gguf(path)
     config = draft_hf_config(g)
     config["vocab_size"] = config["vocab_size"] or vocab_size
     config["num_target_layers"] = num_target_layers or config["num_target_layers"]
-    return build_draft(DraftConfig.from_hf(config), dict(iter_draft_tensors(g, dtype, device)), Path(path), device,
-                       dtype)
+    return build_draft(DraftConfig.from_hf(config), dict(iter_draft_tensors(g, dtype, device, quantized)), Path(path),
+                       device, dtype)
 
 
-def build_draft(cfg: DraftConfig, tensors: dict[str, torch.Tensor], source: Path, device: torch.device | str,
+def build_draft(cfg: DraftConfig, tensors: dict[str, Any], source: Path, device: torch.device | str,
                 dtype: torch.dtype | None) -> DFlashDraft:
-    """The draft of `cfg` holding `tensors` (z-lab names), after checking they are exactly its tensors."""
+    """The draft of `cfg` holding `tensors` (z-lab names; a GGUF matrix may be a layers.quantized.QuantizedWeight,
+    swapped in as the target's are), after checking they are exactly its tensors."""
     with torch.device("meta"):
         model = DFlashDraft(cfg)
     expected = model.state_dict()
@@ -113,8 +118,9 @@ def build_draft(cfg: DraftConfig, tensors: dict[str, torch.Tensor], source: Path
     ]
     if wrong_shapes:
         raise ValueError(f"{source}: tensors with wrong shapes: {_name_list(wrong_shapes)}")
-    if dtype is not None:
-        tensors = {name: t.to(dtype) for name, t in tensors.items()}
+    quantized = {name: t for name, t in tensors.items() if isinstance(t, QuantizedWeight)}
+    tensors = {name: t if dtype is None else t.to(dtype) for name, t in tensors.items() if name not in quantized}
+    swap_quantized(model, quantized, dtype or torch.float32)
     model.load_state_dict(tensors, assign=True)
     model.rotary.to_empty(device=device)  # the frequencies are recomputed on the real device in Rotary._apply
     return model.eval()

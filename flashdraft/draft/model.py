@@ -156,8 +156,8 @@ class DFlashDraft(nn.Module):
         shared by all layers), after `max_block_size` scratch rows where each forward writes the block's transient
         K/V: attention reads one contiguous view, the block's rows and then as much of the ring as holds context
         (a prefix of it until the ring wraps). `cache_dtypes`: the rings' K and V storage (None: `dtype`)."""
-        device = self.fc.weight.device if device is None else device
-        dtype = self.fc.weight.dtype if dtype is None else dtype
+        device = self.norm.weight.device if device is None else device  # the final norm: dense in every format
+        dtype = self.norm.weight.dtype if dtype is None else dtype
         max_block_size = self.cfg.block_size if max_block_size is None else max_block_size
         cfg = self.cfg
         self.row_positions = torch.full((n_slots, window), -1, device=device, dtype=torch.long)
@@ -174,7 +174,7 @@ class DFlashDraft(nn.Module):
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """Target features [..., L*H] -> context vectors [..., H]."""
-        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+        return self.hidden_norm(self.fc(features.to(self.norm.weight.dtype)))
 
     def append_context(self, features: torch.Tensor, positions: torch.Tensor, slot: int = 0) -> None:
         """Write the context K/V of committed positions (increasing) into the slot's ring at rows p % window.
@@ -199,7 +199,7 @@ class DFlashDraft(nn.Module):
         if block_len > self.scratch:
             raise ValueError(f"block of {block_len} exceeds the cache's scratch rows; raise setup_cache max_block_size")
         ring = self.window if context_rows is None else min(context_rows, self.window)
-        x = noise_embedding.to(self.fc.weight.dtype)
+        x = noise_embedding.to(self.norm.weight.dtype)
         cos_sin = self.rotary(positions, x.dtype)
         row_positions = self.row_positions[slot, :ring]
         context_valid = (row_positions >= 0) & (row_positions < positions[:1])
@@ -222,7 +222,7 @@ class DFlashDraft(nn.Module):
     ) -> torch.Tensor:
         """Stateless forward: the block attends to the given context rows (subject to each layer's causal and
         window rules by position), without touching the ring. Same result as append_context + forward."""
-        x = noise_embedding.to(self.fc.weight.dtype)
+        x = noise_embedding.to(self.norm.weight.dtype)
         context = self.fuse(context_features)
         cos_sin = self.rotary(positions, x.dtype)
         context_cos_sin = self.rotary(context_positions, x.dtype)

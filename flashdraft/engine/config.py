@@ -21,9 +21,9 @@ class EngineConfig:
     compile: bool = False
     adaptive: bool = False  # adaptive verify width (--spec-dm-adaptive)
     progress: bool = False
-    # GGUF matrices: "quantized" keeps them in their block format (the GPU kernels), "dequantized" expands them
-    # to `dtype` (--dequantize); "auto": on CUDA, quantized only where the expanded weights would not fit the
-    # free GPU memory (the kernels still decode slower than bf16 weights: docs/PERF.md), elsewhere dequantized
+    # GGUF matrices (the target's and a GGUF draft's): "quantized" keeps them in their block format (the GPU
+    # kernels), "dequantized" expands them to `dtype` (--dequantize); "auto": quantized on CUDA, dequantized
+    # elsewhere (engine.keep_quantized)
     weights: str = "auto"
     # the draft's input embedding: token rows times this (None: the draft config's input_embedding_scale, 1.0
     # when absent, as z-lab's reference and BeeLlama; vLLM applies a Gemma target's sqrt(hidden) instead)

@@ -412,13 +412,20 @@ def keeps_quantized(t: GGUFTensor, kernel_types: tuple[str, ...]) -> bool:
     return t.shape[1] % block == 0
 
 
+def stored_weight(t: GGUFTensor, raw: torch.Tensor, device: str | torch.device):
+    """A matrix kept in its block format (keeps_quantized): its bytes as the kernels keep them, on `device`."""
+    from flashdraft.layers.quantized import QuantizedWeight, stored_blocks
+    return QuantizedWeight(stored_blocks(raw.view(t.shape[0], -1).to(device), t.qtype.name), t.qtype.name,
+                           tuple(t.shape))
+
+
 def iter_gguf_tensors(gguf: GGUFFile | str | Path, dtype: torch.dtype = torch.float32,
                       device: str | torch.device = "cpu", progress: bool = False,
                       keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
     """(HF name, tensor) pairs in HF layout, dequantised one at a time straight into `dtype` on `device`.
     keep_quantized: matrices of a type the GPU kernels read come as `layers.quantized.QuantizedWeight` (their
     stored bytes, rows in HF order, copied once to `device`); the rest are dequantised as before."""
-    from flashdraft.layers.quantized import QuantizedWeight, kernel_types, stored_blocks
+    from flashdraft.layers.quantized import kernel_types
     kept = kernel_types() if keep_quantized else ()
     if not isinstance(gguf, GGUFFile):
         gguf = read_gguf(gguf)
@@ -441,8 +448,7 @@ def iter_gguf_tensors(gguf: GGUFFile | str | Path, dtype: torch.dtype = torch.fl
         if part in permute_heads:
             raw = _unpermute(raw, t.shape[0], permute_heads[part])
         if keeps_quantized(t, kept):
-            yield name, QuantizedWeight(stored_blocks(raw.view(t.shape[0], -1).to(device), t.qtype.name), t.qtype.name,
-                                        tuple(t.shape))
+            yield name, stored_weight(t, raw, device)
             continue
         shifted = name.endswith("norm.weight") and norm_shift != 0
         try:

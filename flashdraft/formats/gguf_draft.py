@@ -106,17 +106,23 @@ def draft_tensor_name(name: str) -> str | None:
     raise ValueError(f"unexpected tensor {name!r} in a DFlash draft GGUF")
 
 
-def iter_draft_tensors(g: GGUFFile, dtype: torch.dtype | None, device: torch.device | str
-                       ) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_draft_tensors(g: GGUFFile, dtype: torch.dtype | None, device: torch.device | str,
+                       keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
     """(z-lab name, dequantized tensor) pairs, all in `dtype` (None: the fusion matrix's stored float type, else
-    float32; the norms, stored as F32, follow it)."""
-    from flashdraft.formats.gguf import FLOAT_TYPES
+    float32; the norms, stored as F32, follow it). keep_quantized: matrices of a type the GPU kernels read come as
+    `layers.quantized.QuantizedWeight`, as a target's do (formats/gguf.iter_gguf_tensors)."""
+    from flashdraft.formats.gguf import FLOAT_TYPES, keeps_quantized, stored_weight
+    from flashdraft.layers.quantized import kernel_types
+    kept = kernel_types() if keep_quantized else ()
     if dtype is None:
         fc = next((t for t in g.tensors.values() if draft_tensor_name(t.name) == "fc.weight"), None)
         dtype = FLOAT_TYPES.get(fc.qtype, torch.float32) if fc is not None else torch.float32
     for t in g.tensors.values():
         name = draft_tensor_name(t.name)
         if name is None:
+            continue
+        if keeps_quantized(t, kept):
+            yield name, stored_weight(t, tensor_bytes(t), device)
             continue
         try:
             yield name, dequantize(tensor_bytes(t), t.qtype, t.shape, dtype, device)

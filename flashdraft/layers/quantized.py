@@ -101,20 +101,33 @@ class GGUFLinear(nn.Module):
         return [(getattr(self, f"qweight{i}"), q) for i, q in enumerate(self.qtypes)]
 
     def forward(self, x: Tensor) -> Tensor:
+        return self._product(x, self.parts(), self.bias)
+
+    def part(self, x: Tensor, start: int, stop: int) -> Tensor:
+        """x times output rows [start, stop) only (one projection of a fused matrix, as layers.linear.Linear.part):
+        each part's rows in the range, its stored rows being whole rows of blocks."""
+        parts, first = [], 0
+        for w, qtype in self.parts():
+            a, b = max(start - first, 0), min(stop - first, w.shape[0])
+            if a < b:
+                parts.append((w[a:b], qtype))
+            first += w.shape[0]
+        return self._product(x, parts, None if self.bias is None else self.bias[start:stop])
+
+    def _product(self, x: Tensor, parts: list[tuple[Tensor, str]], bias: Tensor | None) -> Tensor:
         from flashdraft.kernels.gguf_matmul import dequantize_gguf, gguf_matmul, gguf_matmul_parts
         rows = x.reshape(-1, self.in_features)
         k = self.in_features
-        parts = self.parts()
         if rows.shape[0] <= FEW_ROWS and len(parts) == 1:
             out = gguf_matmul(rows, *parts[0], k)
         elif rows.shape[0] <= FEW_ROWS:
-            out = gguf_matmul_parts(rows, [w for w, _ in parts], ",".join(self.qtypes), k)
+            out = gguf_matmul_parts(rows, [w for w, _ in parts], ",".join(q for _, q in parts), k)
         else:
             outs = [F.linear(rows, dequantize_gguf(w, q, k, x.dtype, scratch(w.shape[0] * k, x.device, x.dtype)))
                     for w, q in parts]
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
-        out = out if self.bias is None else out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+        out = out if bias is None else out + bias
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, qtypes={self.qtypes}"

@@ -20,7 +20,7 @@ class Settings:
     dtype: str = "auto"
     compile: bool = False
     dequantize: bool = False  # --dequantize: GGUF weights expanded to --dtype
-    quantized: bool = False  # --quantized: GGUF matrices kept in their block format on the GPU
+    quantized: bool = False  # --quantized: GGUF matrices kept in their block format (the default on CUDA)
     adaptive: bool = True  # adaptive verify width (--spec-dm-adaptive)
     draft_embed_scale: float | None = None  # --spec-draft-embed-scale
     cache_type_k: str = "auto"  # -ctk / -ctv
