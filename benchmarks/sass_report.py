@@ -126,11 +126,13 @@ def cases(kernels: list[str], types: list[str], block_n: int, split_sum: bool = 
             per_iter = cfg["BLOCK_N"] * cfg["SB"] * K.chunk_bytes(qtype)
             yield f"{qtype} integer kernel, 1 row", fn, sig, const, aligned, cfg["num_warps"], 3, per_iter
         if "dot" in kernels:
-            sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "out_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
-                   "chunks_per_split": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_os": "i32",
-                   "stride_om": "i32", "QTYPE": "constexpr", "CHUNK_BYTES": "constexpr", "BLOCK_M": "constexpr",
-                   "BLOCK_N": "constexpr"}
-            const = dict(QTYPE=K.TYPE_IDS[qtype], CHUNK_BYTES=K.chunk_bytes(qtype), BLOCK_M=K.BLOCK_M, BLOCK_N=block_n)
+            sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "out_ptr": "*fp32", "sum_ptr": "*bf16", "count_ptr": "*i32",
+                   "M": "i32", "N": "i32", "K": "i32", "chunks_per_split": "i32", "stride_xm": "i32",
+                   "stride_wn": "i32", "stride_os": "i32", "stride_om": "i32", "stride_sm": "i32",
+                   "QTYPE": "constexpr", "CHUNK_BYTES": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+                   "SUM_HERE": "constexpr"}
+            const = dict(QTYPE=K.TYPE_IDS[qtype], CHUNK_BYTES=K.chunk_bytes(qtype), BLOCK_M=K.BLOCK_M, BLOCK_N=block_n,
+                         SUM_HERE=split_sum)
             aligned = ("x_ptr", "w_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn", "stride_os", "stride_om")
             yield (f"{qtype} tensor-core kernel, {K.BLOCK_M} rows", K._matmul_kernel, sig, const, aligned, K.NUM_WARPS,
                    3, block_n * K.chunk_bytes(qtype))

@@ -80,9 +80,9 @@ def outputs(x: Tensor, n: int, splits: int, out: Tensor | None = None) -> tuple[
 
 
 def sum_args(out: Tensor, partial: Tensor, tiles: int) -> dict:
-    """The product kernels' arguments for adding the splits of partial [splits, M, N] into out [M, N] themselves."""
-    here = SPLIT_SUM == "kernel" and partial.shape[0] > 1
-    assert not here or tiles <= MAX_TILES, tiles
+    """The product kernels' arguments for adding the splits of partial [splits, M, N] into out [M, N] themselves
+    (not where the tiles outnumber the counts: then sum_splits does)."""
+    here = SPLIT_SUM == "kernel" and partial.shape[0] > 1 and tiles <= MAX_TILES
     return dict(sum_ptr=out, count_ptr=split_counts(out.device) if here else partial, stride_sm=out.stride(0),
                 SUM_HERE=here)
 
