@@ -282,8 +282,10 @@ def serve(settings: Settings) -> int:
 
     app = create_app(loader, settings)
     http = timed_protocol(settings.timeout_headers, settings.timeout)
+    # the graceful shutdown waits for the cancelled generations' last events: each ends within an engine step, and a
+    # step on a CPU can take seconds (a 5 s wait once ran out under load in the signal test, cancelling a stream)
     server = Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, http=http,
-                                   access_log=False, timeout_graceful_shutdown=5,
+                                   access_log=False, timeout_graceful_shutdown=30,
                                    timeout_keep_alive=settings.timeout_idle))
     log.info("listening on http://%s:%d (the model loads in the background; /health says when it is ready)",
              settings.host, settings.port)
