@@ -341,7 +341,6 @@ def measure(args) -> int:
                     return graphs.run("draft", fn, [block, positions])
 
                 iters = 5 if args.tiny else 30
-                from flashdraft.kernels import split_k
                 by_mode = {}
                 for mode in split_modes:  # graphs captured again for each: the kernels are chosen as a graph records
                     split_k.SPLIT_SUM, graphs = mode, GraphCache(dev)

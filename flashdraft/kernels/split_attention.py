@@ -378,8 +378,7 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale
     out = torch.empty(T, H, D, device=q.device, dtype=q.dtype)
     group = rotation_group(D) if v_rotated else 0
     v_signs = rotation_signs(group, q.device) if group else acc
-    merge_here = split_k.SPLIT_SUM == "kernel"
-    assert not merge_here or row_tiles * KV <= split_k.MAX_TILES
+    merge_here = split_k.in_kernel(row_tiles * KV)
     _partial_kernel[(row_tiles, KV, splits)](q, keys, values, mask, acc, m, lse,
                                              rotation_signs(D, q.device) if k_rotated else acc, out, v_signs,
                                              split_k.split_counts(q.device) if merge_here else m,

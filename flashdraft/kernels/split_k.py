@@ -79,10 +79,15 @@ def outputs(x: Tensor, n: int, splits: int, out: Tensor | None = None) -> tuple[
     return out, out[None] if splits == 1 else torch.empty(splits, x.shape[0], n, device=x.device, dtype=torch.float32)
 
 
+def in_kernel(tiles: int) -> bool:
+    """Whether a kernel of `tiles` tiles adds (or merges) its splits itself: SPLIT_SUM "kernel", and a count for
+    every tile; otherwise a launch of its own does."""
+    return SPLIT_SUM == "kernel" and tiles <= MAX_TILES
+
+
 def sum_args(out: Tensor, partial: Tensor, tiles: int) -> dict:
-    """The product kernels' arguments for adding the splits of partial [splits, M, N] into out [M, N] themselves
-    (not where the tiles outnumber the counts: then sum_splits does)."""
-    here = SPLIT_SUM == "kernel" and partial.shape[0] > 1 and tiles <= MAX_TILES
+    """The product kernels' arguments for adding the splits of partial [splits, M, N] into out [M, N] themselves."""
+    here = partial.shape[0] > 1 and in_kernel(tiles)
     return dict(sum_ptr=out, count_ptr=split_counts(out.device) if here else partial, stride_sm=out.stride(0),
                 SUM_HERE=here)
 
