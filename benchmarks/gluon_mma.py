@@ -63,6 +63,7 @@ def main() -> int:
     from test_gguf_kernels import as_int8_rows, random_blocks, reference
     from gpu import graphed, timed
     from flashdraft.kernels import gguf_matmul as K
+    from flashdraft.kernels.gguf_gemv import x_group
     from flashdraft.layers.quantized import stored_blocks
     eight_b = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # the 8B's four matrices
     shapes = {"Q6_K": [(128256, 4096), (4096, 14336)]}  # its LM head, a Q4_K_M down projection
@@ -74,7 +75,7 @@ def main() -> int:
             for m in (1, 5, 16):
                 x = torch.randn(m, k)  # float32: the output keeps x's dtype
                 got = gguf_mma.matmul(x.cuda(), w, qtype, k).cpu().double()
-                ref = as_int8_rows(x).double() @ want.T
+                ref = as_int8_rows(x, x_group(qtype)).double() @ want.T
                 err = ((got - ref).norm() / ref.norm()).item()
                 print(f"{qtype} N={n} K={k} rows={m}: relative error {err:.2e}", flush=True)
                 assert err < 1e-3, err

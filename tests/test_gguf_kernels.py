@@ -1,7 +1,7 @@
 """The GGUF kernels (kernels/gguf_matmul.py) under Triton's interpreter on the CPU, against the `gguf` package's
 dequantisation: the dequantize kernel bit for bit, the fused matrix product against dequantize + an fp32
 matmul for every type, several row counts, odd output sizes, with and without bias (for the integer kernels'
-row counts, x rounded to 8 bits per 32 values first, as they take it)."""
+row counts, x rounded to 8 bits per 32 or per 256 values first, as they take it: gguf_gemv.x_group)."""
 import json
 import os
 import subprocess
@@ -37,7 +37,7 @@ def as_int8_rows(x: torch.Tensor, block: int = 32) -> torch.Tensor:
 
 def check(device: str, dtype: torch.dtype = torch.float32, tol: float = 1e-5) -> None:
     """dtype, tol: of x and the product (float32 under the interpreter; bf16 on a GPU, as the engine runs)."""
-    from flashdraft.kernels.gguf_gemv import MAX_ROWS, covers, quantize_rows_paired, quantize_rows_tiled
+    from flashdraft.kernels.gguf_gemv import MAX_ROWS, covers, quantize_rows_paired, quantize_rows_tiled, x_group
     from flashdraft.kernels.gguf_matmul import dequantize_gguf, gguf_matmul
     from flashdraft.layers.quantized import stored_blocks
     gen = torch.Generator().manual_seed(0)
@@ -67,7 +67,7 @@ def check(device: str, dtype: torch.dtype = torch.float32, tol: float = 1e-5) ->
                 x = x.to(dtype)
                 out = both_split_sums(lambda: gguf_matmul(x.to(device), qweight, qtype, k,
                                                           None if b is None else b.to(device))).cpu()
-                xr = as_int8_rows(x) if covers(qtype, k) and rows <= MAX_ROWS else x
+                xr = as_int8_rows(x, x_group(qtype)) if covers(qtype, k) and rows <= MAX_ROWS else x
                 ref = xr.double() @ want.double().T + (0 if b is None else b.double())
                 err = ((out.double() - ref).norm() / ref.norm()).item()
                 assert err < tol, f"{qtype}, {rows} rows, bias {b is not None}: relative error {err}"
@@ -84,8 +84,8 @@ def check(device: str, dtype: torch.dtype = torch.float32, tol: float = 1e-5) ->
     for rows in (1, 3, 16):
         x = torch.randn(rows, k, generator=gen).to(dtype)
         out = both_split_sums(lambda: gguf_matmul_parts(x.to(device), parts, ",".join(types), k)).cpu()
-        xr = as_int8_rows(x) if rows <= MAX_ROWS else x
-        ref = xr.double() @ want.double().T
+        ref = torch.cat([(as_int8_rows(x, x_group(t)) if rows <= MAX_ROWS else x).double() @ reference(r, t).double().T
+                         for r, t in zip(raws, types)], -1)
         err = ((out.double() - ref).norm() / ref.norm()).item()
         assert err < tol, f"parts {types}, {rows} rows: relative error {err}"
         one = torch.cat([gguf_matmul(x.to(device), w, t, k) for w, t in zip(parts, types)], -1).cpu()
@@ -116,9 +116,9 @@ def test_gguf_kernels_on_gpu_match_gguf_reference(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_int8_mma_kernels_on_gpu_match_gguf_reference():
     """kernels/gguf_mma.py (Gluon: no interpreter) for 5-16 rows of each type it has a kernel for (through
-    gguf_matmul for the types it takes, directly for those not yet timed), x rounded to 8 bits per 32 as they take
+    gguf_matmul for the types it takes, directly for those not yet timed), x rounded to 8 bits as they take
     it; a token's result the same bits for 5 and for 16 rows."""
-    from flashdraft.kernels import gguf_mma
+    from flashdraft.kernels import gguf_gemv, gguf_mma
     from flashdraft.kernels.gguf_matmul import gguf_matmul
     from flashdraft.layers.quantized import stored_blocks
     gen = torch.Generator().manual_seed(0)
@@ -133,7 +133,7 @@ def test_int8_mma_kernels_on_gpu_match_gguf_reference():
                 product = gguf_matmul if qtype in gguf_mma.TIMED else gguf_mma.matmul
                 for rows in (5, 16):
                     out = both_split_sums(lambda: product(x[:rows].cuda(), w, qtype, k)).cpu().double()
-                    ref = as_int8_rows(x[:rows]).double() @ want.T
+                    ref = as_int8_rows(x[:rows], gguf_gemv.x_group(qtype)).double() @ want.T
                     err = ((out - ref).norm() / ref.norm()).item()
                     assert err < 1e-3, f"{qtype} {n}x{k}, {rows} rows: relative error {err}"
                 xb = x.cuda().to(torch.bfloat16)
@@ -225,18 +225,19 @@ def run_ptx(asm: str, inputs: list[int], outputs: int) -> list[int]:
 
 
 def test_iq4_byte_permute_lookups_give_the_table():
-    """iq4.IQ4_FOUR (the int8 mma kernel's) and IQ4_PAIRS (the integer kernels') read as PTX: every nibble of
-    random words comes out as its kvalues_iq4nl level, in each form's documented byte order."""
-    from flashdraft.kernels.iq4 import IQ4_FOUR, IQ4_PAIRS, IQ4_VALUES
+    """iq4.IQ4_EIGHT (the int8 mma kernel's) and IQ4_PAIRS (the integer kernels') read as PTX: every nibble of
+    random words comes out as its kvalues_iq4nl level, in the documented order (byte b's low nibble, then its high),
+    the same for both."""
+    from flashdraft.kernels.iq4 import IQ4_EIGHT, IQ4_PAIRS, IQ4_VALUES
     table = np.array(IQ4_VALUES, dtype=np.int8).view(np.uint32).tolist()
     signed = lambda word: np.array([word], dtype=np.uint32).view(np.int8).tolist()  # noqa: E731
     for word in np.random.default_rng(0).integers(0, 2 ** 32, 300).tolist() + [0, 0xFFFFFFFF, 0x76543210]:
         nibbles = [(word >> (4 * i)) & 15 for i in range(8)]  # byte b: nibbles 2b (low) and 2b + 1 (high)
-        for shift, half in ((0, 0), (0x04040404, 1)):
-            assert signed(run_ptx(IQ4_FOUR.value, [word, shift], 1)[0]) == [IQ4_VALUES[nibbles[2 * b + half]]
-                                                                            for b in range(4)]
+        want = [IQ4_VALUES[n] for n in nibbles]
         lo, hi = run_ptx(IQ4_PAIRS.value, [word, *table], 2)
-        assert signed(lo) + signed(hi) == [IQ4_VALUES[n] for n in nibbles]
+        assert signed(lo) + signed(hi) == want
+        lo, hi = run_ptx(IQ4_EIGHT.value, [word, 0xDEADBEEF], 2)  # $3: the tile's other four bytes, unused
+        assert signed(lo) + signed(hi) == want
 
 
 

@@ -1,8 +1,8 @@
 """Integer dot products for a few rows of x against GGUF weights of the 4-, 5-, 6- and 8-bit types (decode, verify and draft
 steps): the shape of llama.cpp's mmvq, written for Triton.
 
-x is first quantized to 8 bits per 32 values (`quantize_rows`: int8 packed four to an int32 word, a float scale
-and the scaled sum per 32 values). The weight kernels then read each row's bytes as 32-bit words, mask the 4-,
+x is first quantized to 8 bits (`quantize_rows`: int8 packed four to an int32 word, a float scale per 32 values
+or, for the K types and IQ4_XS, per 256 (`x_group`), and the scaled sum per 32 values). The weight kernels then read each row's bytes as 32-bit words, mask the 4-,
 5- or 6-bit fields out of a word four at a time, and multiply them with x's bytes by `dp4a` (four int8
 products summed into an int32), so a weight costs about a quarter of an instruction per row of x instead of an
 unpack, a conversion and a multiply. The sub-block scales and the minimum's term (dmin * m * sum(x)) apply once
@@ -80,9 +80,10 @@ def _half(bits):
 
 @triton.jit
 def _quantize_kernel(x_ptr, q_ptr, d_ptr, s_ptr, K, stride_x, stride_q, stride_qb, stride_d, BLOCKS: tl.constexpr,
-                     ORDER: tl.constexpr, STEP: tl.constexpr, PDL: tl.constexpr):
+                     ORDER: tl.constexpr, STEP: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr):
     """x [M, K] -> q [M, K / 4] int32 (four int8 per word; a row's blocks stride_qb words apart), d [M, K / 32]
-    scales, s [M, K / 32] = d * sum(q) (STEP floats apart: 2 writes them side by side).
+    scales, s [M, K / 32] = d * sum(q) (STEP floats apart: 2 writes them side by side). One scale per GROUP (32 or
+    256) values: per 256 every block of a group gets the same d.
     ORDER 0: each block's values in order; IQ4_ORDER: word 2t holds values 4t, 16 + 4t, 4t + 1, 17 + 4t and word
     2t + 1 values 4t + 2, 18 + 4t, 4t + 3, 19 + 4t (the order `iq4_nibbles` gives a weight word's values)."""
     start_dependents(PDL)
@@ -98,6 +99,9 @@ def _quantize_kernel(x_ptr, q_ptr, d_ptr, s_ptr, K, stride_x, stride_q, stride_q
     col = b[:, None, None] * 32 + within[None, :, :]
     x = tl.load(x_ptr + m * stride_x + col, mask=ok[:, None, None], other=0.0).to(tl.float32)
     amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
+    if GROUP == 256:  # the largest of each 8 blocks, for all 8
+        PER: tl.constexpr = BLOCKS // 8
+        amax = tl.reshape(tl.broadcast_to(tl.max(tl.reshape(amax, [PER, 8]), axis=1)[:, None], [PER, 8]), [BLOCKS])
     d = amax / 127.0
     inv = tl.where(d > 0, 1.0 / tl.where(d > 0, d, 1.0), 0.0)
     q = tl.floor(x * inv[:, None, None] + 0.5).to(tl.int32)
@@ -112,28 +116,39 @@ IQ4_ORDER = 1  # quantize_rows' order for the IQ4 kernels
 IQ4_TYPES = ("IQ4_NL", "IQ4_XS")
 
 
-def quantize_rows(x: Tensor, order: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+# x's rounding group per weight type: the types whose blocks are 256 weights with small integer sub-block scales round
+# x per 256 (llama.cpp's CPU Q8_K), so the int8 mma kernels sum a super-block's sub-block products in int32 and
+# convert once (docs/PERF.md: per 256 costs what per 32 costs in KL); the 32-weight types round per 32. Decode and
+# verify round alike, so a token's greedy choice does not depend on which computed it.
+GROUP_256 = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
+
+
+def x_group(qtype: str) -> int:
+    return 256 if qtype in GROUP_256 else QK8
+
+
+def quantize_rows(x: Tensor, order: int = 0, group: int = QK8) -> tuple[Tensor, Tensor, Tensor]:
     """x [M, K] -> (q [M, K / 4] int32, d [M, K / 32], s [M, K / 32]) as `_quantize_kernel` writes them."""
     m, k = x.shape
     d = torch.empty(m, k // QK8, device=x.device, dtype=torch.float32)
     s = torch.empty_like(d)
     q = torch.empty(m, k // 4, device=x.device, dtype=torch.int32)
-    return _quantize_into(x, q, q.stride(0), 8, d, s, order, 1), d, s
+    return _quantize_into(x, q, q.stride(0), 8, d, s, order, 1, group), d, s
 
 
-def quantize_rows_paired(x: Tensor) -> tuple[Tensor, Tensor]:
+def quantize_rows_paired(x: Tensor, group: int = QK8) -> tuple[Tensor, Tensor]:
     """x [M, K] -> (q [M, K / 4] int32, [M, K / 32] int64: each block's d and s side by side, one 8-byte load)."""
     m, k = x.shape
     pairs = torch.empty(m, k // QK8, 2, device=x.device, dtype=torch.float32)
     q = torch.empty(m, k // 4, device=x.device, dtype=torch.int32)
-    _quantize_into(x, q, q.stride(0), 8, pairs[..., 0], pairs[..., 1], 0, 2)
+    _quantize_into(x, q, q.stride(0), 8, pairs[..., 0], pairs[..., 1], 0, 2, group)
     return q, pairs.view(torch.int64)[..., 0]
 
 
 TILE_ROWS = 16  # rows of x quantize_rows_tiled lays side by side
 
 
-def quantize_rows_tiled(x: Tensor) -> tuple[Tensor, Tensor]:
+def quantize_rows_tiled(x: Tensor, group: int = QK8, order: int = 0) -> tuple[Tensor, Tensor]:
     """x [M <= 16, K] -> quantize_rows_paired's values and pairs with the rows of each block side by side: q [K / 32,
     16, 32] int8 (block b's 32 values of row m at q[b, m]), pairs [K / 32, 16] int64. The int8 mma kernels
     (kernels/gguf_mma.py) read a B fragment or a block's scales in one or two L1 wavefronts this way, where rows K
@@ -142,17 +157,19 @@ def quantize_rows_tiled(x: Tensor) -> tuple[Tensor, Tensor]:
     assert m <= TILE_ROWS, m
     q = torch.empty(k // QK8, TILE_ROWS, QK8, device=x.device, dtype=torch.int8)
     pairs = torch.empty(k // QK8, TILE_ROWS, 2, device=x.device, dtype=torch.float32)
-    _quantize_into(x, q.view(torch.int32), 8, 8 * TILE_ROWS, pairs[..., 0].T, pairs[..., 1].T, 0, 2 * TILE_ROWS)
+    _quantize_into(x, q.view(torch.int32), 8, 8 * TILE_ROWS, pairs[..., 0].T, pairs[..., 1].T, order, 2 * TILE_ROWS,
+                   group)
     return q, pairs.view(torch.int64)[..., 0]
 
 
 def _quantize_into(x: Tensor, q: Tensor, stride_q: int, stride_qb: int, d: Tensor, s: Tensor, order: int,
-                   step: int) -> Tensor:
+                   step: int, group: int) -> Tensor:
     m, k = x.shape
+    assert group == QK8 or k % group == 0, (k, group)
     blocks = 16
     _quantize_kernel[(m, triton.cdiv(k // QK8, blocks))](x, q, d, s, k, x.stride(0), stride_q, stride_qb,
                                                           d.stride(0), BLOCKS=blocks, ORDER=order, STEP=step,
-                                                          **pdl.launch(x))
+                                                          GROUP=group, **pdl.launch(x))
     return q
 
 
@@ -198,6 +215,13 @@ def _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok, 
                     tl.num_programs(1))
 
 
+@triton.jit
+def _group_sums(dots, BLOCK_N: tl.constexpr, SB: tl.constexpr):
+    """[N, SB, 4 (p), 8 (r)] int32 products of lane_grouped words -> [N, SB, 4] float32 sums per group r // 2 (exact:
+    integer sums in any order)."""
+    return tl.sum(tl.reshape(tl.sum(dots, axis=2), (BLOCK_N, SB, 4, 2)), axis=3).to(tl.float32)
+
+
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om", "stride_sm"])
 def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M, N, K, sb_per_split, stride_xq,
                    stride_xd, stride_wu, stride_os, stride_om, stride_sm, FIVE_BITS: tl.constexpr, BM: tl.constexpr,
@@ -205,12 +229,13 @@ def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M
                    SUM_HERE: tl.constexpr, PDL: tl.constexpr):
     """Q4_K (144-byte super-blocks: d, dmin, 12 scale bytes, 128 nibble bytes) or Q5_K (176: the same with 32 bytes
     of fifth bits before the nibbles). w as int32 words; group g's 32 bytes hold sub-block 2g in their low nibbles
-    and 2g + 1 in their high ones."""
+    and 2g + 1 in their high ones, stored as layers/quantized.lane_grouped keeps them: word 8p + 2g + j of the 32
+    is group g's word 2p + j."""
     WORDS: tl.constexpr = 44 if FIVE_BITS else 36
     QS: tl.constexpr = 12 if FIVE_BITS else 4
     start_dependents(PDL)
     split, rows, row_ok, mi, acc = _row_tile(N, BLOCK_N, BM)
-    sbi, g, t = tl.arange(0, SB), tl.arange(0, 4), tl.arange(0, 8)
+    sbi, g, p, r = tl.arange(0, SB), tl.arange(0, 4), tl.arange(0, 4), tl.arange(0, 8)  # word 8p + r: group r // 2
     first = split * sb_per_split
     last = tl.minimum(first + sb_per_split, K // 256)
     row_base = w_ptr + rows.to(tl.int64)[:, None] * (stride_wu * ROW_ALIGN)
@@ -228,24 +253,25 @@ def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M
         d_lo, d_hi = d[:, :, None] * sc_lo, d[:, :, None] * sc_hi  # [N, SB, 4]
         m_lo, m_hi = dmin[:, :, None] * mn_lo, dmin[:, :, None] * mn_hi
         ok4 = ok[:, :, None, None]
-        words = tl.load(base[:, :, None, None] + QS + g[None, None, :, None] * 8 + t[None, None, None, :], mask=ok4,
-                        other=0)  # [N, SB, 4, 8]
+        words = tl.load(base[:, :, None, None] + QS + p[None, None, :, None] * 8 + r[None, None, None, :], mask=ok4,
+                        other=0)  # [N, SB, 4 (p), 8 (r)]
+        t = 2 * p[:, None] + r[None, :] % 2  # [4, 8]: the word's place in its group
         lo = words & 0x0F0F0F0F
         hi = (words >> 4) & 0x0F0F0F0F
         if FIVE_BITS:  # bit 2g of qh byte l is sub-block 2g's fifth bit for weight l, bit 2g + 1 sub-block 2g + 1's
-            qh = tl.load(base[:, :, None] + 4 + t[None, None, :], mask=ok[:, :, None], other=0)[:, :, None, :]
-            sh = 2 * g[None, None, :, None]
+            qh = tl.load(base[:, :, None, None] + 4 + t[None, None, :, :], mask=ok4, other=0)
+            sh = 2 * (r // 2)[None, None, None, :]
             lo = lo | (((qh >> sh) & 0x01010101) << 4)
             hi = hi | (((qh >> (sh + 1)) & 0x01010101) << 4)
         wait_for_inputs(PDL)  # x only after the weight loads are issued
         xs_ok = (s < last)[:, None]
         for m in tl.static_range(BM):
             m_ok = (tl.zeros([1], tl.int32) + m) < M  # a tensor, also under the interpreter
-            xw = xq_ptr + m * stride_xq + s[:, None, None] * 64 + g[None, :, None] * 16 + t[None, None, :]
+            xw = xq_ptr + m * stride_xq + s[:, None, None] * 64 + (r // 2 * 16)[None, None, :] + t[None, :, :]
             x_lo = tl.load(xw, mask=xs_ok[:, :, None] & m_ok, other=0)  # [SB, 4, 8]
             x_hi = tl.load(xw + 8, mask=xs_ok[:, :, None] & m_ok, other=0)
-            dot_lo = tl.sum(_dp4a(lo, x_lo[None], EMULATE), axis=3).to(tl.float32)  # [N, SB, 4]
-            dot_hi = tl.sum(_dp4a(hi, x_hi[None], EMULATE), axis=3).to(tl.float32)
+            dot_lo = _group_sums(_dp4a(lo, x_lo[None], EMULATE), BLOCK_N, SB)  # [N, SB, 4]
+            dot_hi = _group_sums(_dp4a(hi, x_hi[None], EMULATE), BLOCK_N, SB)
             xb = m * stride_xd + s[:, None] * 8 + 2 * g[None, :]
             xd_lo = tl.load(xd_ptr + xb, mask=xs_ok & m_ok, other=0.0)[None]
             xd_hi = tl.load(xd_ptr + xb + 1, mask=xs_ok & m_ok, other=0.0)[None]
@@ -525,19 +551,19 @@ def covers(qtype: str, k: int) -> bool:
 
 
 def gemv(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:
-    """x [M <= MAX_ROWS, K] @ dequantize(qweight)^T -> [M, N] in x's dtype (x quantized to 8 bits per 32 values)."""
+    """x [M <= MAX_ROWS, K] @ dequantize(qweight)^T -> [M, N] in x's dtype (x quantized to 8 bits, x_group)."""
     return gemv_parts(x, [qweight], [qtype], k)
 
 
 def gemv_parts(x: Tensor, qweights: list[Tensor], qtypes: list[str], k: int) -> Tensor:
     """x @ [part 0; part 1; ...]^T -> [M, sum of N] (a fused q/k/v or gate/up whose parts differ in type): x is
     quantized once and each part writes its own columns of one output."""
-    orders = {q: IQ4_ORDER if q in IQ4_TYPES else 0 for q in qtypes}
-    rounded = {o: quantize_rows(x, o) for o in set(orders.values())}
+    roundings = {q: (IQ4_ORDER if q in IQ4_TYPES else 0, x_group(q)) for q in qtypes}
+    rounded = {r: quantize_rows(x, *r) for r in set(roundings.values())}
     out = torch.empty(x.shape[0], sum(w.shape[0] for w in qweights), device=x.device, dtype=x.dtype)
     col = 0
     for w, qtype in zip(qweights, qtypes):
-        _gemv_into(out[:, col:col + w.shape[0]], x, *rounded[orders[qtype]], w, qtype, k)
+        _gemv_into(out[:, col:col + w.shape[0]], x, *rounded[roundings[qtype]], w, qtype, k)
         col += w.shape[0]
     return out
 

@@ -166,9 +166,10 @@ def _k_scales(p, ok, BN: tl.constexpr):
 
 @triton.jit
 def _k_nibbles(p, ok, BN: tl.constexpr):
-    """128 bytes at p -> [N, 8, 32] 4-bit values in order: sub-block 2g is group g's low nibbles, 2g + 1 its
-    high ones (32 bytes per group)."""
-    b = tl.load(p[:, None, None] + 32 * tl.arange(0, 4)[None, :, None] + tl.arange(0, 32)[None, None, :],
+    """128 bytes at p (layers/quantized.lane_grouped: group g's bytes 8p..8p+7 at 32p + 8g) -> [N, 8, 32] 4-bit
+    values in order: sub-block 2g is group g's low nibbles, 2g + 1 its high ones."""
+    c = tl.arange(0, 32)
+    b = tl.load(p[:, None, None] + 8 * tl.arange(0, 4)[None, :, None] + (c // 8 * 32 + c % 8)[None, None, :],
                 mask=ok[:, None, None], other=0)
     pair = tl.join(b & 15, b >> 4)  # [N, 4, 32, 2]
     return tl.reshape(tl.permute(pair, (0, 1, 3, 2)), (BN, 8, 32))
@@ -356,8 +357,8 @@ def splits_for(n: int, k: int) -> tuple[int, int]:
 @torch.library.custom_op("flashdraft::gguf_matmul", mutates_args=())
 def gguf_matmul(x: Tensor, qweight: Tensor, qtype: str, k: int, bias: Tensor | None = None) -> Tensor:
     """x [M, K] (M <= 64 in practice) @ dequantize(qweight [N, bytes])^T (+ bias) -> [M, N] in x's dtype. Up to
-    gguf_gemv.MAX_ROWS rows of a type it covers take its integer kernels (x rounded to 8 bits per 32 values, as
-    llama.cpp's mmvq does); the rest multiply in x's dtype on the tensor cores."""
+    gguf_gemv.MAX_ROWS rows of a type it covers take its integer kernels and 5-16 rows the int8 mma kernels (x
+    rounded to 8 bits per 32 or 256 values, gguf_gemv.x_group); the rest multiply in x's dtype on the tensor cores."""
     _check(qweight, qtype, k)
     x = x.contiguous()
     m, n = x.shape[0], qweight.shape[0]
@@ -387,12 +388,15 @@ def _(x: Tensor, qweight: Tensor, qtype: str, k: int, bias: Tensor | None = None
 @torch.library.custom_op("flashdraft::gguf_matmul_parts", mutates_args=())
 def gguf_matmul_parts(x: Tensor, qweights: list[Tensor], qtypes: str, k: int) -> Tensor:
     """x [M, K] @ [dequantize(part 0); dequantize(part 1); ...]^T -> [M, sum of N]: a fused q/k/v or gate/up whose
-    parts keep their own types (qtypes: comma-separated). For the integer kernels' row counts x is quantized once
-    and every part writes its columns of one output; otherwise the parts' products are concatenated."""
+    parts keep their own types (qtypes: comma-separated). For the integer and int8 mma kernels' row counts x is
+    quantized once and every part writes its columns of one output; otherwise the parts' products are
+    concatenated."""
     types = qtypes.split(",")
     x = x.contiguous()
     if x.shape[0] <= gguf_gemv.MAX_ROWS and all(gguf_gemv.covers(q, k) for q in types):
         return gguf_gemv.gemv_parts(x, qweights, types, k)
+    if gguf_mma is not None and all(gguf_mma.covers(q, x.shape[0], x) for q in types):
+        return gguf_mma.matmul_parts(x, qweights, types, k)
     return torch.cat([gguf_matmul(x, w, q, k) for w, q in zip(qweights, types)], dim=-1)
 
 

@@ -6,12 +6,15 @@ Q4_K: four consecutive bytes of a nibble group are four consecutive weights of s
 and of 2g + 1 (high nibbles, a shift and an AND); Q5_K adds bit J of each qh byte as 16. Q6_K: a word of ql bytes
 and one of qh bytes give four consecutive 6-bit values (signed by a bit trick); its scales change every 16 weights,
 so each 32 weights are two mmas with the other half's weights zeroed. IQ4_XS: the low or high nibbles of a word
-looked up in the level table by byte permutes. Q8_0: its int8 plane as it is. x is quantized to 8 bits per 32 values
-as the integer kernels take it, by rows (`gguf_gemv.quantize_rows_paired`) or with each block's 16 rows side by side
-(`quantize_rows_tiled`: a warp's B-fragment or scale load is one or two L1 wavefronts, where rows K apart took eight;
-the kernels were bound by L1 wavefronts, not DRAM); each product is exact in int32 and scaled in float32 (the K types:
-d * sc(row) * xd(token) minus dmin * m(row) * xs(token); the others: d * sc(row) * xd(token)). Rows of x are padded to
-16 and K is split by the matrix's shape only, so a token's result does not depend on how many rows share the call.
+looked up in the level table by byte permutes. Q8_0: its int8 plane as it is. x is quantized to 8 bits as the integer
+kernels take it (per 256 values for the K types and IQ4_XS, per 32 for Q8_0: gguf_gemv.x_group), by rows
+(`gguf_gemv.quantize_rows_paired`) or with each block's 16 rows side by side (`quantize_rows_tiled`: a warp's
+B-fragment or scale load is one or two L1 wavefronts, where rows K apart took eight; the kernels were bound by L1
+wavefronts, not DRAM). Each product is exact in int32; with one x scale per super-block the sub-blocks' products
+times their integer scales are summed in int32 (and Q4_K/Q5_K's minimum term as an mma of the rows' 6-bit mins
+with x), so a super-block converts to float once: d * xd(token) * sum(sc * (w . x)) minus dmin * xd(token) *
+sum(m * sum(x)) (Q8_0: d * xd per block). Rows of x are padded to 16 and K is split by the matrix's shape only, so a
+token's result does not depend on how many rows share the call.
 
 Gluon has no interpreter: the CPU tests cannot run these kernels (the GPU test does, against the `gguf` package;
 the CPU tests read their unpacking assembly as PTX and the tiled layout through the interpreter).
@@ -28,7 +31,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from flashdraft.kernels import gguf_gemv, pdl, split_k
-from flashdraft.kernels.iq4 import IQ4_FOUR
+from flashdraft.kernels.iq4 import IQ4_EIGHT
 
 ENABLED = True
 BLOCK_N, NUM_WARPS, TARGET_PROGRAMS = 128, 4, 264  # 64 and 32 rows, 8 warps: slower at 16 rows (run 12); 264
@@ -44,7 +47,7 @@ TOKENS = gl.constexpr(16)  # the mma's N: rows of x, padded
 @gluon.jit
 def _scale_byte(a, b, c, J: gl.constexpr):
     """Q4_K's 6-bit scale and min of sub-block J (0..7) from the 12 scale bytes as words a, b, c (ggml's
-    get_scale_min_k4), as float32."""
+    get_scale_min_k4), as int32."""
     if J < 4:
         sc = (a >> (8 * J)) & 63
         mn = (b >> (8 * J)) & 63
@@ -52,7 +55,7 @@ def _scale_byte(a, b, c, J: gl.constexpr):
         sh: gl.constexpr = 8 * (J - 4)
         sc = ((c >> sh) & 15) | (((a >> sh) >> 6) & 3) << 4
         mn = ((c >> sh) >> 4 & 15) | (((b >> sh) >> 6) & 3) << 4
-    return sc.to(gl.float32), mn.to(gl.float32)
+    return sc, mn
 
 
 @gluon.jit
@@ -61,28 +64,38 @@ def _half(bits):
 
 
 @gluon.jit
-def _x_block(b_ptr, b_ok, xds_ptr, toks, stride_xds, tok_ok, block, TILED: gl.constexpr):
-    """x's block `block` (of 32 values): its 8-bit values as the B fragment and each token's (scale, scaled sum)
-    pair as int64, x laid out by rows (quantize_rows_paired) or tiled (quantize_rows_tiled)."""
-    if TILED:
-        xb = gl.load(b_ptr + 512 * block, mask=b_ok, other=0)
-        pair = gl.load(xds_ptr + 16 * block + toks, mask=tok_ok, other=0)
-    else:
-        xb = gl.load(b_ptr + 32 * block, mask=b_ok, other=0)
-        pair = gl.load(xds_ptr + toks * stride_xds + block, mask=tok_ok, other=0)
-    return xb, pair
+def _x_values(b_ptr, b_ok, block, TILED: gl.constexpr):
+    """x's block `block` (of 32 values): its 8-bit values as the B fragment, x laid out by rows
+    (quantize_rows_paired) or tiled (quantize_rows_tiled)."""
+    return gl.load(b_ptr + (512 if TILED else 32) * block, mask=b_ok, other=0)
 
 
 @gluon.jit
-def _sub_block(acc, w, zero, a, b, s, d, dmin, b_ptr, b_ok, xds_ptr, toks, stride_xds, tok_ok, block0,
-               J: gl.constexpr, TILED: gl.constexpr):
-    """acc + sub-block J's product: the exact int32 mma of its 32 weights with x's 8-bit values, scaled."""
-    xb, pair = _x_block(b_ptr, b_ok, xds_ptr, toks, stride_xds, tok_ok, block0 + J, TILED)
-    prod = mma_v2(w, xb, zero)
+def _x_scale(xds_ptr, toks, stride_xds, tok_ok, block, TILED: gl.constexpr):
+    """Each token's scale of x's block `block`, float32 (the low half of its (scale, scaled sum) pair)."""
+    if TILED:
+        pair = gl.load(xds_ptr + 16 * block + toks, mask=tok_ok, other=0)
+    else:
+        pair = gl.load(xds_ptr + toks * stride_xds + block, mask=tok_ok, other=0)
+    return pair.to(gl.int32).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _scaled(acc, isum, d, xd):
+    """acc + d (per row) * xd (per token) * isum: a super-block's exact int32 sum converted once."""
+    return acc + isum.to(gl.float32) * (d[:, None] * xd[None, :])
+
+
+@gluon.jit
+def _sub_block(isum, msum, w, zero, a, b, s, b_ptr, b_ok, block0, J: gl.constexpr, a_l: gl.constexpr,
+               TILED: gl.constexpr):
+    """A Q4_K/Q5_K super-block's sums with sub-block J added, in int32 (x rounded per 256: one scale for all 8):
+    isum + sc(row) * (w . x), and msum + m(row) * sum(x) as an mma of the rows' 6-bit mins, repeated over k, with x."""
+    xb = _x_values(b_ptr, b_ok, block0 + J, TILED)
     sc, mn = _scale_byte(a, b, s, J)
-    xd = pair.to(gl.int32).to(gl.float32, bitcast=True)
-    xs = (pair >> 32).to(gl.int32).to(gl.float32, bitcast=True)
-    return acc + prod.to(gl.float32) * ((d * sc)[:, None] * xd[None, :]) - (dmin * mn)[:, None] * xs[None, :]
+    mins = gl.convert_layout(mn.to(gl.int8), gl.SliceLayout(1, a_l), assert_trivial=True)[:, None]
+    return (isum + mma_v2(w, xb, zero) * sc[:, None],
+            mma_v2(gl.broadcast(mins, w)[0], xb, msum))
 
 
 @gluon.jit
@@ -91,7 +104,7 @@ def _tile(w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N: g
     """A program's super-blocks [first, last) (grid axis 1 splits K) and its operands in the mma fragments'
     layouts: a_row [BLOCK_N, 1] (its weight rows' starts, in the A layout: plus a_col, or a function of it that
     keeps runs of K_WIDTH, for word loads), a_ok, a_col [1, 32] (k); b_ptr [32, TOKENS] (x's block 0 + k, in the
-    B layout: `_x_block` reads block j), b_ok; s_ptr (the rows' starts as int32 words, for their scales), rows, row_ok and toks, tok_ok along
+    B layout: `_x_values` reads block j), b_ok; s_ptr (the rows' starts as int32 words, for their scales), rows, row_ok and toks, tok_ok along
     the product's two axes; a float32 accumulator and an int32 zero for each mma."""
     if PDL:  # kernels/pdl.py: let the next kernel be placed, then wait for x (launch overlap only)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
@@ -157,19 +170,51 @@ def _q5_values(q, qh, J: gl.constexpr):
                                      dtype=gl.int8, is_pure=True, pack=4)
 
 
+@gluon.constexpr_function
+def _lane_pieces_layout(block_n, num_warps):
+    """[block_n, 128] nibble bytes as layers/quantized.lane_grouped keeps them (column 32p + 8g + i: group g's byte
+    8p + i): each thread holds the 32 bytes of its lane piece p of a row, the rows those of its A fragments (rows r
+    and r + 8 of its warp's 16, lane 4r + p), so that `_groups` needs no data movement."""
+    assert block_n % (16 * num_warps) == 0, (block_n, num_warps)
+    regs = [[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [8, 0]]
+    regs += [[16 * num_warps << i, 0] for i in range((block_n // (16 * num_warps)).bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]],
+                                      warp_bases=[[16 << i, 0] for i in range(num_warps.bit_length() - 1)],
+                                      block_bases=[], shape=[block_n, 128])
+
+
+@gluon.jit
+def _groups(q, a_l: gl.constexpr, BLOCK_N: gl.constexpr):
+    """q [BLOCK_N, 128] in _lane_pieces_layout -> the four groups' [BLOCK_N, 32] tiles in the A layout (k_width 8),
+    by register renaming only."""
+    q = gl.permute(gl.reshape(q, [BLOCK_N, 4, 4, 8]), [0, 2, 1, 3])  # (row, g, p, i)
+    q = gl.reshape(gl.permute(gl.reshape(q, [BLOCK_N, 4, 32]), [0, 2, 1]), [BLOCK_N, 32, 2, 2])  # (row, k, g // 2, g % 2)
+    even, odd = gl.split(q)
+    q0, q2 = gl.split(even)
+    q1, q3 = gl.split(odd)
+    return (gl.convert_layout(q0, a_l, assert_trivial=True), gl.convert_layout(q1, a_l, assert_trivial=True),
+            gl.convert_layout(q2, a_l, assert_trivial=True), gl.convert_layout(q3, a_l, assert_trivial=True))
+
+
 @gluon.jit
 def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M, N, K, sb_per_split, stride_xq, stride_xds,
                    stride_wn, stride_os, stride_om, stride_sm, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr,
-                   FIVE_BITS: gl.constexpr, K_WIDTH: gl.constexpr, TILED: gl.constexpr, SUM_HERE: gl.constexpr,
-                   PDL: gl.constexpr):
+                   FIVE_BITS: gl.constexpr, TILED: gl.constexpr, SUM_HERE: gl.constexpr, PDL: gl.constexpr):
     """xq_ptr: x's 8-bit values as bytes [M, K]; xds [M, K / 32] int64: each block's float32 scale (low half) and
     scaled sum (high half); w: Q4_K rows as bytes (144 per super-block: d, dmin, 12 scale bytes, 128 nibble bytes)
     or Q5_K's (176: the same with 32 bytes of fifth bits before the nibbles, bit J of byte l for sub-block J's
-    weight l); out [splits, M, N] float32 partial sums over this program's super-blocks."""
+    weight l), the nibbles lane_grouped (layers/quantized.py): a row's 128 load at once, two 16-byte loads per
+    thread; out [splits, M, N] float32 partial sums over this program's super-blocks."""
     WORDS: gl.constexpr = 44 if FIVE_BITS else 36
     NIBBLES: gl.constexpr = 48 if FIVE_BITS else 16
     first, last, a_row, a_ok, a_col, b_ptr, b_ok, s_ptr, rows, row_ok, toks, tok_ok, acc, zero = _tile(
-        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, K_WIDTH, TILED, PDL)
+        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, 8, TILED, PDL)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
+    wide: gl.constexpr = _lane_pieces_layout(BLOCK_N, NUM_WARPS)
+    w_rows = gl.minimum(gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, wide)), N - 1)
+    q_ptr = (w_ptr + w_rows.to(gl.int64)[:, None] * stride_wn + NIBBLES
+             + gl.arange(0, 128, layout=gl.SliceLayout(0, wide))[None, :])  # rows past N read row N - 1, unstored
     a_ptr = a_row + a_col
     for c in range(first, last):
         head = gl.load(s_ptr + WORDS * c, mask=row_ok, other=0)
@@ -179,8 +224,10 @@ def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M, N, K,
         d, dmin = _half(head), _half(head >> 16)
         if FIVE_BITS:
             qh = gl.load(a_ptr + 4 * WORDS * c + 16, mask=a_ok, other=0)
+        groups = _groups(gl.load(q_ptr + 4 * WORDS * c), a_l, BLOCK_N)
+        isum, msum = zero, zero
         for g in gl.static_range(4):
-            q = gl.load(a_ptr + 4 * WORDS * c + NIBBLES + 32 * g, mask=a_ok, other=0)
+            q = groups[g]
             if FIVE_BITS:
                 lo, hi = _q5_values(q, qh, 2 * g), _q5_values(q, qh, 2 * g + 1)
             else:
@@ -188,10 +235,10 @@ def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M, N, K,
                                                is_pure=True, pack=4)
                 hi = gl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 4; and.b32 $0, t, 0x0F0F0F0F; }",
                                                "=r,r", [q], dtype=gl.int8, is_pure=True, pack=4)
-            acc = _sub_block(acc, lo, zero, a, b, s, d, dmin, b_ptr, b_ok, xds_ptr, toks, stride_xds, tok_ok,
-                             8 * c, 2 * g, TILED)
-            acc = _sub_block(acc, hi, zero, a, b, s, d, dmin, b_ptr, b_ok, xds_ptr, toks, stride_xds, tok_ok,
-                             8 * c, 2 * g + 1, TILED)
+            isum, msum = _sub_block(isum, msum, lo, zero, a, b, s, b_ptr, b_ok, 8 * c, 2 * g, a_l, TILED)
+            isum, msum = _sub_block(isum, msum, hi, zero, a, b, s, b_ptr, b_ok, 8 * c, 2 * g + 1, a_l, TILED)
+        xd = _x_scale(xds_ptr, toks, stride_xds, tok_ok, 8 * c, TILED)
+        acc = _scaled(_scaled(acc, isum, d, xd), msum, -dmin, xd)
     _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om, sum_ptr, count_ptr, stride_sm,
            SUM_HERE)
 
@@ -244,6 +291,7 @@ def _q6k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M, N, K, sb
     first_half = a_col < 16
     for c in range(first, last):
         d = _half(gl.load(s_ptr + 53 * c + 52, mask=row_ok, other=0))
+        isum = zero
         for h in gl.static_range(2):  # 128-weight halves
             ql0 = gl.load(a_ptr + 212 * c + 64 * h, mask=a_ok, other=0)
             ql1 = gl.load(a_ptr + 212 * c + 64 * h + 32, mask=a_ok, other=0)
@@ -252,15 +300,13 @@ def _q6k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M, N, K, sb
             sw1 = gl.load(s_ptr + 53 * c + 49 + 2 * h, mask=row_ok, other=0)  # scales 8h + 4 .. 8h + 7
             for q in gl.static_range(4):
                 v = _q6_values(ql0, ql1, qh, q)
-                xb, pair = _x_block(b_ptr, b_ok, xds_ptr, toks, stride_xds, tok_ok, 8 * c + 4 * h + q, TILED)
-                prod_a = mma_v2(gl.where(first_half, v, 0), xb, zero)
-                prod_b = mma_v2(gl.where(first_half, 0, v), xb, zero)
+                xb = _x_values(b_ptr, b_ok, 8 * c + 4 * h + q, TILED)
                 sw = sw0 if q < 2 else sw1
-                sc_a = ((sw << (24 - 16 * (q % 2))) >> 24).to(gl.float32)  # scale 2q, signed
-                sc_b = ((sw << (16 - 16 * (q % 2))) >> 24).to(gl.float32)  # scale 2q + 1
-                xd = pair.to(gl.int32).to(gl.float32, bitcast=True)
-                both = prod_a.to(gl.float32) * sc_a[:, None] + prod_b.to(gl.float32) * sc_b[:, None]
-                acc += both * (d[:, None] * xd[None, :])
+                sc_a = (sw << (24 - 16 * (q % 2))) >> 24  # scale 2q, signed
+                sc_b = (sw << (16 - 16 * (q % 2))) >> 24  # scale 2q + 1
+                isum += (mma_v2(gl.where(first_half, v, 0), xb, zero) * sc_a[:, None]
+                         + mma_v2(gl.where(first_half, 0, v), xb, zero) * sc_b[:, None])
+        acc = _scaled(acc, isum, d, _x_scale(xds_ptr, toks, stride_xds, tok_ok, 8 * c, TILED))
     _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om, sum_ptr, count_ptr, stride_sm,
            SUM_HERE)
 
@@ -268,28 +314,27 @@ def _q6k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M, N, K, sb
 @gluon.jit
 def _iq4_xs_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M, N, K, sb_per_split, stride_xq, stride_xds,
                    stride_wn, stride_os, stride_om, stride_sm, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr,
-                   K_WIDTH: gl.constexpr, TILED: gl.constexpr, SUM_HERE: gl.constexpr, PDL: gl.constexpr):
+                   TILED: gl.constexpr, SUM_HERE: gl.constexpr, PDL: gl.constexpr):
     """IQ4_XS as layers/quantized.field_planes keeps it: a row's super-blocks' 128 nibble bytes (sub-block j's 16 at
     16j: byte l's low nibble is weight l, its high one l + 16), then their 8-byte headers (d, the scales' high bits
-    (16), their low nibbles (4 bytes)). A's k 4t..4t+3 and 16+4t..16+4t+3 both load word t of the 16 bytes and look
-    up its low or its high nibbles (iq4.IQ4_FOUR): the weights in order. Each 32 weights are one mma, scaled by
-    d * (6-bit scale - 32)."""
+    (16), their low nibbles (4 bytes)). With k_width 8 a thread's k 8t..8t+7 of a row are the eight nibbles of the
+    sub-block's word t, looked up at once (iq4.IQ4_EIGHT: one 4-byte load and 12 instructions for eight weights),
+    in the order x is quantized in for them (gguf_gemv.IQ4_ORDER). Each 32 weights are one mma; a super-block's
+    eight, times their scales (6-bit - 32), summed in int32."""
     first, last, a_row, a_ok, a_col, b_ptr, b_ok, s_ptr, rows, row_ok, toks, tok_ok, acc, zero = _tile(
-        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, K_WIDTH, TILED, PDL)
-    a_ptr = a_row + a_col % 16
-    nibble_shift = gl.broadcast((a_col // 16 * 4).to(gl.int8), a_ptr)[0]  # low nibbles for k < 16, high for the rest
+        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, 8, TILED, PDL)
+    a_ptr = a_row + 4 * (a_col // 8) + a_col % 4  # k 8t + i: byte i % 4 of word t
+    word_ok = a_ok & (a_col % 8 < 4)  # the other four bytes of a thread's eight are not read
     for c in range(first, last):
         head = gl.load(s_ptr + K // 256 * 32 + 2 * c, mask=row_ok, other=0)
         low = gl.load(s_ptr + K // 256 * 32 + 2 * c + 1, mask=row_ok, other=0)
-        d = _half(head)
+        isum = zero
         for j in gl.static_range(8):
-            q = gl.load(a_ptr + 128 * c + 16 * j, mask=a_ok, other=0)
-            w = gl.inline_asm_elementwise(IQ4_FOUR, "=r,r,r", [q, nibble_shift], dtype=gl.int8, is_pure=True, pack=4)
-            xb, pair = _x_block(b_ptr, b_ok, xds_ptr, toks, stride_xds, tok_ok, 8 * c + j, TILED)
-            prod = mma_v2(w, xb, zero)
+            q = gl.load(a_ptr + 128 * c + 16 * j, mask=word_ok, other=0)
+            w = gl.inline_asm_elementwise(IQ4_EIGHT, "=r,=r,r,r", [q], dtype=gl.int8, is_pure=True, pack=8)
             scale = ((low >> (4 * j)) & 15) | (((head >> (16 + 2 * j)) & 3) << 4)
-            xd = pair.to(gl.int32).to(gl.float32, bitcast=True)
-            acc += prod.to(gl.float32) * ((d * (scale - 32).to(gl.float32))[:, None] * xd[None, :])
+            isum += mma_v2(w, _x_values(b_ptr, b_ok, 8 * c + j, TILED), zero) * (scale - 32)[:, None]
+        acc = _scaled(acc, isum, _half(head), _x_scale(xds_ptr, toks, stride_xds, tok_ok, 8 * c, TILED))
     _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om, sum_ptr, count_ptr, stride_sm,
            SUM_HERE)
 
@@ -307,11 +352,9 @@ def _q8_0_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M, N, K, s
     for c in range(first, last):
         for j in gl.static_range(8):
             w = gl.load(a_ptr + 256 * c + 32 * j, mask=a_ok, other=0)
-            xb, pair = _x_block(b_ptr, b_ok, xds_ptr, toks, stride_xds, tok_ok, 8 * c + j, TILED)
-            prod = mma_v2(w, xb, zero)
+            prod = mma_v2(w, _x_values(b_ptr, b_ok, 8 * c + j, TILED), zero)
             d = gl.load(d_ptr + 8 * c + j, mask=row_ok, other=0).to(gl.float16, bitcast=True).to(gl.float32)
-            xd = pair.to(gl.int32).to(gl.float32, bitcast=True)
-            acc += prod.to(gl.float32) * (d[:, None] * xd[None, :])
+            acc = _scaled(acc, prod, d, _x_scale(xds_ptr, toks, stride_xds, tok_ok, 8 * c + j, TILED))
     _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om, sum_ptr, count_ptr, stride_sm,
            SUM_HERE)
 
@@ -320,11 +363,12 @@ def _q8_0_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M, N, K, s
 # 8 gives 64-bit weight loads and fewer registers (Q4_K 134 against 186), but turns Q6_K's half-block selects into
 # byte selects. TILED: x laid out by quantize_rows_tiled. Chosen per type on an H100 (docs/PERF.md, fourteenth
 # session).
-KERNELS = {"Q4_K": (_kquant_kernel, dict(FIVE_BITS=False, K_WIDTH=8, TILED=True)),
-           "Q5_K": (_kquant_kernel, dict(FIVE_BITS=True, K_WIDTH=8, TILED=True)),
+KERNELS = {"Q4_K": (_kquant_kernel, dict(FIVE_BITS=False, TILED=True)),  # k_width 8: _lane_pieces_layout's
+           "Q5_K": (_kquant_kernel, dict(FIVE_BITS=True, TILED=True)),
            "Q6_K": (_q6k_kernel, dict(K_WIDTH=4, TILED=True)),
-           "IQ4_XS": (_iq4_xs_kernel, dict(K_WIDTH=8, TILED=True)),
+           "IQ4_XS": (_iq4_xs_kernel, dict(TILED=True)),  # k_width 8: IQ4_EIGHT's
            "Q8_0": (_q8_0_kernel, dict(K_WIDTH=8, TILED=False))}
+X_ORDERS = {"IQ4_XS": gguf_gemv.IQ4_ORDER}  # x's values in a block as the kernel's A fragments hold the weights
 TIMED = {"Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q8_0"}  # types timed on a GPU and taken by covers(); see docs/PERF.md
 
 
@@ -338,19 +382,42 @@ def covers(qtype: str, m: int, x: Tensor) -> bool:
 def matmul(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:
     """x [M <= 16, K] @ dequantize(qweight)^T -> [M, N] in x's dtype (qweight as layers/quantized.stored_blocks
     keeps it)."""
+    return matmul_parts(x, [qweight], [qtype], k)
+
+
+def matmul_parts(x: Tensor, qweights: list[Tensor], qtypes: list[str], k: int) -> Tensor:
+    """x @ [part 0; part 1; ...]^T -> [M, sum of N] (a fused q/k/v or gate/up whose parts differ in type): x is
+    rounded once per layout the parts' kernels take, and each part writes its own columns of one output."""
+    rounded = {}
+    out = torch.empty(x.shape[0], sum(w.shape[0] for w in qweights), device=x.device, dtype=x.dtype)
+    col = 0
+    for w, qtype in zip(qweights, qtypes):
+        rounding = KERNELS[qtype][1]["TILED"], gguf_gemv.x_group(qtype), X_ORDERS.get(qtype, 0)
+        if rounding not in rounded:
+            rounded[rounding] = _rounded(x, *rounding)
+        _matmul_into(out[:, col:col + w.shape[0]], x, *rounded[rounding], w, qtype, k)
+        col += w.shape[0]
+    return out
+
+
+def _rounded(x: Tensor, tiled: bool, group: int, order: int) -> tuple[Tensor, Tensor, int, int]:
+    """x rounded to 8 bits per `group` values for the kernels: (values, scale pairs, their row strides)."""
+    if tiled:
+        xq, xds = gguf_gemv.quantize_rows_tiled(x, group, order)
+        return xq, xds, 0, 0  # the kernels' tiled offsets
+    assert order == 0, order
+    xq, xds = gguf_gemv.quantize_rows_paired(x, group)
+    return xq.view(torch.int8), xds, xq.view(torch.int8).stride(0), xds.stride(0)
+
+
+def _matmul_into(out: Tensor, x: Tensor, xq: Tensor, xds: Tensor, stride_xq: int, stride_xds: int, qweight: Tensor,
+                 qtype: str, k: int) -> None:
     m, n = x.shape[0], qweight.shape[0]
     kernel, constants = KERNELS[qtype]
-    if constants["TILED"]:
-        xq, xds = gguf_gemv.quantize_rows_tiled(x)
-        stride_xq = stride_xds = 0  # the kernels' tiled offsets
-    else:
-        xq, xds = gguf_gemv.quantize_rows_paired(x)
-        xq = xq.view(torch.int8)
-        stride_xq, stride_xds = xq.stride(0), xds.stride(0)
     sbs = k // 256
     per_split = triton.cdiv(sbs, max(1, min(sbs, TARGET_PROGRAMS // triton.cdiv(n, BLOCK_N))))
     splits = triton.cdiv(sbs, per_split)
-    out, partial = split_k.outputs(x, n, splits)
+    out, partial = split_k.outputs(x, n, splits, out)
     grid = (triton.cdiv(n, BLOCK_N), splits)
     sums = split_k.sum_args(out, partial, grid[0])
     kernel[grid](xq, xds, qweight, partial, M=m, N=n, K=k, sb_per_split=per_split, stride_xq=stride_xq,
@@ -358,4 +425,3 @@ def matmul(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:
                  stride_om=partial.stride(1), BLOCK_N=BLOCK_N, NUM_WARPS=NUM_WARPS, num_warps=NUM_WARPS, **sums,
                  **constants, **pdl.launch(x))
     split_k.finish(partial, out, sums)
-    return out

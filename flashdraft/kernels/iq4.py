@@ -5,7 +5,7 @@ forms the kernels use:
 - `iq4_value`: one nibble per element as float32 by a degree-4 polynomial rounded to the nearest integer, exact
   for all 16 levels (the fit's largest residual is 0.476), for the kernels that expand values into floats: a
   few FMAs instead of a gather from memory per value;
-- `IQ4_FOUR`: the low or the high nibbles of four bytes looked up by byte permutes, for the int8 mma kernel.
+- `IQ4_EIGHT`: IQ4_PAIRS for the int8 mma kernel's tiles (eight int8 at a time, the table as immediates).
 """
 import numpy as np
 import torch
@@ -73,31 +73,31 @@ prmt.b32 $1, a, b, sel;
 }""")
 
 
-def _four_levels_asm() -> str:
-    """Four nibbles of a word of four bytes ($1: the low nibbles where $2's low byte is 0, the high ones where it is
-    4) -> their four levels as int8, in byte order: the nibbles packed into a 16-bit PRMT selector, then the
-    lookup of IQ4_PAIRS with the table's words as immediates (for Gluon's pack=4 int8 tiles, whose operands must
-    all be tiles of one shape)."""
+def _eight_levels_asm() -> str:
+    """IQ4_PAIRS for Gluon's int8 tiles taken eight at a time (pack=8: two registers an operand): the word of four
+    bytes $2 ($3, the tile's other four bytes, unused) -> the levels of its eight nibbles as int8, $0 those of bytes
+    0 and 1 and $1 those of bytes 2 and 3, each byte's low nibble first (x quantized in IQ4_ORDER meets them), the
+    table's words as immediates."""
     t0, t1, t2, t3 = (f"{int(w):#010x}" for w in np.array(IQ4_VALUES, dtype=np.int8).view(np.uint32))
     return f"""{{
-.reg .b32 f, w, s, lo, hi, a, b;
-and.b32 f, $2, 0xFF;
-shr.b32 w, $1, f;
-and.b32 w, w, 0x0F0F0F0F;
-shr.b32 s, w, 4;
-or.b32 w, w, s;
-prmt.b32 s, w, w, 0x20;
-and.b32 lo, s, 0x7777;
-and.b32 hi, s, 0x8888;
-shr.b32 hi, hi, 1;
-or.b32 hi, hi, 0x3210;
-prmt.b32 a, {t0}, {t1}, lo;
-prmt.b32 b, {t2}, {t3}, lo;
-prmt.b32 $0, a, b, hi;
+.reg .b32 s0, s1, sel, a, b;
+and.b32 s0, $2, 0x7777;
+shr.b32 s1, $2, 16;
+and.b32 s1, s1, 0x7777;
+and.b32 sel, $2, 0x88888888;
+shr.b32 sel, sel, 1;
+or.b32 sel, sel, 0x32103210;
+prmt.b32 a, {t0}, {t1}, s0;
+prmt.b32 b, {t2}, {t3}, s0;
+prmt.b32 $0, a, b, sel;
+shr.b32 sel, sel, 16;
+prmt.b32 a, {t0}, {t1}, s1;
+prmt.b32 b, {t2}, {t3}, s1;
+prmt.b32 $1, a, b, sel;
 }}"""
 
 
-IQ4_FOUR = tl.constexpr(_four_levels_asm())
+IQ4_EIGHT = tl.constexpr(_eight_levels_asm())
 
 
 @triton.jit

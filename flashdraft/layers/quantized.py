@@ -20,12 +20,18 @@ FIELD_PLANES = {"Q8_0": (34, ((2, 34), (0, 2))), "IQ4_XS": (136, ((8, 136), (0, 
                 "Q4_0": (18, ((2, 18), (0, 2))), "IQ4_NL": (18, ((2, 18), (0, 2))), "Q4_1": (20, ((4, 20), (0, 4))),
                 "Q5_0": (22, ((6, 22), (2, 6), (0, 2))), "Q5_1": (24, ((8, 24), (4, 8), (0, 4)))}
 
+# super-block bytes and where its 128 nibble bytes start, for the types lane_grouped keeps
+LANE_GROUPED = {"Q4_K": (144, 16), "Q5_K": (176, 48)}
+
 
 def stored_blocks(raw: Tensor, qtype: str) -> Tensor:
     """A matrix's file bytes [rows, row bytes] as the kernels keep them: Q6_K's blocks padded to 212 bytes, the
-    32-weight block types' and IQ4_XS's rows in planes by field (field_planes); the K-quants as in the file."""
+    32-weight block types' and IQ4_XS's rows in planes by field (field_planes), Q4_K's and Q5_K's nibbles grouped
+    by lane (lane_grouped); the other K-quants as in the file."""
     if qtype in FIELD_PLANES:
         return field_planes(raw, *FIELD_PLANES[qtype])
+    if qtype in LANE_GROUPED:
+        return lane_grouped(raw, *LANE_GROUPED[qtype])
     if qtype not in PADDED_BLOCK_BYTES:
         return raw
     size, padded = PADDED_BLOCK_BYTES[qtype]
@@ -43,6 +49,20 @@ def field_planes(raw: Tensor, size: int, fields: tuple[tuple[int, int], ...]) ->
     aligned halves, and the row's size is unchanged."""
     blocks = raw.reshape(raw.shape[0], -1, size)
     return torch.cat([blocks[:, :, a:b].reshape(raw.shape[0], -1) for a, b in fields], 1)
+
+
+
+def lane_grouped(raw: Tensor, size: int, start: int) -> Tensor:
+    """Each super-block's 128 nibble bytes (at `start`) from the file's [group g][piece p][8 bytes] to [p][g][8]: the
+    int8 tensor-core kernels give lane p of a quad piece p of every group (kernels/gguf_mma.py), now 32 contiguous
+    bytes, one load where there were four, each touching a cache line per row for 8 bytes (docs/PERF.md, fourteenth
+    session). The same bytes, the same size; the other fields stay in place."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, size)
+    out = blocks.clone()
+    out[:, :, start:start + 128] = blocks[:, :, start:start + 128].reshape(rows, -1, 4, 4, 8).transpose(2, 3).reshape(
+        rows, -1, 128)
+    return out.view(rows, -1)
 
 
 @dataclass
