@@ -2,7 +2,7 @@
 # Two versions of the package on the same GGUF files in one lease, on a CUDA machine:
 #   bash benchmarks/gguf_ab.sh BASE_TREE WORK OUT [TYPES] [SHAPE] [MEASURE_ARGS...]
 # BASE_TREE: another copy of the repository (e.g. `git archive COMMIT flashdraft benchmarks tests | tar -x -C DIR`).
-# 1. this tree's GPU tests (pytest -k gpu over the kernel tests);
+# 1. this tree's GPU tests (pytest -k gpu over the kernel tests; about 5 minutes; TESTS=0 skips them);
 # 2. one random-weight file per type (`gguf_gpu.py make --random-quant TYPE`, kept in WORK/m between calls);
 # 3. `gguf_gpu.py measure` from this tree and from BASE_TREE in turn (base, this, base, this), so drift over the
 #    lease shows in the repeats instead of in the ratio (REPEATS=1 for one each). Tables in
@@ -16,9 +16,11 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 base=$(cd "$base" && pwd)
 mkdir -p "$work/m" "$out"
 cd "$here"
-timeout 300 python3 -m pytest -q tests/test_gguf_kernels.py tests/test_split_attention.py tests/test_kv_quant.py \
-  -k gpu > "$out/gpu-tests.log" 2>&1
-tail -3 "$out/gpu-tests.log"
+if [ "${TESTS:-1}" != 0 ]; then
+  timeout 300 python3 -m pytest -q tests/test_gguf_kernels.py tests/test_split_attention.py tests/test_kv_quant.py \
+    -k gpu > "$out/gpu-tests.log" 2>&1
+  tail -3 "$out/gpu-tests.log"
+fi
 for t in ${types//,/ }; do
   [ -f "$work/m/$shape-$t.gguf" ] || python3 benchmarks/gguf_gpu.py make --random-quant "$t" --shape "$shape" \
     --out-dir "$work/m" > /dev/null || { echo "make $t failed"; exit 1; }
@@ -28,7 +30,7 @@ for t in ${types//,/ }; do
     for side in base this; do
       tree=$here
       [ "$side" = base ] && tree=$base
-      (cd "$tree" && PYTHONPATH="$tree" python3 benchmarks/gguf_gpu.py measure --files "$work/m/$shape-$t.gguf" \
+      (cd "$tree" && PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" python3 benchmarks/gguf_gpu.py measure --files "$work/m/$shape-$t.gguf" \
         "${measure_args[@]}") > "$out/ab-$t-$side-$run.log" 2>&1
       echo "$t $side run $run:"
       grep -E "^\| $shape" "$out/ab-$t-$side-$run.log" || tail -3 "$out/ab-$t-$side-$run.log"

@@ -259,7 +259,9 @@ def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M
         lo = words & 0x0F0F0F0F
         hi = (words >> 4) & 0x0F0F0F0F
         if FIVE_BITS:  # bit 2g of qh byte l is sub-block 2g's fifth bit for weight l, bit 2g + 1 sub-block 2g + 1's
-            qh = tl.load(base[:, :, None, None] + 4 + t[None, None, :, :], mask=ok4, other=0)
+            j = tl.arange(0, 2)  # qh word 2p + j serves the four groups' words 8p + 2g + j: load it once, then spread
+            qh = tl.load(base[:, :, None, None] + 4 + (2 * p[:, None] + j[None, :])[None, None], mask=ok4, other=0)
+            qh = tl.reshape(tl.broadcast_to(qh[:, :, :, None, :], (BLOCK_N, SB, 4, 4, 2)), (BLOCK_N, SB, 4, 8))
             sh = 2 * (r // 2)[None, None, None, :]
             lo = lo | (((qh >> sh) & 0x01010101) << 4)
             hi = hi | (((qh >> (sh + 1)) & 0x01010101) << 4)
