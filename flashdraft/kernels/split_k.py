@@ -22,7 +22,8 @@ from flashdraft.kernels import pdl
 from flashdraft.kernels.pdl import start_dependents, wait_for_inputs
 
 # "kernel": each tile's last program adds the splits; "launch": a sum_splits launch after the product does (the
-# same bits). "launch" until the kernel path has run on a GPU.
+# same bits). "launch" is the faster on an H100: 8B Q4_K_M decode 3.509 ms against 3.642, IQ4_XS 3.462 against 3.603
+# (docs/PERF.md, sixteenth session), as the fourth session's in-kernel sum was.
 SPLIT_SUM = os.environ.get("FLASHDRAFT_SPLIT_SUM", "launch")
 MAX_TILES = 4096  # K is split only where the output gives fewer tiles than the target programs (hundreds)
 
