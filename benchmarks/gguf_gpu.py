@@ -286,9 +286,6 @@ def measure(args) -> int:
         block_n, sb = map(int, sizes.split(","))
         G.TYPE_CONFIGS[qtype] = dict(G.TYPE_CONFIGS.get(qtype, G.CONFIG), BLOCK_N=block_n, SB=sb)
     ctxs = [int(c) for c in args.ctxs.split(",")]
-    from flashdraft.kernels import split_k
-    kept_mode = split_k.SPLIT_SUM
-    split_modes = [m for m in args.split_sums.split(",") if m] or [kept_mode]
     results = dict(date=time.strftime("%Y-%m-%d"), torch=torch.__version__, rows=[])
     if dev == "cuda":
         results["gpu"] = torch.cuda.get_device_name()
@@ -341,11 +338,7 @@ def measure(args) -> int:
                     return graphs.run("draft", fn, [block, positions])
 
                 iters = 5 if args.tiny else 30
-                by_mode = {}
-                for mode in split_modes:  # graphs captured again for each: the kernels are chosen as a graph records
-                    split_k.SPLIT_SUM, graphs = mode, GraphCache(dev)
-                    by_mode[mode] = {f.__name__: timed(f, iters, dev) for f in (decode, verify, draft_step)}
-                split_k.SPLIT_SUM = kept_mode
+                ms = {f.__name__: timed(f, iters, dev) for f in (decode, verify, draft_step)}
                 sweep = {}
                 from flashdraft.kernels import gguf_mma
                 for point in filter(None, args.mma_sweep.split(",")):  # verify's split of K (and tile), same model
@@ -359,21 +352,19 @@ def measure(args) -> int:
                 prefill_ms = timed(lambda: prefill(target, state, p512, 0, None), 3 if args.tiny else 5, dev)
             peak = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else 0.0
             floor_ms = step_bytes / (results.get("copy_GBps", 1.0) * 1e9) * 1e3
-            for mode, ms in by_mode.items():
-                label = name + (f" split-sum {mode}" if args.split_sums else "")
-                row = dict(file=label, types=types, ctx=ctx, decode_ms=ms["decode"], decode_tok_s=1e3 / ms["decode"],
-                           verify16_ms=ms["verify"], verify_over_decode=ms["verify"] / ms["decode"],
-                           draft_ms=ms["draft_step"], draft_over_decode=ms["draft_step"] / ms["decode"],
-                           prefill512_tok_s=512e3 / prefill_ms, peak_mem_GiB=peak, weights_GB=weights / 1e9,
-                           file_tensors_GB=total / 1e9, weights_over_file=weights / total,
-                           step_bytes_GB=step_bytes / 1e9, floor_ms=floor_ms, decode_over_floor=ms["decode"] / floor_ms,
-                           load_s=load_s, verify16_ms_by_mma_programs=sweep)
-                results["rows"].append(row)
-                print(f"{label} ctx {ctx}: decode {ms['decode']:.3f} ms ({1e3 / ms['decode']:.1f} tok/s, "
-                      f"x{row['decode_over_floor']:.2f} the {floor_ms:.3f} ms floor), verify16 "
-                      f"x{row['verify_over_decode']:.3f}, draft x{row['draft_over_decode']:.3f}, prefill "
-                      f"{row['prefill512_tok_s']:.0f} tok/s, weights {weights / 1e9:.2f} GB of {total / 1e9:.2f} GB in "
-                      f"the file, peak {peak:.1f} GiB", flush=True)
+            row = dict(file=name, types=types, ctx=ctx, decode_ms=ms["decode"], decode_tok_s=1e3 / ms["decode"],
+                       verify16_ms=ms["verify"], verify_over_decode=ms["verify"] / ms["decode"],
+                       draft_ms=ms["draft_step"], draft_over_decode=ms["draft_step"] / ms["decode"],
+                       prefill512_tok_s=512e3 / prefill_ms, peak_mem_GiB=peak, weights_GB=weights / 1e9,
+                       file_tensors_GB=total / 1e9, weights_over_file=weights / total,
+                       step_bytes_GB=step_bytes / 1e9, floor_ms=floor_ms, decode_over_floor=ms["decode"] / floor_ms,
+                       load_s=load_s, verify16_ms_by_mma_programs=sweep)
+            results["rows"].append(row)
+            print(f"{name} ctx {ctx}: decode {ms['decode']:.3f} ms ({1e3 / ms['decode']:.1f} tok/s, "
+                  f"x{row['decode_over_floor']:.2f} the {floor_ms:.3f} ms floor), verify16 "
+                  f"x{row['verify_over_decode']:.3f}, draft x{row['draft_over_decode']:.3f}, prefill "
+                  f"{row['prefill512_tok_s']:.0f} tok/s, weights {weights / 1e9:.2f} GB of {total / 1e9:.2f} GB in "
+                  f"the file, peak {peak:.1f} GiB", flush=True)
             for programs, t in sweep.items():
                 print(f"  mma programs {programs}: verify16 {t:.3f} ms (x{t / ms['decode']:.3f} decode)", flush=True)
         target = draft = state = None  # free this file's model before the next loads
@@ -412,8 +403,6 @@ def main() -> int:
     ap.add_argument("--mma-sweep", default="", help="then time verify(16) again at each of these TARGET_PROGRAMS[:BLOCK_N"
                                                      "[:warps]], e.g. 132,264,264:64 (one load, graphs captured again)")
     ap.add_argument("--gemv-tiles", default="", help='integer-kernel tiles per type, "IQ4_XS=16,8;Q4_K=4,16" (BLOCK_N,SB)')
-    ap.add_argument("--split-sums", default="", help='"launch,kernel": decode, verify and draft timed with each '
-                    "kernels/split_k.SPLIT_SUM (K's splits summed by a launch or by the kernels), same model and lease")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke test of this script")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out")

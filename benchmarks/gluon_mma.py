@@ -15,22 +15,21 @@ import triton
 from flashdraft.kernels import gguf_mma
 from flashdraft.kernels.gguf_mma import KERNELS
 
-def sass(qtype: str, block_n: int, num_warps: int, split_sum: bool = False) -> None:
-    """Compile for sm_90 here (no GPU) and print the main loop's instruction counts, as sass_report does
-    (split_sum: K's splits added by each tile's last program, split_k.SPLIT_SUM)."""
+def sass(qtype: str, block_n: int, num_warps: int) -> None:
+    """Compile for sm_90 here (no GPU) and print the main loop's instruction counts, as sass_report does."""
     sys.path.insert(0, str(Path(__file__).parent))
     import sass_report as S
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from flashdraft.kernels.gguf_matmul import chunk_bytes
-    sig = {"xq_ptr": "*i8", "xds_ptr": "*i64", "w_ptr": "*u8", "out_ptr": "*fp32", "sum_ptr": "*bf16",
-           "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "sb_per_split": "i32", "stride_xq": "i32",
-           "stride_xds": "i32", "stride_wn": "i32", "stride_os": "i32", "stride_om": "i32", "stride_sm": "i32",
-           "BLOCK_N": "constexpr", "NUM_WARPS": "constexpr", "SUM_HERE": "constexpr", "PDL": "constexpr"}
+    sig = {"xq_ptr": "*i8", "xds_ptr": "*i64", "w_ptr": "*u8", "out_ptr": "*fp32", "M": "i32", "N": "i32",
+           "K": "i32", "sb_per_split": "i32", "stride_xq": "i32", "stride_xds": "i32", "stride_wn": "i32",
+           "stride_os": "i32", "stride_om": "i32", "BLOCK_N": "constexpr", "NUM_WARPS": "constexpr",
+           "PDL": "constexpr"}
     aligned = ("xq_ptr", "xds_ptr", "w_ptr", "out_ptr", "N", "K", "stride_xq", "stride_xds", "stride_wn",
                "stride_os", "stride_om")
     kernel, constants = KERNELS[qtype]
-    const = dict(BLOCK_N=block_n, NUM_WARPS=num_warps, SUM_HERE=split_sum, PDL=True, **constants)
+    const = dict(BLOCK_N=block_n, NUM_WARPS=num_warps, PDL=True, **constants)
     usage, code = S.compile_sm90(kernel, sig, const, aligned, num_warps, GluonASTSource)
     ops = S.main_loop(code)
     per_iter = block_n * chunk_bytes(qtype)  # one super-block of every row of the tile, as stored (sass_report's)
@@ -44,7 +43,6 @@ def sass(qtype: str, block_n: int, num_warps: int, split_sum: bool = False) -> N
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sass", action="store_true")
-    ap.add_argument("--split-sum", action="store_true", help="with --sass: K's splits added by the kernels")
     ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K,IQ4_XS,Q8_0")
     ap.add_argument("--configs", default="64,4;32,4;128,4;64,8", help="BLOCK_N,warps;...")
     ap.add_argument("--rows", default="1,16", help="rows of x timed (1: beside the integer decode kernel)")
@@ -56,7 +54,7 @@ def main() -> int:
     if args.sass:
         for qtype in types:
             for bn, warps in configs:
-                sass(qtype, bn, warps, args.split_sum)
+                sass(qtype, bn, warps)
         return 0
     sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
     sys.path.insert(0, str(Path(__file__).parent))

@@ -67,7 +67,7 @@ def main_loop(sass: str) -> collections.Counter:
     return ops
 
 
-def attention_cases(kv_types: list[str], merge_here: bool = False):
+def attention_cases(kv_types: list[str]):
     """The split attention kernel's partial program over each stored KV type (K = V), as the engine launches it for
     the 8B's heads (head size 128; a rotated type's q rotated inside): (label, fn, signature, constexprs, aligned,
     warps, stages, K + V bytes per loop iteration)."""
@@ -79,16 +79,14 @@ def attention_cases(kv_types: list[str], merge_here: bool = False):
         row = codec.row_size(128)
         cache = "*u8" if row_type else "*bf16"
         sig = {"q_ptr": "*bf16", "k_ptr": cache, "v_ptr": cache, "mask_ptr": "*u8", "acc_ptr": "*fp32",
-               "m_ptr": "*fp32", "l_ptr": "*fp32", "signs_ptr": "*fp32", "out_ptr": "*bf16", "v_signs_ptr": "*fp32",
-               "count_ptr": "*i32"}
-        sig |= {a: "i32" for a in ("stride_qt", "stride_qh", "stride_kh", "stride_vh", "stride_mt", "stride_ot",
-                                   "stride_oh", "L", "blocks_per_split", "n_kv")}
+               "m_ptr": "*fp32", "l_ptr": "*fp32", "signs_ptr": "*fp32"}
+        sig |= {a: "i32" for a in ("stride_qt", "stride_qh", "stride_kh", "stride_vh", "stride_mt", "L",
+                                   "blocks_per_split", "n_kv")}
         sig |= {"scale": "fp32", "softcap": "fp32", "T": "i32", "G": "i32", "n_rows": "i32"}
         block_n, stages = (S.STORED_BLOCK_N, S.STORED_STAGES) if row_type else (S.BLOCK_N, S.NUM_STAGES)
         const = dict(D=128, BLOCK_M=S.ROW_TILE, BLOCK_N=block_n, SOFTCAP=False, K_TYPE=row_type, V_TYPE=row_type,
                      K_ROW=row, V_ROW=row, K_PLANES=S.planes(row_type), V_PLANES=S.planes(row_type),
-                     K_ROTATED=codec.rotates(128), MERGE_HERE=merge_here,
-                     ROTATION=128 if merge_here and codec.rotates(128) else 0, PDL=True)
+                     K_ROTATED=codec.rotates(128), PDL=True)
         sig |= {k: "constexpr" for k in const}
         aligned = ("q_ptr", "k_ptr", "v_ptr", "mask_ptr", "acc_ptr", "m_ptr", "l_ptr", "signs_ptr", "stride_qt",
                    "stride_qh", "stride_kh", "stride_vh", "n_kv")
@@ -97,11 +95,10 @@ def attention_cases(kv_types: list[str], merge_here: bool = False):
                stages, per_iter)
 
 
-def cases(kernels: list[str], types: list[str], block_n: int, split_sum: bool = False):
-    """(label, fn, signature, constexprs, aligned, warps, stages, weight bytes per loop iteration per program);
-    split_sum: the integer kernels with K's splits added by the tile's last program (split_k.SPLIT_SUM)."""
+def cases(kernels: list[str], types: list[str], block_n: int):
+    """(label, fn, signature, constexprs, aligned, warps, stages, weight bytes per loop iteration per program)."""
     for qtype in types:
-        if "gemv" in kernels and qtype in ("Q4_K", "Q6_K", "Q8_0", "IQ4_XS", *G.BLOCK32_IDS):
+        if "gemv" in kernels and qtype in ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS", *G.BLOCK32_IDS):
             block32 = qtype in G.BLOCK32_IDS
             cfg = G.TYPE_CONFIGS.get(qtype, G.CONFIG)
             sig = {"xq_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "w_ptr": "*i32"}
@@ -109,30 +106,27 @@ def cases(kernels: list[str], types: list[str], block_n: int, split_sum: bool = 
                 sig["w16_ptr"] = "*i16"
             if qtype == "IQ4_XS" or block32:
                 sig["lut_ptr"] = "*i32"
-            sig |= {"out_ptr": "*fp32" if split_sum else "*bf16", "sum_ptr": "*bf16", "count_ptr": "*i32", "M": "i32",
-                    "N": "i32", "K": "i32", "sb_per_split": "i32", "stride_xq": "i32", "stride_xd": "i32",
-                    "stride_wu": "i32", "stride_os": "i32", "stride_om": "i32", "stride_sm": "i32"}
+            sig |= {"out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "sb_per_split": "i32", "stride_xq": "i32",
+                    "stride_xd": "i32", "stride_wu": "i32", "stride_os": "i32", "stride_om": "i32"}
             align = 1 if qtype == "Q6_K" else 4
-            const = dict(BM=1, BLOCK_N=cfg["BLOCK_N"], SB=cfg["SB"], ROW_ALIGN=align, EMULATE=False,
-                         SUM_HERE=split_sum, PDL=True)
-            if qtype == "Q4_K":
-                const = dict(FIVE_BITS=False, **const)
+            const = dict(BM=1, BLOCK_N=cfg["BLOCK_N"], SB=cfg["SB"], ROW_ALIGN=align, EMULATE=False, PDL=True)
+            if qtype in ("Q4_K", "Q5_K"):
+                const = dict(FIVE_BITS=qtype == "Q5_K", **const)
             if block32:
                 const = dict(QTYPE=G.BLOCK32_IDS[qtype], **const)
             sig |= {k: "constexpr" for k in const}
-            fn = G._block32_kernel if block32 else {"Q4_K": G._kquant_kernel, "Q6_K": G._q6_k_kernel,
-                                                    "Q8_0": G._q8_0_kernel, "IQ4_XS": G._iq4_xs_kernel}[qtype]
+            fn = G._block32_kernel if block32 else {"Q4_K": G._kquant_kernel, "Q5_K": G._kquant_kernel,
+                                                    "Q6_K": G._q6_k_kernel, "Q8_0": G._q8_0_kernel,
+                                                    "IQ4_XS": G._iq4_xs_kernel}[qtype]
             aligned = ("xq_ptr", "xd_ptr", "xs_ptr", "w_ptr", "out_ptr", "N", "K", "stride_os")
             per_iter = cfg["BLOCK_N"] * cfg["SB"] * K.chunk_bytes(qtype)
             yield f"{qtype} integer kernel, 1 row", fn, sig, const, aligned, cfg["num_warps"], 3, per_iter
         if "dot" in kernels:
-            sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "out_ptr": "*fp32", "sum_ptr": "*bf16", "count_ptr": "*i32",
-                   "M": "i32", "N": "i32", "K": "i32", "chunks_per_split": "i32", "stride_xm": "i32",
-                   "stride_wn": "i32", "stride_os": "i32", "stride_om": "i32", "stride_sm": "i32",
-                   "QTYPE": "constexpr", "CHUNK_BYTES": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-                   "SUM_HERE": "constexpr"}
-            const = dict(QTYPE=K.TYPE_IDS[qtype], CHUNK_BYTES=K.chunk_bytes(qtype), BLOCK_M=K.BLOCK_M, BLOCK_N=block_n,
-                         SUM_HERE=split_sum)
+            sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "out_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
+                   "chunks_per_split": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_os": "i32",
+                   "stride_om": "i32", "QTYPE": "constexpr", "CHUNK_BYTES": "constexpr", "BLOCK_M": "constexpr",
+                   "BLOCK_N": "constexpr"}
+            const = dict(QTYPE=K.TYPE_IDS[qtype], CHUNK_BYTES=K.chunk_bytes(qtype), BLOCK_M=K.BLOCK_M, BLOCK_N=block_n)
             aligned = ("x_ptr", "w_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn", "stride_os", "stride_om")
             yield (f"{qtype} tensor-core kernel, {K.BLOCK_M} rows", K._matmul_kernel, sig, const, aligned, K.NUM_WARPS,
                    3, block_n * K.chunk_bytes(qtype))
@@ -143,8 +137,6 @@ def main() -> int:
     ap.add_argument("--kernels", default="gemv,dot")
     ap.add_argument("--types", default="Q4_K,Q6_K")
     ap.add_argument("--block-n", type=int, default=K.BLOCK_N)
-    ap.add_argument("--split-sum", action="store_true",
-                    help="the integer kernels adding K's splits, the attention kernel merging its splits, themselves")
     ap.add_argument("--kv-types", default="bf16,q8_0,q4_1,q5_0,iq4_nl,turbo4",
                     help="with --kernels attention: the split kernel over these KV cache types")
     args = ap.parse_args()
@@ -152,9 +144,9 @@ def main() -> int:
     print("| kernel | registers | shared B | loop instructions (per warp) | warp-instructions per byte streamed | "
           "quarter-rate conversions (per warp) | loop's most frequent |\n|---|---|---|---|---|---|---|")
     kernels = args.kernels.split(",")
-    all_cases = list(cases(kernels, args.types.split(","), args.block_n, args.split_sum))
+    all_cases = list(cases(kernels, args.types.split(","), args.block_n))
     if "attention" in kernels:
-        all_cases += list(attention_cases(args.kv_types.split(","), args.split_sum))
+        all_cases += list(attention_cases(args.kv_types.split(",")))
     for label, fn, sig, const, aligned, warps, stages, per_iter in all_cases:
         usage, sass = compile_sm90(fn, sig, const, aligned, warps, num_stages=stages)
         regs, shared = re.search(r"REG:(\d+)", usage).group(1), re.search(r"SHARED:(\d+)", usage).group(1)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from test_split_attention import INTERPRETER, both_split_sums
+from test_split_attention import INTERPRETER
 
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
 
@@ -65,8 +65,7 @@ def check(device: str, dtype: torch.dtype = torch.float32, tol: float = 1e-5) ->
             x = torch.randn(rows, k, generator=gen)
             for b in (None, bias):
                 x = x.to(dtype)
-                out = both_split_sums(lambda: gguf_matmul(x.to(device), qweight, qtype, k,
-                                                          None if b is None else b.to(device))).cpu()
+                out = gguf_matmul(x.to(device), qweight, qtype, k, None if b is None else b.to(device)).cpu()
                 xr = as_int8_rows(x, x_group(qtype)) if covers(qtype, k) and rows <= MAX_ROWS else x
                 ref = xr.double() @ want.double().T + (0 if b is None else b.double())
                 err = ((out.double() - ref).norm() / ref.norm()).item()
@@ -83,7 +82,7 @@ def check(device: str, dtype: torch.dtype = torch.float32, tol: float = 1e-5) ->
     parts = [stored_blocks(torch.from_numpy(r), t).to(device) for r, t in zip(raws, types)]
     for rows in (1, 3, 16):
         x = torch.randn(rows, k, generator=gen).to(dtype)
-        out = both_split_sums(lambda: gguf_matmul_parts(x.to(device), parts, ",".join(types), k)).cpu()
+        out = gguf_matmul_parts(x.to(device), parts, ",".join(types), k).cpu()
         ref = torch.cat([(as_int8_rows(x, x_group(t)) if rows <= MAX_ROWS else x).double() @ reference(r, t).double().T
                          for r, t in zip(raws, types)], -1)
         err = ((out.double() - ref).norm() / ref.norm()).item()
@@ -132,7 +131,7 @@ def test_int8_mma_kernels_on_gpu_match_gguf_reference():
                 x = torch.randn(16, k, generator=gen)
                 product = gguf_matmul if qtype in gguf_mma.TIMED else gguf_mma.matmul
                 for rows in (5, 16):
-                    out = both_split_sums(lambda: product(x[:rows].cuda(), w, qtype, k)).cpu().double()
+                    out = product(x[:rows].cuda(), w, qtype, k).cpu().double()
                     ref = as_int8_rows(x[:rows], gguf_gemv.x_group(qtype)).double() @ want.T
                     err = ((out - ref).norm() / ref.norm()).item()
                     assert err < 1e-3, f"{qtype} {n}x{k}, {rows} rows: relative error {err}"
@@ -147,8 +146,7 @@ def test_dependent_launches_in_a_graph_match_plain_launches():
     """kernels/pdl.py: integer products each reading the one before (x rounded, the product, its split-K sum),
     captured in a CUDA graph with programmatic dependent launch, give the bits of plain launches when replayed on
     a new input (a kernel that read its input before the one before it had written it would read the values the
-    last replay left there); so do the splits added by each tile's last program (a sum read before every split had
-    stored would differ)."""
+    last replay left there)."""
     from flashdraft.kernels import pdl
     from flashdraft.kernels.gguf_matmul import gguf_matmul
     from flashdraft.layers.quantized import stored_blocks
@@ -166,28 +164,25 @@ def test_dependent_launches_in_a_graph_match_plain_launches():
                 x = x / x.float().norm()
         return x
 
-    from flashdraft.kernels import split_k
     gen = torch.Generator().manual_seed(0)
-    enabled, split_sum = pdl.ENABLED, split_k.SPLIT_SUM
+    enabled = pdl.ENABLED
     try:
         for rows in (1, 16):  # the integer decode kernels, the int8 mma kernels
             first, second = (torch.randn(rows, k, generator=gen).cuda().to(torch.bfloat16) for _ in range(2))
-            pdl.ENABLED, split_k.SPLIT_SUM = False, "launch"
+            pdl.ENABLED = False
             want = [chain(first), chain(second)]
-            for split_k.SPLIT_SUM in ("launch", "kernel"):  # K's splits: a sum_splits launch or the last program
-                pdl.ENABLED = True
-                x = first.clone()
-                chain(x)  # compile outside the capture
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    out = chain(x)
-                for inp, ref in zip((first, second, first) * 3, (want + want[:1]) * 3):
-                    x.copy_(inp)
-                    graph.replay()
-                    assert torch.equal(out, ref), (rows, split_k.SPLIT_SUM)
-                assert not split_k.split_counts(x.device).any()
+            pdl.ENABLED = True
+            x = first.clone()
+            chain(x)  # compile outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = chain(x)
+            for inp, ref in zip((first, second, first) * 3, (want + want[:1]) * 3):
+                x.copy_(inp)
+                graph.replay()
+                assert torch.equal(out, ref), rows
     finally:
-        pdl.ENABLED, split_k.SPLIT_SUM = enabled, split_sum
+        pdl.ENABLED = enabled
 
 
 def run_ptx(asm: str, inputs: list[int], outputs: int) -> list[int]:

@@ -27,23 +27,6 @@ CASES = [(1, 8, 2, 16, 37), (5, 9, 3, 64, 300), (16, 8, 8, 32, 1000), (16, 32, 8
          (16, 4, 4, 16, 4200)]
 
 
-def both_split_sums(product):
-    """product() with K's splits added (or attention's splits merged) by a launch of their own, then by each tile's
-    last program (kernels/split_k.SPLIT_SUM): the same bits, and every tile's count back at 0."""
-    from flashdraft.kernels import split_k
-    saved = split_k.SPLIT_SUM
-    try:
-        split_k.SPLIT_SUM = "launch"
-        launched = product()
-        split_k.SPLIT_SUM = "kernel"
-        summed_here = product()
-    finally:
-        split_k.SPLIT_SUM = saved
-    assert torch.equal(launched, summed_here), f"split sums differ by {(launched - summed_here).abs().max()}"
-    assert not split_k.split_counts(launched.device).any()
-    return launched
-
-
 def check(device: str, dtype: torch.dtype, tol: float) -> None:
     from flashdraft.layers.attention import grouped_attention
     from flashdraft.kernels.split_attention import split_attention
@@ -63,7 +46,7 @@ def check(device: str, dtype: torch.dtype, tol: float) -> None:
         plain = None
         variants = ((D ** -0.5, 0.0), (0.5, 2.0)) if case == 0 else ((D ** -0.5, 0.0),)  # another scale, a softcap
         for scale, softcap in variants:
-            out = both_split_sums(lambda: split_attention(q, k, v, mask, scale, softcap))
+            out = split_attention(q, k, v, mask, scale, softcap)
             ref = grouped_attention(q.float(), k.float(), v.float(), mask, scale, softcap or None)
             assert out.shape == (T, H * D) and out.dtype == dtype
             err = (out.float() - ref).abs().max().item()
@@ -171,18 +154,7 @@ def test_engine_through_interpreted_split_kernel_matches_matmul_attention(mode):
 
 def check_row_invariance(device: str, dtype: torch.dtype) -> None:
     """A query row's output does not depend on how many other query tokens share the call, nor on masked keys
-    past the end (a longer context bucket): a plain step and a verify step agree bit for bit (splits merged by a
-    launch of their own or by their last program)."""
-    from flashdraft.kernels import split_k
-    saved = split_k.SPLIT_SUM
-    try:
-        for split_k.SPLIT_SUM in ("launch", "kernel"):
-            check_rows_alike(device, dtype)
-    finally:
-        split_k.SPLIT_SUM = saved
-
-
-def check_rows_alike(device: str, dtype: torch.dtype) -> None:
+    past the end (a longer context bucket): a plain step and a verify step agree bit for bit."""
     from flashdraft.kernels.split_attention import split_attention
     gen = torch.Generator().manual_seed(1)
     H, KV, D, L = 32, 8, 128, 1000
@@ -238,7 +210,7 @@ def check_quantized(device: str, dtype: torch.dtype, tol: float) -> None:
         q = torch.randn(1, T, H, D, generator=gen).to(device, dtype)
         mask = (torch.rand(1, T, L, generator=gen) > 0.2).to(device)
         spec = AttentionSpec(scale=D ** -0.5)
-        out = both_split_sums(lambda: attend_cache(q, view, L, mask, spec))
+        out = attend_cache(q, view, L, mask, spec)
         keys, values = view.read(L, torch.float32)
         ref = grouped_attention(q[0].float(), keys[0], values[0], mask[0], spec.scale)
         err = (out[0].float() - ref).abs().max().item()

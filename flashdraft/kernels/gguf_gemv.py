@@ -31,7 +31,6 @@ from torch import Tensor
 from flashdraft.kernels import pdl, split_k
 from flashdraft.kernels.iq4 import iq4_nibbles, iq4_table, iq4_table_words
 from flashdraft.kernels.pdl import start_dependents, wait_for_inputs
-from flashdraft.kernels.split_k import sum_if_last
 from flashdraft.layers.quantized import FIELD_PLANES
 
 QK8 = 32  # x values per 8-bit block
@@ -203,16 +202,11 @@ def _add_row(acc, mi, m, contrib):
 
 
 @triton.jit
-def _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok, sum_ptr, count_ptr, stride_sm,
-                SUM_HERE: tl.constexpr):
-    """acc into out [splits, M, N] at its split (where K is not split, out is the product itself). SUM_HERE: the
-    tile's last program also adds the splits into sum [M, N] (rows stride_sm apart), where sum_splits would."""
+def _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok):
+    """acc into out [splits, M, N] at its split (where K is not split, out is the product itself)."""
     ok = (mi < M)[:, None] & row_ok[None, :]
     at = out_ptr + mi[:, None] * stride_om + rows[None, :]
     tl.store(at + split * stride_os, acc.to(out_ptr.dtype.element_ty), mask=ok)
-    if SUM_HERE:
-        sum_if_last(at, stride_os, sum_ptr + mi[:, None] * stride_sm + rows[None, :], ok, count_ptr + tl.program_id(0),
-                    tl.num_programs(1))
 
 
 @triton.jit
@@ -222,11 +216,10 @@ def _group_sums(dots, BLOCK_N: tl.constexpr, SB: tl.constexpr):
     return tl.sum(tl.reshape(tl.sum(dots, axis=2), (BLOCK_N, SB, 4, 2)), axis=3).to(tl.float32)
 
 
-@triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om", "stride_sm"])
-def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M, N, K, sb_per_split, stride_xq,
-                   stride_xd, stride_wu, stride_os, stride_om, stride_sm, FIVE_BITS: tl.constexpr, BM: tl.constexpr,
-                   BLOCK_N: tl.constexpr, SB: tl.constexpr, ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr,
-                   SUM_HERE: tl.constexpr, PDL: tl.constexpr):
+@triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
+def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd, stride_wu,
+                   stride_os, stride_om, FIVE_BITS: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
+                   SB: tl.constexpr, ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
     """Q4_K (144-byte super-blocks: d, dmin, 12 scale bytes, 128 nibble bytes) or Q5_K (176: the same with 32 bytes
     of fifth bits before the nibbles). w as int32 words; group g's 32 bytes hold sub-block 2g in their low nibbles
     and 2g + 1 in their high ones, stored as layers/quantized.lane_grouped keeps them: word 8p + 2g + j of the 32
@@ -283,8 +276,7 @@ def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M
             contrib = tl.sum(tl.sum(part, axis=2), axis=1)
             acc = _add_row(acc, mi, m, contrib)
     wait_for_inputs(PDL)  # (also where a program had no iterations)
-    _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok, sum_ptr, count_ptr, stride_sm,
-                SUM_HERE)
+    _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
 
 
 @triton.jit
@@ -310,11 +302,10 @@ def _dot16(v, x, EMULATE: tl.constexpr):
     return tl.sum(_dp4a(v, x[None], EMULATE), axis=4).to(tl.float32)
 
 
-@triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om", "stride_sm"])
-def _q6_k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, sum_ptr, count_ptr, M, N, K, sb_per_split,
-                 stride_xq, stride_xd, stride_wu, stride_os, stride_om, stride_sm, BM: tl.constexpr,
-                 BLOCK_N: tl.constexpr, SB: tl.constexpr, ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr,
-                 SUM_HERE: tl.constexpr, PDL: tl.constexpr):
+@triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
+def _q6_k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd,
+                 stride_wu, stride_os, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
+                 ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
     """Q6_K: 210-byte super-blocks (ql 128 bytes, qh 64, 16 int8 scales, d) kept padded to 212 bytes (53 words;
     layers/quantized.py), read as int32 words (w_ptr) and, for the scales and d, as int16 halves (w16_ptr).
     Half h's weight 128h + 32k + l (k = 0..3, l = 0..31) is ql[64h + l + 32 (k & 1)]'s low (k < 2) or high
@@ -372,8 +363,7 @@ def _q6_k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, sum_ptr, count
             contrib = tl.sum(tl.sum(tl.sum(part, axis=3), axis=2), axis=1)
             acc = _add_row(acc, mi, m, contrib)
     wait_for_inputs(PDL)  # (also where a program had no iterations)
-    _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok, sum_ptr, count_ptr, stride_sm,
-                SUM_HERE)
+    _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
 
 
 @triton.jit
@@ -382,11 +372,11 @@ def _spread_bits(nib):
     return ((nib * 0x00204081) & 0x01010101) << 4
 
 
-@triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om", "stride_sm"])
-def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, lut_ptr, out_ptr, sum_ptr, count_ptr, M, N, K,
-                    sb_per_split, stride_xq, stride_xd, stride_wu, stride_os, stride_om, stride_sm,
-                    QTYPE: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
-                    ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr, SUM_HERE: tl.constexpr, PDL: tl.constexpr):
+@triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
+def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, lut_ptr, out_ptr, M, N, K, sb_per_split, stride_xq,
+                    stride_xd, stride_wu, stride_os, stride_om, QTYPE: tl.constexpr, BM: tl.constexpr,
+                    BLOCK_N: tl.constexpr, SB: tl.constexpr, ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr,
+                    PDL: tl.constexpr):
     """The 32-weight nibble block types as layers/quantized.field_planes keeps them, w as int32 words (w16: the
     same bytes as int16): a row's blocks' 16 nibble bytes (4 words each), then (Q5_0, Q5_1) their 32 fifth bits (a
     word each), then their fp16 d (and m). Q4_0, Q4_1 (d, m), Q5_0, Q5_1 (d, m), IQ4_NL (each nibble an index into
@@ -446,15 +436,13 @@ def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, lut_ptr, out_ptr, su
                 contrib = tl.sum(d * xd * dot + dm * xs, axis=1)
             acc = _add_row(acc, mi, m, contrib)
     wait_for_inputs(PDL)  # (also where a program had no iterations)
-    _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok, sum_ptr, count_ptr, stride_sm,
-                SUM_HERE)
+    _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
 
 
-@triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om", "stride_sm"])
-def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, sum_ptr, count_ptr, M, N, K, sb_per_split,
-                 stride_xq, stride_xd, stride_wu, stride_os, stride_om, stride_sm, BM: tl.constexpr,
-                 BLOCK_N: tl.constexpr, SB: tl.constexpr, ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr,
-                 SUM_HERE: tl.constexpr, PDL: tl.constexpr):
+@triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
+def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd,
+                 stride_wu, stride_os, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
+                 ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
     """Q8_0 in two planes (layers/quantized.field_planes): w as int32 words, a row's K / 4 words of int8 values,
     then its K / 32 fp16 scales (w16: the same bytes as int16). SB counts groups of 8 blocks."""
     start_dependents(PDL)
@@ -480,15 +468,13 @@ def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, sum_ptr, count
             contrib = tl.sum(d * xd * dot, axis=1)
             acc = _add_row(acc, mi, m, contrib)
     wait_for_inputs(PDL)  # (also where a program had no iterations)
-    _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok, sum_ptr, count_ptr, stride_sm,
-                SUM_HERE)
+    _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
 
 
-@triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om", "stride_sm"])
-def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, sum_ptr, count_ptr, M, N, K, sb_per_split,
-                   stride_xq, stride_xd, stride_wu, stride_os, stride_om, stride_sm, BM: tl.constexpr,
-                   BLOCK_N: tl.constexpr, SB: tl.constexpr, ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr,
-                   SUM_HERE: tl.constexpr, PDL: tl.constexpr):
+@triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
+def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd,
+                   stride_wu, stride_os, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
+                   ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
     """IQ4_XS in two planes (layers/quantized.field_planes), w as int32 words: a row's super-blocks' 128 nibble
     bytes (32 words each), then their 8-byte headers (d and scales_h, scales_l: two words each). Sub-block j (32
     weights) has 6-bit scale ls = nibble j of scales_l | bits 2j..2j+1 of scales_h << 4, weight d * (ls - 32) *
@@ -525,8 +511,7 @@ def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, sum_ptr, cou
             contrib = tl.sum(tl.sum(dl * xd * dot, axis=2), axis=1)
             acc = _add_row(acc, mi, m, contrib)
     wait_for_inputs(PDL)  # (also where a program had no iterations)
-    _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok, sum_ptr, count_ptr, stride_sm,
-                SUM_HERE)
+    _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
 
 
 def splits_for(n: int, k: int, cfg: dict) -> tuple[int, int]:
@@ -596,9 +581,8 @@ def _gemv_into(out: Tensor, x: Tensor, xq: Tensor, xd: Tensor, xs: Tensor, qweig
         kernel, args, extra = _block32_kernel, (w, qweight.view(torch.int16), table), dict(QTYPE=BLOCK32_IDS[qtype])
     align = row_align(w)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), splits)
-    sums = split_k.sum_args(out, partial, grid[0])
     kernel[grid](xq, xd, xs, *args, partial, M=m, N=n, K=k, sb_per_split=per_split, stride_xq=xq.stride(0),
                  stride_xd=xd.stride(0), stride_wu=w.stride(0) // align, stride_os=partial.stride(0),
                  stride_om=partial.stride(1), BM=bm, BLOCK_N=cfg["BLOCK_N"], SB=cfg["SB"], ROW_ALIGN=align,
-                 EMULATE=emulate, num_warps=cfg["num_warps"], **sums, **extra, **pdl.launch(x))
-    split_k.finish(partial, out, sums)
+                 EMULATE=emulate, num_warps=cfg["num_warps"], **extra, **pdl.launch(x))
+    split_k.finish(partial, out)

@@ -19,7 +19,6 @@ from torch import Tensor
 
 from flashdraft.kernels import gguf_gemv, split_k
 from flashdraft.kernels.iq4 import iq4_value
-from flashdraft.kernels.split_k import sum_if_last
 from flashdraft.layers.quantized import PADDED_BLOCK_BYTES
 
 try:
@@ -281,11 +280,9 @@ def _unpack(row, c, ok, K, QTYPE: tl.constexpr, CHUNK_BYTES: tl.constexpr, BN: t
 # ------------------------------------------------------------------------------------------ kernels
 
 @triton.jit(do_not_specialize=["M", "stride_xm", "stride_om"])
-def _matmul_kernel(x_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M, N, K, chunks_per_split, stride_xm, stride_wn,
-                   stride_os, stride_om, stride_sm, QTYPE: tl.constexpr, CHUNK_BYTES: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUM_HERE: tl.constexpr):
-    """Partial products over one split of K: out [splits, M, N] float32 (or the product in x's dtype: one split);
-    SUM_HERE: the tile's last program adds the splits into sum [M, N] (kernels/split_k.py)."""
+def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, chunks_per_split, stride_xm, stride_wn, stride_os, stride_om,
+                   QTYPE: tl.constexpr, CHUNK_BYTES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Partial products over one split of K: out [splits, M, N] float32 (or the product in x's dtype: one split)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     split = tl.program_id(2)
@@ -303,12 +300,8 @@ def _matmul_kernel(x_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M, N, K, chunks_pe
         x = tl.load(x_ptr + m[:, None] * stride_xm + c * 256 + k[None, :], mask=m_ok[:, None] & (c * 256 + k < K)[None, :],
                     other=0.0)
         acc += tl.dot(x, tl.trans(w.to(x.dtype)))
-    ok = m_ok[:, None] & row_ok[None, :]
-    at = out_ptr + m[:, None] * stride_om + rows[None, :]
-    tl.store(at + split * stride_os, acc.to(out_ptr.dtype.element_ty), mask=ok)
-    if SUM_HERE:
-        sum_if_last(at, stride_os, sum_ptr + m[:, None] * stride_sm + rows[None, :], ok,
-                    count_ptr + pid_n * tl.num_programs(1) + pid_m, tl.num_programs(2))
+    tl.store(out_ptr + split * stride_os + m[:, None] * stride_om + rows[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & row_ok[None, :])
 
 
 @triton.jit
@@ -371,12 +364,11 @@ def gguf_matmul(x: Tensor, qweight: Tensor, qtype: str, k: int, bias: Tensor | N
     splits, per_split = splits_for(n, k)
     out, partial = split_k.outputs(x, n, splits)
     grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, BLOCK_M), splits)
-    sums = split_k.sum_args(out, partial, grid[0] * grid[1])
     _matmul_kernel[grid](x, qweight, partial, M=m, N=n, K=k, chunks_per_split=per_split, stride_xm=x.stride(0),
                          stride_wn=qweight.stride(0), stride_os=partial.stride(0), stride_om=partial.stride(1),
                          QTYPE=TYPE_IDS[qtype], CHUNK_BYTES=chunk_bytes(qtype), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                         num_warps=NUM_WARPS, **sums)
-    split_k.finish(partial, out, sums)
+                         num_warps=NUM_WARPS)
+    split_k.finish(partial, out)
     return out if bias is None else out + bias
 
 

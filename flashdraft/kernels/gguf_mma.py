@@ -130,23 +130,10 @@ def _tile(w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N: g
 
 
 @gluon.jit
-def _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om, sum_ptr, count_ptr, stride_sm,
-           SUM_HERE: gl.constexpr):
-    """The program's partial sums into out [splits, M, N] at its split (grid axis 1); SUM_HERE: the tile's last
-    program adds the splits into sum [M, N] (split_k's protocol, in Gluon)."""
-    ok = row_ok[:, None] & tok_ok[None, :]
-    at = out_ptr + toks[None, :] * stride_om + rows[:, None]
-    gl.store(at + gl.program_id(1) * stride_os, acc.to(out_ptr.dtype.element_ty), mask=ok)
-    if SUM_HERE:
-        gl.thread_barrier()
-        splits = gl.num_programs(1)
-        if gl.atomic_add(count_ptr + gl.program_id(0), 1, sem="acq_rel", scope="gpu") == splits - 1:
-            total = gl.load(at, mask=ok, other=0.0, cache_modifier=".cg")
-            for s in range(1, splits):
-                total += gl.load(at + s * stride_os, mask=ok, other=0.0, cache_modifier=".cg")
-            gl.store(sum_ptr + toks[None, :] * stride_sm + rows[:, None], total.to(sum_ptr.dtype.element_ty),
-                     mask=ok)
-            gl.atomic_xchg(count_ptr + gl.program_id(0), 0)
+def _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om):
+    """The program's partial sums into out [splits, M, N] at its split (grid axis 1)."""
+    gl.store(out_ptr + gl.program_id(1) * stride_os + toks[None, :] * stride_om + rows[:, None],
+             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & tok_ok[None, :])
 
 
 Q5_ASM = gl.constexpr("""{
@@ -197,9 +184,9 @@ def _groups(q, a_l: gl.constexpr, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M, N, K, sb_per_split, stride_xq, stride_xds,
-                   stride_wn, stride_os, stride_om, stride_sm, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr,
-                   FIVE_BITS: gl.constexpr, TILED: gl.constexpr, SUM_HERE: gl.constexpr, PDL: gl.constexpr):
+def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn, stride_os,
+                   stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, FIVE_BITS: gl.constexpr,
+                   TILED: gl.constexpr, PDL: gl.constexpr):
     """xq_ptr: x's 8-bit values as bytes [M, K]; xds [M, K / 32] int64: each block's float32 scale (low half) and
     scaled sum (high half); w: Q4_K rows as bytes (144 per super-block: d, dmin, 12 scale bytes, 128 nibble bytes)
     or Q5_K's (176: the same with 32 bytes of fifth bits before the nibbles, bit J of byte l for sub-block J's
@@ -239,8 +226,7 @@ def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M, N, K,
             isum, msum = _sub_block(isum, msum, hi, zero, a, b, s, b_ptr, b_ok, 8 * c, 2 * g + 1, a_l, TILED)
         xd = _x_scale(xds_ptr, toks, stride_xds, tok_ok, 8 * c, TILED)
         acc = _scaled(_scaled(acc, isum, d, xd), msum, -dmin, xd)
-    _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om, sum_ptr, count_ptr, stride_sm,
-           SUM_HERE)
+    _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
 
 
 def _q6_asm(nibble_shift: int, high_shift: int) -> str:
@@ -280,9 +266,9 @@ def _q6_values(ql0, ql1, qh, Q: gl.constexpr):
 
 
 @gluon.jit
-def _q6k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M, N, K, sb_per_split, stride_xq, stride_xds,
-                stride_wn, stride_os, stride_om, stride_sm, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr,
-                K_WIDTH: gl.constexpr, TILED: gl.constexpr, SUM_HERE: gl.constexpr, PDL: gl.constexpr):
+def _q6k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn, stride_os,
+                stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, K_WIDTH: gl.constexpr, TILED: gl.constexpr,
+                PDL: gl.constexpr):
     """Q6_K (kept padded to 212 bytes: ql 128, qh 64, 16 int8 scales, d): each 32 weights are one int8 mma per
     16-weight scale, the other half's weights zeroed, the two exact int32 products scaled in float32."""
     first, last, a_row, a_ok, a_col, b_ptr, b_ok, s_ptr, rows, row_ok, toks, tok_ok, acc, zero = _tile(
@@ -307,14 +293,12 @@ def _q6k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M, N, K, sb
                 isum += (mma_v2(gl.where(first_half, v, 0), xb, zero) * sc_a[:, None]
                          + mma_v2(gl.where(first_half, 0, v), xb, zero) * sc_b[:, None])
         acc = _scaled(acc, isum, d, _x_scale(xds_ptr, toks, stride_xds, tok_ok, 8 * c, TILED))
-    _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om, sum_ptr, count_ptr, stride_sm,
-           SUM_HERE)
+    _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
 
 
 @gluon.jit
-def _iq4_xs_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M, N, K, sb_per_split, stride_xq, stride_xds,
-                   stride_wn, stride_os, stride_om, stride_sm, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr,
-                   TILED: gl.constexpr, SUM_HERE: gl.constexpr, PDL: gl.constexpr):
+def _iq4_xs_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn, stride_os,
+                   stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, TILED: gl.constexpr, PDL: gl.constexpr):
     """IQ4_XS as layers/quantized.field_planes keeps it: a row's super-blocks' 128 nibble bytes (sub-block j's 16 at
     16j: byte l's low nibble is weight l, its high one l + 16), then their 8-byte headers (d, the scales' high bits
     (16), their low nibbles (4 bytes)). With k_width 8 a thread's k 8t..8t+7 of a row are the eight nibbles of the
@@ -335,14 +319,13 @@ def _iq4_xs_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M, N, K,
             scale = ((low >> (4 * j)) & 15) | (((head >> (16 + 2 * j)) & 3) << 4)
             isum += mma_v2(w, _x_values(b_ptr, b_ok, 8 * c + j, TILED), zero) * (scale - 32)[:, None]
         acc = _scaled(acc, isum, _half(head), _x_scale(xds_ptr, toks, stride_xds, tok_ok, 8 * c, TILED))
-    _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om, sum_ptr, count_ptr, stride_sm,
-           SUM_HERE)
+    _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
 
 
 @gluon.jit
-def _q8_0_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M, N, K, sb_per_split, stride_xq, stride_xds,
-                 stride_wn, stride_os, stride_om, stride_sm, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr,
-                 K_WIDTH: gl.constexpr, TILED: gl.constexpr, SUM_HERE: gl.constexpr, PDL: gl.constexpr):
+def _q8_0_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn, stride_os,
+                 stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, K_WIDTH: gl.constexpr, TILED: gl.constexpr,
+                 PDL: gl.constexpr):
     """Q8_0 as layers/quantized.field_planes keeps it (a row's K int8 values, then its K / 32 fp16 scales), K a
     multiple of 256: each block's exact int32 product scaled by d(row) * xd(token)."""
     first, last, a_row, a_ok, a_col, b_ptr, b_ok, s_ptr, rows, row_ok, toks, tok_ok, acc, zero = _tile(
@@ -355,8 +338,7 @@ def _q8_0_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, sum_ptr, count_ptr, M, N, K, s
             prod = mma_v2(w, _x_values(b_ptr, b_ok, 8 * c + j, TILED), zero)
             d = gl.load(d_ptr + 8 * c + j, mask=row_ok, other=0).to(gl.float16, bitcast=True).to(gl.float32)
             acc = _scaled(acc, prod, d, _x_scale(xds_ptr, toks, stride_xds, tok_ok, 8 * c + j, TILED))
-    _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om, sum_ptr, count_ptr, stride_sm,
-           SUM_HERE)
+    _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
 
 
 # K_WIDTH: consecutive k per thread in the A and B fragments (Triton permutes k alike in both, so the same bits);
@@ -419,9 +401,8 @@ def _matmul_into(out: Tensor, x: Tensor, xq: Tensor, xds: Tensor, stride_xq: int
     splits = triton.cdiv(sbs, per_split)
     out, partial = split_k.outputs(x, n, splits, out)
     grid = (triton.cdiv(n, BLOCK_N), splits)
-    sums = split_k.sum_args(out, partial, grid[0])
     kernel[grid](xq, xds, qweight, partial, M=m, N=n, K=k, sb_per_split=per_split, stride_xq=stride_xq,
                  stride_xds=stride_xds, stride_wn=qweight.stride(0), stride_os=partial.stride(0),
-                 stride_om=partial.stride(1), BLOCK_N=BLOCK_N, NUM_WARPS=NUM_WARPS, num_warps=NUM_WARPS, **sums,
+                 stride_om=partial.stride(1), BLOCK_N=BLOCK_N, NUM_WARPS=NUM_WARPS, num_warps=NUM_WARPS,
                  **constants, **pdl.launch(x))
-    split_k.finish(partial, out, sums)
+    split_k.finish(partial, out)

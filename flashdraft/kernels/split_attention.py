@@ -3,10 +3,9 @@
 Decode, verify and draft steps have 1-16 query tokens, so an attention kernel that gives each (batch, head) one
 program leaves most of the GPU idle while it walks the cache. Here the keys are cut into splits, one program per
 (KV head, split) computes a partial softmax-weighted sum for all the query heads of its group at once (GQA
-without repeating K/V), and the splits are merged by their log-sum-exp: by a second kernel, or (kernels/split_k.py
-SPLIT_SUM "kernel") by each row tile's last split program to finish, one launch fewer per layer and step. The
-mask is an explicit bool [T, L] (True = attend), so causal, sliding-window and the draft's non-causal ring layouts
-all go through the same kernel; the score scale and an optional tanh softcap are arguments. Registered as a torch
+without repeating K/V), and a second kernel merges the splits by their log-sum-exp, in split order. The mask is an
+explicit bool [T, L] (True = attend), so causal, sliding-window and the draft's non-causal ring layouts all go
+through the same kernel; the score scale and an optional tanh softcap are arguments. Registered as a torch
 custom op, so torch.compile and CUDA graphs treat it as one opaque call.
 
 K and V may be read as the cache stores them (layers/kv_quant.py): float rows of any float dtype, llama.cpp's
@@ -24,11 +23,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from flashdraft.kernels import pdl, split_k
+from flashdraft.kernels import pdl
 from flashdraft.kernels.iq4 import iq4_value
 from flashdraft.kernels.pdl import start_dependents, wait_for_inputs
 from flashdraft.kernels.rotation import rotated_group
-from flashdraft.kernels.split_k import last_to_arrive, reset
 from flashdraft.layers.kv_quant import lloyd_max_codebook, rotation_group, rotation_signs
 
 # benchmarks/attention_kernel.py on an H200 (8B shape, 1280 / 16640 keys, docs/PERF.md run 7): 128 keys per tile
@@ -195,18 +193,16 @@ def _plane_of(x, p: tl.constexpr, TYPE: tl.constexpr, D: tl.constexpr, PLANES: t
 # Query count, group size, key count and the mask's row stride are runtime values, never specialised on: a plain
 # step (T=1) and a verify step (T=16) run the same machine code, so a row's arithmetic cannot differ between them.
 @triton.jit(do_not_specialize=["stride_mt", "L", "blocks_per_split", "T", "G", "n_rows"])
-def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, signs_ptr, out_ptr, v_signs_ptr, count_ptr,
-                    stride_qt, stride_qh, stride_kh, stride_vh, stride_mt, stride_ot, stride_oh,
+def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, signs_ptr,
+                    stride_qt, stride_qh, stride_kh, stride_vh, stride_mt,
                     L, blocks_per_split, n_kv, scale, softcap, T, G, n_rows,
                     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
                     K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, K_ROW: tl.constexpr, V_ROW: tl.constexpr,
-                    K_PLANES: tl.constexpr, V_PLANES: tl.constexpr, K_ROTATED: tl.constexpr,
-                    MERGE_HERE: tl.constexpr, ROTATION: tl.constexpr, PDL: tl.constexpr):
+                    K_PLANES: tl.constexpr, V_PLANES: tl.constexpr, K_ROTATED: tl.constexpr, PDL: tl.constexpr):
     """Keys and values are read in planes (one for float rows and q8_0; low and high nibbles; turbo3's four 2-bit
     fields): q is loaded once (K_ROTATED: rotated here) and cut into the planes' column orders, the scores
     are the sum of the planes' products, and each plane of V has its own accumulator, stored to its columns at the
-    end. MERGE_HERE: the last of a row tile's splits to finish merges them into out (kernels/split_k.py), where
-    the merge kernel would."""
+    end."""
     # the row tiles of one (KV head, split) are neighbours in the launch order: they read the same keys together,
     # so a verify step's extra tiles find them in L2
     wait_for_inputs(PDL)
@@ -281,52 +277,39 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, signs_
         tl.store(out + _plane_cols(jv, 3, V_TYPE, D)[None, :], acc3, mask=row_ok[:, None])
     tl.store(m_ptr + base * n_rows + rows, m_i, mask=row_ok)
     tl.store(l_ptr + base * n_rows + rows, l_i, mask=row_ok)
-    if MERGE_HERE:
-        count = count_ptr + tl.program_id(0) * n_kv + kv
-        if last_to_arrive(count, tl.num_programs(2)):
-            _merge_rows(acc_ptr, m_ptr, l_ptr, v_signs_ptr, out_ptr, stride_ot, stride_oh, tl.num_programs(2), n_kv, kv,
-                        rows, row_ok, T, G, n_rows, D, ROTATION)
-            reset(count)
-
-
-@triton.jit
-def _merge_rows(acc_ptr, m_ptr, l_ptr, signs_ptr, out_ptr, stride_ot, stride_oh, n_splits, n_kv, kv, rows, row_ok,
-                T, G, n_rows, D: tl.constexpr, ROTATION: tl.constexpr):
-    """A row tile's splits merged by their log-sum-exp, the splits taken in order (the same bits whichever kernel
-    merges); ROTATION > 0: V was stored rotated in groups of that many values (layers/kv_quant.rotate), so each
-    group of the output is rotated back (x R; R's signs at signs_ptr). Partials are read from L2 (.cg): another
-    program of this kernel may have written them (split_k.last_to_arrive)."""
-    at = kv * n_rows + rows
-    step = n_kv * n_rows
-    top = tl.load(m_ptr + at, mask=row_ok, other=0.0, cache_modifier=".cg")
-    for s in range(1, n_splits):
-        top = tl.maximum(top, tl.load(m_ptr + s * step + at, mask=row_ok, other=0.0, cache_modifier=".cg"))
-    d = tl.arange(0, D)
-    denom = tl.zeros_like(top)
-    out = tl.zeros([rows.shape[0], D], tl.float32)
-    for s in range(0, n_splits):
-        weight = tl.exp(tl.load(m_ptr + s * step + at, mask=row_ok, other=0.0, cache_modifier=".cg") - top)
-        denom += tl.load(l_ptr + s * step + at, mask=row_ok, other=0.0, cache_modifier=".cg") * weight
-        out += tl.load(acc_ptr + (s * step + at)[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0,
-                       cache_modifier=".cg") * weight[:, None]
-    out = out / tl.where(row_ok, denom, 1.0)[:, None]
-    if ROTATION > 0:
-        R: tl.constexpr = rows.shape[0] * D // ROTATION
-        out = tl.reshape(rotated_group(tl.reshape(out, [R, ROTATION]), signs_ptr, ROTATION, True), [rows.shape[0], D])
-    head = kv * G + rows // T
-    tl.store(out_ptr + (rows % T)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit(do_not_specialize=["stride_ot", "n_splits", "T", "G", "n_rows"])
 def _merge_kernel(acc_ptr, m_ptr, l_ptr, signs_ptr, out_ptr, stride_ot, stride_oh, n_splits, n_kv, T, G, n_rows,
                   D: tl.constexpr, BLOCK_M: tl.constexpr, ROTATION: tl.constexpr, PDL: tl.constexpr):
-    """One (KV head, row tile)'s splits merged (`_merge_rows`), a launch after the partial kernel."""
+    """One (KV head, row tile)'s splits merged by their log-sum-exp, the splits taken in order; ROTATION > 0: V was
+    stored rotated in groups of that many values (layers/kv_quant.rotate), so each group of the output is rotated
+    back (x R; R's signs at signs_ptr)."""
     start_dependents(PDL)
     wait_for_inputs(PDL)
+    kv = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    _merge_rows(acc_ptr, m_ptr, l_ptr, signs_ptr, out_ptr, stride_ot, stride_oh, n_splits, n_kv, tl.program_id(0),
-                rows, rows < G * T, T, G, n_rows, D, ROTATION)
+    row_ok = rows < G * T
+    at = kv * n_rows + rows
+    step = n_kv * n_rows
+    top = tl.load(m_ptr + at, mask=row_ok, other=0.0)
+    for s in range(1, n_splits):
+        top = tl.maximum(top, tl.load(m_ptr + s * step + at, mask=row_ok, other=0.0))
+    d = tl.arange(0, D)
+    denom = tl.zeros_like(top)
+    out = tl.zeros([BLOCK_M, D], tl.float32)
+    for s in range(0, n_splits):
+        weight = tl.exp(tl.load(m_ptr + s * step + at, mask=row_ok, other=0.0) - top)
+        denom += tl.load(l_ptr + s * step + at, mask=row_ok, other=0.0) * weight
+        out += tl.load(acc_ptr + (s * step + at)[:, None] * D + d[None, :], mask=row_ok[:, None],
+                       other=0.0) * weight[:, None]
+    out = out / tl.where(row_ok, denom, 1.0)[:, None]
+    if ROTATION > 0:
+        R: tl.constexpr = BLOCK_M * D // ROTATION
+        out = tl.reshape(rotated_group(tl.reshape(out, [R, ROTATION]), signs_ptr, ROTATION, True), [BLOCK_M, D])
+    head = kv * G + rows // T
+    tl.store(out_ptr + (rows % T)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @functools.cache
@@ -378,21 +361,17 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale
     out = torch.empty(T, H, D, device=q.device, dtype=q.dtype)
     group = rotation_group(D) if v_rotated else 0
     v_signs = rotation_signs(group, q.device) if group else acc
-    merge_here = split_k.in_kernel(row_tiles * KV)
     _partial_kernel[(row_tiles, KV, splits)](q, keys, values, mask, acc, m, lse,
-                                             rotation_signs(D, q.device) if k_rotated else acc, out, v_signs,
-                                             split_k.split_counts(q.device) if merge_here else m,
+                                             rotation_signs(D, q.device) if k_rotated else acc,
                                              q.stride(0), q.stride(1), keys.stride(0), values.stride(0),
-                                             mask.stride(0), out.stride(0), out.stride(1), L, blocks_per_split, KV,
+                                             mask.stride(0), L, blocks_per_split, KV,
                                              scale, softcap or 1.0, T, G, n_rows, D=D,
                                              BLOCK_M=ROW_TILE, BLOCK_N=block_n, SOFTCAP=softcap > 0, K_TYPE=k_type,
                                              V_TYPE=v_type, K_ROW=keys.shape[2], V_ROW=values.shape[2],
                                              K_PLANES=planes(k_type), V_PLANES=planes(v_type), K_ROTATED=k_rotated,
-                                             MERGE_HERE=merge_here, ROTATION=group, num_warps=NUM_WARPS,
-                                             num_stages=stages, **pdl.launch(q))
-    if not merge_here:
-        _merge_kernel[(KV, row_tiles)](acc, m, lse, v_signs, out, out.stride(0), out.stride(1), splits, KV, T, G,
-                                       n_rows, D=D, BLOCK_M=ROW_TILE, ROTATION=group, **pdl.launch(q))
+                                             num_warps=NUM_WARPS, num_stages=stages, **pdl.launch(q))
+    _merge_kernel[(KV, row_tiles)](acc, m, lse, v_signs, out, out.stride(0), out.stride(1), splits, KV, T, G, n_rows,
+                                   D=D, BLOCK_M=ROW_TILE, ROTATION=group, **pdl.launch(q))
     return out.view(T, H * D)
 
 
