@@ -209,13 +209,6 @@ def _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok):
     tl.store(at + split * stride_os, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit
-def _group_sums(dots, BLOCK_N: tl.constexpr, SB: tl.constexpr):
-    """[N, SB, 4 (p), 8 (r)] int32 products of lane_grouped words -> [N, SB, 4] float32 sums per group r // 2 (exact:
-    integer sums in any order)."""
-    return tl.sum(tl.reshape(tl.sum(dots, axis=2), (BLOCK_N, SB, 4, 2)), axis=3).to(tl.float32)
-
-
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
 def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd, stride_wu,
                    stride_os, stride_om, FIVE_BITS: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -228,7 +221,7 @@ def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split
     QS: tl.constexpr = 12 if FIVE_BITS else 4
     start_dependents(PDL)
     split, rows, row_ok, mi, acc = _row_tile(N, BLOCK_N, BM)
-    sbi, g, p, r = tl.arange(0, SB), tl.arange(0, 4), tl.arange(0, 4), tl.arange(0, 8)  # word 8p + r: group r // 2
+    sbi, g, t = tl.arange(0, SB), tl.arange(0, 4), tl.arange(0, 8)
     first = split * sb_per_split
     last = tl.minimum(first + sb_per_split, K // 256)
     row_base = w_ptr + rows.to(tl.int64)[:, None] * (stride_wu * ROW_ALIGN)
@@ -246,27 +239,26 @@ def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split
         d_lo, d_hi = d[:, :, None] * sc_lo, d[:, :, None] * sc_hi  # [N, SB, 4]
         m_lo, m_hi = dmin[:, :, None] * mn_lo, dmin[:, :, None] * mn_hi
         ok4 = ok[:, :, None, None]
-        words = tl.load(base[:, :, None, None] + QS + p[None, None, :, None] * 8 + r[None, None, None, :], mask=ok4,
-                        other=0)  # [N, SB, 4 (p), 8 (r)]
-        t = 2 * p[:, None] + r[None, :] % 2  # [4, 8]: the word's place in its group
+        words = tl.load(base[:, :, None, None] + QS + g[None, None, :, None] * 8 + t[None, None, None, :], mask=ok4,
+                        other=0)  # [N, SB, 4, 8]: stored word 8p + 2g + j, group g's word 2p + j
+        # into group order in registers (no data movement): [N, SB, 4 (group), 8 (its words in order)]
+        words = tl.reshape(tl.permute(tl.reshape(words, (BLOCK_N, SB, 4, 4, 2)), (0, 1, 3, 2, 4)), (BLOCK_N, SB, 4, 8))
         lo = words & 0x0F0F0F0F
         hi = (words >> 4) & 0x0F0F0F0F
         if FIVE_BITS:  # bit 2g of qh byte l is sub-block 2g's fifth bit for weight l, bit 2g + 1 sub-block 2g + 1's
-            j = tl.arange(0, 2)  # qh word 2p + j serves the four groups' words 8p + 2g + j: load it once, then spread
-            qh = tl.load(base[:, :, None, None] + 4 + (2 * p[:, None] + j[None, :])[None, None], mask=ok4, other=0)
-            qh = tl.reshape(tl.broadcast_to(qh[:, :, :, None, :], (BLOCK_N, SB, 4, 4, 2)), (BLOCK_N, SB, 4, 8))
-            sh = 2 * (r // 2)[None, None, None, :]
+            qh = tl.load(base[:, :, None] + 4 + t[None, None, :], mask=ok[:, :, None], other=0)[:, :, None, :]
+            sh = 2 * g[None, None, :, None]
             lo = lo | (((qh >> sh) & 0x01010101) << 4)
             hi = hi | (((qh >> (sh + 1)) & 0x01010101) << 4)
         wait_for_inputs(PDL)  # x only after the weight loads are issued
         xs_ok = (s < last)[:, None]
         for m in tl.static_range(BM):
             m_ok = (tl.zeros([1], tl.int32) + m) < M  # a tensor, also under the interpreter
-            xw = xq_ptr + m * stride_xq + s[:, None, None] * 64 + (r // 2 * 16)[None, None, :] + t[None, :, :]
+            xw = xq_ptr + m * stride_xq + s[:, None, None] * 64 + g[None, :, None] * 16 + t[None, None, :]
             x_lo = tl.load(xw, mask=xs_ok[:, :, None] & m_ok, other=0)  # [SB, 4, 8]
             x_hi = tl.load(xw + 8, mask=xs_ok[:, :, None] & m_ok, other=0)
-            dot_lo = _group_sums(_dp4a(lo, x_lo[None], EMULATE), BLOCK_N, SB)  # [N, SB, 4]
-            dot_hi = _group_sums(_dp4a(hi, x_hi[None], EMULATE), BLOCK_N, SB)
+            dot_lo = tl.sum(_dp4a(lo, x_lo[None], EMULATE), axis=3).to(tl.float32)  # [N, SB, 4]
+            dot_hi = tl.sum(_dp4a(hi, x_hi[None], EMULATE), axis=3).to(tl.float32)
             xb = m * stride_xd + s[:, None] * 8 + 2 * g[None, :]
             xd_lo = tl.load(xd_ptr + xb, mask=xs_ok & m_ok, other=0.0)[None]
             xd_hi = tl.load(xd_ptr + xb + 1, mask=xs_ok & m_ok, other=0.0)[None]
