@@ -53,32 +53,10 @@ def iq4_table(device: torch.device) -> Tensor:
 # byte 0's low and high nibble, then byte 1's). The word itself is the PRMT selector (bit 3 of each nibble
 # cleared): one PRMT per half of the table looks up four nibbles at once and a third picks each byte's half by the
 # nibble's bit 3 (llama.cpp's get_int_from_table_16, less its two permutes back into low and high nibbles: x is
-# quantized in this order instead, gguf_gemv.quantize_rows(..., IQ4_ORDER)). The table's four words come in as
-# registers ($3-$6, loaded once): as immediates, Triton 3.6 re-materialised them before every PRMT.
-IQ4_PAIRS = tl.constexpr("""{
-.reg .b32 s0, s1, sel, a, b;
-and.b32 s0, $2, 0x7777;
-shr.b32 s1, $2, 16;
-and.b32 s1, s1, 0x7777;
-and.b32 sel, $2, 0x88888888;
-shr.b32 sel, sel, 1;
-or.b32 sel, sel, 0x32103210;
-prmt.b32 a, $3, $4, s0;
-prmt.b32 b, $5, $6, s0;
-prmt.b32 $0, a, b, sel;
-shr.b32 sel, sel, 16;
-prmt.b32 a, $3, $4, s1;
-prmt.b32 b, $5, $6, s1;
-prmt.b32 $1, a, b, sel;
-}""")
-
-
-def _eight_levels_asm() -> str:
-    """IQ4_PAIRS for Gluon's int8 tiles taken eight at a time (pack=8: two registers an operand): the word of four
-    bytes $2 ($3, the tile's other four bytes, unused) -> the levels of its eight nibbles as int8, $0 those of bytes
-    0 and 1 and $1 those of bytes 2 and 3, each byte's low nibble first (x quantized in IQ4_ORDER meets them), the
-    table's words as immediates."""
-    t0, t1, t2, t3 = (f"{int(w):#010x}" for w in np.array(IQ4_VALUES, dtype=np.int8).view(np.uint32))
+# quantized in this order instead, gguf_gemv.quantize_rows(..., IQ4_ORDER)).
+def _lookup_asm(t0: str, t1: str, t2: str, t3: str) -> str:
+    """The word $2 of eight nibbles -> $0, $1: the table values of nibbles 0-3 and 4-7; t0..t3: the table's four
+    words as operands."""
     return f"""{{
 .reg .b32 s0, s1, sel, a, b;
 and.b32 s0, $2, 0x7777;
@@ -97,7 +75,14 @@ prmt.b32 $1, a, b, sel;
 }}"""
 
 
-IQ4_EIGHT = tl.constexpr(_eight_levels_asm())
+# The integer kernels': the table's four words come in as registers ($3-$6, loaded once); as immediates, Triton 3.6
+# re-materialised them before every PRMT there.
+IQ4_PAIRS = tl.constexpr(_lookup_asm("$3", "$4", "$5", "$6"))
+# The same for Gluon's int8 tiles taken eight at a time (pack=8: two registers an operand): the word of four bytes
+# $2 ($3, the tile's other four bytes, unused) -> the levels of its eight nibbles as int8, $0 those of bytes 0 and 1
+# and $1 those of bytes 2 and 3, each byte's low nibble first (x quantized in IQ4_ORDER meets them), the table's
+# words as immediates.
+IQ4_EIGHT = tl.constexpr(_lookup_asm(*(f"{int(w):#010x}" for w in np.array(IQ4_VALUES, dtype=np.int8).view(np.uint32))))
 
 
 @triton.jit
