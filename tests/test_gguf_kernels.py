@@ -185,6 +185,49 @@ def test_dependent_launches_in_a_graph_match_plain_launches():
         pdl.ENABLED = enabled
 
 
+def test_int8_mma_launches_bind_and_compile_for_sm90(monkeypatch):
+    """The Gluon int8 mma kernels have no CPU interpreter, so a launch that no longer fits its kernel would show only
+    on a GPU. Here each type's launch, as gguf_mma makes it, binds to its kernel's parameters (none missing, none
+    unknown) and the kernel compiles for sm_90, ptxas included, with the launch's constants."""
+    gguf_mma = pytest.importorskip("flashdraft.kernels.gguf_mma")
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from flashdraft.kernels import split_k
+    launches = []
+
+    class Recorded:  # stands in for kernel[grid](...)
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.kernel, args, kwargs))
+
+    monkeypatch.setattr(gguf_mma, "KERNELS", {q: (Recorded(k), c) for q, (k, c) in gguf_mma.KERNELS.items()})
+    monkeypatch.setattr(gguf_mma, "_rounded", lambda x, tiled, group, order: (
+        torch.zeros(1, dtype=torch.int8), torch.zeros(1, dtype=torch.int64), 0 if tiled else 512, 0 if tiled else 16))
+    monkeypatch.setattr(split_k, "finish", lambda partial, out: None)
+    for qtype in gguf_mma.KERNELS:
+        gguf_mma.matmul(torch.zeros(16, 4096, dtype=torch.bfloat16), torch.zeros(1024, 4096, dtype=torch.uint8), qtype,
+                        4096)
+    assert len(launches) == len(gguf_mma.KERNELS)
+    codes = {torch.int8: "*i8", torch.int64: "*i64", torch.uint8: "*u8", torch.float32: "*fp32",
+             torch.bfloat16: "*bf16"}
+    for kernel, args, kwargs in launches:
+        num_warps = kwargs.pop("num_warps")
+        bound = inspect.signature(kernel.fn).bind(*args, **kwargs)  # TypeError: a missing or unknown argument
+        constexprs = {p.name for p in kernel.params if p.is_constexpr}
+        signature = {name: "constexpr" if name in constexprs else codes[v.dtype] if isinstance(v, torch.Tensor)
+                     else "i32" for name, v in bound.arguments.items()}
+        source = GluonASTSource(fn=kernel, signature=signature,
+                                constexprs={(list(signature).index(n),): bound.arguments[n] for n in constexprs})
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+        assert compiled.asm["cubin"], kernel.fn.__name__
+
+
 def run_ptx(asm: str, inputs: list[int], outputs: int) -> list[int]:
     """A reading of the few PTX instructions the IQ4 lookups use (mov, and, or, shr, shl, prmt in its default mode)
     on 32-bit values: an independent check of the inline assembly that no CPU can run."""
