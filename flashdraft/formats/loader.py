@@ -85,7 +85,7 @@ def load_target(model: str, device: str = "cpu", dtype: torch.dtype = torch.floa
 
 def load_draft(path: str, target, device: str = "cpu", dtype: torch.dtype = torch.float32, quantized: bool = False):
     """A DFlash draft from a z-lab folder or a draft GGUF (quantized: its matrices kept in their block format, as
-    load_target's), checked against the target."""
+    load_target's; under tensor parallelism too, every rank holding the whole draft), checked against the target."""
     from flashdraft.draft.load import check_compatible, load_draft_folder, load_draft_gguf
     from flashdraft.formats.named import resolve_model
 
@@ -95,7 +95,7 @@ def load_draft(path: str, target, device: str = "cpu", dtype: torch.dtype = torc
         draft = load_draft_folder(source, device=device, dtype=dtype)
     elif source.is_file():
         draft = load_draft_gguf(source, device=device, dtype=dtype, vocab_size=cfg.vocab_size,
-                                num_target_layers=cfg.num_layers, quantized=quantized and rank_and_world()[1] == 1)
+                                num_target_layers=cfg.num_layers, quantized=quantized)
     else:
         raise FileNotFoundError(f"draft not found: {path} (a z-lab HF folder or a DFlash draft GGUF)")
     check_compatible(draft.cfg, cfg.hidden_size, cfg.vocab_size, cfg.num_layers)

@@ -2,13 +2,13 @@
 steps): the shape of llama.cpp's mmvq, written for Triton.
 
 x is first quantized to 8 bits (`quantize_rows`: int8 packed four to an int32 word, a float scale per 32 values
-or, for the K types and IQ4_XS, per 256 (`x_group`), and the scaled sum per 32 values). The weight kernels then read each row's bytes as 32-bit words, mask the 4-,
-5- or 6-bit fields out of a word four at a time, and multiply them with x's bytes by `dp4a` (four int8
-products summed into an int32), so a weight costs about a quarter of an instruction per row of x instead of an
-unpack, a conversion and a multiply. The sub-block scales and the minimum's term (dmin * m * sum(x)) apply once
-per 32 weights. Each row of x goes through the same instructions whatever the row count (up to MAX_ROWS; wider
-products take kernels/gguf_mma.py or the tensor-core kernel), so a token's result has the same bits whichever
-of these row counts computes it.
+or, for the K types and IQ4_XS, per 256 (`x_group`), and the scaled sum per 32 values). The weight kernels then
+read each row's bytes as 32-bit words, mask the 4-, 5- or 6-bit fields out of a word four at a time, and multiply
+them with x's bytes by `dp4a` (four int8 products summed into an int32), so a weight costs about a quarter of an
+instruction per row of x instead of an unpack, a conversion and a multiply. The sub-block scales and the
+minimum's term (dmin * m * sum(x)) apply once per 32 weights. Each row of x goes through the same instructions
+whatever the row count (up to MAX_ROWS; wider products take kernels/gguf_mma.py or the tensor-core kernel), so a
+token's result has the same bits whichever of these row counts computes it.
 
 The IQ4 types map each nibble through a 16-entry int8 table (kvalues_iq4nl) by byte permutes (PRMT), eight
 nibbles in six of them (x quantized in the lookup's order), so their words also go to `dp4a`.
@@ -203,10 +203,8 @@ def _add_row(acc, mi, m, contrib):
 
 @triton.jit
 def _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok):
-    """acc into out [splits, M, N] at its split (where K is not split, out is the product itself)."""
-    ok = (mi < M)[:, None] & row_ok[None, :]
-    at = out_ptr + mi[:, None] * stride_om + rows[None, :]
-    tl.store(at + split * stride_os, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptr + split * stride_os + mi[:, None] * stride_om + rows[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(mi < M)[:, None] & row_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])

@@ -175,7 +175,8 @@ def _groups(q, a_l: gl.constexpr, BLOCK_N: gl.constexpr):
     """q [BLOCK_N, 128] in _lane_pieces_layout -> the four groups' [BLOCK_N, 32] tiles in the A layout (k_width 8),
     by register renaming only."""
     q = gl.permute(gl.reshape(q, [BLOCK_N, 4, 4, 8]), [0, 2, 1, 3])  # (row, g, p, i)
-    q = gl.reshape(gl.permute(gl.reshape(q, [BLOCK_N, 4, 32]), [0, 2, 1]), [BLOCK_N, 32, 2, 2])  # (row, k, g // 2, g % 2)
+    # (row, k, g // 2, g % 2)
+    q = gl.reshape(gl.permute(gl.reshape(q, [BLOCK_N, 4, 32]), [0, 2, 1]), [BLOCK_N, 32, 2, 2])
     even, odd = gl.split(q)
     q0, q2 = gl.split(even)
     q1, q3 = gl.split(odd)

@@ -51,7 +51,6 @@ def field_planes(raw: Tensor, size: int, fields: tuple[tuple[int, int], ...]) ->
     return torch.cat([blocks[:, :, a:b].reshape(raw.shape[0], -1) for a, b in fields], 1)
 
 
-
 def lane_grouped(raw: Tensor, size: int, start: int) -> Tensor:
     """Each super-block's 128 nibble bytes (at `start`) from the file's [group g][piece p][8 bytes] to [p][g][8]: the
     int8 tensor-core kernels give lane p of a quad piece p of every group (kernels/gguf_mma.py), now 32 contiguous
