@@ -336,9 +336,11 @@ def _q8_0_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_
     for c in range(first, last):
         for j in gl.static_range(8):
             w = gl.load(a_ptr + 256 * c + 32 * j, mask=a_ok, other=0)
-            prod = mma_v2(w, _x_values(b_ptr, b_ok, 8 * c + j, TILED), zero)
+            xb = _x_values(b_ptr, b_ok, 8 * c + j, TILED)
+            xd = _x_scale(xds_ptr, toks, stride_xds, tok_ok, 8 * c + j, TILED)
+            prod = mma_v2(w, xb, zero)
             d = gl.load(d_ptr + 8 * c + j, mask=row_ok, other=0).to(gl.float16, bitcast=True).to(gl.float32)
-            acc = _scaled(acc, prod, d, _x_scale(xds_ptr, toks, stride_xds, tok_ok, 8 * c + j, TILED))
+            acc = _scaled(acc, prod, d, xd)
     _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
 
 
