@@ -272,11 +272,9 @@ def measure(args) -> int:
     if args.no_pdl:
         from flashdraft.kernels import pdl
         pdl.ENABLED = False
-    if args.inductor_pdl:
-        import torch._inductor.config as inductor_config
-        if not hasattr(inductor_config.triton, "enable_pdl"):
-            raise SystemExit(f"--inductor-pdl: torch {torch.__version__}'s inductor has no triton.enable_pdl")
-        inductor_config.triton.enable_pdl = True
+    if args.no_inductor_pdl:
+        from flashdraft.kernels import pdl
+        pdl.INDUCTOR = False
     if args.mma_programs:
         from flashdraft.kernels import gguf_mma
         gguf_mma.TARGET_PROGRAMS = args.mma_programs
@@ -309,7 +307,7 @@ def measure(args) -> int:
             draft.compile_layers()
         name = (Path(path).stem + (" +compile" if args.compile else "") + (" (dequantized)" if args.dequantize else "")
                 + (" no-pdl" if args.no_pdl else "") + (f" tiles {args.gemv_tiles}" if args.gemv_tiles else "")
-                + (" inductor-pdl" if args.inductor_pdl else "") + (f" mma {args.mma_programs}" if args.mma_programs else ""))
+                + (" no-inductor-pdl" if args.no_inductor_pdl else "") + (f" mma {args.mma_programs}" if args.mma_programs else ""))
         for ctx in ctxs:
             with torch.inference_mode():
                 prompt = torch.randint(0, target.cfg.vocab_size - 1, (ctx,), device=dev)
@@ -396,9 +394,8 @@ def main() -> int:
     ap.add_argument("--no-mma", action="store_true",
                     help="measure: verify widths of Q4_K/Q6_K through the float kernel instead of kernels/gguf_mma.py")
     ap.add_argument("--no-pdl", action="store_true", help="plain launches (kernels/pdl.py off), for comparison")
-    ap.add_argument("--inductor-pdl", action="store_true",
-                    help="--compile's kernels launched with programmatic dependent launch too (torch._inductor.config.triton"
-                         ".enable_pdl, where this torch has it)")
+    ap.add_argument("--no-inductor-pdl", action="store_true",
+                    help="torch.compile's kernels launched the plain way (kernels/pdl.compile_options), for comparison")
     ap.add_argument("--mma-programs", type=int, default=None, help="kernels/gguf_mma.TARGET_PROGRAMS (split-K of verify)")
     ap.add_argument("--mma-sweep", default="", help="then time verify(16) again at each of these TARGET_PROGRAMS[:BLOCK_N"
                                                      "[:warps]], e.g. 132,264,264:64 (one load, graphs captured again)")

@@ -113,6 +113,73 @@ def test_gguf_kernels_on_gpu_match_gguf_reference(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_compiled_steps_with_pdl_on_gpu(tmp_path):
+    """torch.compile's kernels launched with PDL beside ours (kernels/pdl.compile_options) inside CUDA graphs: the
+    same tokens as with them launched the plain way, and speculative decoding equal to plain decoding."""
+    from pathlib import Path
+
+    import torch._dynamo
+
+    from flashdraft.engine.engine import Engine, EngineConfig, Request
+    from flashdraft.engine.sampling import SamplingParams
+    from flashdraft.kernels import gguf_gemv, pdl
+    if not pdl.launch(torch.empty(0, device="cuda"))["PDL"] or not pdl.compile_options():
+        pytest.skip("programmatic dependent launch for torch.compile's kernels needs a Hopper GPU and torch's option")
+    gguf_file, draft = tiny_engine_files(Path(tmp_path))
+    saved = gguf_gemv.MAX_ROWS, pdl.INDUCTOR
+    gguf_gemv.MAX_ROWS = 16  # plain and verify rows on the same kernels (check_engine)
+    runs = {}
+    try:
+        for inductor in (False, True):
+            pdl.INDUCTOR = inductor
+            torch._dynamo.reset()
+            engine = Engine.load(EngineConfig(model=str(gguf_file), draft=str(draft), device="cuda", ctx_size=128,
+                                              weights="quantized", compile=True))
+            params = SamplingParams(max_tokens=24, ignore_eos=True)
+            plain = engine.generate(Request([5, 6, 7, 8, 9, 10], params, speculative=False)).token_ids
+            spec = engine.generate(Request([5, 6, 7, 8, 9, 10], params, block_size=8))
+            assert spec.token_ids == plain and spec.spec.draft_steps, inductor
+            runs[inductor] = plain
+    finally:
+        gguf_gemv.MAX_ROWS, pdl.INDUCTOR = saved
+        torch._dynamo.reset()
+    assert runs[True] == runs[False]
+
+
+def test_kernels_wait_before_they_start_dependents():
+    """Every kernel waits for the kernels before it before it lets the next be placed (kernels/pdl.py: torch.compile's
+    kernels read early what the kernel just before them did not write, which is safe only then): each
+    start_dependents (or Gluon's launch_dependents) has a statement before it, in its own block, that waits."""
+    import ast
+    from pathlib import Path
+
+    from flashdraft.kernels import pdl
+
+    def calls(node, name: str, asm: str) -> bool:
+        return any(isinstance(n, ast.Call) and getattr(n.func, "id", None) == name
+                   or isinstance(n, ast.Constant) and isinstance(n.value, str) and asm in n.value
+                   for n in ast.walk(node))
+
+    checked = 0
+    for path in sorted(Path(pdl.__file__).parent.glob("*.py")):
+        if path.name == "pdl.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            for block in (getattr(node, "body", None), getattr(node, "orelse", None)):
+                if not isinstance(block, list):
+                    continue
+                for i, stmt in enumerate(block):
+                    if not isinstance(stmt, ast.Expr) or not calls(stmt, "start_dependents",
+                                                                   "griddepcontrol.launch_dependents"):
+                        continue
+                    assert any(calls(before, "wait_for_inputs", "griddepcontrol.wait") for before in block[:i]), \
+                        f"{path.name}:{stmt.lineno} starts its dependents before it waits"
+                    checked += 1
+    assert checked >= 12, checked
+    assert pdl.compile_options() in ({}, {"triton.enable_pdl": True})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_int8_mma_kernels_on_gpu_match_gguf_reference():
     """kernels/gguf_mma.py (Gluon: no interpreter) for 5-16 rows of each type it has a kernel for (through
     gguf_matmul for the types it takes, directly for those not yet timed), x rounded to 8 bits as they take
@@ -364,20 +431,25 @@ def check_engine(folder: str, device: str = "cpu") -> None:
         gguf_gemv.MAX_ROWS = saved
 
 
-def check_engine_blocks(root, device: str) -> None:
+def tiny_engine_files(root) -> tuple:
+    """(a tiny random GGUF target of mixed older types, a DFlash draft folder for it) under root."""
     from test_gguf import tiny_hf_state, write_tiny_gguf
     from tiny import make_draft
 
-    from flashdraft.engine.engine import Engine, EngineConfig, Request
-    from flashdraft.engine.sampling import SamplingParams
-    from flashdraft.layers.quantized import GGUFEmbedding, GGUFLinear
     from gguf import GGMLQuantizationType as Q
     sd = tiny_hf_state("llama", layers=2, hidden=64, ffn=128, vocab=96, tied=False)
     sd = {k: v * 0.3 for k, v in sd.items()}
     gguf_file = write_tiny_gguf(root / "tiny.gguf", "llama", sd, quantise=[Q.Q8_0, Q.Q4_0, Q.Q5_1, Q.Q4_1, Q.Q5_0])
     (root / "t").mkdir(exist_ok=True)
     (root / "t" / "config.json").write_text(json.dumps(dict(num_hidden_layers=2, hidden_size=64, vocab_size=96)))
-    draft = make_draft(root / "d", root / "t", block_size=8)
+    return gguf_file, make_draft(root / "d", root / "t", block_size=8)
+
+
+def check_engine_blocks(root, device: str) -> None:
+    from flashdraft.engine.engine import Engine, EngineConfig, Request
+    from flashdraft.engine.sampling import SamplingParams
+    from flashdraft.layers.quantized import GGUFEmbedding, GGUFLinear
+    gguf_file, draft = tiny_engine_files(root)
     engine = Engine.load(EngineConfig(model=str(gguf_file), draft=str(draft), device=device, ctx_size=128,
                                       weights="quantized"))
     assert {type(m) for m in engine.target.modules()} >= {GGUFLinear, GGUFEmbedding}

@@ -85,8 +85,8 @@ def _quantize_kernel(x_ptr, q_ptr, d_ptr, s_ptr, K, stride_x, stride_q, stride_q
     256) values: per 256 every block of a group gets the same d.
     ORDER 0: each block's values in order; IQ4_ORDER: word 2t holds values 4t, 16 + 4t, 4t + 1, 17 + 4t and word
     2t + 1 values 4t + 2, 18 + 4t, 4t + 3, 19 + 4t (the order `iq4_nibbles` gives a weight word's values)."""
-    start_dependents(PDL)
     wait_for_inputs(PDL)
+    start_dependents(PDL)
     m = tl.program_id(0)
     b = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
     ok = b < K // 32
@@ -217,7 +217,6 @@ def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split
     is group g's word 2p + j."""
     WORDS: tl.constexpr = 44 if FIVE_BITS else 36
     QS: tl.constexpr = 12 if FIVE_BITS else 4
-    start_dependents(PDL)
     split, rows, row_ok, mi, acc = _row_tile(N, BLOCK_N, BM)
     sbi, g, t = tl.arange(0, SB), tl.arange(0, 4), tl.arange(0, 8)
     first = split * sb_per_split
@@ -265,6 +264,7 @@ def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split
             part = d_lo * xd_lo * dot_lo + d_hi * xd_hi * dot_hi - (m_lo * xs_lo + m_hi * xs_hi)
             contrib = tl.sum(tl.sum(part, axis=2), axis=1)
             acc = _add_row(acc, mi, m, contrib)
+        start_dependents(PDL)  # past the wait (kernels/pdl.py); right after it, Q4_K/Q5_K took 8-13 more registers
     wait_for_inputs(PDL)  # (also where a program had no iterations)
     _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
 
@@ -301,7 +301,6 @@ def _q6_k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_pe
     Half h's weight 128h + 32k + l (k = 0..3, l = 0..31) is ql[64h + l + 32 (k & 1)]'s low (k < 2) or high
     nibble with bits 2k..2k+1 of qh[32h + l] above it, minus 32; scale index 8h + 2k + l // 16. Words are
     indexed [h, u, v] with l = 16u + 4v."""
-    start_dependents(PDL)
     split, rows, row_ok, mi, acc = _row_tile(N, BLOCK_N, BM)
     sbi = tl.arange(0, SB)
     h = tl.arange(0, 2)[None, None, :, None, None]
@@ -352,6 +351,7 @@ def _q6_k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_pe
                     _dot16(v3, tl.load(xw + 24, mask=x_ok, other=0), EMULATE))
             contrib = tl.sum(tl.sum(tl.sum(part, axis=3), axis=2), axis=1)
             acc = _add_row(acc, mi, m, contrib)
+        start_dependents(PDL)  # past the wait (kernels/pdl.py); right after it, Q4_K/Q5_K took 8-13 more registers
     wait_for_inputs(PDL)  # (also where a program had no iterations)
     _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
 
@@ -377,7 +377,6 @@ def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, lut_ptr, out_ptr, M,
     HAS_MIN: tl.constexpr = QTYPE == 3 or QTYPE == 7
     FIVE: tl.constexpr = QTYPE == 6 or QTYPE == 7
     OFFSET: tl.constexpr = 0.0 if HAS_MIN or TABLE else (16.0 if FIVE else 8.0)
-    start_dependents(PDL)
     t0, t1, t2, t3 = iq4_table_words(lut_ptr)
     split, rows, row_ok, mi, acc = _row_tile(N, BLOCK_N, BM)
     bi, t = tl.arange(0, SB * 8), tl.arange(0, 4)
@@ -425,6 +424,7 @@ def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, lut_ptr, out_ptr, M,
                 xs = tl.load(xs_ptr + m * stride_xd + b, mask=xs_ok & m_ok, other=0.0)[None, :]
                 contrib = tl.sum(d * xd * dot + dm * xs, axis=1)
             acc = _add_row(acc, mi, m, contrib)
+        start_dependents(PDL)  # past the wait (kernels/pdl.py); right after it, Q4_K/Q5_K took 8-13 more registers
     wait_for_inputs(PDL)  # (also where a program had no iterations)
     _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
 
@@ -435,7 +435,6 @@ def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_pe
                  ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
     """Q8_0 in two planes (layers/quantized.field_planes): w as int32 words, a row's K / 4 words of int8 values,
     then its K / 32 fp16 scales (w16: the same bytes as int16). SB counts groups of 8 blocks."""
-    start_dependents(PDL)
     split, rows, row_ok, mi, acc = _row_tile(N, BLOCK_N, BM)
     bi, t = tl.arange(0, SB * 8), tl.arange(0, 8)
     first = split * sb_per_split * 8
@@ -457,6 +456,7 @@ def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_pe
             dot = tl.sum(_dp4a(words, x[None], EMULATE), axis=2).to(tl.float32)
             contrib = tl.sum(d * xd * dot, axis=1)
             acc = _add_row(acc, mi, m, contrib)
+        start_dependents(PDL)  # past the wait (kernels/pdl.py); right after it, Q4_K/Q5_K took 8-13 more registers
     wait_for_inputs(PDL)  # (also where a program had no iterations)
     _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
 
@@ -469,7 +469,6 @@ def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_
     bytes (32 words each), then their 8-byte headers (d and scales_h, scales_l: two words each). Sub-block j (32
     weights) has 6-bit scale ls = nibble j of scales_l | bits 2j..2j+1 of scales_h << 4, weight d * (ls - 32) *
     iq4.IQ4_VALUES[q]; its 16 bytes hold weights 0..15 in their low nibbles, 16..31 in the high."""
-    start_dependents(PDL)
     t0, t1, t2, t3 = iq4_table_words(lut_ptr)
     split, rows, row_ok, mi, acc = _row_tile(N, BLOCK_N, BM)
     sbi, j, t = tl.arange(0, SB), tl.arange(0, 8), tl.arange(0, 4)
@@ -500,6 +499,7 @@ def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_
             xd = tl.load(xd_ptr + m * stride_xd + s[:, None] * 8 + j[None, :], mask=xs_ok & m_ok, other=0.0)[None]
             contrib = tl.sum(tl.sum(dl * xd * dot, axis=2), axis=1)
             acc = _add_row(acc, mi, m, contrib)
+        start_dependents(PDL)  # past the wait (kernels/pdl.py); right after it, Q4_K/Q5_K took 8-13 more registers
     wait_for_inputs(PDL)  # (also where a program had no iterations)
     _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
 

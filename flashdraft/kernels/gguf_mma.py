@@ -106,10 +106,10 @@ def _tile(w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N: g
     keeps runs of K_WIDTH, for word loads), a_ok, a_col [1, 32] (k); b_ptr [32, TOKENS] (x's block 0 + k, in the
     B layout: `_x_values` reads block j), b_ok; s_ptr (the rows' starts as int32 words, for their scales), rows, row_ok and toks, tok_ok along
     the product's two axes; a float32 accumulator and an int32 zero for each mma."""
-    if PDL:  # kernels/pdl.py: let the next kernel be placed, then wait for x (launch overlap only)
+    if PDL:  # kernels/pdl.py: wait for x, then let the next kernel be placed (launch overlap only)
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
                                   pack=1)
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=K_WIDTH)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=K_WIDTH)

@@ -142,8 +142,8 @@ def _quantize_kernel(x_ptr, s_ptr, signs_ptr, out_ptr, stride_x, stride_o, heads
                      G: tl.constexpr, SHIFT: tl.constexpr, PDL: tl.constexpr):
     """One row of D values -> its stored planar row; SHIFT: the row's head's shift (float32 [heads, D] at s_ptr)
     subtracted first; G > 0: each group of G values rotated."""
-    start_dependents(PDL)
     wait_for_inputs(PDL)
+    start_dependents(PDL)
     row = tl.program_id(0)
     x = _load_blocks(x_ptr + row * stride_x, s_ptr + (row % heads) * D, signs_ptr, D, G, SHIFT)
     _store_blocks(x, out_ptr + row * stride_o, TYPE, D)
@@ -155,8 +155,8 @@ def _write_kernel(k_ptr, v_ptr, pos_ptr, s_ptr, signs_ptr, kc_ptr, vc_ptr, strid
                   D: tl.constexpr, K_G: tl.constexpr, V_G: tl.constexpr, SHIFT: tl.constexpr, PDL: tl.constexpr):
     """A step's new K and V rows [T, heads, D] quantized into the cache rows of their positions (program (t * heads
     + h, 0) writes K, (.., 1) V): one launch for both instead of two quantizations and two row copies."""
-    start_dependents(PDL)
     wait_for_inputs(PDL)
+    start_dependents(PDL)
     t = tl.program_id(0) // heads
     h = tl.program_id(0) % heads
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -199,8 +199,8 @@ def _rotated_kernel(x_ptr, s_ptr, signs_ptr, mids_ptr, levels_ptr, search_ptr, o
     midpoints lie below each coordinate of the unit group times it, as torch.bucketize), the group keeping the
     best fit as layers/kv_quant.quantize_rotated; codes packed in the row's planes, then each group's fp16 scale
     norm / |levels[codes]|."""
-    start_dependents(PDL)
     wait_for_inputs(PDL)
+    start_dependents(PDL)
     row = tl.program_id(0)
     gi = tl.arange(0, N)
     j = tl.arange(0, G)

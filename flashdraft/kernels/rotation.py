@@ -40,8 +40,8 @@ def rotated_group(x, signs_ptr, G: tl.constexpr, INVERSE: tl.constexpr):
 @triton.jit
 def _rotate_kernel(x_ptr, signs_ptr, out_ptr, stride_xt, stride_xh, stride_ot, stride_oh, H, N: tl.constexpr,
                    G: tl.constexpr, INVERSE: tl.constexpr, PDL: tl.constexpr):
-    start_dependents(PDL)
     wait_for_inputs(PDL)
+    start_dependents(PDL)
     row = tl.program_id(0)
     t, h = row // H, row % H
     at = tl.arange(0, N)[:, None] * G + tl.arange(0, G)[None, :]

@@ -285,8 +285,8 @@ def _merge_kernel(acc_ptr, m_ptr, l_ptr, signs_ptr, out_ptr, stride_ot, stride_o
     """One (KV head, row tile)'s splits merged by their log-sum-exp, the splits taken in order; ROTATION > 0: V was
     stored rotated in groups of that many values (layers/kv_quant.rotate), so each group of the output is rotated
     back (x R; R's signs at signs_ptr)."""
-    start_dependents(PDL)
     wait_for_inputs(PDL)
+    start_dependents(PDL)
     kv = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < G * T

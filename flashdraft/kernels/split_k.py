@@ -20,8 +20,8 @@ from flashdraft.kernels.pdl import start_dependents, wait_for_inputs
 def _sum_splits_kernel(partial_ptr, out_ptr, splits, numel, n, stride_om, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out [M, n] (rows stride_om apart) = partial [splits, M, n].sum(0) in out's dtype, the splits added in order
     (deterministic), one launch."""
-    start_dependents(PDL)
     wait_for_inputs(PDL)
+    start_dependents(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < numel
     acc = tl.load(partial_ptr + i, mask=ok, other=0.0)

@@ -7,5 +7,7 @@ def compile_layer_forward(forward):
     shapes: callers use it only for the fixed widths that CUDA graphs capture."""
     import torch
     import torch._dynamo
+
+    from flashdraft.kernels import pdl
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    return torch.compile(forward, dynamic=False)
+    return torch.compile(forward, dynamic=False, options=pdl.compile_options())
