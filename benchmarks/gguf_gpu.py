@@ -307,7 +307,8 @@ def measure(args) -> int:
             draft.compile_layers()
         name = (Path(path).stem + (" +compile" if args.compile else "") + (" (dequantized)" if args.dequantize else "")
                 + (" no-pdl" if args.no_pdl else "") + (f" tiles {args.gemv_tiles}" if args.gemv_tiles else "")
-                + (" no-inductor-pdl" if args.no_inductor_pdl else "") + (f" mma {args.mma_programs}" if args.mma_programs else ""))
+                + (" no-inductor-pdl" if args.no_inductor_pdl else "")
+                + (f" mma {args.mma_programs}" if args.mma_programs else ""))
         for ctx in ctxs:
             with torch.inference_mode():
                 prompt = torch.randint(0, target.cfg.vocab_size - 1, (ctx,), device=dev)
