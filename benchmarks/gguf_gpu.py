@@ -281,8 +281,9 @@ def measure(args) -> int:
     for tile in filter(None, args.gemv_tiles.split(";")):
         from flashdraft.kernels import gguf_gemv as G
         qtype, sizes = tile.split("=")
-        block_n, sb = map(int, sizes.split(","))
-        G.TYPE_CONFIGS[qtype] = dict(G.TYPE_CONFIGS.get(qtype, G.CONFIG), BLOCK_N=block_n, SB=sb)
+        block_n, sb, *warps = map(int, sizes.split(","))
+        G.TYPE_CONFIGS[qtype] = dict(G.TYPE_CONFIGS.get(qtype, G.CONFIG), BLOCK_N=block_n, SB=sb,
+                                     **({"num_warps": warps[0]} if warps else {}))
     ctxs = [int(c) for c in args.ctxs.split(",")]
     results = dict(date=time.strftime("%Y-%m-%d"), torch=torch.__version__, rows=[])
     if dev == "cuda":
@@ -400,7 +401,7 @@ def main() -> int:
     ap.add_argument("--mma-programs", type=int, default=None, help="kernels/gguf_mma.TARGET_PROGRAMS (split-K of verify)")
     ap.add_argument("--mma-sweep", default="", help="then time verify(16) again at each of these TARGET_PROGRAMS[:BLOCK_N"
                                                      "[:warps]], e.g. 132,264,264:64 (one load, graphs captured again)")
-    ap.add_argument("--gemv-tiles", default="", help='integer-kernel tiles per type, "IQ4_XS=16,8;Q4_K=4,16" (BLOCK_N,SB)')
+    ap.add_argument("--gemv-tiles", default="", help='integer-kernel tiles per type, "IQ4_XS=16,8;Q4_K=4,16,4" (BLOCK_N,SB[,warps])')
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke test of this script")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out")
