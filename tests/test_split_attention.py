@@ -22,9 +22,10 @@ INTERPRETER = ("triton is not installed" if importlib.util.find_spec("triton") i
                if release("triton") < (3, 7) and release("numpy") >= (2, 4) else None)
 
 # (query tokens, query heads, KV heads, head size, keys): GQA groups of 1-4, one-token decode to 16-token verify,
-# key counts off the 64-key block, and enough blocks that a split walks several
+# key counts off the 64-key block, enough blocks that a split walks several, and Gemma's 256-value heads (merged
+# in two 128-column programs)
 CASES = [(1, 8, 2, 16, 37), (5, 9, 3, 64, 300), (16, 8, 8, 32, 1000), (16, 32, 8, 128, 200), (1, 4, 1, 64, 3000),
-         (16, 4, 4, 16, 4200)]
+         (16, 4, 4, 16, 4200), (2, 4, 2, 256, 300)]
 
 
 def check(device: str, dtype: torch.dtype, tol: float) -> None:

@@ -3,7 +3,7 @@
 Decode, verify and draft steps have 1-16 query tokens, so an attention kernel that gives each (batch, head) one
 program leaves most of the GPU idle while it walks the cache. Here the keys are cut into splits, one program per
 (KV head, split) computes a partial softmax-weighted sum for all the query heads of its group at once (GQA
-without repeating K/V), and a second kernel merges the splits by their log-sum-exp, in split order. The mask is an
+without repeating K/V), and a second kernel merges the splits by their log-sum-exp. The mask is an
 explicit bool [T, L] (True = attend), so causal, sliding-window and the draft's non-causal ring layouts all go
 through the same kernel; the score scale and an optional tanh softcap are arguments. Registered as a torch
 custom op, so torch.compile and CUDA graphs treat it as one opaque call.
@@ -43,6 +43,7 @@ STORED_BLOCK_N, STORED_STAGES = 64, 3
 # docs/PERF.md "twelfth session")
 ROW_TILE = 16
 TARGET_PROGRAMS = 264  # about two programs per SM of an H100/H200
+MERGE_COLUMNS = 128  # a merge program's share of a head (all of a rotated one: ROTATION_MAX)
 ROTATION_MAX = 128  # heads up to this size: q rotated here for rotated keys, a rotated V's output back in the merge
 NUM_WARPS, NUM_STAGES = 4, 2
 # stored row types: 0 float; GGML ids of the block types; 100 + bits for the rotated types
@@ -281,35 +282,29 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, signs_
 
 @triton.jit(do_not_specialize=["stride_ot", "n_splits", "T", "G", "n_rows"])
 def _merge_kernel(acc_ptr, m_ptr, l_ptr, signs_ptr, out_ptr, stride_ot, stride_oh, n_splits, n_kv, T, G, n_rows,
-                  D: tl.constexpr, BLOCK_M: tl.constexpr, ROTATION: tl.constexpr, PDL: tl.constexpr):
-    """One (KV head, row tile)'s splits merged by their log-sum-exp, the splits taken in order; ROTATION > 0: V was
-    stored rotated in groups of that many values (layers/kv_quant.rotate), so each group of the output is rotated
-    back (x R; R's signs at signs_ptr)."""
+                  D: tl.constexpr, DC: tl.constexpr, SPLITS: tl.constexpr, ROTATION: tl.constexpr,
+                  PDL: tl.constexpr):
+    """Columns [DC * program_id(2), + DC) of one query row (program_id(1)) of one KV head's group (program_id(0)):
+    the splits' partial sums merged by their log-sum-exp, every split loaded at once (SPLITS: a power of two, at
+    least n_splits). ROTATION > 0: V was stored rotated in groups of that many values (layers/kv_quant.rotate;
+    then DC = D), so each group of the output is rotated back (x R; R's signs at signs_ptr)."""
     wait_for_inputs(PDL)
     start_dependents(PDL)
     kv = tl.program_id(0)
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < G * T
-    at = kv * n_rows + rows
-    step = n_kv * n_rows
-    top = tl.load(m_ptr + at, mask=row_ok, other=0.0)
-    for s in range(1, n_splits):
-        top = tl.maximum(top, tl.load(m_ptr + s * step + at, mask=row_ok, other=0.0))
-    d = tl.arange(0, D)
-    denom = tl.zeros_like(top)
-    out = tl.zeros([BLOCK_M, D], tl.float32)
-    for s in range(0, n_splits):
-        weight = tl.exp(tl.load(m_ptr + s * step + at, mask=row_ok, other=0.0) - top)
-        denom += tl.load(l_ptr + s * step + at, mask=row_ok, other=0.0) * weight
-        out += tl.load(acc_ptr + (s * step + at)[:, None] * D + d[None, :], mask=row_ok[:, None],
-                       other=0.0) * weight[:, None]
-    out = out / tl.where(row_ok, denom, 1.0)[:, None]
+    row = tl.program_id(1)
+    s = tl.arange(0, SPLITS)
+    s_ok = s < n_splits
+    at = (s * n_kv + kv) * n_rows + row
+    m = tl.load(m_ptr + at, mask=s_ok, other=-1e30)
+    weight = tl.where(s_ok, tl.exp(m - tl.max(m, 0)), 0.0)
+    denom = tl.sum(tl.load(l_ptr + at, mask=s_ok, other=0.0) * weight, 0)
+    d = tl.program_id(2) * DC + tl.arange(0, DC)
+    acc = tl.load(acc_ptr + at[:, None] * D + d[None, :], mask=s_ok[:, None], other=0.0)
+    out = tl.sum(acc * weight[:, None], 0) / denom
     if ROTATION > 0:
-        R: tl.constexpr = BLOCK_M * D // ROTATION
-        out = tl.reshape(rotated_group(tl.reshape(out, [R, ROTATION]), signs_ptr, ROTATION, True), [BLOCK_M, D])
-    head = kv * G + rows // T
-    tl.store(out_ptr + (rows % T)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        out = tl.reshape(rotated_group(tl.reshape(out, [DC // ROTATION, ROTATION]), signs_ptr, ROTATION, True), [DC])
+    head = kv * G + row // T
+    tl.store(out_ptr + (row % T) * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
 @functools.cache
@@ -370,8 +365,13 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale
                                              V_TYPE=v_type, K_ROW=keys.shape[2], V_ROW=values.shape[2],
                                              K_PLANES=planes(k_type), V_PLANES=planes(v_type), K_ROTATED=k_rotated,
                                              num_warps=NUM_WARPS, num_stages=stages, **pdl.launch(q))
-    _merge_kernel[(KV, row_tiles)](acc, m, lse, v_signs, out, out.stride(0), out.stride(1), splits, KV, T, G, n_rows,
-                                   D=D, BLOCK_M=ROW_TILE, ROTATION=group, **pdl.launch(q))
+    # one program per query row and 128 columns, every split at once: 8 programs of 16 rows that took the splits in
+    # turn ran a decode step's merges in 179 us against 86 (H200, 8B, 1k keys; docs/PERF.md "seventeenth session")
+    dc = min(D, MERGE_COLUMNS)
+    merge_splits = max(2, triton.next_power_of_2(max_splits))  # one compiled variant for every length
+    _merge_kernel[(KV, G * T, D // dc)](acc, m, lse, v_signs, out, out.stride(0), out.stride(1), splits, KV, T, G,
+                                        n_rows, D=D, DC=dc, SPLITS=merge_splits, ROTATION=group,
+                                        num_warps=8 if merge_splits * dc > 8192 else 4, **pdl.launch(q))
     return out.view(T, H * D)
 
 
