@@ -401,7 +401,8 @@ def main() -> int:
     ap.add_argument("--mma-programs", type=int, default=None, help="kernels/gguf_mma.TARGET_PROGRAMS (split-K of verify)")
     ap.add_argument("--mma-sweep", default="", help="then time verify(16) again at each of these TARGET_PROGRAMS[:BLOCK_N"
                                                      "[:warps]], e.g. 132,264,264:64 (one load, graphs captured again)")
-    ap.add_argument("--gemv-tiles", default="", help='integer-kernel tiles per type, "IQ4_XS=16,8;Q4_K=4,16,4" (BLOCK_N,SB[,warps])')
+    ap.add_argument("--gemv-tiles", default="",
+                    help='integer-kernel tiles per type, "IQ4_XS=16,8;Q4_K=4,16,4" (BLOCK_N,SB[,warps])')
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke test of this script")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out")

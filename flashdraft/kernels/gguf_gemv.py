@@ -19,7 +19,8 @@ kept in planes by field (layers/quantized.field_planes: values, then fifth bits,
 their values are read as aligned words. Q2_K/Q3_K keep the tensor-core kernel.
 
 Launched with programmatic dependent launch on Hopper (kernels/pdl.py): a program issues its weight loads before it
-waits for the kernel that wrote x.
+waits for the kernel that wrote x, and lets the next kernel be placed at the end of an iteration, past that wait
+(right after the wait, Q4_K and Q5_K took 8-13 more registers under Triton 3.6 for sm_90).
 """
 import os
 
@@ -264,7 +265,7 @@ def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split
             part = d_lo * xd_lo * dot_lo + d_hi * xd_hi * dot_hi - (m_lo * xs_lo + m_hi * xs_hi)
             contrib = tl.sum(tl.sum(part, axis=2), axis=1)
             acc = _add_row(acc, mi, m, contrib)
-        start_dependents(PDL)  # past the wait (kernels/pdl.py); right after it, Q4_K/Q5_K took 8-13 more registers
+        start_dependents(PDL)
     wait_for_inputs(PDL)  # (also where a program had no iterations)
     _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
 
@@ -351,7 +352,7 @@ def _q6_k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_pe
                     _dot16(v3, tl.load(xw + 24, mask=x_ok, other=0), EMULATE))
             contrib = tl.sum(tl.sum(tl.sum(part, axis=3), axis=2), axis=1)
             acc = _add_row(acc, mi, m, contrib)
-        start_dependents(PDL)  # past the wait (kernels/pdl.py); right after it, Q4_K/Q5_K took 8-13 more registers
+        start_dependents(PDL)
     wait_for_inputs(PDL)  # (also where a program had no iterations)
     _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
 
@@ -424,7 +425,7 @@ def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, lut_ptr, out_ptr, M,
                 xs = tl.load(xs_ptr + m * stride_xd + b, mask=xs_ok & m_ok, other=0.0)[None, :]
                 contrib = tl.sum(d * xd * dot + dm * xs, axis=1)
             acc = _add_row(acc, mi, m, contrib)
-        start_dependents(PDL)  # past the wait (kernels/pdl.py); right after it, Q4_K/Q5_K took 8-13 more registers
+        start_dependents(PDL)
     wait_for_inputs(PDL)  # (also where a program had no iterations)
     _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
 
@@ -456,7 +457,7 @@ def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_pe
             dot = tl.sum(_dp4a(words, x[None], EMULATE), axis=2).to(tl.float32)
             contrib = tl.sum(d * xd * dot, axis=1)
             acc = _add_row(acc, mi, m, contrib)
-        start_dependents(PDL)  # past the wait (kernels/pdl.py); right after it, Q4_K/Q5_K took 8-13 more registers
+        start_dependents(PDL)
     wait_for_inputs(PDL)  # (also where a program had no iterations)
     _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
 
@@ -499,7 +500,7 @@ def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_
             xd = tl.load(xd_ptr + m * stride_xd + s[:, None] * 8 + j[None, :], mask=xs_ok & m_ok, other=0.0)[None]
             contrib = tl.sum(tl.sum(dl * xd * dot, axis=2), axis=1)
             acc = _add_row(acc, mi, m, contrib)
-        start_dependents(PDL)  # past the wait (kernels/pdl.py); right after it, Q4_K/Q5_K took 8-13 more registers
+        start_dependents(PDL)
     wait_for_inputs(PDL)  # (also where a program had no iterations)
     _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
 
@@ -533,14 +534,24 @@ def gemv(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:
 
 
 def gemv_parts(x: Tensor, qweights: list[Tensor], qtypes: list[str], k: int) -> Tensor:
-    """x @ [part 0; part 1; ...]^T -> [M, sum of N] (a fused q/k/v or gate/up whose parts differ in type): x is
-    quantized once and each part writes its own columns of one output."""
-    roundings = {q: (IQ4_ORDER if q in IQ4_TYPES else 0, x_group(q)) for q in qtypes}
-    rounded = {r: quantize_rows(x, *r) for r in set(roundings.values())}
+    """x @ [part 0; part 1; ...]^T -> [M, sum of N] (a fused q/k/v or gate/up whose parts differ in type)."""
+    return parts_product(x, qweights, qtypes, k, lambda q: (IQ4_ORDER if q in IQ4_TYPES else 0, x_group(q)),
+                         quantize_rows, _gemv_into)
+
+
+def parts_product(x: Tensor, qweights: list[Tensor], qtypes: list[str], k: int, rounding, round_x,
+                  product_into) -> Tensor:
+    """x @ [part 0; part 1; ...]^T -> [M, sum of N]: x rounded once per distinct rounding(qtype) (round_x(x,
+    *rounding)), and product_into(out's columns of the part, x, *rounded x, part, qtype, k) for each part, so the
+    parts write one output."""
+    rounded = {}
     out = torch.empty(x.shape[0], sum(w.shape[0] for w in qweights), device=x.device, dtype=x.dtype)
     col = 0
     for w, qtype in zip(qweights, qtypes):
-        _gemv_into(out[:, col:col + w.shape[0]], x, *rounded[roundings[qtype]], w, qtype, k)
+        key = rounding(qtype)
+        if key not in rounded:
+            rounded[key] = round_x(x, *key)
+        product_into(out[:, col:col + w.shape[0]], x, *rounded[key], w, qtype, k)
         col += w.shape[0]
     return out
 

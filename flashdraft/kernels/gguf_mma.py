@@ -104,8 +104,8 @@ def _tile(w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N: g
     """A program's super-blocks [first, last) (grid axis 1 splits K) and its operands in the mma fragments'
     layouts: a_row [BLOCK_N, 1] (its weight rows' starts, in the A layout: plus a_col, or a function of it that
     keeps runs of K_WIDTH, for word loads), a_ok, a_col [1, 32] (k); b_ptr [32, TOKENS] (x's block 0 + k, in the
-    B layout: `_x_values` reads block j), b_ok; s_ptr (the rows' starts as int32 words, for their scales), rows, row_ok and toks, tok_ok along
-    the product's two axes; a float32 accumulator and an int32 zero for each mma."""
+    B layout: `_x_values` reads block j), b_ok; s_ptr (the rows' starts as int32 words, for their scales), rows,
+    row_ok and toks, tok_ok along the product's two axes; a float32 accumulator and an int32 zero for each mma."""
     if PDL:  # kernels/pdl.py: wait for x, then let the next kernel be placed (launch overlap only)
         gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
@@ -371,18 +371,11 @@ def matmul(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:
 
 
 def matmul_parts(x: Tensor, qweights: list[Tensor], qtypes: list[str], k: int) -> Tensor:
-    """x @ [part 0; part 1; ...]^T -> [M, sum of N] (a fused q/k/v or gate/up whose parts differ in type): x is
-    rounded once per layout the parts' kernels take, and each part writes its own columns of one output."""
-    rounded = {}
-    out = torch.empty(x.shape[0], sum(w.shape[0] for w in qweights), device=x.device, dtype=x.dtype)
-    col = 0
-    for w, qtype in zip(qweights, qtypes):
-        rounding = KERNELS[qtype][1]["TILED"], gguf_gemv.x_group(qtype), X_ORDERS.get(qtype, 0)
-        if rounding not in rounded:
-            rounded[rounding] = _rounded(x, *rounding)
-        _matmul_into(out[:, col:col + w.shape[0]], x, *rounded[rounding], w, qtype, k)
-        col += w.shape[0]
-    return out
+    """x @ [part 0; part 1; ...]^T -> [M, sum of N] (a fused q/k/v or gate/up whose parts differ in type): x rounded
+    once per layout the parts' kernels take."""
+    return gguf_gemv.parts_product(
+        x, qweights, qtypes, k, lambda q: (KERNELS[q][1]["TILED"], gguf_gemv.x_group(q), X_ORDERS.get(q, 0)),
+        _rounded, _matmul_into)
 
 
 def _rounded(x: Tensor, tiled: bool, group: int, order: int) -> tuple[Tensor, Tensor, int, int]:
