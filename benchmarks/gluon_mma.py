@@ -73,7 +73,7 @@ def main() -> int:
             for m in (1, 5, 16):
                 x = torch.randn(m, k)  # float32: the output keeps x's dtype
                 got = gguf_mma.matmul(x.cuda(), w, qtype, k).cpu().double()
-                ref = as_int8_rows(x, x_group(qtype)).double() @ want.T
+                ref = as_int8_rows(x, x_group(qtype, k)).double() @ want.T
                 err = ((got - ref).norm() / ref.norm()).item()
                 print(f"{qtype} N={n} K={k} rows={m}: relative error {err:.2e}", flush=True)
                 assert err < 1e-3, err

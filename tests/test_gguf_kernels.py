@@ -51,6 +51,7 @@ def check(device: str, dtype: torch.dtype = torch.float32, tol: float = 1e-5) ->
     # odd count (544 / 32) of 18-, 22- or 34-byte blocks are not whole words and take the tensor-core kernel
     cases = [(t, 512 if t.endswith("_K") or t == "IQ4_XS" else 576) for t in TYPES] + [(t, 544) for t in
                                                                                       ("Q8_0", "Q4_0", "Q5_0")]
+    cases.append(("Q8_0", 512))  # rows of whole 256-groups: x rounded per 256 (gguf_gemv.x_group)
     for i, (qtype, k) in enumerate(cases):
         n = 45
         raw = random_blocks(qtype, n, k, seed=i)
@@ -66,7 +67,7 @@ def check(device: str, dtype: torch.dtype = torch.float32, tol: float = 1e-5) ->
             for b in (None, bias):
                 x = x.to(dtype)
                 out = gguf_matmul(x.to(device), qweight, qtype, k, None if b is None else b.to(device)).cpu()
-                xr = as_int8_rows(x, x_group(qtype)) if covers(qtype, k) and rows <= MAX_ROWS else x
+                xr = as_int8_rows(x, x_group(qtype, k)) if covers(qtype, k) and rows <= MAX_ROWS else x
                 ref = xr.double() @ want.double().T + (0 if b is None else b.double())
                 err = ((out.double() - ref).norm() / ref.norm()).item()
                 assert err < tol, f"{qtype}, {rows} rows, bias {b is not None}: relative error {err}"
@@ -83,8 +84,8 @@ def check(device: str, dtype: torch.dtype = torch.float32, tol: float = 1e-5) ->
     for rows in (1, 3, 16):
         x = torch.randn(rows, k, generator=gen).to(dtype)
         out = gguf_matmul_parts(x.to(device), parts, ",".join(types), k).cpu()
-        ref = torch.cat([(as_int8_rows(x, x_group(t)) if rows <= MAX_ROWS else x).double() @ reference(r, t).double().T
-                         for r, t in zip(raws, types)], -1)
+        ref = torch.cat([(as_int8_rows(x, x_group(t, k)) if rows <= MAX_ROWS else x).double()
+                         @ reference(r, t).double().T for r, t in zip(raws, types)], -1)
         err = ((out.double() - ref).norm() / ref.norm()).item()
         assert err < tol, f"parts {types}, {rows} rows: relative error {err}"
         one = torch.cat([gguf_matmul(x.to(device), w, t, k) for w, t in zip(parts, types)], -1).cpu()
@@ -199,7 +200,7 @@ def test_int8_mma_kernels_on_gpu_match_gguf_reference():
                 product = gguf_matmul if qtype in gguf_mma.TIMED else gguf_mma.matmul
                 for rows in (5, 16):
                     out = product(x[:rows].cuda(), w, qtype, k).cpu().double()
-                    ref = as_int8_rows(x[:rows], gguf_gemv.x_group(qtype)).double() @ want.T
+                    ref = as_int8_rows(x[:rows], gguf_gemv.x_group(qtype, k)).double() @ want.T
                     err = ((out - ref).norm() / ref.norm()).item()
                     assert err < 1e-3, f"{qtype} {n}x{k}, {rows} rows: relative error {err}"
                 xb = x.cuda().to(torch.bfloat16)

@@ -1,8 +1,9 @@
-"""Integer dot products for a few rows of x against GGUF weights of the 4-, 5-, 6- and 8-bit types (decode, verify and draft
-steps): the shape of llama.cpp's mmvq, written for Triton.
+"""Integer dot products for a few rows of x against GGUF weights of the 4-, 5-, 6- and 8-bit types (decode, verify and
+draft steps): the shape of llama.cpp's mmvq, written for Triton.
 
 x is first quantized to 8 bits (`quantize_rows`: int8 packed four to an int32 word, a float scale per 32 values
-or, for the K types and IQ4_XS, per 256 (`x_group`), and the scaled sum per 32 values). The weight kernels then
+or, for the K types, IQ4_XS and Q8_0's rows of whole 256-groups, per 256 (`x_group`), and the scaled sum per 32
+values). The weight kernels then
 read each row's bytes as 32-bit words, mask the 4-, 5- or 6-bit fields out of a word four at a time, and multiply
 them with x's bytes by `dp4a` (four int8 products summed into an int32), so a weight costs about a quarter of an
 instruction per row of x instead of an unpack, a conversion and a multiply. The sub-block scales and the
@@ -118,13 +119,14 @@ IQ4_TYPES = ("IQ4_NL", "IQ4_XS")
 
 # x's rounding group per weight type: the types whose blocks are 256 weights with small integer sub-block scales round
 # x per 256 (llama.cpp's CPU Q8_K), so the int8 mma kernels sum a super-block's sub-block products in int32 and
-# convert once (docs/PERF.md: per 256 costs what per 32 costs in KL); the 32-weight types round per 32. Decode and
-# verify round alike, so a token's greedy choice does not depend on which computed it.
+# convert once (docs/PERF.md: per 256 costs what per 32 costs in KL); Q8_0 too where a row is whole groups of 256
+# (its mma kernel then scales x once per 8 blocks); the other 32-weight types round per 32. Decode and verify round
+# alike, so a token's greedy choice does not depend on which computed it.
 GROUP_256 = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
 
 
-def x_group(qtype: str) -> int:
-    return 256 if qtype in GROUP_256 else QK8
+def x_group(qtype: str, k: int) -> int:
+    return 256 if qtype in GROUP_256 or (qtype == "Q8_0" and k % 256 == 0) else QK8
 
 
 def quantize_rows(x: Tensor, order: int = 0, group: int = QK8) -> tuple[Tensor, Tensor, Tensor]:
@@ -535,7 +537,7 @@ def gemv(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:
 
 def gemv_parts(x: Tensor, qweights: list[Tensor], qtypes: list[str], k: int) -> Tensor:
     """x @ [part 0; part 1; ...]^T -> [M, sum of N] (a fused q/k/v or gate/up whose parts differ in type)."""
-    return parts_product(x, qweights, qtypes, k, lambda q: (IQ4_ORDER if q in IQ4_TYPES else 0, x_group(q)),
+    return parts_product(x, qweights, qtypes, k, lambda q: (IQ4_ORDER if q in IQ4_TYPES else 0, x_group(q, k)),
                          quantize_rows, _gemv_into)
 
 

@@ -7,14 +7,14 @@ and of 2g + 1 (high nibbles, a shift and an AND); Q5_K adds bit J of each qh byt
 and one of qh bytes give four consecutive 6-bit values (signed by a bit trick); its scales change every 16 weights,
 so each 32 weights are two mmas with the other half's weights zeroed. IQ4_XS: the low or high nibbles of a word
 looked up in the level table by byte permutes. Q8_0: its int8 plane as it is. x is quantized to 8 bits as the integer
-kernels take it (per 256 values for the K types and IQ4_XS, per 32 for Q8_0: gguf_gemv.x_group), by rows
+kernels take it (per 256 values: gguf_gemv.x_group), by rows
 (`gguf_gemv.quantize_rows_paired`) or with each block's 16 rows side by side (`quantize_rows_tiled`: a warp's
 B-fragment or scale load is one or two L1 wavefronts, where rows K apart took eight; the kernels were bound by L1
 wavefronts, not DRAM). Each product is exact in int32; with one x scale per super-block the sub-blocks' products
 times their integer scales are summed in int32 (and Q4_K/Q5_K's minimum term as an mma of the rows' 6-bit mins
 with x), so a super-block converts to float once: d * xd(token) * sum(sc * (w . x)) minus dmin * xd(token) *
-sum(m * sum(x)) (Q8_0: d * xd per block). Rows of x are padded to 16 and K is split by the matrix's shape only, so a
-token's result does not depend on how many rows share the call.
+sum(m * sum(x)) (Q8_0: each block's product times its d, summed in float, times xd). Rows of x are padded to 16
+and K is split by the matrix's shape only, so a token's result does not depend on how many rows share the call.
 
 Gluon has no interpreter: the CPU tests cannot run these kernels (the GPU test does, against the `gguf` package;
 the CPU tests read their unpacking assembly as PTX and the tiled layout through the interpreter).
@@ -64,19 +64,19 @@ def _half(bits):
 
 
 @gluon.jit
-def _x_values(b_ptr, b_ok, block, TILED: gl.constexpr):
+def _x_values(b_ptr, block, TILED: gl.constexpr):
     """x's block `block` (of 32 values): its 8-bit values as the B fragment, x laid out by rows
     (quantize_rows_paired) or tiled (quantize_rows_tiled)."""
-    return gl.load(b_ptr + (512 if TILED else 32) * block, mask=b_ok, other=0)
+    return gl.load(b_ptr + (512 if TILED else 32) * block)
 
 
 @gluon.jit
-def _x_scale(xds_ptr, toks, stride_xds, tok_ok, block, TILED: gl.constexpr):
+def _x_scale(xds_ptr, x_toks, stride_xds, block, TILED: gl.constexpr):
     """Each token's scale of x's block `block`, float32 (the low half of its (scale, scaled sum) pair)."""
     if TILED:
-        pair = gl.load(xds_ptr + 16 * block + toks, mask=tok_ok, other=0)
+        pair = gl.load(xds_ptr + 16 * block + x_toks)
     else:
-        pair = gl.load(xds_ptr + toks * stride_xds + block, mask=tok_ok, other=0)
+        pair = gl.load(xds_ptr + x_toks * stride_xds + block)
     return pair.to(gl.int32).to(gl.float32, bitcast=True)
 
 
@@ -87,11 +87,11 @@ def _scaled(acc, isum, d, xd):
 
 
 @gluon.jit
-def _sub_block(isum, msum, w, zero, a, b, s, b_ptr, b_ok, block0, J: gl.constexpr, a_l: gl.constexpr,
+def _sub_block(isum, msum, w, zero, a, b, s, b_ptr, block0, J: gl.constexpr, a_l: gl.constexpr,
                TILED: gl.constexpr):
     """A Q4_K/Q5_K super-block's sums with sub-block J added, in int32 (x rounded per 256: one scale for all 8):
     isum + sc(row) * (w . x), and msum + m(row) * sum(x) as an mma of the rows' 6-bit mins, repeated over k, with x."""
-    xb = _x_values(b_ptr, b_ok, block0 + J, TILED)
+    xb = _x_values(b_ptr, block0 + J, TILED)
     sc, mn = _scale_byte(a, b, s, J)
     mins = gl.convert_layout(mn.to(gl.int8), gl.SliceLayout(1, a_l), assert_trivial=True)[:, None]
     return (isum + mma_v2(w, xb, zero) * sc[:, None],
@@ -103,9 +103,13 @@ def _tile(w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N: g
           NUM_WARPS: gl.constexpr, K_WIDTH: gl.constexpr, TILED: gl.constexpr, PDL: gl.constexpr):
     """A program's super-blocks [first, last) (grid axis 1 splits K) and its operands in the mma fragments'
     layouts: a_row [BLOCK_N, 1] (its weight rows' starts, in the A layout: plus a_col, or a function of it that
-    keeps runs of K_WIDTH, for word loads), a_ok, a_col [1, 32] (k); b_ptr [32, TOKENS] (x's block 0 + k, in the
-    B layout: `_x_values` reads block j), b_ok; s_ptr (the rows' starts as int32 words, for their scales), rows,
-    row_ok and toks, tok_ok along the product's two axes; a float32 accumulator and an int32 zero for each mma."""
+    keeps runs of K_WIDTH, for word loads), a_col [1, 32] (k); b_ptr [32, TOKENS] (x's block 0 + k, in the B
+    layout: `_x_values` reads block j); s_ptr (the rows' starts as int32 words, for their scales), x_toks (the
+    tokens' rows of x, for their scales: `_x_scale`), rows, row_ok and toks, tok_ok along the product's two axes; a
+    float32 accumulator and an int32 zero for each mma.
+    Loads take no masks: rows past N read row N - 1, tokens past M read row M - 1 of x by rows, or the tiled
+    layout's unwritten rows; a product's row and column depend on that row of w and that token of x only, and
+    `_store` leaves those out (a masked load costs a register zeroed before it, and a predicate)."""
     if PDL:  # kernels/pdl.py: wait for x, then let the next kernel be placed (launch overlap only)
         gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
@@ -114,19 +118,24 @@ def _tile(w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N: g
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=K_WIDTH)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=K_WIDTH)
     first_row = gl.program_id(0) * BLOCK_N
-    a_rows = first_row + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_l))
+    a_rows = gl.minimum(first_row + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_l)), N - 1)
     a_col = gl.arange(0, 32, layout=gl.SliceLayout(0, a_l))[None, :]
     a_row = w_ptr + a_rows.to(gl.int64)[:, None] * stride_wn
     b_k = gl.arange(0, 32, layout=gl.SliceLayout(1, b_l))
     b_t = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, b_l))
     rows = first_row + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
     toks = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, mma))
+    if TILED:
+        b_ptr = xq_ptr + b_t[None, :] * 32 + b_k[:, None]
+        x_toks = toks
+    else:
+        b_ptr = xq_ptr + gl.minimum(b_t, M - 1)[None, :] * stride_xq + b_k[:, None]
+        x_toks = gl.minimum(toks, M - 1)
     first = gl.program_id(1) * sb_per_split
-    s_ptr = (w_ptr + rows.to(gl.int64) * stride_wn).to(gl.pointer_type(gl.int32))
-    return (first, gl.minimum(first + sb_per_split, K // 256), a_row, (a_rows < N)[:, None], a_col,
-            xq_ptr + b_t[None, :] * (32 if TILED else stride_xq) + b_k[:, None], (b_t < M)[None, :], s_ptr, rows, rows < N, toks,
-            toks < M, gl.zeros([BLOCK_N, TOKENS], gl.float32, layout=mma), gl.zeros([BLOCK_N, TOKENS], gl.int32,
-                                                                                   layout=mma))
+    s_ptr = (w_ptr + gl.minimum(rows, N - 1).to(gl.int64) * stride_wn).to(gl.pointer_type(gl.int32))
+    return (first, gl.minimum(first + sb_per_split, K // 256), a_row, a_col, b_ptr, s_ptr, x_toks, rows, rows < N,
+            toks, toks < M, gl.zeros([BLOCK_N, TOKENS], gl.float32, layout=mma),
+            gl.zeros([BLOCK_N, TOKENS], gl.int32, layout=mma))
 
 
 @gluon.jit
@@ -195,7 +204,7 @@ def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
     thread; out [splits, M, N] float32 partial sums over this program's super-blocks."""
     WORDS: gl.constexpr = 44 if FIVE_BITS else 36
     NIBBLES: gl.constexpr = 48 if FIVE_BITS else 16
-    first, last, a_row, a_ok, a_col, b_ptr, b_ok, s_ptr, rows, row_ok, toks, tok_ok, acc, zero = _tile(
+    first, last, a_row, a_col, b_ptr, s_ptr, x_toks, rows, row_ok, toks, tok_ok, acc, zero = _tile(
         w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, 8, TILED, PDL)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
@@ -205,13 +214,13 @@ def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
              + gl.arange(0, 128, layout=gl.SliceLayout(0, wide))[None, :])  # rows past N read row N - 1, unstored
     a_ptr = a_row + a_col
     for c in range(first, last):
-        head = gl.load(s_ptr + WORDS * c, mask=row_ok, other=0)
-        a = gl.load(s_ptr + WORDS * c + 1, mask=row_ok, other=0)
-        b = gl.load(s_ptr + WORDS * c + 2, mask=row_ok, other=0)
-        s = gl.load(s_ptr + WORDS * c + 3, mask=row_ok, other=0)
+        head = gl.load(s_ptr + WORDS * c)
+        a = gl.load(s_ptr + WORDS * c + 1)
+        b = gl.load(s_ptr + WORDS * c + 2)
+        s = gl.load(s_ptr + WORDS * c + 3)
         d, dmin = _half(head), _half(head >> 16)
         if FIVE_BITS:
-            qh = gl.load(a_ptr + 4 * WORDS * c + 16, mask=a_ok, other=0)
+            qh = gl.load(a_ptr + 4 * WORDS * c + 16)
         groups = _groups(gl.load(q_ptr + 4 * WORDS * c), a_l, BLOCK_N)
         isum, msum = zero, zero
         for g in gl.static_range(4):
@@ -223,9 +232,9 @@ def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
                                                is_pure=True, pack=4)
                 hi = gl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 4; and.b32 $0, t, 0x0F0F0F0F; }",
                                                "=r,r", [q], dtype=gl.int8, is_pure=True, pack=4)
-            isum, msum = _sub_block(isum, msum, lo, zero, a, b, s, b_ptr, b_ok, 8 * c, 2 * g, a_l, TILED)
-            isum, msum = _sub_block(isum, msum, hi, zero, a, b, s, b_ptr, b_ok, 8 * c, 2 * g + 1, a_l, TILED)
-        xd = _x_scale(xds_ptr, toks, stride_xds, tok_ok, 8 * c, TILED)
+            isum, msum = _sub_block(isum, msum, lo, zero, a, b, s, b_ptr, 8 * c, 2 * g, a_l, TILED)
+            isum, msum = _sub_block(isum, msum, hi, zero, a, b, s, b_ptr, 8 * c, 2 * g + 1, a_l, TILED)
+        xd = _x_scale(xds_ptr, x_toks, stride_xds, 8 * c, TILED)
         acc = _scaled(_scaled(acc, isum, d, xd), msum, -dmin, xd)
     _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
 
@@ -272,28 +281,28 @@ def _q6k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_x
                 PDL: gl.constexpr):
     """Q6_K (kept padded to 212 bytes: ql 128, qh 64, 16 int8 scales, d): each 32 weights are one int8 mma per
     16-weight scale, the other half's weights zeroed, the two exact int32 products scaled in float32."""
-    first, last, a_row, a_ok, a_col, b_ptr, b_ok, s_ptr, rows, row_ok, toks, tok_ok, acc, zero = _tile(
+    first, last, a_row, a_col, b_ptr, s_ptr, x_toks, rows, row_ok, toks, tok_ok, acc, zero = _tile(
         w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, K_WIDTH, TILED, PDL)
     a_ptr = a_row + a_col
     first_half = a_col < 16
     for c in range(first, last):
-        d = _half(gl.load(s_ptr + 53 * c + 52, mask=row_ok, other=0))
+        d = _half(gl.load(s_ptr + 53 * c + 52))
         isum = zero
         for h in gl.static_range(2):  # 128-weight halves
-            ql0 = gl.load(a_ptr + 212 * c + 64 * h, mask=a_ok, other=0)
-            ql1 = gl.load(a_ptr + 212 * c + 64 * h + 32, mask=a_ok, other=0)
-            qh = gl.load(a_ptr + 212 * c + 128 + 32 * h, mask=a_ok, other=0)
-            sw0 = gl.load(s_ptr + 53 * c + 48 + 2 * h, mask=row_ok, other=0)  # scales 8h .. 8h + 3
-            sw1 = gl.load(s_ptr + 53 * c + 49 + 2 * h, mask=row_ok, other=0)  # scales 8h + 4 .. 8h + 7
+            ql0 = gl.load(a_ptr + 212 * c + 64 * h)
+            ql1 = gl.load(a_ptr + 212 * c + 64 * h + 32)
+            qh = gl.load(a_ptr + 212 * c + 128 + 32 * h)
+            sw0 = gl.load(s_ptr + 53 * c + 48 + 2 * h)  # scales 8h .. 8h + 3
+            sw1 = gl.load(s_ptr + 53 * c + 49 + 2 * h)  # scales 8h + 4 .. 8h + 7
             for q in gl.static_range(4):
                 v = _q6_values(ql0, ql1, qh, q)
-                xb = _x_values(b_ptr, b_ok, 8 * c + 4 * h + q, TILED)
+                xb = _x_values(b_ptr, 8 * c + 4 * h + q, TILED)
                 sw = sw0 if q < 2 else sw1
                 sc_a = (sw << (24 - 16 * (q % 2))) >> 24  # scale 2q, signed
                 sc_b = (sw << (16 - 16 * (q % 2))) >> 24  # scale 2q + 1
                 isum += (mma_v2(gl.where(first_half, v, 0), xb, zero) * sc_a[:, None]
                          + mma_v2(gl.where(first_half, 0, v), xb, zero) * sc_b[:, None])
-        acc = _scaled(acc, isum, d, _x_scale(xds_ptr, toks, stride_xds, tok_ok, 8 * c, TILED))
+        acc = _scaled(acc, isum, d, _x_scale(xds_ptr, x_toks, stride_xds, 8 * c, TILED))
     _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
 
 
@@ -306,20 +315,20 @@ def _iq4_xs_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
     sub-block's word t, looked up at once (iq4.IQ4_EIGHT: one 4-byte load and 12 instructions for eight weights),
     in the order x is quantized in for them (gguf_gemv.IQ4_ORDER). Each 32 weights are one mma; a super-block's
     eight, times their scales (6-bit - 32), summed in int32."""
-    first, last, a_row, a_ok, a_col, b_ptr, b_ok, s_ptr, rows, row_ok, toks, tok_ok, acc, zero = _tile(
+    first, last, a_row, a_col, b_ptr, s_ptr, x_toks, rows, row_ok, toks, tok_ok, acc, zero = _tile(
         w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, 8, TILED, PDL)
     a_ptr = a_row + 4 * (a_col // 8) + a_col % 4  # k 8t + i: byte i % 4 of word t
-    word_ok = a_ok & (a_col % 8 < 4)  # the other four bytes of a thread's eight are not read
+    word_ok = a_col % 8 < 4  # the other four bytes of a thread's eight are not read
     for c in range(first, last):
-        head = gl.load(s_ptr + K // 256 * 32 + 2 * c, mask=row_ok, other=0)
-        low = gl.load(s_ptr + K // 256 * 32 + 2 * c + 1, mask=row_ok, other=0)
+        head = gl.load(s_ptr + K // 256 * 32 + 2 * c)
+        low = gl.load(s_ptr + K // 256 * 32 + 2 * c + 1)
         isum = zero
         for j in gl.static_range(8):
             q = gl.load(a_ptr + 128 * c + 16 * j, mask=word_ok, other=0)
             w = gl.inline_asm_elementwise(IQ4_EIGHT, "=r,=r,r,r", [q], dtype=gl.int8, is_pure=True, pack=8)
             scale = ((low >> (4 * j)) & 15) | (((head >> (16 + 2 * j)) & 3) << 4)
-            isum += mma_v2(w, _x_values(b_ptr, b_ok, 8 * c + j, TILED), zero) * (scale - 32)[:, None]
-        acc = _scaled(acc, isum, _half(head), _x_scale(xds_ptr, toks, stride_xds, tok_ok, 8 * c, TILED))
+            isum += mma_v2(w, _x_values(b_ptr, 8 * c + j, TILED), zero) * (scale - 32)[:, None]
+        acc = _scaled(acc, isum, _half(head), _x_scale(xds_ptr, x_toks, stride_xds, 8 * c, TILED))
     _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
 
 
@@ -328,19 +337,21 @@ def _q8_0_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_
                  stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, K_WIDTH: gl.constexpr, TILED: gl.constexpr,
                  PDL: gl.constexpr):
     """Q8_0 as layers/quantized.field_planes keeps it (a row's K int8 values, then its K / 32 fp16 scales), K a
-    multiple of 256: each block's exact int32 product scaled by d(row) * xd(token)."""
-    first, last, a_row, a_ok, a_col, b_ptr, b_ok, s_ptr, rows, row_ok, toks, tok_ok, acc, zero = _tile(
+    multiple of 256, x rounded per 256: each block's exact int32 product times d(row), the eight blocks' sum times
+    xd(token)."""
+    first, last, a_row, a_col, b_ptr, s_ptr, x_toks, rows, row_ok, toks, tok_ok, acc, zero = _tile(
         w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, K_WIDTH, TILED, PDL)
     a_ptr = (a_row + a_col).to(gl.pointer_type(gl.int8))
-    d_ptr = (w_ptr + rows.to(gl.int64) * stride_wn + K).to(gl.pointer_type(gl.int16))
+    d_ptr = (w_ptr + gl.minimum(rows, N - 1).to(gl.int64) * stride_wn + K).to(gl.pointer_type(gl.int64))
     for c in range(first, last):
+        d_words = gl.load(d_ptr + 2 * c), gl.load(d_ptr + 2 * c + 1)  # the 8 blocks' fp16 scales, four a word
+        part = gl.zeros_like(acc)
         for j in gl.static_range(8):
-            w = gl.load(a_ptr + 256 * c + 32 * j, mask=a_ok, other=0)
-            xb = _x_values(b_ptr, b_ok, 8 * c + j, TILED)
-            xd = _x_scale(xds_ptr, toks, stride_xds, tok_ok, 8 * c + j, TILED)
-            prod = mma_v2(w, xb, zero)
-            d = gl.load(d_ptr + 8 * c + j, mask=row_ok, other=0).to(gl.float16, bitcast=True).to(gl.float32)
-            acc = _scaled(acc, prod, d, xd)
+            w = gl.load(a_ptr + 256 * c + 32 * j)
+            prod = mma_v2(w, _x_values(b_ptr, 8 * c + j, TILED), zero)
+            d = _half((d_words[j // 4] >> (16 * (j % 4))).to(gl.int32))
+            part += prod.to(gl.float32) * d[:, None]
+        acc += part * _x_scale(xds_ptr, x_toks, stride_xds, 8 * c, TILED)[None, :]
     _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
 
 
@@ -374,7 +385,7 @@ def matmul_parts(x: Tensor, qweights: list[Tensor], qtypes: list[str], k: int) -
     """x @ [part 0; part 1; ...]^T -> [M, sum of N] (a fused q/k/v or gate/up whose parts differ in type): x rounded
     once per layout the parts' kernels take."""
     return gguf_gemv.parts_product(
-        x, qweights, qtypes, k, lambda q: (KERNELS[q][1]["TILED"], gguf_gemv.x_group(q), X_ORDERS.get(q, 0)),
+        x, qweights, qtypes, k, lambda q: (KERNELS[q][1]["TILED"], gguf_gemv.x_group(q, k), X_ORDERS.get(q, 0)),
         _rounded, _matmul_into)
 
 
