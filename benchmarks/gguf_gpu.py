@@ -281,9 +281,13 @@ def measure(args) -> int:
     for tile in filter(None, args.gemv_tiles.split(";")):
         from flashdraft.kernels import gguf_gemv as G
         qtype, sizes = tile.split("=")
-        block_n, sb, *warps = map(int, sizes.split(","))
-        G.TYPE_CONFIGS[qtype] = dict(G.TYPE_CONFIGS.get(qtype, G.CONFIG), BLOCK_N=block_n, SB=sb,
-                                     **({"num_warps": warps[0]} if warps else {}))
+        block_n, sb, *more = map(int, sizes.split(","))
+        cfg = dict(G.TYPE_CONFIGS.get(qtype, G.CONFIG), BLOCK_N=block_n, SB=sb)
+        if more:
+            cfg["num_warps"] = more[0]
+        if len(more) > 1:
+            cfg["maxnreg"] = more[1] or None
+        G.TYPE_CONFIGS[qtype] = cfg
     ctxs = [int(c) for c in args.ctxs.split(",")]
     results = dict(date=time.strftime("%Y-%m-%d"), torch=torch.__version__, rows=[])
     if dev == "cuda":
@@ -402,7 +406,8 @@ def main() -> int:
     ap.add_argument("--mma-sweep", default="", help="then time verify(16) again at each of these TARGET_PROGRAMS[:BLOCK_N"
                                                      "[:warps]], e.g. 132,264,264:64 (one load, graphs captured again)")
     ap.add_argument("--gemv-tiles", default="",
-                    help='integer-kernel tiles per type, "IQ4_XS=16,8;Q4_K=4,16,4" (BLOCK_N,SB[,warps])')
+                    help='integer-kernel tiles per type, "IQ4_XS=16,8;Q5_K=4,16,4,0": BLOCK_N,SB[,warps[,maxnreg '
+                         '(0: no cap)]]')
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke test of this script")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out")

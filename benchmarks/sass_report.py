@@ -35,13 +35,14 @@ BRANCH = re.compile(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?BRA\s+0x([0-9a-f]+
 
 
 def compile_sm90(fn, signature: dict, constexprs: dict, aligned: tuple, num_warps: int,
-                 source=triton.compiler.ASTSource, num_stages: int = 3) -> tuple[str, str]:
-    """(cuobjdump's resource usage, its SASS) of fn compiled for sm_90; source: Gluon kernels pass GluonASTSource."""
+                 source=triton.compiler.ASTSource, num_stages: int = 3, maxnreg: int | None = None) -> tuple[str, str]:
+    """(cuobjdump's resource usage, its SASS) of fn compiled for sm_90; source: Gluon kernels pass GluonASTSource;
+    maxnreg: a register cap, as a launch's."""
     names = list(signature)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     src = source(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": num_warps, "num_stages": num_stages})
+                            options={"num_warps": num_warps, "num_stages": num_stages, "maxnreg": maxnreg})
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(kernel.asm["cubin"])
     usage = subprocess.run([f"{BIN}/cuobjdump", "--dump-resource-usage", f.name], capture_output=True, text=True)
@@ -95,8 +96,12 @@ def attention_cases(kv_types: list[str]):
                stages, per_iter)
 
 
-def cases(kernels: list[str], types: list[str], block_n: int):
-    """(label, fn, signature, constexprs, aligned, warps, stages, weight bytes per loop iteration per program)."""
+caps: dict[str, int | None] = {}
+
+
+def cases(kernels: list[str], types: list[str], block_n: int, whole: bool = True):
+    """(label, fn, signature, constexprs, aligned, warps, stages, weight bytes per loop iteration per program); the
+    integer kernels' register caps (TYPE_CONFIGS' maxnreg) go in `caps`."""
     for qtype in types:
         if "gemv" in kernels and qtype in ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS", *G.BLOCK32_IDS):
             block32 = qtype in G.BLOCK32_IDS
@@ -109,7 +114,8 @@ def cases(kernels: list[str], types: list[str], block_n: int):
             sig |= {"out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "sb_per_split": "i32", "stride_xq": "i32",
                     "stride_xd": "i32", "stride_wu": "i32", "stride_os": "i32", "stride_om": "i32"}
             align = 1 if qtype == "Q6_K" else 4
-            const = dict(BM=1, BLOCK_N=cfg["BLOCK_N"], SB=cfg["SB"], ROW_ALIGN=align, EMULATE=False, PDL=True)
+            const = dict(BM=1, BLOCK_N=cfg["BLOCK_N"], SB=cfg["SB"], ROW_ALIGN=align, WHOLE=whole, EMULATE=False,
+                         PDL=True)
             if qtype in ("Q4_K", "Q5_K"):
                 const = dict(FIVE_BITS=qtype == "Q5_K", **const)
             if block32:
@@ -120,6 +126,7 @@ def cases(kernels: list[str], types: list[str], block_n: int):
                                                     "IQ4_XS": G._iq4_xs_kernel}[qtype]
             aligned = ("xq_ptr", "xd_ptr", "xs_ptr", "w_ptr", "out_ptr", "N", "K", "stride_os")
             per_iter = cfg["BLOCK_N"] * cfg["SB"] * K.chunk_bytes(qtype)
+            caps[f"{qtype} integer kernel, 1 row"] = cfg.get("maxnreg")
             yield f"{qtype} integer kernel, 1 row", fn, sig, const, aligned, cfg["num_warps"], 3, per_iter
         if "dot" in kernels:
             sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "out_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
@@ -137,6 +144,8 @@ def main() -> int:
     ap.add_argument("--kernels", default="gemv,dot")
     ap.add_argument("--types", default="Q4_K,Q6_K")
     ap.add_argument("--block-n", type=int, default=K.BLOCK_N)
+    ap.add_argument("--split-tail", action="store_true",
+                    help="the integer kernels compiled for splits ending inside an iteration (WHOLE off)")
     ap.add_argument("--kv-types", default="bf16,q8_0,q4_1,q5_0,iq4_nl,turbo4",
                     help="with --kernels attention: the split kernel over these KV cache types")
     args = ap.parse_args()
@@ -144,11 +153,11 @@ def main() -> int:
     print("| kernel | registers | shared B | loop instructions (per warp) | warp-instructions per byte streamed | "
           "quarter-rate conversions (per warp) | loop's most frequent |\n|---|---|---|---|---|---|---|")
     kernels = args.kernels.split(",")
-    all_cases = list(cases(kernels, args.types.split(","), args.block_n))
+    all_cases = list(cases(kernels, args.types.split(","), args.block_n, not args.split_tail))
     if "attention" in kernels:
         all_cases += list(attention_cases(args.kv_types.split(",")))
     for label, fn, sig, const, aligned, warps, stages, per_iter in all_cases:
-        usage, sass = compile_sm90(fn, sig, const, aligned, warps, num_stages=stages)
+        usage, sass = compile_sm90(fn, sig, const, aligned, warps, num_stages=stages, maxnreg=caps.get(label))
         regs, shared = re.search(r"REG:(\d+)", usage).group(1), re.search(r"SHARED:(\d+)", usage).group(1)
         ops = main_loop(sass)
         n = sum(ops.values())

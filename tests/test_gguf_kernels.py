@@ -75,6 +75,23 @@ def check(device: str, dtype: torch.dtype = torch.float32, tol: float = 1e-5) ->
         x = torch.randn(16, k, generator=gen).to(device, dtype)
         for few, many in ((1, MAX_ROWS), (MAX_ROWS + 1, 16)):
             assert torch.equal(gguf_matmul(x[:few], qweight, qtype, k)[0], gguf_matmul(x[:many], qweight, qtype, k)[0])
+    # integer kernels whose splits end inside an iteration (2 super-blocks an iteration, 3 in the row): the
+    # super-blocks past the end are read again (no masks) and must weigh nothing
+    if device == "cpu":
+        from flashdraft.kernels import gguf_gemv
+        interpreted = gguf_gemv.INTERPRETED
+        gguf_gemv.INTERPRETED = dict(interpreted, SB=2)
+        try:
+            for i, qtype in enumerate(("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q8_0", "Q4_1")):
+                k = 768
+                raw = random_blocks(qtype, 9, k, seed=50 + i)
+                qweight = stored_blocks(torch.from_numpy(raw), qtype)
+                x = torch.randn(2, k, generator=gen)
+                ref = as_int8_rows(x, x_group(qtype, k)).double() @ reference(raw, qtype).double().T
+                err = ((gguf_matmul(x, qweight, qtype, k).double() - ref).norm() / ref.norm()).item()
+                assert err < tol, f"{qtype}, a split ending inside an iteration: relative error {err}"
+        finally:
+            gguf_gemv.INTERPRETED = interpreted
     # a fused matrix whose parts differ in type (Q4_K_M's q/k/v): each part's columns of one output
     from flashdraft.kernels.gguf_matmul import gguf_matmul_parts
     k, types, sizes = 512, ["Q4_K", "Q6_K", "IQ4_XS", "Q8_0"], [45, 17, 33, 8]

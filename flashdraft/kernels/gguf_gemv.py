@@ -50,7 +50,10 @@ ROW_BUCKETS = (1, 2, 4, 8, 16)  # the kernels are compiled per bucket: rows of x
 CONFIG = {"BLOCK_N": 4, "SB": 16, "num_warps": 4, "target_programs": 2112}
 # Q6_K: 0.195 ms against 0.218 (8B + Gemma shapes; PERF run 7); IQ4_XS 16 x 8: the 8B's decode step 3.320 ms against
 # 3.503 at 8 x 8 (run 13; 8 x 8 had beaten 4 x 16 in run 12). IQ4_NL: not swept.
-TYPE_CONFIGS = {"Q6_K": dict(CONFIG, BLOCK_N=8, SB=8), "IQ4_XS": dict(CONFIG, BLOCK_N=16, SB=8)}
+# maxnreg: the register count these kernels had when timed (unmasked loads took Q5_K 72 -> 80 and Q8_0 94 -> 108
+# under Triton 3.6 for sm_90, no spills at the cap: fewer programs per SM otherwise).
+TYPE_CONFIGS = {"Q6_K": dict(CONFIG, BLOCK_N=8, SB=8), "IQ4_XS": dict(CONFIG, BLOCK_N=16, SB=8),
+                "Q5_K": dict(CONFIG, maxnreg=72), "Q8_0": dict(CONFIG, maxnreg=96)}
 # small tiles: the CPU tests' shapes
 INTERPRETED = {"BLOCK_N": 64, "SB": 1, "num_warps": 1, "target_programs": 64}
 
@@ -193,9 +196,32 @@ def _k_scale_bytes(a, b, c, i):
 @triton.jit
 def _row_tile(N, BLOCK_N: tl.constexpr, BM: tl.constexpr):
     """A program's output rows (axis 0 of the grid; axis 1 is its split of K) and their accumulator:
-    (split, rows, row_ok, mi = the rows of x [BM], acc [BM, BLOCK_N])."""
+    (split, rows, row_ok, w_rows = the weight rows it reads, mi = the rows of x [BM], acc [BM, BLOCK_N]).
+    Loads take no row masks (a masked load costs a zeroed register and a predicate): rows past N read row N - 1
+    (w_rows), rows of x past M read row M - 1 (`_x_row`), and `_store_rows` leaves both out."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    return tl.program_id(1), rows, rows < N, tl.arange(0, BM), tl.zeros([BM, BLOCK_N], tl.float32)
+    return (tl.program_id(1), rows, rows < N, tl.minimum(rows, N - 1), tl.arange(0, BM),
+            tl.zeros([BM, BLOCK_N], tl.float32))
+
+
+@triton.jit
+def _x_row(m: tl.constexpr, M):
+    """The row of x that unrolled row m reads: m, or M - 1 past the rows there are (row 0 is always there: a
+    constant keeps its loads' alignment known, so they stay 16-byte loads)."""
+    return 0 if m == 0 else tl.minimum(tl.zeros([1], tl.int32) + m, M - 1)  # a tensor, also under the interpreter
+
+
+@triton.jit
+def _split_range(s, last, WHOLE: tl.constexpr):
+    """(the super-blocks (or blocks) s an iteration reads, a float 1 or 0 for each): s and 1 where every split is whole
+    iterations (WHOLE, from the matrix's shape); else s clamped into the split, those past its end read again and
+    weighted 0 (their scales zeroed). Either way no load takes a mask (a masked load costs a zeroed register and
+    a predicate)."""
+    keep = tl.full(s.shape, 1.0, tl.float32)
+    if not WHOLE:
+        keep = (s < last).to(tl.float32)
+        s = tl.minimum(s, last - 1)
+    return s, keep
 
 
 @triton.jit
@@ -213,57 +239,56 @@ def _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok):
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
 def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd, stride_wu,
                    stride_os, stride_om, FIVE_BITS: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SB: tl.constexpr, ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
+                   SB: tl.constexpr, ROW_ALIGN: tl.constexpr, WHOLE: tl.constexpr, EMULATE: tl.constexpr,
+                   PDL: tl.constexpr):
     """Q4_K (144-byte super-blocks: d, dmin, 12 scale bytes, 128 nibble bytes) or Q5_K (176: the same with 32 bytes
     of fifth bits before the nibbles). w as int32 words; group g's 32 bytes hold sub-block 2g in their low nibbles
     and 2g + 1 in their high ones, stored as layers/quantized.lane_grouped keeps them: word 8p + 2g + j of the 32
     is group g's word 2p + j."""
     WORDS: tl.constexpr = 44 if FIVE_BITS else 36
     QS: tl.constexpr = 12 if FIVE_BITS else 4
-    split, rows, row_ok, mi, acc = _row_tile(N, BLOCK_N, BM)
+    split, rows, row_ok, w_rows, mi, acc = _row_tile(N, BLOCK_N, BM)
     sbi, g, t = tl.arange(0, SB), tl.arange(0, 4), tl.arange(0, 8)
     first = split * sb_per_split
     last = tl.minimum(first + sb_per_split, K // 256)
-    row_base = w_ptr + rows.to(tl.int64)[:, None] * (stride_wu * ROW_ALIGN)
+    row_base = w_ptr + w_rows.to(tl.int64)[:, None] * (stride_wu * ROW_ALIGN)
     for s0 in range(first, last, SB):
         s = s0 + sbi
-        ok = row_ok[:, None] & (s < last)[None, :]  # [N, SB]
+        s, keep = _split_range(s, last, WHOLE)
         base = row_base + s[None, :] * WORDS
-        head = tl.load(base, mask=ok, other=0)
-        d, dmin = _half(head), _half(head >> 16)
-        a = tl.load(base + 1, mask=ok, other=0)[:, :, None]
-        b = tl.load(base + 2, mask=ok, other=0)[:, :, None]
-        c = tl.load(base + 3, mask=ok, other=0)[:, :, None]
+        head = tl.load(base)
+        d, dmin = _half(head) * keep[None, :], _half(head >> 16) * keep[None, :]
+        a = tl.load(base + 1)[:, :, None]
+        b = tl.load(base + 2)[:, :, None]
+        c = tl.load(base + 3)[:, :, None]
         sc_lo, mn_lo = _k_scale_bytes(a, b, c, 2 * g[None, None, :])
         sc_hi, mn_hi = _k_scale_bytes(a, b, c, 2 * g[None, None, :] + 1)
         d_lo, d_hi = d[:, :, None] * sc_lo, d[:, :, None] * sc_hi  # [N, SB, 4]
         m_lo, m_hi = dmin[:, :, None] * mn_lo, dmin[:, :, None] * mn_hi
-        ok4 = ok[:, :, None, None]
-        words = tl.load(base[:, :, None, None] + QS + g[None, None, :, None] * 8 + t[None, None, None, :], mask=ok4,
-                        other=0)  # [N, SB, 4, 8]: stored word 8p + 2g + j, group g's word 2p + j
+        # [N, SB, 4, 8]: stored word 8p + 2g + j, group g's word 2p + j
+        words = tl.load(base[:, :, None, None] + QS + g[None, None, :, None] * 8 + t[None, None, None, :])
         # into group order in registers (no data movement): [N, SB, 4 (group), 8 (its words in order)]
         words = tl.reshape(tl.permute(tl.reshape(words, (BLOCK_N, SB, 4, 4, 2)), (0, 1, 3, 2, 4)), (BLOCK_N, SB, 4, 8))
         lo = words & 0x0F0F0F0F
         hi = (words >> 4) & 0x0F0F0F0F
         if FIVE_BITS:  # bit 2g of qh byte l is sub-block 2g's fifth bit for weight l, bit 2g + 1 sub-block 2g + 1's
-            qh = tl.load(base[:, :, None] + 4 + t[None, None, :], mask=ok[:, :, None], other=0)[:, :, None, :]
+            qh = tl.load(base[:, :, None] + 4 + t[None, None, :])[:, :, None, :]
             sh = 2 * g[None, None, :, None]
             lo = lo | (((qh >> sh) & 0x01010101) << 4)
             hi = hi | (((qh >> (sh + 1)) & 0x01010101) << 4)
         wait_for_inputs(PDL)  # x only after the weight loads are issued
-        xs_ok = (s < last)[:, None]
         for m in tl.static_range(BM):
-            m_ok = (tl.zeros([1], tl.int32) + m) < M  # a tensor, also under the interpreter
-            xw = xq_ptr + m * stride_xq + s[:, None, None] * 64 + g[None, :, None] * 16 + t[None, None, :]
-            x_lo = tl.load(xw, mask=xs_ok[:, :, None] & m_ok, other=0)  # [SB, 4, 8]
-            x_hi = tl.load(xw + 8, mask=xs_ok[:, :, None] & m_ok, other=0)
+            xm = _x_row(m, M)
+            xw = xq_ptr + xm * stride_xq + s[:, None, None] * 64 + g[None, :, None] * 16 + t[None, None, :]
+            x_lo = tl.load(xw)  # [SB, 4, 8]
+            x_hi = tl.load(xw + 8)
             dot_lo = tl.sum(_dp4a(lo, x_lo[None], EMULATE), axis=3).to(tl.float32)  # [N, SB, 4]
             dot_hi = tl.sum(_dp4a(hi, x_hi[None], EMULATE), axis=3).to(tl.float32)
-            xb = m * stride_xd + s[:, None] * 8 + 2 * g[None, :]
-            xd_lo = tl.load(xd_ptr + xb, mask=xs_ok & m_ok, other=0.0)[None]
-            xd_hi = tl.load(xd_ptr + xb + 1, mask=xs_ok & m_ok, other=0.0)[None]
-            xs_lo = tl.load(xs_ptr + xb, mask=xs_ok & m_ok, other=0.0)[None]
-            xs_hi = tl.load(xs_ptr + xb + 1, mask=xs_ok & m_ok, other=0.0)[None]
+            xb = xm * stride_xd + s[:, None] * 8 + 2 * g[None, :]
+            xd_lo = tl.load(xd_ptr + xb)[None]
+            xd_hi = tl.load(xd_ptr + xb + 1)[None]
+            xs_lo = tl.load(xs_ptr + xb)[None]
+            xs_hi = tl.load(xs_ptr + xb + 1)[None]
             part = d_lo * xd_lo * dot_lo + d_hi * xd_hi * dot_hi - (m_lo * xs_lo + m_hi * xs_hi)
             contrib = tl.sum(tl.sum(part, axis=2), axis=1)
             acc = _add_row(acc, mi, m, contrib)
@@ -298,60 +323,51 @@ def _dot16(v, x, EMULATE: tl.constexpr):
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
 def _q6_k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd,
                  stride_wu, stride_os, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
-                 ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
+                 ROW_ALIGN: tl.constexpr, WHOLE: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
     """Q6_K: 210-byte super-blocks (ql 128 bytes, qh 64, 16 int8 scales, d) kept padded to 212 bytes (53 words;
     layers/quantized.py), read as int32 words (w_ptr) and, for the scales and d, as int16 halves (w16_ptr).
     Half h's weight 128h + 32k + l (k = 0..3, l = 0..31) is ql[64h + l + 32 (k & 1)]'s low (k < 2) or high
     nibble with bits 2k..2k+1 of qh[32h + l] above it, minus 32; scale index 8h + 2k + l // 16. Words are
     indexed [h, u, v] with l = 16u + 4v."""
-    split, rows, row_ok, mi, acc = _row_tile(N, BLOCK_N, BM)
+    split, rows, row_ok, w_rows, mi, acc = _row_tile(N, BLOCK_N, BM)
     sbi = tl.arange(0, SB)
     h = tl.arange(0, 2)[None, None, :, None, None]
     u = tl.arange(0, 2)[None, None, None, :, None]
     v = tl.arange(0, 4)[None, None, None, None, :]
     first = split * sb_per_split
     last = tl.minimum(first + sb_per_split, K // 256)
-    row_words = rows.to(tl.int64)[:, None] * (stride_wu * ROW_ALIGN)
+    row_words = w_rows.to(tl.int64)[:, None] * (stride_wu * ROW_ALIGN)
     for s0 in range(first, last, SB):
         s = s0 + sbi
-        ok = row_ok[:, None] & (s < last)[None, :]
+        s, keep = _split_range(s, last, WHOLE)
         block_words = row_words + s[None, :] * 53  # [N, SB]
         base = w16_ptr + 2 * block_words  # int16 pointers
-        d = _half(tl.load(base + 104, mask=ok, other=0).to(tl.int32))
-        ok5 = ok[:, :, None, None, None]
+        d = _half(tl.load(base + 104).to(tl.int32)) * keep[None, :]
         b5 = w_ptr + block_words[:, :, None, None, None]
         word = h * 16 + u * 4 + v  # word of ql bytes 64h + 16u + 4v
-        A = tl.load(b5 + word, mask=ok5, other=0)  # [N, SB, 2, 2, 4]
-        B = tl.load(b5 + word + 8, mask=ok5, other=0)  # ql bytes 64h + 32 + 16u + 4v
-        H = tl.load(b5 + 32 + h * 8 + u * 4 + v, mask=ok5, other=0)  # qh bytes 32h + 16u + 4v
+        A = tl.load(b5 + word)  # [N, SB, 2, 2, 4]
+        B = tl.load(b5 + word + 8)  # ql bytes 64h + 32 + 16u + 4v
+        H = tl.load(b5 + 32 + h * 8 + u * 4 + v)  # qh bytes 32h + 16u + 4v
         v0 = _signed6((A & 0x0F0F0F0F) | ((H << 4) & 0x30303030))
         v1 = _signed6((B & 0x0F0F0F0F) | ((H << 2) & 0x30303030))
         v2 = _signed6(((A >> 4) & 0x0F0F0F0F) | (H & 0x30303030))
         v3 = _signed6(((B >> 4) & 0x0F0F0F0F) | ((H >> 2) & 0x30303030))
         sp = base[:, :, None] + 96 + tl.arange(0, 2)[None, None, :] * 4  # scales 8h + 2k, 8h + 2k + 1: half 96 + 4h + k
-        ok3 = ok[:, :, None]
-        w0 = _q6_scales(tl.load(sp, mask=ok3, other=0).to(tl.int32), d)
-        w1 = _q6_scales(tl.load(sp + 1, mask=ok3, other=0).to(tl.int32), d)
-        w2 = _q6_scales(tl.load(sp + 2, mask=ok3, other=0).to(tl.int32), d)
-        w3 = _q6_scales(tl.load(sp + 3, mask=ok3, other=0).to(tl.int32), d)
+        w0 = _q6_scales(tl.load(sp).to(tl.int32), d)
+        w1 = _q6_scales(tl.load(sp + 1).to(tl.int32), d)
+        w2 = _q6_scales(tl.load(sp + 2).to(tl.int32), d)
+        w3 = _q6_scales(tl.load(sp + 3).to(tl.int32), d)
         wait_for_inputs(PDL)  # x only after the weight loads are issued
-        s_ok = s < last
         xh = tl.arange(0, 2)[None, :]
         for m in tl.static_range(BM):
-            m_ok = (tl.zeros([1], tl.int32) + m) < M  # a tensor, also under the interpreter
-            xw = (xq_ptr + m * stride_xq + s[:, None, None, None] * 64 + tl.arange(0, 2)[None, :, None, None] * 32 +
+            xm = _x_row(m, M)
+            xw = (xq_ptr + xm * stride_xq + s[:, None, None, None] * 64 + tl.arange(0, 2)[None, :, None, None] * 32 +
                   tl.arange(0, 2)[None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, :])  # [SB, 2, 2, 4]
-            x_ok = s_ok[:, None, None, None] & m_ok
-            xb = xd_ptr + m * stride_xd + s[:, None] * 8 + xh * 4  # x's scale per 32: block 8s + 4h + k
-            xd_ok = s_ok[:, None] & m_ok
-            part = (w0 * tl.load(xb, mask=xd_ok, other=0.0)[None, :, :, None] *
-                    _dot16(v0, tl.load(xw, mask=x_ok, other=0), EMULATE) +
-                    w1 * tl.load(xb + 1, mask=xd_ok, other=0.0)[None, :, :, None] *
-                    _dot16(v1, tl.load(xw + 8, mask=x_ok, other=0), EMULATE) +
-                    w2 * tl.load(xb + 2, mask=xd_ok, other=0.0)[None, :, :, None] *
-                    _dot16(v2, tl.load(xw + 16, mask=x_ok, other=0), EMULATE) +
-                    w3 * tl.load(xb + 3, mask=xd_ok, other=0.0)[None, :, :, None] *
-                    _dot16(v3, tl.load(xw + 24, mask=x_ok, other=0), EMULATE))
+            xb = xd_ptr + xm * stride_xd + s[:, None] * 8 + xh * 4  # x's scale per 32: block 8s + 4h + k
+            part = (w0 * tl.load(xb)[None, :, :, None] * _dot16(v0, tl.load(xw), EMULATE) +
+                    w1 * tl.load(xb + 1)[None, :, :, None] * _dot16(v1, tl.load(xw + 8), EMULATE) +
+                    w2 * tl.load(xb + 2)[None, :, :, None] * _dot16(v2, tl.load(xw + 16), EMULATE) +
+                    w3 * tl.load(xb + 3)[None, :, :, None] * _dot16(v3, tl.load(xw + 24), EMULATE))
             contrib = tl.sum(tl.sum(tl.sum(part, axis=3), axis=2), axis=1)
             acc = _add_row(acc, mi, m, contrib)
         start_dependents(PDL)
@@ -368,8 +384,8 @@ def _spread_bits(nib):
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
 def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, lut_ptr, out_ptr, M, N, K, sb_per_split, stride_xq,
                     stride_xd, stride_wu, stride_os, stride_om, QTYPE: tl.constexpr, BM: tl.constexpr,
-                    BLOCK_N: tl.constexpr, SB: tl.constexpr, ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr,
-                    PDL: tl.constexpr):
+                    BLOCK_N: tl.constexpr, SB: tl.constexpr, ROW_ALIGN: tl.constexpr, WHOLE: tl.constexpr,
+                    EMULATE: tl.constexpr, PDL: tl.constexpr):
     """The 32-weight nibble block types as layers/quantized.field_planes keeps them, w as int32 words (w16: the
     same bytes as int16): a row's blocks' 16 nibble bytes (4 words each), then (Q5_0, Q5_1) their 32 fifth bits (a
     word each), then their fp16 d (and m). Q4_0, Q4_1 (d, m), Q5_0, Q5_1 (d, m), IQ4_NL (each nibble an index into
@@ -381,50 +397,48 @@ def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, lut_ptr, out_ptr, M,
     FIVE: tl.constexpr = QTYPE == 6 or QTYPE == 7
     OFFSET: tl.constexpr = 0.0 if HAS_MIN or TABLE else (16.0 if FIVE else 8.0)
     t0, t1, t2, t3 = iq4_table_words(lut_ptr)
-    split, rows, row_ok, mi, acc = _row_tile(N, BLOCK_N, BM)
+    split, rows, row_ok, w_rows, mi, acc = _row_tile(N, BLOCK_N, BM)
     bi, t = tl.arange(0, SB * 8), tl.arange(0, 4)
     blocks = K // 32
     first = split * sb_per_split * 8
     last = tl.minimum(first + sb_per_split * 8, blocks)
-    row_words = w_ptr + rows.to(tl.int64)[:, None] * (stride_wu * ROW_ALIGN)
-    row_scales = w16_ptr + rows.to(tl.int64)[:, None] * (stride_wu * ROW_ALIGN * 2) + (8 + 2 * FIVE) * blocks
+    row_words = w_ptr + w_rows.to(tl.int64)[:, None] * (stride_wu * ROW_ALIGN)
+    row_scales = w16_ptr + w_rows.to(tl.int64)[:, None] * (stride_wu * ROW_ALIGN * 2) + (8 + 2 * FIVE) * blocks
     for b0 in range(first, last, SB * 8):
         b = b0 + bi
-        ok = row_ok[:, None] & (b < last)[None, :]
-        d = _half(tl.load(row_scales + (1 + HAS_MIN) * b[None, :], mask=ok, other=0).to(tl.int32))
-        words = tl.load(row_words[:, :, None] + 4 * b[None, :, None] + t[None, None, :], mask=ok[:, :, None],
-                        other=0)  # [N, B, 4]
+        b, keep = _split_range(b, last, WHOLE)
+        d = _half(tl.load(row_scales + (1 + HAS_MIN) * b[None, :]).to(tl.int32)) * keep[None, :]
+        words = tl.load(row_words[:, :, None] + 4 * b[None, :, None] + t[None, None, :])  # [N, B, 4]
         if TABLE:
             lo, hi = iq4_nibbles(words, lut_ptr, t0, t1, t2, t3, EMULATE)
         else:
             lo = words & 0x0F0F0F0F
             hi = (words >> 4) & 0x0F0F0F0F
         if FIVE:
-            qh = tl.load(row_words + 4 * blocks + b[None, :], mask=ok, other=0)[:, :, None]
+            qh = tl.load(row_words + 4 * blocks + b[None, :])[:, :, None]
             lo = lo | _spread_bits((qh >> (4 * t[None, None, :])) & 15)
             hi = hi | _spread_bits((qh >> (16 + 4 * t[None, None, :])) & 15)
         if HAS_MIN:
-            dm = _half(tl.load(row_scales + 2 * b[None, :] + 1, mask=ok, other=0).to(tl.int32))
+            dm = _half(tl.load(row_scales + 2 * b[None, :] + 1).to(tl.int32)) * keep[None, :]
         else:
             dm = -OFFSET * d
         wait_for_inputs(PDL)  # x only after the weight loads are issued
-        xs_ok = (b < last)
         for m in tl.static_range(BM):
-            m_ok = (tl.zeros([1], tl.int32) + m) < M  # a tensor, also under the interpreter
+            xm = _x_row(m, M)
             if TABLE:  # x in IQ4_ORDER: words 2t, 2t + 1 meet weight word t's two lookups
-                xw = xq_ptr + m * stride_xq + b[:, None] * 8 + 2 * t[None, :]
-                x_lo = tl.load(xw, mask=xs_ok[:, None] & m_ok, other=0)[None]
-                x_hi = tl.load(xw + 1, mask=xs_ok[:, None] & m_ok, other=0)[None]
+                xw = xq_ptr + xm * stride_xq + b[:, None] * 8 + 2 * t[None, :]
+                x_lo = tl.load(xw)[None]
+                x_hi = tl.load(xw + 1)[None]
             else:
-                xw = xq_ptr + m * stride_xq + b[:, None] * 8 + t[None, :]
-                x_lo = tl.load(xw, mask=xs_ok[:, None] & m_ok, other=0)[None]
-                x_hi = tl.load(xw + 4, mask=xs_ok[:, None] & m_ok, other=0)[None]
-            xd = tl.load(xd_ptr + m * stride_xd + b, mask=xs_ok & m_ok, other=0.0)[None, :]
+                xw = xq_ptr + xm * stride_xq + b[:, None] * 8 + t[None, :]
+                x_lo = tl.load(xw)[None]
+                x_hi = tl.load(xw + 4)[None]
+            xd = tl.load(xd_ptr + xm * stride_xd + b)[None, :]
             dot = tl.sum(_dp4a(lo, x_lo, EMULATE) + _dp4a(hi, x_hi, EMULATE), axis=2).to(tl.float32)
             if TABLE:
                 contrib = tl.sum(d * xd * dot, axis=1)
             else:
-                xs = tl.load(xs_ptr + m * stride_xd + b, mask=xs_ok & m_ok, other=0.0)[None, :]
+                xs = tl.load(xs_ptr + xm * stride_xd + b)[None, :]
                 contrib = tl.sum(d * xd * dot + dm * xs, axis=1)
             acc = _add_row(acc, mi, m, contrib)
         start_dependents(PDL)
@@ -435,27 +449,25 @@ def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, lut_ptr, out_ptr, M,
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
 def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd,
                  stride_wu, stride_os, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
-                 ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
+                 ROW_ALIGN: tl.constexpr, WHOLE: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
     """Q8_0 in two planes (layers/quantized.field_planes): w as int32 words, a row's K / 4 words of int8 values,
     then its K / 32 fp16 scales (w16: the same bytes as int16). SB counts groups of 8 blocks."""
-    split, rows, row_ok, mi, acc = _row_tile(N, BLOCK_N, BM)
+    split, rows, row_ok, w_rows, mi, acc = _row_tile(N, BLOCK_N, BM)
     bi, t = tl.arange(0, SB * 8), tl.arange(0, 8)
     first = split * sb_per_split * 8
     last = tl.minimum(first + sb_per_split * 8, K // 32)
-    row_words = w_ptr + rows.to(tl.int64)[:, None] * (stride_wu * ROW_ALIGN)
-    row_scales = w16_ptr + rows.to(tl.int64)[:, None] * (stride_wu * ROW_ALIGN * 2) + K // 2
+    row_words = w_ptr + w_rows.to(tl.int64)[:, None] * (stride_wu * ROW_ALIGN)
+    row_scales = w16_ptr + w_rows.to(tl.int64)[:, None] * (stride_wu * ROW_ALIGN * 2) + K // 2
     for b0 in range(first, last, SB * 8):
         b = b0 + bi
-        ok = row_ok[:, None] & (b < last)[None, :]
-        d = _half(tl.load(row_scales + b[None, :], mask=ok, other=0).to(tl.int32))  # [N, B]
-        words = tl.load(row_words[:, :, None] + b[None, :, None] * 8 + t[None, None, :], mask=ok[:, :, None],
-                        other=0)  # [N, B, 8]
+        b, keep = _split_range(b, last, WHOLE)
+        d = _half(tl.load(row_scales + b[None, :]).to(tl.int32)) * keep[None, :]  # [N, B]
+        words = tl.load(row_words[:, :, None] + b[None, :, None] * 8 + t[None, None, :])  # [N, B, 8]
         wait_for_inputs(PDL)  # x only after the weight loads are issued
-        xs_ok = (b < last)
         for m in tl.static_range(BM):
-            m_ok = (tl.zeros([1], tl.int32) + m) < M  # a tensor, also under the interpreter
-            x = tl.load(xq_ptr + m * stride_xq + b[:, None] * 8 + t[None, :], mask=xs_ok[:, None] & m_ok, other=0)
-            xd = tl.load(xd_ptr + m * stride_xd + b, mask=xs_ok & m_ok, other=0.0)[None, :]
+            xm = _x_row(m, M)
+            x = tl.load(xq_ptr + xm * stride_xq + b[:, None] * 8 + t[None, :])
+            xd = tl.load(xd_ptr + xm * stride_xd + b)[None, :]
             dot = tl.sum(_dp4a(words, x[None], EMULATE), axis=2).to(tl.float32)
             contrib = tl.sum(d * xd * dot, axis=1)
             acc = _add_row(acc, mi, m, contrib)
@@ -467,39 +479,37 @@ def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_pe
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
 def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd,
                    stride_wu, stride_os, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
-                   ROW_ALIGN: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
+                   ROW_ALIGN: tl.constexpr, WHOLE: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
     """IQ4_XS in two planes (layers/quantized.field_planes), w as int32 words: a row's super-blocks' 128 nibble
     bytes (32 words each), then their 8-byte headers (d and scales_h, scales_l: two words each). Sub-block j (32
     weights) has 6-bit scale ls = nibble j of scales_l | bits 2j..2j+1 of scales_h << 4, weight d * (ls - 32) *
     iq4.IQ4_VALUES[q]; its 16 bytes hold weights 0..15 in their low nibbles, 16..31 in the high."""
     t0, t1, t2, t3 = iq4_table_words(lut_ptr)
-    split, rows, row_ok, mi, acc = _row_tile(N, BLOCK_N, BM)
+    split, rows, row_ok, w_rows, mi, acc = _row_tile(N, BLOCK_N, BM)
     sbi, j, t = tl.arange(0, SB), tl.arange(0, 8), tl.arange(0, 4)
     first = split * sb_per_split
     last = tl.minimum(first + sb_per_split, K // 256)
-    row_base = w_ptr + rows.to(tl.int64)[:, None] * (stride_wu * ROW_ALIGN)
+    row_base = w_ptr + w_rows.to(tl.int64)[:, None] * (stride_wu * ROW_ALIGN)
     for s0 in range(first, last, SB):
         s = s0 + sbi
-        ok = row_ok[:, None] & (s < last)[None, :]  # [N, SB]
+        s, keep = _split_range(s, last, WHOLE)
         base = row_base + s[None, :] * 32
         header = row_base + K // 256 * 32 + s[None, :] * 2
-        head = tl.load(header, mask=ok, other=0)[:, :, None]
-        scales_l = tl.load(header + 1, mask=ok, other=0)[:, :, None]
+        head = tl.load(header)[:, :, None]
+        scales_l = tl.load(header + 1)[:, :, None]
         jj = j[None, None, :]
         ls = ((scales_l >> (4 * jj)) & 15) | (((head >> (16 + 2 * jj)) & 3) << 4)
-        dl = _half(head) * (ls - 32).to(tl.float32)  # [N, SB, 8]
-        words = tl.load(base[:, :, None, None] + jj[:, :, :, None] * 4 + t[None, None, None, :],
-                        mask=ok[:, :, None, None], other=0)  # [N, SB, 8, 4]
+        dl = _half(head) * keep[None, :, None] * (ls - 32).to(tl.float32)  # [N, SB, 8]
+        words = tl.load(base[:, :, None, None] + jj[:, :, :, None] * 4 + t[None, None, None, :])  # [N, SB, 8, 4]
         lo, hi = iq4_nibbles(words, lut_ptr, t0, t1, t2, t3, EMULATE)
         wait_for_inputs(PDL)  # x only after the weight loads are issued
-        xs_ok = (s < last)[:, None]
         for m in tl.static_range(BM):
-            m_ok = (tl.zeros([1], tl.int32) + m) < M  # a tensor, also under the interpreter
-            xw = xq_ptr + m * stride_xq + s[:, None, None] * 64 + j[None, :, None] * 8 + 2 * t[None, None, :]
-            x_lo = tl.load(xw, mask=xs_ok[:, :, None] & m_ok, other=0)[None]  # [1, SB, 8, 4]: x in IQ4_ORDER
-            x_hi = tl.load(xw + 1, mask=xs_ok[:, :, None] & m_ok, other=0)[None]
+            xm = _x_row(m, M)
+            xw = xq_ptr + xm * stride_xq + s[:, None, None] * 64 + j[None, :, None] * 8 + 2 * t[None, None, :]
+            x_lo = tl.load(xw)[None]  # [1, SB, 8, 4]: x in IQ4_ORDER
+            x_hi = tl.load(xw + 1)[None]
             dot = tl.sum(_dp4a(lo, x_lo, EMULATE) + _dp4a(hi, x_hi, EMULATE), axis=3).to(tl.float32)  # [N, SB, 8]
-            xd = tl.load(xd_ptr + m * stride_xd + s[:, None] * 8 + j[None, :], mask=xs_ok & m_ok, other=0.0)[None]
+            xd = tl.load(xd_ptr + xm * stride_xd + s[:, None] * 8 + j[None, :])[None]
             contrib = tl.sum(tl.sum(dl * xd * dot, axis=2), axis=1)
             acc = _add_row(acc, mi, m, contrib)
         start_dependents(PDL)
@@ -587,5 +597,6 @@ def _gemv_into(out: Tensor, x: Tensor, xq: Tensor, xd: Tensor, xs: Tensor, qweig
     kernel[grid](xq, xd, xs, *args, partial, M=m, N=n, K=k, sb_per_split=per_split, stride_xq=xq.stride(0),
                  stride_xd=xd.stride(0), stride_wu=w.stride(0) // align, stride_os=partial.stride(0),
                  stride_om=partial.stride(1), BM=bm, BLOCK_N=cfg["BLOCK_N"], SB=cfg["SB"], ROW_ALIGN=align,
-                 EMULATE=emulate, num_warps=cfg["num_warps"], **extra, **pdl.launch(x))
+                 WHOLE=k % 256 == 0 and k // 256 % cfg["SB"] == 0, EMULATE=emulate,
+                 num_warps=cfg["num_warps"], maxnreg=cfg.get("maxnreg"), **extra, **pdl.launch(x))
     split_k.finish(partial, out)
