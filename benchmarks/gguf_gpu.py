@@ -275,6 +275,9 @@ def measure(args) -> int:
     if args.no_inductor_pdl:
         from flashdraft.kernels import pdl
         pdl.INDUCTOR = False
+    if args.split_sum_launches:
+        from flashdraft.layers import quantized
+        quantized.GRAPH_SPLIT_SUMS = False
     if args.mma_programs:
         from flashdraft.kernels import gguf_mma
         gguf_mma.TARGET_PROGRAMS = args.mma_programs
@@ -313,6 +316,7 @@ def measure(args) -> int:
         name = (Path(path).stem + (" +compile" if args.compile else "") + (" (dequantized)" if args.dequantize else "")
                 + (" no-pdl" if args.no_pdl else "") + (f" tiles {args.gemv_tiles}" if args.gemv_tiles else "")
                 + (" no-inductor-pdl" if args.no_inductor_pdl else "")
+                + (" split-sum-launches" if args.split_sum_launches else "")
                 + (f" mma {args.mma_programs}" if args.mma_programs else ""))
         for ctx in ctxs:
             with torch.inference_mode():
@@ -400,6 +404,9 @@ def main() -> int:
     ap.add_argument("--no-mma", action="store_true",
                     help="measure: verify widths of Q4_K/Q6_K through the float kernel instead of kernels/gguf_mma.py")
     ap.add_argument("--no-pdl", action="store_true", help="plain launches (kernels/pdl.py off), for comparison")
+    ap.add_argument("--split-sum-launches", action="store_true",
+                    help="K's partial sums added by a launch of their own under --compile too (layers/quantized."
+                         "GRAPH_SPLIT_SUMS off), for comparison")
     ap.add_argument("--no-inductor-pdl", action="store_true",
                     help="torch.compile's kernels launched the plain way (kernels/pdl.compile_options), for comparison")
     ap.add_argument("--mma-programs", type=int, default=None, help="kernels/gguf_mma.TARGET_PROGRAMS (split-K of verify)")

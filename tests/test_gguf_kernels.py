@@ -92,6 +92,26 @@ def check(device: str, dtype: torch.dtype = torch.float32, tol: float = 1e-5) ->
                 assert err < tol, f"{qtype}, a split ending inside an iteration: relative error {err}"
         finally:
             gguf_gemv.INTERPRETED = interpreted
+    # under torch.compile a layer leaves the split-K sums to the graph (split_k.add_splits): the same bits as the sum
+    # launches, for the integer kernels (1 row) and the tensor-core kernel (5 rows), one part and two
+    if device == "cpu":
+        from flashdraft.kernels.gguf_matmul import split_counts
+        from flashdraft.layers.quantized import GGUFLinear, QuantizedWeight
+        weights = [QuantizedWeight(stored_blocks(torch.from_numpy(random_blocks(q, n, 512, seed=7)), q), q, (n, 512))
+                   for q, n in (("Q4_K", 45), ("Q6_K", 20))]
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append([str(node.target) for node in gm.graph.nodes])
+            return gm.forward
+        for layer in (GGUFLinear(weights[:1]), GGUFLinear(weights)):
+            for rows in (1, 5):
+                x = torch.randn(rows, 512, generator=gen)
+                assert max(split_counts(x, [w for w, _ in layer.parts()], layer.qtypes, 512)) > 1
+                torch._dynamo.reset()
+                got = torch.compile(layer, backend=backend, fullgraph=True)(x)
+                assert any("gguf_matmul_partials" in t for t in graphs[-1]), graphs[-1]
+                assert torch.equal(got, layer(x)), f"{layer}, {rows} rows: the graph's sums differ from the launches"
     # a fused matrix whose parts differ in type (Q4_K_M's q/k/v): each part's columns of one output
     from flashdraft.kernels.gguf_matmul import gguf_matmul_parts
     k, types, sizes = 512, ["Q4_K", "Q6_K", "IQ4_XS", "Q8_0"], [45, 17, 33, 8]

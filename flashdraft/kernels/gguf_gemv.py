@@ -545,37 +545,54 @@ def gemv(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:
     return gemv_parts(x, [qweight], [qtype], k)
 
 
-def gemv_parts(x: Tensor, qweights: list[Tensor], qtypes: list[str], k: int) -> Tensor:
-    """x @ [part 0; part 1; ...]^T -> [M, sum of N] (a fused q/k/v or gate/up whose parts differ in type)."""
-    return parts_product(x, qweights, qtypes, k, lambda q: (IQ4_ORDER if q in IQ4_TYPES else 0, x_group(q, k)),
-                         quantize_rows, _gemv_into)
+def gemv_parts(x: Tensor, qweights: list[Tensor], qtypes: list[str], k: int,
+               summed: bool = True) -> Tensor | list[Tensor]:
+    """x @ [part 0; part 1; ...]^T -> [M, sum of N] (a fused q/k/v or gate/up whose parts differ in type), or
+    (summed=False) each part's float32 partial sums [splits, M, N] (split_k.add_splits)."""
+    return parts_product(x, qweights, qtypes, k, lambda q: _rounding(q, k), quantize_rows, _gemv_into, summed)
+
+
+def _rounding(qtype: str, k: int) -> tuple[int, int]:
+    """quantize_rows' order and group for this type's kernel."""
+    return IQ4_ORDER if qtype in IQ4_TYPES else 0, x_group(qtype, k)
+
+
+def _config(qtype: str) -> dict:
+    return INTERPRETED if _emulate() else TYPE_CONFIGS.get(qtype, CONFIG)
+
+
+def split_count(n: int, k: int, qtype: str) -> int:
+    """How many splits of K the product of an [n, k] matrix of this type takes (its partial sums' count)."""
+    return splits_for(n, k, _config(qtype))[0]
 
 
 def parts_product(x: Tensor, qweights: list[Tensor], qtypes: list[str], k: int, rounding, round_x,
-                  product_into) -> Tensor:
+                  product_into, summed: bool = True) -> Tensor | list[Tensor]:
     """x @ [part 0; part 1; ...]^T -> [M, sum of N]: x rounded once per distinct rounding(qtype) (round_x(x,
     *rounding)), and product_into(out's columns of the part, x, *rounded x, part, qtype, k) for each part, so the
-    parts write one output."""
+    parts write one output; summed=False: product_into(None, ...) for each, their partial sums returned."""
     rounded = {}
-    out = torch.empty(x.shape[0], sum(w.shape[0] for w in qweights), device=x.device, dtype=x.dtype)
-    col = 0
+    out = torch.empty(x.shape[0], sum(w.shape[0] for w in qweights), device=x.device, dtype=x.dtype) if summed else None
+    partials, col = [], 0
     for w, qtype in zip(qweights, qtypes):
         key = rounding(qtype)
         if key not in rounded:
             rounded[key] = round_x(x, *key)
-        product_into(out[:, col:col + w.shape[0]], x, *rounded[key], w, qtype, k)
+        partials.append(product_into(None if out is None else out[:, col:col + w.shape[0]], x, *rounded[key], w,
+                                     qtype, k))
         col += w.shape[0]
-    return out
+    return out if summed else partials
 
 
-def _gemv_into(out: Tensor, x: Tensor, xq: Tensor, xd: Tensor, xs: Tensor, qweight: Tensor, qtype: str,
-               k: int) -> None:
+def _gemv_into(out: Tensor | None, x: Tensor, xq: Tensor, xd: Tensor, xs: Tensor, qweight: Tensor, qtype: str,
+               k: int) -> Tensor:
+    """The product into out (columns of a wider output), or None: its partial sums, returned unsummed."""
     m, n = x.shape[0], qweight.shape[0]
     bm = next(b for b in ROW_BUCKETS if b >= m)
     emulate = _emulate()
-    cfg = INTERPRETED if emulate else TYPE_CONFIGS.get(qtype, CONFIG)
+    cfg = _config(qtype)
     splits, per_split = splits_for(n, k, cfg)
-    out, partial = split_k.outputs(x, n, splits, out)
+    out, partial = split_k.outputs(x, n, splits, out, summed=out is not None)
     if qtype in ("Q4_K", "Q5_K"):
         w = qweight.view(torch.int32)
         kernel, args, extra = _kquant_kernel, (w,), dict(FIVE_BITS=qtype == "Q5_K")
@@ -600,3 +617,4 @@ def _gemv_into(out: Tensor, x: Tensor, xq: Tensor, xd: Tensor, xs: Tensor, qweig
                  WHOLE=k % 256 == 0 and k // 256 % cfg["SB"] == 0, EMULATE=emulate,
                  num_warps=cfg["num_warps"], maxnreg=cfg.get("maxnreg"), **extra, **pdl.launch(x))
     split_k.finish(partial, out)
+    return partial

@@ -347,6 +347,31 @@ def splits_for(n: int, k: int) -> tuple[int, int]:
     return triton.cdiv(chunks, per_split), per_split
 
 
+def _route(x: Tensor, qtypes: list[str], k: int) -> str:
+    """Which kernels take x [M, K] times matrices of these types: "mma" (5-16 rows, gguf_mma), "gemv" (up to
+    gguf_gemv.MAX_ROWS rows, gguf_gemv) or "dot" (the tensor-core kernel below: the other types and row counts).
+    Parts of a fused matrix share the integer or the mma kernels' rounded x only where all of them take them."""
+    if gguf_mma is not None and all(gguf_mma.covers(q, x.shape[0], x) for q in qtypes):
+        return "mma"
+    if x.shape[0] <= gguf_gemv.MAX_ROWS and all(gguf_gemv.covers(q, k) for q in qtypes):
+        return "gemv"
+    return "dot"
+
+
+def _dot(x: Tensor, qweight: Tensor, qtype: str, k: int, summed: bool) -> Tensor:
+    """The tensor-core kernel: [M, N] in x's dtype, or (summed=False) float32 partial sums [splits, M, N]."""
+    m, n = x.shape[0], qweight.shape[0]
+    splits, per_split = splits_for(n, k)
+    out, partial = split_k.outputs(x, n, splits, summed=summed)
+    grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, BLOCK_M), splits)
+    _matmul_kernel[grid](x, qweight, partial, M=m, N=n, K=k, chunks_per_split=per_split, stride_xm=x.stride(0),
+                         stride_wn=qweight.stride(0), stride_os=partial.stride(0), stride_om=partial.stride(1),
+                         QTYPE=TYPE_IDS[qtype], CHUNK_BYTES=chunk_bytes(qtype), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                         num_warps=NUM_WARPS)
+    split_k.finish(partial, out)
+    return out if summed else partial
+
+
 @torch.library.custom_op("flashdraft::gguf_matmul", mutates_args=())
 def gguf_matmul(x: Tensor, qweight: Tensor, qtype: str, k: int, bias: Tensor | None = None) -> Tensor:
     """x [M, K] (M <= 64 in practice) @ dequantize(qweight [N, bytes])^T (+ bias) -> [M, N] in x's dtype. Up to
@@ -354,21 +379,13 @@ def gguf_matmul(x: Tensor, qweight: Tensor, qtype: str, k: int, bias: Tensor | N
     rounded to 8 bits per 32 or 256 values, gguf_gemv.x_group); the rest multiply in x's dtype on the tensor cores."""
     _check(qweight, qtype, k)
     x = x.contiguous()
-    m, n = x.shape[0], qweight.shape[0]
-    if gguf_mma is not None and gguf_mma.covers(qtype, m, x):
+    route = _route(x, [qtype], k)
+    if route == "mma":
         out = gguf_mma.matmul(x, qweight, qtype, k)
-        return out if bias is None else out + bias
-    if gguf_gemv.covers(qtype, k) and m <= gguf_gemv.MAX_ROWS:
+    elif route == "gemv":
         out = gguf_gemv.gemv(x, qweight, qtype, k)
-        return out if bias is None else out + bias
-    splits, per_split = splits_for(n, k)
-    out, partial = split_k.outputs(x, n, splits)
-    grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, BLOCK_M), splits)
-    _matmul_kernel[grid](x, qweight, partial, M=m, N=n, K=k, chunks_per_split=per_split, stride_xm=x.stride(0),
-                         stride_wn=qweight.stride(0), stride_os=partial.stride(0), stride_om=partial.stride(1),
-                         QTYPE=TYPE_IDS[qtype], CHUNK_BYTES=chunk_bytes(qtype), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                         num_warps=NUM_WARPS)
-    split_k.finish(partial, out)
+    else:
+        out = _dot(x, qweight, qtype, k, summed=True)
     return out if bias is None else out + bias
 
 
@@ -385,9 +402,10 @@ def gguf_matmul_parts(x: Tensor, qweights: list[Tensor], qtypes: str, k: int) ->
     concatenated."""
     types = qtypes.split(",")
     x = x.contiguous()
-    if x.shape[0] <= gguf_gemv.MAX_ROWS and all(gguf_gemv.covers(q, k) for q in types):
+    route = _route(x, types, k)
+    if route == "gemv":
         return gguf_gemv.gemv_parts(x, qweights, types, k)
-    if gguf_mma is not None and all(gguf_mma.covers(q, x.shape[0], x) for q in types):
+    if route == "mma":
         return gguf_mma.matmul_parts(x, qweights, types, k)
     return torch.cat([gguf_matmul(x, w, q, k) for w, q in zip(qweights, types)], dim=-1)
 
@@ -395,6 +413,39 @@ def gguf_matmul_parts(x: Tensor, qweights: list[Tensor], qtypes: str, k: int) ->
 @gguf_matmul_parts.register_fake
 def _(x: Tensor, qweights: list[Tensor], qtypes: str, k: int) -> Tensor:
     return x.new_empty(x.shape[0], sum(w.shape[0] for w in qweights))
+
+
+@torch.library.custom_op("flashdraft::gguf_matmul_partials", mutates_args=())
+def gguf_matmul_partials(x: Tensor, qweights: list[Tensor], qtypes: str, k: int) -> list[Tensor]:
+    """gguf_matmul_parts' products left as each part's float32 partial sums [splits, M, N] over the splits of K, for
+    a torch.compile graph to add (split_k.add_splits) inside the kernel that reads them, in place of sum launches."""
+    types = qtypes.split(",")
+    for w, q in zip(qweights, types):
+        _check(w, q, k)
+    x = x.contiguous()
+    route = _route(x, types, k)
+    if route == "gemv":
+        return gguf_gemv.gemv_parts(x, qweights, types, k, summed=False)
+    if route == "mma":
+        return gguf_mma.matmul_parts(x, qweights, types, k, summed=False)
+    return [_dot(x, w, q, k, summed=False) for w, q in zip(qweights, types)]
+
+
+@gguf_matmul_partials.register_fake
+def _(x: Tensor, qweights: list[Tensor], qtypes: str, k: int) -> list[Tensor]:
+    return [x.new_empty(count, x.shape[0], w.shape[0], dtype=torch.float32)
+            for w, count in zip(qweights, split_counts(x, qweights, qtypes.split(","), k))]
+
+
+def split_counts(x: Tensor, qweights: list[Tensor], qtypes: list[str], k: int) -> list[int]:
+    """How many partial sums `gguf_matmul_partials` returns for each part (shapes and device only: fake tensors
+    do)."""
+    route = _route(x, qtypes, k)
+    if route == "mma":
+        return [gguf_mma.split_count(w.shape[0], k) for w in qweights]
+    if route == "gemv":
+        return [gguf_gemv.split_count(w.shape[0], k, q) for w, q in zip(qweights, qtypes)]
+    return [splits_for(w.shape[0], k)[0] for w in qweights]
 
 
 def dequantize_gguf(qweight: Tensor, qtype: str, k: int, dtype: torch.dtype, out: Tensor | None = None) -> Tensor:

@@ -381,12 +381,28 @@ def matmul(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:
     return matmul_parts(x, [qweight], [qtype], k)
 
 
-def matmul_parts(x: Tensor, qweights: list[Tensor], qtypes: list[str], k: int) -> Tensor:
+def matmul_parts(x: Tensor, qweights: list[Tensor], qtypes: list[str], k: int,
+                 summed: bool = True) -> Tensor | list[Tensor]:
     """x @ [part 0; part 1; ...]^T -> [M, sum of N] (a fused q/k/v or gate/up whose parts differ in type): x rounded
-    once per layout the parts' kernels take."""
-    return gguf_gemv.parts_product(
-        x, qweights, qtypes, k, lambda q: (KERNELS[q][1]["TILED"], gguf_gemv.x_group(q, k), X_ORDERS.get(q, 0)),
-        _rounded, _matmul_into)
+    once per layout the parts' kernels take; summed=False: each part's float32 partial sums [splits, M, N]."""
+    return gguf_gemv.parts_product(x, qweights, qtypes, k, lambda q: _rounding(q, k), _rounded, _matmul_into, summed)
+
+
+def _rounding(qtype: str, k: int) -> tuple[bool, int, int]:
+    """x's layout for this type's kernel: (tiled, rounding group, value order)."""
+    return KERNELS[qtype][1]["TILED"], gguf_gemv.x_group(qtype, k), X_ORDERS.get(qtype, 0)
+
+
+def _split(n: int, k: int) -> tuple[int, int]:
+    """(splits of K, super-blocks per split) for an [n, k] matrix, from its shape alone."""
+    sbs = k // 256
+    per_split = triton.cdiv(sbs, max(1, min(sbs, TARGET_PROGRAMS // triton.cdiv(n, BLOCK_N))))
+    return triton.cdiv(sbs, per_split), per_split
+
+
+def split_count(n: int, k: int) -> int:
+    """How many splits of K the product of an [n, k] matrix takes (its partial sums' count)."""
+    return _split(n, k)[0]
 
 
 def _rounded(x: Tensor, tiled: bool, group: int, order: int) -> tuple[Tensor, Tensor, int, int]:
@@ -399,17 +415,17 @@ def _rounded(x: Tensor, tiled: bool, group: int, order: int) -> tuple[Tensor, Te
     return xq.view(torch.int8), xds, xq.view(torch.int8).stride(0), xds.stride(0)
 
 
-def _matmul_into(out: Tensor, x: Tensor, xq: Tensor, xds: Tensor, stride_xq: int, stride_xds: int, qweight: Tensor,
-                 qtype: str, k: int) -> None:
+def _matmul_into(out: Tensor | None, x: Tensor, xq: Tensor, xds: Tensor, stride_xq: int, stride_xds: int,
+                 qweight: Tensor, qtype: str, k: int) -> Tensor:
+    """The product into out (columns of a wider output), or None: its partial sums, returned unsummed."""
     m, n = x.shape[0], qweight.shape[0]
     kernel, constants = KERNELS[qtype]
-    sbs = k // 256
-    per_split = triton.cdiv(sbs, max(1, min(sbs, TARGET_PROGRAMS // triton.cdiv(n, BLOCK_N))))
-    splits = triton.cdiv(sbs, per_split)
-    out, partial = split_k.outputs(x, n, splits, out)
+    splits, per_split = _split(n, k)
+    out, partial = split_k.outputs(x, n, splits, out, summed=out is not None)
     grid = (triton.cdiv(n, BLOCK_N), splits)
     kernel[grid](xq, xds, qweight, partial, M=m, N=n, K=k, sb_per_split=per_split, stride_xq=stride_xq,
                  stride_xds=stride_xds, stride_wn=qweight.stride(0), stride_os=partial.stride(0),
                  stride_om=partial.stride(1), BLOCK_N=BLOCK_N, NUM_WARPS=NUM_WARPS, num_warps=NUM_WARPS,
                  **constants, **pdl.launch(x))
     split_k.finish(partial, out)
+    return partial

@@ -1,6 +1,7 @@
 """K split across programs and summed: the products for a few rows of x (gguf_gemv, gguf_mma, gguf_matmul) give a
 small output too few programs, so each program takes a split of K and writes float32 partial sums, which one more
-launch (`finish`) adds in split order (deterministic: a token's bits do not depend on timing).
+launch (`finish`) adds in split order (deterministic: a token's bits do not depend on timing), or, inside a
+torch.compile graph, the graph's own additions (`add_splits`: fused into the kernel that reads the product).
 
 Each tile's last program adding the splits itself (an arrival count per tile, a release/acquire handoff) saved ~80
 of a decode step's ~700 launches but measured slower on an H100 (8B Q4_K_M decode 3.642 ms against 3.509, IQ4_XS
@@ -30,16 +31,31 @@ def _sum_splits_kernel(partial_ptr, out_ptr, splits, numel, n, stride_om, BLOCK:
     tl.store(out_ptr + (i // n) * stride_om + i % n, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def outputs(x: Tensor, n: int, splits: int, out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def outputs(x: Tensor, n: int, splits: int, out: Tensor | None = None,
+            summed: bool = True) -> tuple[Tensor | None, Tensor]:
     """(out [M, N] in x's dtype, partial [splits, M, N]): one split writes out itself, more write float32 partial
-    sums. `out` may be given: columns of a wider output (rows strided)."""
+    sums. `out` may be given: columns of a wider output (rows strided). summed=False: (None, float32 partials
+    whatever the split count), for a caller that adds them itself (`add_splits`)."""
+    if not summed:
+        return None, torch.empty(splits, x.shape[0], n, device=x.device, dtype=torch.float32)
     out = torch.empty(x.shape[0], n, device=x.device, dtype=x.dtype) if out is None else out
     return out, out[None] if splits == 1 else torch.empty(splits, x.shape[0], n, device=x.device, dtype=torch.float32)
 
 
-def finish(partial: Tensor, out: Tensor) -> None:
-    """out = the splits' sum where K was split (partial [splits, M, N], out [M, N], its rows maybe strided)."""
-    if partial.shape[0] > 1:
+def add_splits(partial: Tensor, dtype: torch.dtype) -> Tensor:
+    """partial [splits, M, N] summed in split order, in dtype, as torch operations: inside a torch.compile graph
+    they fuse into the kernel that reads the product (a residual add, a norm, a rotation) in place of a launch of
+    their own (`finish`), with the same float32 additions in the same order."""
+    out = partial[0]
+    for s in range(1, partial.shape[0]):
+        out = out + partial[s]
+    return out.to(dtype)
+
+
+def finish(partial: Tensor, out: Tensor | None) -> None:
+    """out = the splits' sum where K was split (partial [splits, M, N], out [M, N], its rows maybe strided); nothing
+    for partials left to `add_splits` (out None)."""
+    if out is not None and partial.shape[0] > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(out.numel(), block),)](partial, out, partial.shape[0], out.numel(),
                                                               out.shape[1], out.stride(0), BLOCK=block,

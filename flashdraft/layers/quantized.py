@@ -11,6 +11,7 @@ from torch.nn import functional as F
 log = logging.getLogger("flashdraft")
 
 FEW_ROWS = 64  # up to this many rows a product runs the fused kernel; more dequantize into a scratch buffer
+GRAPH_SPLIT_SUMS = True  # under torch.compile, K's partial sums added by the graph (kernels/split_k.add_splits)
 # Q6_K's 210-byte blocks leave every other block only 2-byte aligned, so the kernels could read them only in 16-bit
 # halves (half the GPU's bandwidth, docs/PERF.md): in memory each block gets two zero bytes after its 210 (+0.95%),
 # so every block starts on a 4-byte word. The block's own bytes are unchanged.
@@ -134,10 +135,16 @@ class GGUFLinear(nn.Module):
         return self._product(x, parts, None if self.bias is None else self.bias[start:stop])
 
     def _product(self, x: Tensor, parts: list[tuple[Tensor, str]], bias: Tensor | None) -> Tensor:
-        from flashdraft.kernels.gguf_matmul import dequantize_gguf, gguf_matmul, gguf_matmul_parts
+        from flashdraft.kernels import split_k
+        from flashdraft.kernels.gguf_matmul import dequantize_gguf, gguf_matmul, gguf_matmul_partials, gguf_matmul_parts
         rows = x.reshape(-1, self.in_features)
         k = self.in_features
-        if rows.shape[0] <= FEW_ROWS and len(parts) == 1:
+        if rows.shape[0] <= FEW_ROWS and GRAPH_SPLIT_SUMS and torch.compiler.is_compiling():
+            # the split-K sums as graph operations: fused into the kernel that reads the product
+            outs = [split_k.add_splits(p, x.dtype) for p in
+                    gguf_matmul_partials(rows, [w for w, _ in parts], ",".join(q for _, q in parts), k)]
+            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        elif rows.shape[0] <= FEW_ROWS and len(parts) == 1:
             out = gguf_matmul(rows, *parts[0], k)
         elif rows.shape[0] <= FEW_ROWS:
             out = gguf_matmul_parts(rows, [w for w, _ in parts], ",".join(q for _, q in parts), k)
