@@ -334,8 +334,8 @@ def test_int8_mma_launches_bind_and_compile_for_sm90(monkeypatch):
 
 
 def run_ptx(asm: str, inputs: list[int], outputs: int) -> list[int]:
-    """A reading of the few PTX instructions the IQ4 lookups use (mov, and, or, shr, shl, prmt in its default mode)
-    on 32-bit values: an independent check of the inline assembly that no CPU can run."""
+    """A reading of the few PTX instructions the IQ4 lookups use (mov, and, or, shr, shl, prmt in its default mode,
+    sign replication included) on 32-bit values: an independent check of the inline assembly that no CPU can run."""
     regs = {f"${outputs + i}": v & 0xFFFFFFFF for i, v in enumerate(inputs)}
     value = lambda a: regs[a] if a in regs else int(a, 0) & 0xFFFFFFFF  # noqa: E731
     for line in asm.strip("{}\n").splitlines():
@@ -358,9 +358,11 @@ def run_ptx(asm: str, inputs: list[int], outputs: int) -> list[int]:
             r = ~v[0]
         elif op == "mul.lo.u32":
             r = v[0] * v[1]
-        elif op == "prmt.b32":
+        elif op == "prmt.b32":  # selector nibble: bits 0-2 pick a byte; bit 3 set gives its sign bit in all 8
             pool = (v[0] | v[1] << 32).to_bytes(8, "little")
-            r = int.from_bytes(bytes(pool[(v[2] >> 4 * i) & 7] for i in range(4)), "little")
+            sel = [(v[2] >> 4 * i) & 15 for i in range(4)]
+            r = int.from_bytes(bytes(pool[n & 7] if n < 8 else (0xFF if pool[n & 7] & 0x80 else 0) for n in sel),
+                               "little")
         else:
             raise AssertionError(f"no reading of {op}")
         regs[d] = r & 0xFFFFFFFF
