@@ -322,12 +322,17 @@ def _iq4_xs_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
     for c in range(first, last):
         head = gl.load(s_ptr + K // 256 * 32 + 2 * c)
         low = gl.load(s_ptr + K // 256 * 32 + 2 * c + 1)
+        high = (head >> 16) & 0xFFFF  # 2 bits a sub-block: its 4-bit groups spread to bytes
+        high = (high | (high << 8)) & 0x00FF00FF
+        high = (high | (high << 4)) & 0x0F0F0F0F
+        scales = ((low & 0x0F0F0F0F) | ((high & 0x03030303) << 4),  # byte b: sub-block 2b's 6-bit scale
+                  ((low >> 4) & 0x0F0F0F0F) | ((high & 0x0C0C0C0C) << 2))  # sub-block 2b + 1's
         isum = zero
         for j in gl.static_range(8):
             q = gl.load(a_ptr + 128 * c + 16 * j, mask=word_ok, other=0)
             w = gl.inline_asm_elementwise(IQ4_EIGHT, "=r,=r,r,r", [q], dtype=gl.int8, is_pure=True, pack=8)
-            scale = ((low >> (4 * j)) & 15) | (((head >> (16 + 2 * j)) & 3) << 4)
-            isum += mma_v2(w, _x_values(b_ptr, 8 * c + j, TILED), zero) * (scale - 32)[:, None]
+            scale = ((scales[j % 2] >> (8 * (j // 2))) & 63) - 32
+            isum += mma_v2(w, _x_values(b_ptr, 8 * c + j, TILED), zero) * scale[:, None]
         acc = _scaled(acc, isum, _half(head), _x_scale(xds_ptr, x_toks, stride_xds, 8 * c, TILED))
     _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
 
