@@ -45,17 +45,16 @@ TOKENS = gl.constexpr(16)  # the mma's N: rows of x, padded
 
 
 @gluon.jit
-def _scale_byte(a, b, c, J: gl.constexpr):
-    """Q4_K's 6-bit scale and min of sub-block J (0..7) from the 12 scale bytes as words a, b, c (ggml's
-    get_scale_min_k4), as int32."""
-    if J < 4:
-        sc = (a >> (8 * J)) & 63
-        mn = (b >> (8 * J)) & 63
-    else:
-        sh: gl.constexpr = 8 * (J - 4)
-        sc = ((c >> sh) & 15) | (((a >> sh) >> 6) & 3) << 4
-        mn = ((c >> sh) >> 4 & 15) | (((b >> sh) >> 6) & 3) << 4
-    return sc, mn
+def _k_scales(a, b, c):
+    """Q4_K's 6-bit scales and mins (ggml's get_scale_min_k4) from the 12 scale bytes as words a, b, c, as the bytes of
+    four words: (scales of sub-blocks 0-3, of 4-7, mins of 0-3, of 4-7), byte J % 4 for sub-block J."""
+    return (a & 0x3F3F3F3F, (c & 0x0F0F0F0F) | ((a >> 2) & 0x30303030),
+            b & 0x3F3F3F3F, ((c >> 4) & 0x0F0F0F0F) | ((b >> 2) & 0x30303030))
+
+
+@gluon.jit
+def _byte(word, i: gl.constexpr):
+    return (word >> (8 * i)) & 0xFF
 
 
 @gluon.jit
@@ -87,12 +86,13 @@ def _scaled(acc, isum, d, xd):
 
 
 @gluon.jit
-def _sub_block(isum, msum, w, zero, a, b, s, b_ptr, block0, J: gl.constexpr, a_l: gl.constexpr,
+def _sub_block(isum, msum, w, zero, scales, b_ptr, block0, J: gl.constexpr, a_l: gl.constexpr,
                TILED: gl.constexpr):
     """A Q4_K/Q5_K super-block's sums with sub-block J added, in int32 (x rounded per 256: one scale for all 8):
-    isum + sc(row) * (w . x), and msum + m(row) * sum(x) as an mma of the rows' 6-bit mins, repeated over k, with x."""
+    isum + sc(row) * (w . x), and msum + m(row) * sum(x) as an mma of the rows' 6-bit mins, repeated over k, with x.
+    scales: `_k_scales`' words."""
     xb = _x_values(b_ptr, block0 + J, TILED)
-    sc, mn = _scale_byte(a, b, s, J)
+    sc, mn = _byte(scales[J // 4], J % 4), _byte(scales[2 + J // 4], J % 4)
     mins = gl.convert_layout(mn.to(gl.int8), gl.SliceLayout(1, a_l), assert_trivial=True)[:, None]
     return (isum + mma_v2(w, xb, zero) * sc[:, None],
             mma_v2(gl.broadcast(mins, w)[0], xb, msum))
@@ -219,6 +219,7 @@ def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
         b = gl.load(s_ptr + WORDS * c + 2)
         s = gl.load(s_ptr + WORDS * c + 3)
         d, dmin = _half(head), _half(head >> 16)
+        scales = _k_scales(a, b, s)
         if FIVE_BITS:
             qh = gl.load(a_ptr + 4 * WORDS * c + 16)
         groups = _groups(gl.load(q_ptr + 4 * WORDS * c), a_l, BLOCK_N)
@@ -232,8 +233,8 @@ def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
                                                is_pure=True, pack=4)
                 hi = gl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 4; and.b32 $0, t, 0x0F0F0F0F; }",
                                                "=r,r", [q], dtype=gl.int8, is_pure=True, pack=4)
-            isum, msum = _sub_block(isum, msum, lo, zero, a, b, s, b_ptr, 8 * c, 2 * g, a_l, TILED)
-            isum, msum = _sub_block(isum, msum, hi, zero, a, b, s, b_ptr, 8 * c, 2 * g + 1, a_l, TILED)
+            isum, msum = _sub_block(isum, msum, lo, zero, scales, b_ptr, 8 * c, 2 * g, a_l, TILED)
+            isum, msum = _sub_block(isum, msum, hi, zero, scales, b_ptr, 8 * c, 2 * g + 1, a_l, TILED)
         xd = _x_scale(xds_ptr, x_toks, stride_xds, 8 * c, TILED)
         acc = _scaled(_scaled(acc, isum, d, xd), msum, -dmin, xd)
     _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
