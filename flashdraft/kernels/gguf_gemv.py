@@ -50,10 +50,11 @@ ROW_BUCKETS = (1, 2, 4, 8, 16)  # the kernels are compiled per bucket: rows of x
 CONFIG = {"BLOCK_N": 4, "SB": 16, "num_warps": 4, "target_programs": 2112}
 # Q6_K: 0.195 ms against 0.218 (8B + Gemma shapes; PERF run 7); IQ4_XS 16 x 8: the 8B's decode step 3.320 ms against
 # 3.503 at 8 x 8 (run 13; 8 x 8 had beaten 4 x 16 in run 12). IQ4_NL: not swept.
-# maxnreg: the register count these kernels had when timed (unmasked loads took Q5_K 72 -> 80 and Q8_0 94 -> 108
-# under Triton 3.6 for sm_90, no spills at the cap: fewer programs per SM otherwise).
+# maxnreg: the register count these kernels had when timed (unmasked loads and the word-form scales took Q4_K 72 ->
+# 74, Q5_K 72 -> 80 and Q8_0 94 -> 108 under Triton 3.6 for sm_90, no spills at the cap: fewer programs per SM
+# otherwise).
 TYPE_CONFIGS = {"Q6_K": dict(CONFIG, BLOCK_N=8, SB=8), "IQ4_XS": dict(CONFIG, BLOCK_N=16, SB=8),
-                "Q5_K": dict(CONFIG, maxnreg=72), "Q8_0": dict(CONFIG, maxnreg=96)}
+                "Q4_K": dict(CONFIG, maxnreg=72), "Q5_K": dict(CONFIG, maxnreg=72), "Q8_0": dict(CONFIG, maxnreg=96)}
 # small tiles: the CPU tests' shapes
 INTERPRETED = {"BLOCK_N": 64, "SB": 1, "num_warps": 1, "target_programs": 64}
 
@@ -183,13 +184,9 @@ def _k_scale_bytes(a, b, c, i):
     """Q4_K/Q5_K's 6-bit scale and min of sub-block i (a tensor of 0..7), from the 12 scale bytes as words a, b, c
     (each [..., 1]): ggml's get_scale_min_k4."""
     lo = i < 4
-    j = i % 4
-    sh = (j * 8)
-    qa = (a >> sh) & 0xFF  # byte j
-    qb = (b >> sh) & 0xFF  # byte j + 4
-    qc = (c >> sh) & 0xFF  # byte j + 8
-    sc = tl.where(lo, qa & 63, (qc & 15) | ((qa >> 6) << 4))
-    mn = tl.where(lo, qb & 63, (qc >> 4) | ((qb >> 6) << 4))
+    sh = (i % 4) * 8  # sub-blocks 0-3 and 4-7 are the bytes of two words (llama.cpp's word form)
+    sc = (tl.where(lo, a & 0x3F3F3F3F, (c & 0x0F0F0F0F) | ((a >> 2) & 0x30303030)) >> sh) & 0xFF
+    mn = (tl.where(lo, b & 0x3F3F3F3F, ((c >> 4) & 0x0F0F0F0F) | ((b >> 2) & 0x30303030)) >> sh) & 0xFF
     return sc.to(tl.float32), mn.to(tl.float32)
 
 
