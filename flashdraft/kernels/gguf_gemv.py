@@ -302,19 +302,18 @@ def _signed6(v):
 
 
 @triton.jit
-def _q6_scales(pair, d):
-    """Two int8 scales in an int16 (sign-extended to int32) [N, SB, 2] -> d * scale [N, SB, 2, 2] (low byte for
-    weights 0..15 of the 32, high byte for 16..31)."""
+def _q6_scales(pair):
+    """Two int8 scales in an int16 (sign-extended to int32) [N, SB, 2] -> the scales [N, SB, 2, 2], int32 (low byte
+    for weights 0..15 of the 32, high byte for 16..31)."""
     u = tl.arange(0, 2)[None, None, None, :]
     p = pair[:, :, :, None]
-    sc = tl.where(u == 1, (p << 16) >> 24, (p << 24) >> 24)
-    return d[:, :, None, None] * sc.to(tl.float32)
+    return tl.where(u == 1, (p << 16) >> 24, (p << 24) >> 24)
 
 
 @triton.jit
 def _dot16(v, x, EMULATE: tl.constexpr):
-    """[N, SB, 2, 2, 4] words . [SB, 2, 2, 4] words -> [N, SB, 2, 2] float32 (16 products each)."""
-    return tl.sum(_dp4a(v, x[None], EMULATE), axis=4).to(tl.float32)
+    """[N, SB, 2, 2, 4] words . [SB, 2, 2, 4] words -> [N, SB, 2, 2] int32 (16 products each)."""
+    return tl.sum(_dp4a(v, x[None], EMULATE), axis=4)
 
 
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
@@ -349,23 +348,23 @@ def _q6_k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_pe
         v1 = _signed6((B & 0x0F0F0F0F) | ((H << 2) & 0x30303030))
         v2 = _signed6(((A >> 4) & 0x0F0F0F0F) | (H & 0x30303030))
         v3 = _signed6(((B >> 4) & 0x0F0F0F0F) | ((H >> 2) & 0x30303030))
-        sp = base[:, :, None] + 96 + tl.arange(0, 2)[None, None, :] * 4  # scales 8h + 2k, 8h + 2k + 1: half 96 + 4h + k
-        w0 = _q6_scales(tl.load(sp).to(tl.int32), d)
-        w1 = _q6_scales(tl.load(sp + 1).to(tl.int32), d)
-        w2 = _q6_scales(tl.load(sp + 2).to(tl.int32), d)
-        w3 = _q6_scales(tl.load(sp + 3).to(tl.int32), d)
+        # scales 8h + 2k and 8h + 2k + 1: int16 half 96 + 4h + k
+        sp = base[:, :, None] + 96 + tl.arange(0, 2)[None, None, :] * 4
+        sc0 = _q6_scales(tl.load(sp).to(tl.int32))
+        sc1 = _q6_scales(tl.load(sp + 1).to(tl.int32))
+        sc2 = _q6_scales(tl.load(sp + 2).to(tl.int32))
+        sc3 = _q6_scales(tl.load(sp + 3).to(tl.int32))
         wait_for_inputs(PDL)  # x only after the weight loads are issued
-        xh = tl.arange(0, 2)[None, :]
         for m in tl.static_range(BM):
             xm = _x_row(m, M)
             xw = (xq_ptr + xm * stride_xq + s[:, None, None, None] * 64 + tl.arange(0, 2)[None, :, None, None] * 32 +
                   tl.arange(0, 2)[None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, :])  # [SB, 2, 2, 4]
-            xb = xd_ptr + xm * stride_xd + s[:, None] * 8 + xh * 4  # x's scale per 32: block 8s + 4h + k
-            part = (w0 * tl.load(xb)[None, :, :, None] * _dot16(v0, tl.load(xw), EMULATE) +
-                    w1 * tl.load(xb + 1)[None, :, :, None] * _dot16(v1, tl.load(xw + 8), EMULATE) +
-                    w2 * tl.load(xb + 2)[None, :, :, None] * _dot16(v2, tl.load(xw + 16), EMULATE) +
-                    w3 * tl.load(xb + 3)[None, :, :, None] * _dot16(v3, tl.load(xw + 24), EMULATE))
-            contrib = tl.sum(tl.sum(tl.sum(part, axis=3), axis=2), axis=1)
+            # x rounded per 256 (x_group): one scale a super-block, so its 16 products times their integer scales
+            # are summed exactly in int32 and converted once
+            isum = (sc0 * _dot16(v0, tl.load(xw), EMULATE) + sc1 * _dot16(v1, tl.load(xw + 8), EMULATE) +
+                    sc2 * _dot16(v2, tl.load(xw + 16), EMULATE) + sc3 * _dot16(v3, tl.load(xw + 24), EMULATE))
+            xd = tl.load(xd_ptr + xm * stride_xd + s * 8)[None, :]  # [1, SB]
+            contrib = tl.sum(d * xd * tl.sum(tl.sum(isum, axis=3), axis=2).to(tl.float32), axis=1)
             acc = _add_row(acc, mi, m, contrib)
         start_dependents(PDL)
     wait_for_inputs(PDL)  # (also where a program had no iterations)
