@@ -50,11 +50,10 @@ ROW_BUCKETS = (1, 2, 4, 8, 16)  # the kernels are compiled per bucket: rows of x
 CONFIG = {"BLOCK_N": 4, "SB": 16, "num_warps": 4, "target_programs": 2112}
 # Q6_K: 0.195 ms against 0.218 (8B + Gemma shapes; PERF run 7); IQ4_XS 16 x 8: the 8B's decode step 3.320 ms against
 # 3.503 at 8 x 8 (run 13; 8 x 8 had beaten 4 x 16 in run 12). IQ4_NL: not swept.
-# maxnreg: the register count these kernels had when timed (unmasked loads and the word-form scales took Q4_K 72 ->
-# 74, Q5_K 72 -> 80 and Q8_0 94 -> 108 under Triton 3.6 for sm_90, no spills at the cap: fewer programs per SM
-# otherwise).
+# maxnreg: the register count the kernel had when timed (unmasked loads took Q8_0 94 -> 108 under Triton 3.6 for
+# sm_90, no spills at the cap: fewer programs per SM otherwise).
 TYPE_CONFIGS = {"Q6_K": dict(CONFIG, BLOCK_N=8, SB=8), "IQ4_XS": dict(CONFIG, BLOCK_N=16, SB=8),
-                "Q4_K": dict(CONFIG, maxnreg=72), "Q5_K": dict(CONFIG, maxnreg=72), "Q8_0": dict(CONFIG, maxnreg=96)}
+                "Q8_0": dict(CONFIG, maxnreg=96)}
 # small tiles: the CPU tests' shapes
 INTERPRETED = {"BLOCK_N": 64, "SB": 1, "num_warps": 1, "target_programs": 64}
 
@@ -181,13 +180,13 @@ def _quantize_into(x: Tensor, q: Tensor, stride_q: int, stride_qb: int, d: Tenso
 
 @triton.jit
 def _k_scale_bytes(a, b, c, i):
-    """Q4_K/Q5_K's 6-bit scale and min of sub-block i (a tensor of 0..7), from the 12 scale bytes as words a, b, c
-    (each [..., 1]): ggml's get_scale_min_k4."""
+    """Q4_K/Q5_K's 6-bit scale and min of sub-block i (a tensor of 0..7), int32, from the 12 scale bytes as words a,
+    b, c (each [..., 1]): ggml's get_scale_min_k4."""
     lo = i < 4
     sh = (i % 4) * 8  # sub-blocks 0-3 and 4-7 are the bytes of two words (llama.cpp's word form)
     sc = (tl.where(lo, a & 0x3F3F3F3F, (c & 0x0F0F0F0F) | ((a >> 2) & 0x30303030)) >> sh) & 0xFF
     mn = (tl.where(lo, b & 0x3F3F3F3F, ((c >> 4) & 0x0F0F0F0F) | ((b >> 2) & 0x30303030)) >> sh) & 0xFF
-    return sc.to(tl.float32), mn.to(tl.float32)
+    return sc, mn
 
 
 @triton.jit
@@ -260,8 +259,7 @@ def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split
         c = tl.load(base + 3)[:, :, None]
         sc_lo, mn_lo = _k_scale_bytes(a, b, c, 2 * g[None, None, :])
         sc_hi, mn_hi = _k_scale_bytes(a, b, c, 2 * g[None, None, :] + 1)
-        d_lo, d_hi = d[:, :, None] * sc_lo, d[:, :, None] * sc_hi  # [N, SB, 4]
-        m_lo, m_hi = dmin[:, :, None] * mn_lo, dmin[:, :, None] * mn_hi
+        m_lo, m_hi = dmin[:, :, None] * mn_lo.to(tl.float32), dmin[:, :, None] * mn_hi.to(tl.float32)  # [N, SB, 4]
         # [N, SB, 4, 8]: stored word 8p + 2g + j, group g's word 2p + j
         words = tl.load(base[:, :, None, None] + QS + g[None, None, :, None] * 8 + t[None, None, None, :])
         # into group order in registers (no data movement): [N, SB, 4 (group), 8 (its words in order)]
@@ -279,15 +277,14 @@ def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split
             xw = xq_ptr + xm * stride_xq + s[:, None, None] * 64 + g[None, :, None] * 16 + t[None, None, :]
             x_lo = tl.load(xw)  # [SB, 4, 8]
             x_hi = tl.load(xw + 8)
-            dot_lo = tl.sum(_dp4a(lo, x_lo[None], EMULATE), axis=3).to(tl.float32)  # [N, SB, 4]
-            dot_hi = tl.sum(_dp4a(hi, x_hi[None], EMULATE), axis=3).to(tl.float32)
+            # x rounded per 256 (x_group): one scale a super-block, so its sub-blocks' products times their integer
+            # scales are summed exactly in int32 and converted once; the minimum's term takes each block's sum of x
+            isum = tl.sum(sc_lo * tl.sum(_dp4a(lo, x_lo[None], EMULATE), axis=3) +
+                          sc_hi * tl.sum(_dp4a(hi, x_hi[None], EMULATE), axis=3), axis=2)  # [N, SB]
+            xd = tl.load(xd_ptr + xm * stride_xd + s * 8)[None, :]  # [1, SB]
             xb = xm * stride_xd + s[:, None] * 8 + 2 * g[None, :]
-            xd_lo = tl.load(xd_ptr + xb)[None]
-            xd_hi = tl.load(xd_ptr + xb + 1)[None]
-            xs_lo = tl.load(xs_ptr + xb)[None]
-            xs_hi = tl.load(xs_ptr + xb + 1)[None]
-            part = d_lo * xd_lo * dot_lo + d_hi * xd_hi * dot_hi - (m_lo * xs_lo + m_hi * xs_hi)
-            contrib = tl.sum(tl.sum(part, axis=2), axis=1)
+            mins = tl.sum(m_lo * tl.load(xs_ptr + xb)[None] + m_hi * tl.load(xs_ptr + xb + 1)[None], axis=2)
+            contrib = tl.sum(d * xd * isum.to(tl.float32) - mins, axis=1)
             acc = _add_row(acc, mi, m, contrib)
         start_dependents(PDL)
     wait_for_inputs(PDL)  # (also where a program had no iterations)
