@@ -488,11 +488,11 @@ def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_
         s, keep = _split_range(s, last, WHOLE)
         base = row_base + s[None, :] * 32
         header = row_base + K // 256 * 32 + s[None, :] * 2
-        head = tl.load(header)[:, :, None]
+        head = tl.load(header)  # [N, SB]
         scales_l = tl.load(header + 1)[:, :, None]
         jj = j[None, None, :]
-        ls = ((scales_l >> (4 * jj)) & 15) | (((head >> (16 + 2 * jj)) & 3) << 4)
-        dl = _half(head) * keep[None, :, None] * (ls - 32).to(tl.float32)  # [N, SB, 8]
+        ls = (((scales_l >> (4 * jj)) & 15) | (((head[:, :, None] >> (16 + 2 * jj)) & 3) << 4)) - 32  # [N, SB, 8]
+        d = _half(head) * keep[None, :]
         words = tl.load(base[:, :, None, None] + jj[:, :, :, None] * 4 + t[None, None, None, :])  # [N, SB, 8, 4]
         lo, hi = iq4_nibbles(words, lut_ptr, t0, t1, t2, t3, EMULATE)
         wait_for_inputs(PDL)  # x only after the weight loads are issued
@@ -501,9 +501,11 @@ def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_
             xw = xq_ptr + xm * stride_xq + s[:, None, None] * 64 + j[None, :, None] * 8 + 2 * t[None, None, :]
             x_lo = tl.load(xw)[None]  # [1, SB, 8, 4]: x in IQ4_ORDER
             x_hi = tl.load(xw + 1)[None]
-            dot = tl.sum(_dp4a(lo, x_lo, EMULATE) + _dp4a(hi, x_hi, EMULATE), axis=3).to(tl.float32)  # [N, SB, 8]
-            xd = tl.load(xd_ptr + xm * stride_xd + s[:, None] * 8 + j[None, :])[None]
-            contrib = tl.sum(tl.sum(dl * xd * dot, axis=2), axis=1)
+            # x rounded per 256 (x_group): the sub-blocks' products times their integer scales summed exactly in
+            # int32, converted once a super-block
+            isum = tl.sum(ls * tl.sum(_dp4a(lo, x_lo, EMULATE) + _dp4a(hi, x_hi, EMULATE), axis=3), axis=2)
+            xd = tl.load(xd_ptr + xm * stride_xd + s * 8)[None, :]  # [1, SB]
+            contrib = tl.sum(d * xd * isum.to(tl.float32), axis=1)
             acc = _add_row(acc, mi, m, contrib)
         start_dependents(PDL)
     wait_for_inputs(PDL)  # (also where a program had no iterations)
