@@ -543,7 +543,7 @@ def gemv(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:
 def gemv_parts(x: Tensor, qweights: list[Tensor], qtypes: list[str], k: int,
                summed: bool = True) -> Tensor | list[Tensor]:
     """x @ [part 0; part 1; ...]^T -> [M, sum of N] (a fused q/k/v or gate/up whose parts differ in type), or
-    (summed=False) each part's float32 partial sums [splits, M, N] (split_k.add_splits)."""
+    (summed=False) each part's partial sums [splits, M, N] (split_k.outputs, split_k.add_splits)."""
     return parts_product(x, qweights, qtypes, k, lambda q: _rounding(q, k), quantize_rows, _gemv_into, summed)
 
 

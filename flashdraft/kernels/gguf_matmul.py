@@ -359,7 +359,7 @@ def _route(x: Tensor, qtypes: list[str], k: int) -> str:
 
 
 def _dot(x: Tensor, qweight: Tensor, qtype: str, k: int, summed: bool) -> Tensor:
-    """The tensor-core kernel: [M, N] in x's dtype, or (summed=False) float32 partial sums [splits, M, N]."""
+    """The tensor-core kernel: [M, N] in x's dtype, or (summed=False) its partial sums [splits, M, N] (split_k.outputs)."""
     m, n = x.shape[0], qweight.shape[0]
     splits, per_split = splits_for(n, k)
     out, partial = split_k.outputs(x, n, splits, summed=summed)
@@ -417,8 +417,9 @@ def _(x: Tensor, qweights: list[Tensor], qtypes: str, k: int) -> Tensor:
 
 @torch.library.custom_op("flashdraft::gguf_matmul_partials", mutates_args=())
 def gguf_matmul_partials(x: Tensor, qweights: list[Tensor], qtypes: str, k: int) -> list[Tensor]:
-    """gguf_matmul_parts' products left as each part's float32 partial sums [splits, M, N] over the splits of K, for
-    a torch.compile graph to add (split_k.add_splits) inside the kernel that reads them, in place of sum launches."""
+    """gguf_matmul_parts' products left as each part's partial sums [splits, M, N] over the splits of K (float32; one
+    split: the product in x's dtype), for a torch.compile graph to add (split_k.add_splits) inside the kernel that
+    reads them, in place of sum launches."""
     types = qtypes.split(",")
     for w, q in zip(qweights, types):
         _check(w, q, k)
@@ -433,7 +434,7 @@ def gguf_matmul_partials(x: Tensor, qweights: list[Tensor], qtypes: str, k: int)
 
 @gguf_matmul_partials.register_fake
 def _(x: Tensor, qweights: list[Tensor], qtypes: str, k: int) -> list[Tensor]:
-    return [x.new_empty(count, x.shape[0], w.shape[0], dtype=torch.float32)
+    return [x.new_empty(count, x.shape[0], w.shape[0], dtype=split_k.partial_dtype(x, count))
             for w, count in zip(qweights, split_counts(x, qweights, qtypes.split(","), k))]
 
 

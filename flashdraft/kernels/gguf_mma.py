@@ -390,7 +390,7 @@ def matmul(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:
 def matmul_parts(x: Tensor, qweights: list[Tensor], qtypes: list[str], k: int,
                  summed: bool = True) -> Tensor | list[Tensor]:
     """x @ [part 0; part 1; ...]^T -> [M, sum of N] (a fused q/k/v or gate/up whose parts differ in type): x rounded
-    once per layout the parts' kernels take; summed=False: each part's float32 partial sums [splits, M, N]."""
+    once per layout the parts' kernels take; summed=False: each part's partial sums [splits, M, N] (split_k.outputs)."""
     return gguf_gemv.parts_product(x, qweights, qtypes, k, lambda q: _rounding(q, k), _rounded, _matmul_into, summed)
 
 

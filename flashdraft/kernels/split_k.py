@@ -34,18 +34,23 @@ def _sum_splits_kernel(partial_ptr, out_ptr, splits, numel, n, stride_om, BLOCK:
 def outputs(x: Tensor, n: int, splits: int, out: Tensor | None = None,
             summed: bool = True) -> tuple[Tensor | None, Tensor]:
     """(out [M, N] in x's dtype, partial [splits, M, N]): one split writes out itself, more write float32 partial
-    sums. `out` may be given: columns of a wider output (rows strided). summed=False: (None, float32 partials
-    whatever the split count), for a caller that adds them itself (`add_splits`)."""
+    sums. `out` may be given: columns of a wider output (rows strided). summed=False: (None, the partials: float32,
+    or for one split the product in x's dtype), for a caller that adds them itself (`add_splits`)."""
     if not summed:
-        return None, torch.empty(splits, x.shape[0], n, device=x.device, dtype=torch.float32)
+        return None, torch.empty(splits, x.shape[0], n, device=x.device, dtype=partial_dtype(x, splits))
     out = torch.empty(x.shape[0], n, device=x.device, dtype=x.dtype) if out is None else out
     return out, out[None] if splits == 1 else torch.empty(splits, x.shape[0], n, device=x.device, dtype=torch.float32)
 
 
+def partial_dtype(x: Tensor, splits: int) -> torch.dtype:
+    """float32 for partial sums; one split is the product itself, in x's dtype (its reader reads half the bytes)."""
+    return torch.float32 if splits > 1 else x.dtype
+
+
 def add_splits(partial: Tensor, dtype: torch.dtype) -> Tensor:
-    """partial [splits, M, N] summed in split order, in dtype, as torch operations: inside a torch.compile graph
-    they fuse into the kernel that reads the product (a residual add, a norm, a rotation) in place of a launch of
-    their own (`finish`), with the same float32 additions in the same order."""
+    """partial [splits, M, N] summed in split order (float32), in dtype, as torch operations: inside a torch.compile
+    graph they fuse into the kernel that reads the product (a residual add, a norm, a rotation) in place of a launch
+    of their own (`finish`), with the same float32 additions in the same order."""
     out = partial[0]
     for s in range(1, partial.shape[0]):
         out = out + partial[s]
