@@ -348,14 +348,20 @@ def measure(args) -> int:
                 iters = 5 if args.tiny else 30
                 ms = {f.__name__: timed(f, iters, dev) for f in (decode, verify, draft_step)}
                 sweep = {}
+                import torch._dynamo
+
                 from flashdraft.kernels import gguf_mma
                 for point in filter(None, args.mma_sweep.split(",")):  # verify's split of K (and tile), same model
                     kept = gguf_mma.TARGET_PROGRAMS, gguf_mma.BLOCK_N, gguf_mma.NUM_WARPS
                     given = [int(v) for v in point.split(":")]
                     gguf_mma.TARGET_PROGRAMS, gguf_mma.BLOCK_N, gguf_mma.NUM_WARPS = given + list(kept[len(given):])
-                    graphs = GraphCache(dev)  # captured again: the split is chosen as a graph records
+                    # compiled and captured again: the split (and the graph's partial sums' count) is chosen as a
+                    # graph is traced
+                    torch._dynamo.reset()
+                    graphs = GraphCache(dev)
                     sweep[point] = timed(verify, iters, dev)
                     gguf_mma.TARGET_PROGRAMS, gguf_mma.BLOCK_N, gguf_mma.NUM_WARPS = kept
+                    torch._dynamo.reset()
                 p512 = torch.randint(0, target.cfg.vocab_size - 1, (512,), device=dev)
                 prefill_ms = timed(lambda: prefill(target, state, p512, 0, None), 3 if args.tiny else 5, dev)
             peak = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else 0.0
