@@ -59,9 +59,8 @@ def _lookup_asm(t0: str, t1: str, t2: str, t3: str) -> str:
     words as operands."""
     return f"""{{
 .reg .b32 s0, s1, sel, a, b;
-and.b32 s0, $2, 0x7777;
-shr.b32 s1, $2, 16;
-and.b32 s1, s1, 0x7777;
+and.b32 s0, $2, 0x77777777;
+shr.b32 s1, s0, 16;
 and.b32 sel, $2, 0x88888888;
 shr.b32 sel, sel, 1;
 or.b32 sel, sel, 0x32103210;
