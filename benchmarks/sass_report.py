@@ -71,7 +71,7 @@ def main_loop(sass: str) -> collections.Counter:
 def attention_cases(kv_types: list[str]):
     """The split attention kernel's partial program over each stored KV type (K = V), as the engine launches it for
     the 8B's heads (head size 128; a rotated type's q rotated inside): (label, fn, signature, constexprs, aligned,
-    warps, stages, K + V bytes per loop iteration)."""
+    warps, compile options, K + V bytes per loop iteration)."""
     from flashdraft.kernels import split_attention as S
     from flashdraft.layers.kv_quant import kv_codecs
     for name in kv_types:
@@ -93,15 +93,12 @@ def attention_cases(kv_types: list[str]):
                    "stride_qh", "stride_kh", "stride_vh", "n_kv")
         per_iter = block_n * 2 * row * (1 if row_type else 2)
         yield (f"split attention over {name}, {block_n} keys", S._partial_kernel, sig, const, aligned, S.NUM_WARPS,
-               stages, per_iter)
-
-
-caps: dict[str, int | None] = {}
+               dict(num_stages=stages), per_iter)
 
 
 def cases(kernels: list[str], types: list[str], block_n: int, whole: bool = True):
-    """(label, fn, signature, constexprs, aligned, warps, stages, weight bytes per loop iteration per program); the
-    integer kernels' register caps (TYPE_CONFIGS' maxnreg) go in `caps`."""
+    """(label, fn, signature, constexprs, aligned, warps, compile options (the integer kernels' register cap:
+    TYPE_CONFIGS' maxnreg), weight bytes per loop iteration per program)."""
     for qtype in types:
         if "gemv" in kernels and qtype in ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS", *G.BLOCK32_IDS):
             block32 = qtype in G.BLOCK32_IDS
@@ -126,8 +123,8 @@ def cases(kernels: list[str], types: list[str], block_n: int, whole: bool = True
                                                     "IQ4_XS": G._iq4_xs_kernel}[qtype]
             aligned = ("xq_ptr", "xd_ptr", "xs_ptr", "w_ptr", "out_ptr", "N", "K", "stride_os")
             per_iter = cfg["BLOCK_N"] * cfg["SB"] * K.chunk_bytes(qtype)
-            caps[f"{qtype} integer kernel, 1 row"] = cfg.get("maxnreg")
-            yield f"{qtype} integer kernel, 1 row", fn, sig, const, aligned, cfg["num_warps"], 3, per_iter
+            yield (f"{qtype} integer kernel, 1 row", fn, sig, const, aligned, cfg["num_warps"],
+                   dict(num_stages=3, maxnreg=cfg.get("maxnreg")), per_iter)
         if "dot" in kernels:
             sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "out_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
                    "chunks_per_split": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_os": "i32",
@@ -136,7 +133,7 @@ def cases(kernels: list[str], types: list[str], block_n: int, whole: bool = True
             const = dict(QTYPE=K.TYPE_IDS[qtype], CHUNK_BYTES=K.chunk_bytes(qtype), BLOCK_M=K.BLOCK_M, BLOCK_N=block_n)
             aligned = ("x_ptr", "w_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn", "stride_os", "stride_om")
             yield (f"{qtype} tensor-core kernel, {K.BLOCK_M} rows", K._matmul_kernel, sig, const, aligned, K.NUM_WARPS,
-                   3, block_n * K.chunk_bytes(qtype))
+                   dict(num_stages=3), block_n * K.chunk_bytes(qtype))
 
 
 def main() -> int:
@@ -156,8 +153,8 @@ def main() -> int:
     all_cases = list(cases(kernels, args.types.split(","), args.block_n, not args.split_tail))
     if "attention" in kernels:
         all_cases += list(attention_cases(args.kv_types.split(",")))
-    for label, fn, sig, const, aligned, warps, stages, per_iter in all_cases:
-        usage, sass = compile_sm90(fn, sig, const, aligned, warps, num_stages=stages, maxnreg=caps.get(label))
+    for label, fn, sig, const, aligned, warps, options, per_iter in all_cases:
+        usage, sass = compile_sm90(fn, sig, const, aligned, warps, **options)
         regs, shared = re.search(r"REG:(\d+)", usage).group(1), re.search(r"SHARED:(\d+)", usage).group(1)
         ops = main_loop(sass)
         n = sum(ops.values())

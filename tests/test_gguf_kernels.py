@@ -92,9 +92,8 @@ def check(device: str, dtype: torch.dtype = torch.float32, tol: float = 1e-5) ->
                 assert err < tol, f"{qtype}, a split ending inside an iteration: relative error {err}"
         finally:
             gguf_gemv.INTERPRETED = interpreted
-    # under torch.compile a layer leaves the split-K sums to the graph (split_k.add_splits): the same bits as the sum
-    # launches, for the integer kernels (1 row) and the tensor-core kernel (5 rows), one part and two
-    if device == "cpu":
+        # under torch.compile a layer leaves the split-K sums to the graph (split_k.add_splits): the same bits as the
+        # sum launches, for the integer kernels (1 row) and the tensor-core kernel (5 rows), one part and two
         from flashdraft.kernels.gguf_matmul import split_counts
         from flashdraft.layers.quantized import GGUFLinear, QuantizedWeight
         weights = [QuantizedWeight(stored_blocks(torch.from_numpy(random_blocks(q, n, 512, seed=7)), q), q, (n, 512))

@@ -3,13 +3,14 @@ draft steps): the shape of llama.cpp's mmvq, written for Triton.
 
 x is first quantized to 8 bits (`quantize_rows`: int8 packed four to an int32 word, a float scale per 32 values
 or, for the K types, IQ4_XS and Q8_0's rows of whole 256-groups, per 256 (`x_group`), and the scaled sum per 32
-values). The weight kernels then
-read each row's bytes as 32-bit words, mask the 4-, 5- or 6-bit fields out of a word four at a time, and multiply
-them with x's bytes by `dp4a` (four int8 products summed into an int32), so a weight costs about a quarter of an
-instruction per row of x instead of an unpack, a conversion and a multiply. The sub-block scales and the
-minimum's term (dmin * m * sum(x)) apply once per 32 weights. Each row of x goes through the same instructions
-whatever the row count (up to MAX_ROWS; wider products take kernels/gguf_mma.py or the tensor-core kernel), so a
-token's result has the same bits whichever of these row counts computes it.
+values). The weight kernels then read each row's bytes as 32-bit words, mask the 4-, 5- or 6-bit fields out of a
+word four at a time, and multiply them with x's bytes by `dp4a` (four int8 products summed into an int32), so a
+weight costs about a quarter of an instruction per row of x instead of an unpack, a conversion and a multiply.
+Where x has one scale a super-block (rounded per 256) a super-block's sub-block products times their integer
+scales are summed exactly in int32 and converted once; the minimum's term (dmin * m * sum(x)) and the 32-weight
+types' scales apply per 32 weights. Each row of x goes through the same instructions whatever the row count (up to
+MAX_ROWS; wider products take kernels/gguf_mma.py or the tensor-core kernel), so a token's result has the same bits
+whichever of these row counts computes it.
 
 The IQ4 types map each nibble through a 16-entry int8 table (kvalues_iq4nl) by byte permutes (PRMT), eight
 nibbles in six of them (x quantized in the lookup's order), so their words also go to `dp4a`.
@@ -277,8 +278,6 @@ def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split
             xw = xq_ptr + xm * stride_xq + s[:, None, None] * 64 + g[None, :, None] * 16 + t[None, None, :]
             x_lo = tl.load(xw)  # [SB, 4, 8]
             x_hi = tl.load(xw + 8)
-            # x rounded per 256 (x_group): one scale a super-block, so its sub-blocks' products times their integer
-            # scales are summed exactly in int32 and converted once; the minimum's term takes each block's sum of x
             isum = tl.sum(sc_lo * tl.sum(_dp4a(lo, x_lo[None], EMULATE), axis=3) +
                           sc_hi * tl.sum(_dp4a(hi, x_hi[None], EMULATE), axis=3), axis=2)  # [N, SB]
             xd = tl.load(xd_ptr + xm * stride_xd + s * 8)[None, :]  # [1, SB]
@@ -356,8 +355,6 @@ def _q6_k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_pe
             xm = _x_row(m, M)
             xw = (xq_ptr + xm * stride_xq + s[:, None, None, None] * 64 + tl.arange(0, 2)[None, :, None, None] * 32 +
                   tl.arange(0, 2)[None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, :])  # [SB, 2, 2, 4]
-            # x rounded per 256 (x_group): one scale a super-block, so its 16 products times their integer scales
-            # are summed exactly in int32 and converted once
             isum = (sc0 * _dot16(v0, tl.load(xw), EMULATE) + sc1 * _dot16(v1, tl.load(xw + 8), EMULATE) +
                     sc2 * _dot16(v2, tl.load(xw + 16), EMULATE) + sc3 * _dot16(v3, tl.load(xw + 24), EMULATE))
             xd = tl.load(xd_ptr + xm * stride_xd + s * 8)[None, :]  # [1, SB]
@@ -501,8 +498,6 @@ def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_
             xw = xq_ptr + xm * stride_xq + s[:, None, None] * 64 + j[None, :, None] * 8 + 2 * t[None, None, :]
             x_lo = tl.load(xw)[None]  # [1, SB, 8, 4]: x in IQ4_ORDER
             x_hi = tl.load(xw + 1)[None]
-            # x rounded per 256 (x_group): the sub-blocks' products times their integer scales summed exactly in
-            # int32, converted once a super-block
             isum = tl.sum(ls * tl.sum(_dp4a(lo, x_lo, EMULATE) + _dp4a(hi, x_hi, EMULATE), axis=3), axis=2)
             xd = tl.load(xd_ptr + xm * stride_xd + s * 8)[None, :]  # [1, SB]
             contrib = tl.sum(d * xd * isum.to(tl.float32), axis=1)
@@ -552,13 +547,9 @@ def _rounding(qtype: str, k: int) -> tuple[int, int]:
     return IQ4_ORDER if qtype in IQ4_TYPES else 0, x_group(qtype, k)
 
 
-def _config(qtype: str) -> dict:
+def config(qtype: str) -> dict:
+    """This type's tile (TYPE_CONFIGS), or the interpreter's."""
     return INTERPRETED if _emulate() else TYPE_CONFIGS.get(qtype, CONFIG)
-
-
-def split_count(n: int, k: int, qtype: str) -> int:
-    """How many splits of K the product of an [n, k] matrix of this type takes (its partial sums' count)."""
-    return splits_for(n, k, _config(qtype))[0]
 
 
 def parts_product(x: Tensor, qweights: list[Tensor], qtypes: list[str], k: int, rounding, round_x,
@@ -567,7 +558,8 @@ def parts_product(x: Tensor, qweights: list[Tensor], qtypes: list[str], k: int, 
     *rounding)), and product_into(out's columns of the part, x, *rounded x, part, qtype, k) for each part, so the
     parts write one output; summed=False: product_into(None, ...) for each, their partial sums returned."""
     rounded = {}
-    out = torch.empty(x.shape[0], sum(w.shape[0] for w in qweights), device=x.device, dtype=x.dtype) if summed else None
+    out = (torch.empty(x.shape[0], sum(w.shape[0] for w in qweights), device=x.device, dtype=x.dtype) if summed
+           else None)
     partials, col = [], 0
     for w, qtype in zip(qweights, qtypes):
         key = rounding(qtype)
@@ -585,7 +577,7 @@ def _gemv_into(out: Tensor | None, x: Tensor, xq: Tensor, xd: Tensor, xs: Tensor
     m, n = x.shape[0], qweight.shape[0]
     bm = next(b for b in ROW_BUCKETS if b >= m)
     emulate = _emulate()
-    cfg = _config(qtype)
+    cfg = config(qtype)
     splits, per_split = splits_for(n, k, cfg)
     out, partial = split_k.outputs(x, n, splits, out, summed=out is not None)
     if qtype in ("Q4_K", "Q5_K"):

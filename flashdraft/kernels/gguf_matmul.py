@@ -359,7 +359,8 @@ def _route(x: Tensor, qtypes: list[str], k: int) -> str:
 
 
 def _dot(x: Tensor, qweight: Tensor, qtype: str, k: int, summed: bool) -> Tensor:
-    """The tensor-core kernel: [M, N] in x's dtype, or (summed=False) its partial sums [splits, M, N] (split_k.outputs)."""
+    """The tensor-core kernel: [M, N] in x's dtype, or (summed=False) its partial sums [splits, M, N]
+    (split_k.outputs)."""
     m, n = x.shape[0], qweight.shape[0]
     splits, per_split = splits_for(n, k)
     out, partial = split_k.outputs(x, n, splits, summed=summed)
@@ -443,9 +444,9 @@ def split_counts(x: Tensor, qweights: list[Tensor], qtypes: list[str], k: int) -
     do)."""
     route = _route(x, qtypes, k)
     if route == "mma":
-        return [gguf_mma.split_count(w.shape[0], k) for w in qweights]
+        return [gguf_mma.splits_for(w.shape[0], k)[0] for w in qweights]
     if route == "gemv":
-        return [gguf_gemv.split_count(w.shape[0], k, q) for w, q in zip(qweights, qtypes)]
+        return [gguf_gemv.splits_for(w.shape[0], k, gguf_gemv.config(q))[0] for w, q in zip(qweights, qtypes)]
     return [splits_for(w.shape[0], k)[0] for w in qweights]
 
 

@@ -390,7 +390,8 @@ def matmul(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:
 def matmul_parts(x: Tensor, qweights: list[Tensor], qtypes: list[str], k: int,
                  summed: bool = True) -> Tensor | list[Tensor]:
     """x @ [part 0; part 1; ...]^T -> [M, sum of N] (a fused q/k/v or gate/up whose parts differ in type): x rounded
-    once per layout the parts' kernels take; summed=False: each part's partial sums [splits, M, N] (split_k.outputs)."""
+    once per layout the parts' kernels take; summed=False: each part's partial sums [splits, M, N]
+    (split_k.outputs)."""
     return gguf_gemv.parts_product(x, qweights, qtypes, k, lambda q: _rounding(q, k), _rounded, _matmul_into, summed)
 
 
@@ -399,16 +400,11 @@ def _rounding(qtype: str, k: int) -> tuple[bool, int, int]:
     return KERNELS[qtype][1]["TILED"], gguf_gemv.x_group(qtype, k), X_ORDERS.get(qtype, 0)
 
 
-def _split(n: int, k: int) -> tuple[int, int]:
+def splits_for(n: int, k: int) -> tuple[int, int]:
     """(splits of K, super-blocks per split) for an [n, k] matrix, from its shape alone."""
     sbs = k // 256
     per_split = triton.cdiv(sbs, max(1, min(sbs, TARGET_PROGRAMS // triton.cdiv(n, BLOCK_N))))
     return triton.cdiv(sbs, per_split), per_split
-
-
-def split_count(n: int, k: int) -> int:
-    """How many splits of K the product of an [n, k] matrix takes (its partial sums' count)."""
-    return _split(n, k)[0]
 
 
 def _rounded(x: Tensor, tiled: bool, group: int, order: int) -> tuple[Tensor, Tensor, int, int]:
@@ -426,7 +422,7 @@ def _matmul_into(out: Tensor | None, x: Tensor, xq: Tensor, xds: Tensor, stride_
     """The product into out (columns of a wider output), or None: its partial sums, returned unsummed."""
     m, n = x.shape[0], qweight.shape[0]
     kernel, constants = KERNELS[qtype]
-    splits, per_split = _split(n, k)
+    splits, per_split = splits_for(n, k)
     out, partial = split_k.outputs(x, n, splits, out, summed=out is not None)
     grid = (triton.cdiv(n, BLOCK_N), splits)
     kernel[grid](xq, xds, qweight, partial, M=m, N=n, K=k, sb_per_split=per_split, stride_xq=stride_xq,
