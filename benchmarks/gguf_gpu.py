@@ -281,6 +281,9 @@ def measure(args) -> int:
     if args.mma_programs:
         from flashdraft.kernels import gguf_mma
         gguf_mma.TARGET_PROGRAMS = args.mma_programs
+    for spec in filter(None, args.mma_kernel.split(";")):
+        from flashdraft.kernels import gguf_mma
+        gguf_mma.use(spec)
     for tile in filter(None, args.gemv_tiles.split(";")):
         from flashdraft.kernels import gguf_gemv as G
         qtype, sizes = tile.split("=")
@@ -419,6 +422,8 @@ def main() -> int:
     ap.add_argument("--mma-programs", type=int, default=None, help="kernels/gguf_mma.TARGET_PROGRAMS (split-K of verify)")
     ap.add_argument("--mma-sweep", default="", help="then time verify(16) again at each of these TARGET_PROGRAMS[:BLOCK_N"
                                                      "[:warps]], e.g. 132,264,264:64 (one load, graphs captured again)")
+    ap.add_argument("--mma-kernel", default="", help='another verify kernel: "Q8_0=dot,STAGES=4,BLOCKS=4;..." '
+                    "(kernels/gguf_mma.use)")
     ap.add_argument("--gemv-tiles", default="",
                     help='integer-kernel tiles per type, "IQ4_XS=16,8;Q5_K=4,16,4,0": BLOCK_N,SB[,warps[,maxnreg '
                          '(0: no cap)]]')

@@ -92,6 +92,26 @@ def check(device: str, dtype: torch.dtype = torch.float32, tol: float = 1e-5) ->
                 assert err < tol, f"{qtype}, a split ending inside an iteration: relative error {err}"
         finally:
             gguf_gemv.INTERPRETED = interpreted
+        # Q8_0's plain-Triton verify kernel (the only gguf_mma kernel the interpreter runs): x by rows and tiled, 5
+        # and 16 rows, K split in two; a token's bits the same whichever rows share the call
+        from flashdraft.kernels import gguf_mma
+        kept = gguf_mma.KERNELS["Q8_0"], gguf_mma.TARGET_PROGRAMS
+        try:
+            raw = random_blocks("Q8_0", 45, 512, seed=60)
+            qweight = stored_blocks(torch.from_numpy(raw), "Q8_0")
+            x = torch.randn(16, 512, generator=gen)
+            ref = as_int8_rows(x, 256).double() @ reference(raw, "Q8_0").double().T
+            gguf_mma.TARGET_PROGRAMS = 2
+            for tiled in (False, True):
+                gguf_mma.use(f"Q8_0=dot,STAGES=2,BLOCKS=2,TILED={int(tiled)}")
+                for rows in (5, 16):
+                    out = gguf_mma.matmul(x[:rows], qweight, "Q8_0", 512).double()
+                    err = ((out - ref[:rows]).norm() / ref[:rows].norm()).item()
+                    assert err < tol, f"Q8_0 dot kernel, tiled {tiled}, {rows} rows: relative error {err}"
+                    one = gguf_mma.matmul(x[:1].expand(rows, -1), qweight, "Q8_0", 512)[0].double()
+                    assert torch.equal(out[0], one), f"Q8_0 dot kernel, {rows} rows: a token's bits differ"
+        finally:
+            gguf_mma.KERNELS["Q8_0"], gguf_mma.TARGET_PROGRAMS = kept
         # under torch.compile a layer leaves the split-K sums to the graph (split_k.add_splits): the same bits as the
         # sum launches, for the integer kernels (1 row) and the tensor-core kernel (5 rows), one part and two
         from flashdraft.kernels.gguf_matmul import split_counts
@@ -321,14 +341,16 @@ def test_int8_mma_launches_bind_and_compile_for_sm90(monkeypatch):
     codes = {torch.int8: "*i8", torch.int64: "*i64", torch.uint8: "*u8", torch.float32: "*fp32",
              torch.bfloat16: "*bf16"}
     for kernel, args, kwargs in launches:
-        num_warps = kwargs.pop("num_warps")
+        num_warps, maxnreg = kwargs.pop("num_warps"), kwargs.pop("maxnreg")
         bound = inspect.signature(kernel.fn).bind(*args, **kwargs)  # TypeError: a missing or unknown argument
         constexprs = {p.name for p in kernel.params if p.is_constexpr}
         signature = {name: "constexpr" if name in constexprs else codes[v.dtype] if isinstance(v, torch.Tensor)
                      else "i32" for name, v in bound.arguments.items()}
-        source = GluonASTSource(fn=kernel, signature=signature,
-                                constexprs={(list(signature).index(n),): bound.arguments[n] for n in constexprs})
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+        source = (GluonASTSource if "gluon" in type(kernel).__module__ else triton.compiler.ASTSource)(
+            fn=kernel, signature=signature,
+            constexprs={(list(signature).index(n),): bound.arguments[n] for n in constexprs})
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": num_warps, "maxnreg": maxnreg})
         assert compiled.asm["cubin"], kernel.fn.__name__
 
 

@@ -25,6 +25,7 @@ tok/s against 219 through the integer kernels).
 """
 import torch
 import triton
+import triton.language as tl
 from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -32,6 +33,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from flashdraft.kernels import gguf_gemv, pdl, split_k
 from flashdraft.kernels.iq4 import IQ4_EIGHT
+from flashdraft.kernels.pdl import start_dependents, wait_for_inputs
 
 ENABLED = True
 BLOCK_N, NUM_WARPS, TARGET_PROGRAMS = 128, 4, 264  # 64 and 32 rows, 8 warps: slower at 16 rows (run 12); 264
@@ -361,6 +363,42 @@ def _q8_0_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_
     _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
 
 
+@triton.jit
+def _q8_0_dot_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn,
+                     stride_os, stride_om, BLOCK_N: tl.constexpr, NUM_WARPS: tl.constexpr, TILED: tl.constexpr,
+                     STAGES: tl.constexpr, BLOCKS: tl.constexpr, PDL: tl.constexpr):
+    """Q8_0 as _q8_0_kernel reads it, in plain Triton: tl.dot of a [BLOCK_N, 32] int8 weight tile and x's [32, 16]
+    block, the loads software-pipelined STAGES deep by Triton (through shared memory into the tensor cores, where
+    the Gluon kernels load each thread's fragment into registers), BLOCKS blocks of 32 an iteration; each block's
+    exact int32 product times d(row) * xd(token)."""
+    wait_for_inputs(PDL)
+    start_dependents(PDL)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    toks = tl.arange(0, 16)
+    k = tl.arange(0, 32)
+    w_row = w_ptr + tl.minimum(rows, N - 1).to(tl.int64) * stride_wn  # rows past N read row N - 1, unstored
+    w_ptrs = (w_row[:, None] + k[None, :]).to(tl.pointer_type(tl.int8))
+    d_ptrs = (w_row + K).to(tl.pointer_type(tl.float16))
+    if TILED:
+        x_ptrs = xq_ptr + toks[None, :] * 32 + k[:, None]
+        s_ptrs = xds_ptr + toks
+    else:
+        x_ptrs = xq_ptr + tl.minimum(toks, M - 1)[None, :] * stride_xq + k[:, None]
+        s_ptrs = xds_ptr + tl.minimum(toks, M - 1) * stride_xds
+    first = tl.program_id(1) * sb_per_split * 8
+    last = tl.minimum(first + sb_per_split * 8, K // 32)
+    acc = tl.zeros([BLOCK_N, 16], tl.float32)
+    for b0 in tl.range(first, last, BLOCKS, num_stages=STAGES):
+        for i in tl.static_range(BLOCKS):
+            b = b0 + i
+            prod = tl.dot(tl.load(w_ptrs + 32 * b), tl.load(x_ptrs + (512 if TILED else 32) * b), out_dtype=tl.int32)
+            pair = tl.load(s_ptrs + (16 if TILED else 1) * b)  # (per 256: the same for the group's 8 blocks)
+            xd = pair.to(tl.int32).to(tl.float32, bitcast=True)
+            acc += prod.to(tl.float32) * (tl.load(d_ptrs + b).to(tl.float32)[:, None] * xd[None, :])
+    tl.store(out_ptr + tl.program_id(1) * stride_os + toks[None, :] * stride_om + rows[:, None],
+             acc.to(out_ptr.dtype.element_ty), mask=(rows < N)[:, None] & (toks < M)[None, :])
+
+
 # K_WIDTH: consecutive k per thread in the A and B fragments (Triton permutes k alike in both, so the same bits);
 # 8 gives 64-bit weight loads and fewer registers (Q4_K 134 against 186), but turns Q6_K's half-block selects into
 # byte selects. TILED: x laid out by quantize_rows_tiled. Chosen per type on an H100 (docs/PERF.md, fourteenth
@@ -370,6 +408,23 @@ KERNELS = {"Q4_K": (_kquant_kernel, dict(FIVE_BITS=False, TILED=True)),  # k_wid
            "Q6_K": (_q6k_kernel, dict(K_WIDTH=4, TILED=True)),
            "IQ4_XS": (_iq4_xs_kernel, dict(TILED=True)),  # k_width 8: IQ4_EIGHT's
            "Q8_0": (_q8_0_kernel, dict(K_WIDTH=8, TILED=False))}
+VARIANTS = {"dot": _q8_0_dot_kernel, "gluon": _q8_0_kernel}  # Q8_0's kernels by name, for `use`
+
+
+def use(spec: str) -> None:
+    """Take another kernel or constants for a type (benchmarks): "Q8_0=dot,STAGES=4,BLOCKS=4,TILED=0"."""
+    qtype, rest = spec.split("=", 1)
+    name, *pairs = rest.split(",")
+    kernel, constants = KERNELS[qtype]  # name "own": the type's kernel with other constants (e.g. maxnreg=168)
+    kernel = VARIANTS.get(name, kernel)
+    given = {k: int(v) for k, v in (p.split("=") for p in pairs)}
+    if kernel is _q8_0_dot_kernel:
+        constants = dict(TILED=False, STAGES=4, BLOCKS=4)
+    elif kernel is _q8_0_kernel:
+        constants = dict(K_WIDTH=8, TILED=False)
+    KERNELS[qtype] = (kernel, {**constants, **{k: bool(v) if k == "TILED" else v for k, v in given.items()}})
+
+
 X_ORDERS = {"IQ4_XS": gguf_gemv.IQ4_ORDER}  # x's values in a block as the kernel's A fragments hold the weights
 TIMED = {"Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q8_0"}  # types timed on a GPU and taken by covers(); see docs/PERF.md
 
@@ -422,12 +477,14 @@ def _matmul_into(out: Tensor | None, x: Tensor, xq: Tensor, xds: Tensor, stride_
     """The product into out (columns of a wider output), or None: its partial sums, returned unsummed."""
     m, n = x.shape[0], qweight.shape[0]
     kernel, constants = KERNELS[qtype]
+    constants = dict(constants)
+    maxnreg = constants.pop("maxnreg", None)  # a launch option: a register cap, so more programs fit an SM
     splits, per_split = splits_for(n, k)
     out, partial = split_k.outputs(x, n, splits, out, summed=out is not None)
     grid = (triton.cdiv(n, BLOCK_N), splits)
     kernel[grid](xq, xds, qweight, partial, M=m, N=n, K=k, sb_per_split=per_split, stride_xq=stride_xq,
                  stride_xds=stride_xds, stride_wn=qweight.stride(0), stride_os=partial.stride(0),
                  stride_om=partial.stride(1), BLOCK_N=BLOCK_N, NUM_WARPS=NUM_WARPS, num_warps=NUM_WARPS,
-                 **constants, **pdl.launch(x))
+                 maxnreg=maxnreg, **constants, **pdl.launch(x))
     split_k.finish(partial, out)
     return partial
