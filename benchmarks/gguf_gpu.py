@@ -281,9 +281,6 @@ def measure(args) -> int:
     if args.mma_programs:
         from flashdraft.kernels import gguf_mma
         gguf_mma.TARGET_PROGRAMS = args.mma_programs
-    for spec in filter(None, args.mma_kernel.split(";")):
-        from flashdraft.kernels import gguf_mma
-        gguf_mma.use(spec)
     for tile in filter(None, args.gemv_tiles.split(";")):
         from flashdraft.kernels import gguf_gemv as G
         qtype, sizes = tile.split("=")
@@ -351,7 +348,7 @@ def measure(args) -> int:
                 iters = 5 if args.tiny else 30
                 ms = {f.__name__: timed(f, iters, dev) for f in (decode, verify, draft_step)}
                 sweep = {}
-                import torch._dynamo
+                from torch import _dynamo  # (`import torch._dynamo` here would make torch a local name)
 
                 from flashdraft.kernels import gguf_mma
                 for point in filter(None, args.mma_sweep.split(",")):  # verify's split of K (and tile), same model
@@ -360,12 +357,12 @@ def measure(args) -> int:
                     gguf_mma.TARGET_PROGRAMS, gguf_mma.BLOCK_N, gguf_mma.NUM_WARPS = given + list(kept[len(given):])
                     # compiled and captured again: the split (and the graph's partial sums' count) is chosen as a
                     # graph is traced
-                    torch._dynamo.reset()
+                    _dynamo.reset()
                     graphs = GraphCache(dev)
                     sweep[point] = timed(verify, iters, dev)
                     gguf_mma.TARGET_PROGRAMS, gguf_mma.BLOCK_N, gguf_mma.NUM_WARPS = kept
                 if sweep:
-                    torch._dynamo.reset()
+                    _dynamo.reset()
                 p512 = torch.randint(0, target.cfg.vocab_size - 1, (512,), device=dev)
                 prefill_ms = timed(lambda: prefill(target, state, p512, 0, None), 3 if args.tiny else 5, dev)
             peak = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else 0.0
@@ -422,8 +419,6 @@ def main() -> int:
     ap.add_argument("--mma-programs", type=int, default=None, help="kernels/gguf_mma.TARGET_PROGRAMS (split-K of verify)")
     ap.add_argument("--mma-sweep", default="", help="then time verify(16) again at each of these TARGET_PROGRAMS[:BLOCK_N"
                                                      "[:warps]], e.g. 132,264,264:64 (one load, graphs captured again)")
-    ap.add_argument("--mma-kernel", default="", help='another verify kernel: "Q8_0=dot,STAGES=4,BLOCKS=4;..." '
-                    "(kernels/gguf_mma.use)")
     ap.add_argument("--gemv-tiles", default="",
                     help='integer-kernel tiles per type, "IQ4_XS=16,8;Q5_K=4,16,4,0": BLOCK_N,SB[,warps[,maxnreg '
                          '(0: no cap)]]')

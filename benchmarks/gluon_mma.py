@@ -3,8 +3,6 @@ after checking them against the `gguf` package; or, without a GPU, compiles them
     python benchmarks/gluon_mma.py [--types Q4_K,Q6_K] [--configs "64,4;32,4"]     BLOCK_N,warps
     python benchmarks/gluon_mma.py --configs 128,4 --rows 16,8 --layouts "4,rows;8,rows;8,tiled;4,tiled"
         each kernel also at these K_WIDTH and x layouts (the same bits as the first checked)
-    python benchmarks/gluon_mma.py --types Q8_0 --configs 128,4 --rows 16 --kernels "Q8_0=dot,STAGES=4,BLOCKS=4"
-        --programs 264,396      each type also through other kernels (kernels/gguf_mma.use), at these splits of K
     python benchmarks/gluon_mma.py --sass
 """
 import argparse
@@ -49,15 +47,10 @@ def main() -> int:
     ap.add_argument("--configs", default="64,4;32,4;128,4;64,8", help="BLOCK_N,warps;...")
     ap.add_argument("--rows", default="1,16", help="rows of x timed (1: beside the integer decode kernel)")
     ap.add_argument("--layouts", default="", help="K_WIDTH,rows|tiled;... (default: each type's own)")
-    ap.add_argument("--programs", default=str(gguf_mma.TARGET_PROGRAMS), help="--kernels at these TARGET_PROGRAMS")
-    ap.add_argument("--kernels", default="", help='each type also through these (kernels/gguf_mma.use): '
-                    '"Q8_0=dot,STAGES=4,BLOCKS=4;Q8_0=dot,STAGES=3,BLOCKS=8"')
     args = ap.parse_args()
     layouts = [(int(w), x == "tiled") for w, x in (c.split(",") for c in filter(None, args.layouts.split(";")))]
     configs = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";")]
     types = args.types.split(",")
-    programs_kept = gguf_mma.TARGET_PROGRAMS
-    own_kernels = dict(KERNELS)
     if args.sass:
         for qtype in types:
             for bn, warps in configs:
@@ -72,8 +65,7 @@ def main() -> int:
     from flashdraft.layers.quantized import stored_blocks
     eight_b = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # the 8B's four matrices
     shapes = {"Q6_K": [(128256, 4096), (4096, 14336)]}  # its LM head, a Q4_K_M down projection
-
-    def check(qtype: str, name: str) -> None:
+    for qtype in types:
         for n, k in ((45, 512), (1000, 4096)):  # correctness: odd rows, one and several splits
             raw = random_blocks(qtype, n, k, 0)
             w = stored_blocks(torch.from_numpy(raw), qtype).cuda()
@@ -83,15 +75,8 @@ def main() -> int:
                 got = gguf_mma.matmul(x.cuda(), w, qtype, k).cpu().double()
                 ref = as_int8_rows(x, x_group(qtype, k)).double() @ want.T
                 err = ((got - ref).norm() / ref.norm()).item()
-                print(f"{name} N={n} K={k} rows={m}: relative error {err:.2e}", flush=True)
+                print(f"{qtype} N={n} K={k} rows={m}: relative error {err:.2e}", flush=True)
                 assert err < 1e-3, err
-
-    for qtype in types:
-        check(qtype, qtype)
-        for spec in (k for k in filter(None, args.kernels.split(";")) if k.startswith(qtype + "=")):
-            gguf_mma.use(spec)
-            check(qtype, spec)
-            KERNELS[qtype] = own_kernels[qtype]
         matrices = shapes.get(qtype, eight_b)
         weights = {s: stored_blocks(torch.from_numpy(random_blocks(qtype, *s, 0)), qtype).cuda() for s in matrices}
         gbytes = sum(w.numel() for w in weights.values()) / 1e9
@@ -120,19 +105,6 @@ def main() -> int:
                           f"{'tiled' if tiled else 'by rows'}, {m} rows: {ms:.3f} ms ({gbytes / ms * 1e3:.0f} GB/s)"
                           f"{'' if same else ', NOT the bits of the first layout'}", flush=True)
                 KERNELS[qtype] = (kernel, own)
-                for spec in (k for k in filter(None, args.kernels.split(";")) if k.startswith(qtype + "=")):
-                    gguf_mma.use(spec)
-                    for programs in map(int, args.programs.split(",")):
-                        gguf_mma.TARGET_PROGRAMS = programs
-                        outs = [gguf_mma.matmul(x[s], weights[s], qtype, s[1]) for s in weights]
-                        err = max(((a.float() - b.float()).norm() / b.float().norm()).item()
-                                  for a, b in zip(outs, first))
-                        ms = timed(graphed(lambda: [gguf_mma.matmul(x[s], weights[s], qtype, s[1])
-                                                    for s in weights], "cuda"), 20, "cuda")
-                        print(f"{qtype} {spec} BLOCK_N {bn}, {warps} warps, {programs} programs, {m} rows: {ms:.3f} ms "
-                              f"({gbytes / ms * 1e3:.0f} GB/s), relative difference {err:.1e}", flush=True)
-                    gguf_mma.TARGET_PROGRAMS = programs_kept
-                    KERNELS[qtype] = (kernel, own)
     return 0
 
 

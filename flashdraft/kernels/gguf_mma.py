@@ -25,15 +25,13 @@ tok/s against 219 through the integer kernels).
 """
 import torch
 import triton
-import triton.language as tl
 from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from flashdraft.kernels import gguf_gemv, pdl, split_k
-from flashdraft.kernels.iq4 import IQ4_EIGHT, IQ4_HALF, iq4_value
-from flashdraft.kernels.pdl import start_dependents, wait_for_inputs
+from flashdraft.kernels.iq4 import IQ4_EIGHT
 
 ENABLED = True
 BLOCK_N, NUM_WARPS, TARGET_PROGRAMS = 128, 4, 264  # 64 and 32 rows, 8 warps: slower at 16 rows (run 12); 264
@@ -363,90 +361,6 @@ def _q8_0_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_
     _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
 
 
-@triton.jit
-def _q8_0_dot_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn,
-                     stride_os, stride_om, BLOCK_N: tl.constexpr, NUM_WARPS: tl.constexpr, TILED: tl.constexpr,
-                     STAGES: tl.constexpr, BLOCKS: tl.constexpr, PDL: tl.constexpr):
-    """Q8_0 as _q8_0_kernel reads it, in plain Triton: tl.dot of a [BLOCK_N, 32] int8 weight tile and x's [32, 16]
-    block, the loads software-pipelined STAGES deep by Triton (through shared memory into the tensor cores, where
-    the Gluon kernels load each thread's fragment into registers), BLOCKS blocks of 32 an iteration; each block's
-    exact int32 product times d(row) * xd(token)."""
-    wait_for_inputs(PDL)
-    start_dependents(PDL)
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    toks = tl.arange(0, 16)
-    k = tl.arange(0, 32)
-    w_row = w_ptr + tl.minimum(rows, N - 1).to(tl.int64) * stride_wn  # rows past N read row N - 1, unstored
-    w_ptrs = (w_row[:, None] + k[None, :]).to(tl.pointer_type(tl.int8))
-    d_ptrs = (w_row + K).to(tl.pointer_type(tl.float16))
-    if TILED:
-        x_ptrs = xq_ptr + toks[None, :] * 32 + k[:, None]
-        s_ptrs = xds_ptr + toks
-    else:
-        x_ptrs = xq_ptr + tl.minimum(toks, M - 1)[None, :] * stride_xq + k[:, None]
-        s_ptrs = xds_ptr + tl.minimum(toks, M - 1) * stride_xds
-    first = tl.program_id(1) * sb_per_split * 8
-    last = tl.minimum(first + sb_per_split * 8, K // 32)
-    acc = tl.zeros([BLOCK_N, 16], tl.float32)
-    for b0 in tl.range(first, last, BLOCKS, num_stages=STAGES):
-        for i in tl.static_range(BLOCKS):
-            b = b0 + i
-            prod = tl.dot(tl.load(w_ptrs + 32 * b), tl.load(x_ptrs + (512 if TILED else 32) * b), out_dtype=tl.int32)
-            pair = tl.load(s_ptrs + (16 if TILED else 1) * b)  # (per 256: the same for the group's 8 blocks)
-            xd = pair.to(tl.int32).to(tl.float32, bitcast=True)
-            acc += prod.to(tl.float32) * (tl.load(d_ptrs + b).to(tl.float32)[:, None] * xd[None, :])
-    tl.store(out_ptr + tl.program_id(1) * stride_os + toks[None, :] * stride_om + rows[:, None],
-             acc.to(out_ptr.dtype.element_ty), mask=(rows < N)[:, None] & (toks < M)[None, :])
-
-
-@triton.jit
-def _iq4_xs_dot_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn,
-                       stride_os, stride_om, BLOCK_N: tl.constexpr, NUM_WARPS: tl.constexpr, TILED: tl.constexpr,
-                       STAGES: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
-    """IQ4_XS as _iq4_xs_kernel reads it, in plain Triton: a sub-block's nibbles looked up a word at a time into a
-    [BLOCK_N, 32] int8 tile in IQ4_ORDER (iq4.IQ4_HALF: each half of a word's eight values from the word read for its
-    four columns), tl.dot with x's block, times the sub-block's scale, summed in int32 over the super-block; loads
-    software-pipelined STAGES super-blocks deep by Triton."""
-    wait_for_inputs(PDL)
-    start_dependents(PDL)
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    toks = tl.arange(0, 16)
-    w_row = w_ptr + tl.minimum(rows, N - 1).to(tl.int64) * stride_wn  # rows past N read row N - 1, unstored
-    k = tl.arange(0, 32)  # the tile's columns in IQ4_ORDER, as x holds them
-    if EMULATE:  # column 8t + 4h + i: weight 4t + 2h + i // 2 + 16 (i % 2), a nibble of byte 4t + 2h + i // 2
-        q_ptrs = w_row[:, None] + (k // 8 * 4 + k // 4 % 2 * 2 + k % 4 // 2)[None, :]
-    else:  # the lookup reads word t (bytes 4t + i) for both its halves' columns
-        q_ptrs = w_row[:, None] + (k // 8 * 4 + k % 4)[None, :]
-    half = tl.full([BLOCK_N, 32], 0, tl.int8) + (k // 4 % 2 * 16).to(tl.int8)[None, :]
-    h_ptrs = (w_row + K // 2).to(tl.pointer_type(tl.int32))  # the headers after the K / 2 nibble bytes
-    if TILED:
-        x_ptrs = xq_ptr + toks[None, :] * 32 + k[:, None]
-        s_ptrs = xds_ptr + toks
-    else:
-        x_ptrs = xq_ptr + tl.minimum(toks, M - 1)[None, :] * stride_xq + k[:, None]
-        s_ptrs = xds_ptr + tl.minimum(toks, M - 1) * stride_xds
-    first = tl.program_id(1) * sb_per_split
-    last = tl.minimum(first + sb_per_split, K // 256)
-    acc = tl.zeros([BLOCK_N, 16], tl.float32)
-    for c in tl.range(first, last, num_stages=STAGES):
-        head = tl.load(h_ptrs + 2 * c)
-        low = tl.load(h_ptrs + 2 * c + 1)
-        isum = tl.zeros([BLOCK_N, 16], tl.int32)
-        for j in tl.static_range(8):
-            q = tl.load(q_ptrs + 128 * c + 16 * j)
-            if EMULATE:
-                w = iq4_value((q.to(tl.int32) >> (k % 2 * 4)[None, :] & 15)).to(tl.int8)
-            else:
-                w = tl.inline_asm_elementwise(IQ4_HALF, "=r,r,r", [q, half], dtype=tl.int8, is_pure=True, pack=4)
-            scale = ((low >> (8 * (j // 2) + 4 * (j % 2))) & 15 | ((head >> (16 + 2 * j)) & 3) << 4) - 32
-            isum += tl.dot(w, tl.load(x_ptrs + (512 if TILED else 32) * (8 * c + j)), out_dtype=tl.int32) * scale[:, None]
-        d = (head & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-        xd = tl.load(s_ptrs + (16 if TILED else 1) * 8 * c).to(tl.int32).to(tl.float32, bitcast=True)
-        acc += isum.to(tl.float32) * (d[:, None] * xd[None, :])
-    tl.store(out_ptr + tl.program_id(1) * stride_os + toks[None, :] * stride_om + rows[:, None],
-             acc.to(out_ptr.dtype.element_ty), mask=(rows < N)[:, None] & (toks < M)[None, :])
-
-
 # K_WIDTH: consecutive k per thread in the A and B fragments (Triton permutes k alike in both, so the same bits);
 # 8 gives 64-bit weight loads and fewer registers (Q4_K 134 against 186), but turns Q6_K's half-block selects into
 # byte selects. TILED: x laid out by quantize_rows_tiled. Chosen per type on an H100 (docs/PERF.md, fourteenth
@@ -456,22 +370,6 @@ KERNELS = {"Q4_K": (_kquant_kernel, dict(FIVE_BITS=False, TILED=True)),  # k_wid
            "Q6_K": (_q6k_kernel, dict(K_WIDTH=4, TILED=True)),
            "IQ4_XS": (_iq4_xs_kernel, dict(TILED=True)),  # k_width 8: IQ4_EIGHT's
            "Q8_0": (_q8_0_kernel, dict(K_WIDTH=8, TILED=False))}
-VARIANTS = {("Q8_0", "dot"): (_q8_0_dot_kernel, dict(TILED=False, STAGES=4, BLOCKS=4)),
-            ("Q8_0", "gluon"): (_q8_0_kernel, dict(K_WIDTH=8, TILED=False)),
-            ("IQ4_XS", "dot"): (_iq4_xs_dot_kernel, dict(TILED=True, STAGES=3, EMULATE=False)),
-            ("IQ4_XS", "gluon"): (_iq4_xs_kernel, dict(TILED=True))}  # kernels by name, for `use`
-
-
-def use(spec: str) -> None:
-    """Take another kernel or constants for a type (benchmarks): "Q8_0=dot,STAGES=4,BLOCKS=4,TILED=0"; "own": the
-    type's kernel with other constants ("IQ4_XS=own,maxnreg=168")."""
-    qtype, rest = spec.split("=", 1)
-    name, *pairs = rest.split(",")
-    kernel, constants = VARIANTS.get((qtype, name), KERNELS[qtype])
-    given = {k: bool(int(v)) if k == "TILED" else int(v) for k, v in (p.split("=") for p in pairs)}
-    KERNELS[qtype] = (kernel, {**constants, **given})
-
-
 X_ORDERS = {"IQ4_XS": gguf_gemv.IQ4_ORDER}  # x's values in a block as the kernel's A fragments hold the weights
 TIMED = {"Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q8_0"}  # types timed on a GPU and taken by covers(); see docs/PERF.md
 
@@ -524,16 +422,12 @@ def _matmul_into(out: Tensor | None, x: Tensor, xq: Tensor, xds: Tensor, stride_
     """The product into out (columns of a wider output), or None: its partial sums, returned unsummed."""
     m, n = x.shape[0], qweight.shape[0]
     kernel, constants = KERNELS[qtype]
-    constants = dict(constants)
-    maxnreg = constants.pop("maxnreg", None)  # a launch option: a register cap, so more programs fit an SM
-    if "EMULATE" in constants:
-        constants["EMULATE"] = gguf_gemv._emulate()
     splits, per_split = splits_for(n, k)
     out, partial = split_k.outputs(x, n, splits, out, summed=out is not None)
     grid = (triton.cdiv(n, BLOCK_N), splits)
     kernel[grid](xq, xds, qweight, partial, M=m, N=n, K=k, sb_per_split=per_split, stride_xq=stride_xq,
                  stride_xds=stride_xds, stride_wn=qweight.stride(0), stride_os=partial.stride(0),
                  stride_om=partial.stride(1), BLOCK_N=BLOCK_N, NUM_WARPS=NUM_WARPS, num_warps=NUM_WARPS,
-                 maxnreg=maxnreg, **constants, **pdl.launch(x))
+                 **constants, **pdl.launch(x))
     split_k.finish(partial, out)
     return partial

@@ -84,29 +84,6 @@ IQ4_PAIRS = tl.constexpr(_lookup_asm("$3", "$4", "$5", "$6"))
 IQ4_EIGHT = tl.constexpr(_lookup_asm(*(f"{int(w):#010x}" for w in np.array(IQ4_VALUES, dtype=np.int8).view(np.uint32))))
 
 
-def _half_asm() -> str:
-    """Four int8 ($1, a word of four nibble bytes) and a half ($2's low byte: 0 or 16) -> the table values of nibbles
-    0-3 (bytes 0 and 1; half 16: nibbles 4-7, bytes 2 and 3), each byte's low nibble first: one half of _lookup_asm,
-    for tiles whose columns 8t + 4h + i read byte 4t + i (IQ4_ORDER without a join)."""
-    t0, t1, t2, t3 = (f"{int(w):#010x}" for w in np.array(IQ4_VALUES, dtype=np.int8).view(np.uint32))
-    return f"""{{
-.reg .b32 s, sel, a, b, h;
-and.b32 h, $2, 16;
-and.b32 s, $1, 0x77777777;
-and.b32 sel, $1, 0x88888888;
-shr.b32 sel, sel, 1;
-or.b32 sel, sel, 0x32103210;
-shr.b32 s, s, h;
-shr.b32 sel, sel, h;
-prmt.b32 a, {t0}, {t1}, s;
-prmt.b32 b, {t2}, {t3}, s;
-prmt.b32 $0, a, b, sel;
-}}"""
-
-
-IQ4_HALF = tl.constexpr(_half_asm())
-
-
 @triton.jit
 def _table_entry(table, nib):
     """Entry nib (0..15) of the table's four words, zero-extended (a byte)."""
