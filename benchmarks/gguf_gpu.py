@@ -280,7 +280,7 @@ def measure(args) -> int:
         quantized.GRAPH_SPLIT_SUMS = False
     if args.mma_programs:
         from flashdraft.kernels import gguf_mma
-        gguf_mma.TARGET_PROGRAMS = args.mma_programs
+        gguf_mma.TARGET_PROGRAMS, gguf_mma.TYPE_PROGRAMS = args.mma_programs, {}  # every type
     for tile in filter(None, args.gemv_tiles.split(";")):
         from flashdraft.kernels import gguf_gemv as G
         qtype, sizes = tile.split("=")
@@ -353,6 +353,7 @@ def measure(args) -> int:
                 from flashdraft.kernels import gguf_mma
                 for point in filter(None, args.mma_sweep.split(",")):  # verify's split of K (and tile), same model
                     kept = gguf_mma.TARGET_PROGRAMS, gguf_mma.BLOCK_N, gguf_mma.NUM_WARPS
+                    kept_types, gguf_mma.TYPE_PROGRAMS = gguf_mma.TYPE_PROGRAMS, {}  # the point, every type
                     given = [int(v) for v in point.split(":")]
                     gguf_mma.TARGET_PROGRAMS, gguf_mma.BLOCK_N, gguf_mma.NUM_WARPS = given + list(kept[len(given):])
                     # compiled and captured again: the split (and the graph's partial sums' count) is chosen as a
@@ -361,6 +362,7 @@ def measure(args) -> int:
                     graphs = GraphCache(dev)
                     sweep[point] = timed(verify, iters, dev)
                     gguf_mma.TARGET_PROGRAMS, gguf_mma.BLOCK_N, gguf_mma.NUM_WARPS = kept
+                    gguf_mma.TYPE_PROGRAMS = kept_types
                 if sweep:
                     _dynamo.reset()
                 p512 = torch.randint(0, target.cfg.vocab_size - 1, (512,), device=dev)

@@ -38,7 +38,11 @@ BLOCK_N, NUM_WARPS, TARGET_PROGRAMS = 128, 4, 264  # 64 and 32 rows, 8 warps: sl
 # programs: verify16 6.24 ms against 6.60 at 1056 and 7.16 at 2112 (Q4_K_M, docs/PERF.md 2026-12-05)
 # Ran slower on an H100 at 8 and 16 rows (docs/PERF.md, "2026-12-05, twelfth session"): super-blocks staged
 # through shared memory by cp.async 2-4 deep (x0.73-0.93), registers capped for three or four programs per SM
-# (x0.52-0.98), the next super-block's words loaded before this one's products, and float conversion by 2^23.
+# (x0.52-0.98), the next super-block's words loaded before this one's products, and float conversion by 2^23;
+# also plain Triton's software-pipelined int8 wgmma (Q8_0 x0.64-0.71, IQ4_XS x0.54; nineteenth session).
+# Q8_0 (140 registers: three programs an SM) and IQ4_XS at 396 programs: verify16 1.5-2.4% faster than at 264 in two
+# H100 leases (Q4_K_M 2% slower; docs/PERF.md, nineteenth session).
+TYPE_PROGRAMS = {"Q8_0": 396, "IQ4_XS": 396}
 
 
 TOKENS = gl.constexpr(16)  # the mma's N: rows of x, padded
@@ -400,10 +404,11 @@ def _rounding(qtype: str, k: int) -> tuple[bool, int, int]:
     return KERNELS[qtype][1]["TILED"], gguf_gemv.x_group(qtype, k), X_ORDERS.get(qtype, 0)
 
 
-def splits_for(n: int, k: int) -> tuple[int, int]:
-    """(splits of K, super-blocks per split) for an [n, k] matrix, from its shape alone."""
+def splits_for(n: int, k: int, qtype: str) -> tuple[int, int]:
+    """(splits of K, super-blocks per split) for an [n, k] matrix of qtype, from its shape alone."""
     sbs = k // 256
-    per_split = triton.cdiv(sbs, max(1, min(sbs, TARGET_PROGRAMS // triton.cdiv(n, BLOCK_N))))
+    programs = TYPE_PROGRAMS.get(qtype, TARGET_PROGRAMS)
+    per_split = triton.cdiv(sbs, max(1, min(sbs, programs // triton.cdiv(n, BLOCK_N))))
     return triton.cdiv(sbs, per_split), per_split
 
 
@@ -422,7 +427,7 @@ def _matmul_into(out: Tensor | None, x: Tensor, xq: Tensor, xds: Tensor, stride_
     """The product into out (columns of a wider output), or None: its partial sums, returned unsummed."""
     m, n = x.shape[0], qweight.shape[0]
     kernel, constants = KERNELS[qtype]
-    splits, per_split = splits_for(n, k)
+    splits, per_split = splits_for(n, k, qtype)
     out, partial = split_k.outputs(x, n, splits, out, summed=out is not None)
     grid = (triton.cdiv(n, BLOCK_N), splits)
     kernel[grid](xq, xds, qweight, partial, M=m, N=n, K=k, sb_per_split=per_split, stride_xq=stride_xq,
