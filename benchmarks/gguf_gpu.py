@@ -280,7 +280,7 @@ def measure(args) -> int:
         quantized.GRAPH_SPLIT_SUMS = False
     if args.mma_programs:
         from flashdraft.kernels import gguf_mma
-        gguf_mma.TARGET_PROGRAMS, gguf_mma.TYPE_PROGRAMS = args.mma_programs, {}  # every type
+        gguf_mma.TARGET_PROGRAMS = dict.fromkeys(gguf_mma.TARGET_PROGRAMS, args.mma_programs)  # every type
     for tile in filter(None, args.gemv_tiles.split(";")):
         from flashdraft.kernels import gguf_gemv as G
         qtype, sizes = tile.split("=")
@@ -353,16 +353,15 @@ def measure(args) -> int:
                 from flashdraft.kernels import gguf_mma
                 for point in filter(None, args.mma_sweep.split(",")):  # verify's split of K (and tile), same model
                     kept = gguf_mma.TARGET_PROGRAMS, gguf_mma.BLOCK_N, gguf_mma.NUM_WARPS
-                    kept_types, gguf_mma.TYPE_PROGRAMS = gguf_mma.TYPE_PROGRAMS, {}  # the point, every type
-                    given = [int(v) for v in point.split(":")]
-                    gguf_mma.TARGET_PROGRAMS, gguf_mma.BLOCK_N, gguf_mma.NUM_WARPS = given + list(kept[len(given):])
+                    programs, *tile = [int(v) for v in point.split(":")]
+                    gguf_mma.BLOCK_N, gguf_mma.NUM_WARPS = tile + list(kept[1 + len(tile):])
+                    gguf_mma.TARGET_PROGRAMS = dict.fromkeys(kept[0], programs)  # every type
                     # compiled and captured again: the split (and the graph's partial sums' count) is chosen as a
                     # graph is traced
                     _dynamo.reset()
                     graphs = GraphCache(dev)
                     sweep[point] = timed(verify, iters, dev)
                     gguf_mma.TARGET_PROGRAMS, gguf_mma.BLOCK_N, gguf_mma.NUM_WARPS = kept
-                    gguf_mma.TYPE_PROGRAMS = kept_types
                 if sweep:
                     _dynamo.reset()
                 p512 = torch.randint(0, target.cfg.vocab_size - 1, (512,), device=dev)
@@ -418,7 +417,8 @@ def main() -> int:
                          "GRAPH_SPLIT_SUMS off), for comparison")
     ap.add_argument("--no-inductor-pdl", action="store_true",
                     help="torch.compile's kernels launched the plain way (kernels/pdl.compile_options), for comparison")
-    ap.add_argument("--mma-programs", type=int, default=None, help="kernels/gguf_mma.TARGET_PROGRAMS (split-K of verify)")
+    ap.add_argument("--mma-programs", type=int, default=None,
+                    help="kernels/gguf_mma.TARGET_PROGRAMS for every type (split-K of verify)")
     ap.add_argument("--mma-sweep", default="", help="then time verify(16) again at each of these TARGET_PROGRAMS[:BLOCK_N"
                                                      "[:warps]], e.g. 132,264,264:64 (one load, graphs captured again)")
     ap.add_argument("--gemv-tiles", default="",

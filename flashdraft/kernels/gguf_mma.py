@@ -34,15 +34,15 @@ from flashdraft.kernels import gguf_gemv, pdl, split_k
 from flashdraft.kernels.iq4 import IQ4_EIGHT
 
 ENABLED = True
-BLOCK_N, NUM_WARPS, TARGET_PROGRAMS = 128, 4, 264  # 64 and 32 rows, 8 warps: slower at 16 rows (run 12); 264
-# programs: verify16 6.24 ms against 6.60 at 1056 and 7.16 at 2112 (Q4_K_M, docs/PERF.md 2026-12-05)
+BLOCK_N, NUM_WARPS = 128, 4  # 64 and 32 rows, 8 warps: slower at 16 rows (run 12)
+# Programs K is split for, per type: 264 (two an SM of an H100/H200): Q4_K_M verify16 6.24 ms against 6.60 at 1056 and
+# 7.16 at 2112 (docs/PERF.md 2026-12-05); Q8_0 (140 registers: three programs an SM) and IQ4_XS at 396: verify16
+# 1.5-2.4% faster than at 264 in two H100 leases, Q4_K_M 2% slower (docs/PERF.md, nineteenth session).
+TARGET_PROGRAMS = {"Q4_K": 264, "Q5_K": 264, "Q6_K": 264, "IQ4_XS": 396, "Q8_0": 396}
 # Ran slower on an H100 at 8 and 16 rows (docs/PERF.md, "2026-12-05, twelfth session"): super-blocks staged
 # through shared memory by cp.async 2-4 deep (x0.73-0.93), registers capped for three or four programs per SM
 # (x0.52-0.98), the next super-block's words loaded before this one's products, and float conversion by 2^23;
 # also plain Triton's software-pipelined int8 wgmma (Q8_0 x0.64-0.71, IQ4_XS x0.54; nineteenth session).
-# Q8_0 (140 registers: three programs an SM) and IQ4_XS at 396 programs: verify16 1.5-2.4% faster than at 264 in two
-# H100 leases (Q4_K_M 2% slower; docs/PERF.md, nineteenth session).
-TYPE_PROGRAMS = {"Q8_0": 396, "IQ4_XS": 396}
 
 
 TOKENS = gl.constexpr(16)  # the mma's N: rows of x, padded
@@ -374,6 +374,7 @@ KERNELS = {"Q4_K": (_kquant_kernel, dict(FIVE_BITS=False, TILED=True)),  # k_wid
            "Q6_K": (_q6k_kernel, dict(K_WIDTH=4, TILED=True)),
            "IQ4_XS": (_iq4_xs_kernel, dict(TILED=True)),  # k_width 8: IQ4_EIGHT's
            "Q8_0": (_q8_0_kernel, dict(K_WIDTH=8, TILED=False))}
+assert TARGET_PROGRAMS.keys() == KERNELS.keys()
 X_ORDERS = {"IQ4_XS": gguf_gemv.IQ4_ORDER}  # x's values in a block as the kernel's A fragments hold the weights
 TIMED = {"Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q8_0"}  # types timed on a GPU and taken by covers(); see docs/PERF.md
 
@@ -407,8 +408,7 @@ def _rounding(qtype: str, k: int) -> tuple[bool, int, int]:
 def splits_for(n: int, k: int, qtype: str) -> tuple[int, int]:
     """(splits of K, super-blocks per split) for an [n, k] matrix of qtype, from its shape alone."""
     sbs = k // 256
-    programs = TYPE_PROGRAMS.get(qtype, TARGET_PROGRAMS)
-    per_split = triton.cdiv(sbs, max(1, min(sbs, programs // triton.cdiv(n, BLOCK_N))))
+    per_split = triton.cdiv(sbs, max(1, min(sbs, TARGET_PROGRAMS[qtype] // triton.cdiv(n, BLOCK_N))))
     return triton.cdiv(sbs, per_split), per_split
 
 
