@@ -75,12 +75,14 @@ def _blocks(c, ok, K):
 
 @triton.jit
 def _q8_0(row, c, ok, K, BN: tl.constexpr):
-    """Q8_0 as layers/quantized.field_planes keeps it: a row's K int8 values, then its K / 32 fp16 scales."""
+    """Q8_0 as layers/quantized.field_planes keeps it: a row's K int8 values, then its K / 32 fp16 scales; the
+    values by lane (layers/quantized.by_lane) where K is whole super-blocks: block j's byte 8p + i at 64p + 8j + i."""
     j = tl.arange(0, 8)
     ok2 = ok[:, None] & (8 * c + j < K // 32)[None, :]
     d = _f16(row[:, None] + K + 2 * (8 * c + j)[None, :], ok2)
-    q = tl.load(row[:, None, None] + 256 * c + 32 * j[None, :, None] + tl.arange(0, 32)[None, None, :],
-                mask=ok2[:, :, None], other=0).to(tl.int8, bitcast=True)
+    jj, i = j[None, :, None], tl.arange(0, 32)[None, None, :]
+    at = tl.where(K % 256 == 0, 64 * (i // 8) + 8 * jj + i % 8, 32 * jj + i)
+    q = tl.load(row[:, None, None] + 256 * c + at, mask=ok2[:, :, None], other=0).to(tl.int8, bitcast=True)
     return tl.reshape(d[:, :, None] * q.to(tl.float32), (BN, 256))
 
 
@@ -132,8 +134,9 @@ def _iq4_nl(row, c, ok, K, BN: tl.constexpr):
 
 @triton.jit
 def _iq4_xs(row, c, ok, K, BN: tl.constexpr):
-    """IQ4_XS as layers/quantized.field_planes keeps it: a row's super-blocks' 128 nibble bytes, then their 8-byte
-    headers (d, scales_h, scales_l)."""
+    """IQ4_XS as layers/quantized.field_planes keeps it: a row's super-blocks' 128 nibble bytes (by lane,
+    layers/quantized.by_lane: sub-block j's byte 4t + i at 32t + 4j + i), then their 8-byte headers (d, scales_h,
+    scales_l)."""
     ok2, ok3 = ok[:, None], ok[:, None, None]
     p = row + K // 256 * 128 + 8 * c
     d = _f16(p, ok)
@@ -144,8 +147,8 @@ def _iq4_xs(row, c, ok, K, BN: tl.constexpr):
     low = (scales_l >> (4 * (ib[None, :] % 2)).to(tl.uint32)) & 15
     high = (scales_h[:, None] >> (2 * ib[None, :]).to(tl.uint32)) & 3
     dl = d[:, None] * ((low | (high << 4)).to(tl.float32) - 32.0)  # [N, 8]
-    qs = tl.load(row[:, None, None] + 128 * c + 16 * ib[None, :, None] + tl.arange(0, 16)[None, None, :], mask=ok3,
-                 other=0)
+    b = tl.arange(0, 16)[None, None, :]
+    qs = tl.load(row[:, None, None] + 128 * c + 32 * (b // 4) + 4 * ib[None, :, None] + b % 4, mask=ok3, other=0)
     return tl.reshape(dl[:, :, None] * iq4_value(_nibbles(qs, BN)), (BN, 256))
 
 

@@ -36,9 +36,10 @@ from flashdraft.kernels.iq4 import IQ4_EIGHT
 ENABLED = True
 BLOCK_N, NUM_WARPS = 128, 4  # 64 and 32 rows, 8 warps: slower at 16 rows (run 12)
 # Programs K is split for, per type: 264 (two an SM of an H100/H200): Q4_K_M verify16 6.24 ms against 6.60 at 1056 and
-# 7.16 at 2112 (docs/PERF.md 2026-12-05); Q8_0 (140 registers: three programs an SM) and IQ4_XS at 396: verify16
-# 1.5-2.4% faster than at 264 in two H100 leases, Q4_K_M 2% slower (docs/PERF.md, nineteenth session).
-TARGET_PROGRAMS = {"Q4_K": 264, "Q5_K": 264, "Q6_K": 264, "IQ4_XS": 396, "Q8_0": 396}
+# 7.16 at 2112 (docs/PERF.md 2026-12-05); Q8_0 (140 registers: three programs an SM) at 396: verify16 1.5-2.4%
+# faster than at 264 in two H100 leases, Q4_K_M 2% slower (docs/PERF.md, nineteenth session). IQ4_XS by lane: 0.089
+# ms at 264 against 0.095 at 396 (16 rows of the 8B's four matrices, H100, twentieth session).
+TARGET_PROGRAMS = {"Q4_K": 264, "Q5_K": 264, "Q6_K": 264, "IQ4_XS": 264, "Q8_0": 396}
 # Ran slower on an H100 at 8 and 16 rows (docs/PERF.md, "2026-12-05, twelfth session"): super-blocks staged
 # through shared memory by cp.async 2-4 deep (x0.73-0.93), registers capped for three or four programs per SM
 # (x0.52-0.98), the next super-block's words loaded before this one's products, and float conversion by 2^23;
@@ -171,16 +172,16 @@ def _q5_values(q, qh, J: gl.constexpr):
 
 
 @gluon.constexpr_function
-def _lane_pieces_layout(block_n, num_warps):
-    """[block_n, 128] nibble bytes as layers/quantized.lane_grouped keeps them (column 32p + 8g + i: group g's byte
-    8p + i): each thread holds the 32 bytes of its lane piece p of a row, the rows those of its A fragments (rows r
-    and r + 8 of its warp's 16, lane 4r + p), so that `_groups` needs no data movement."""
+def _lane_pieces_layout(block_n, num_warps, width):
+    """[block_n, 4 * width] bytes as layers/quantized.lane_grouped / by_lane keep them (column width * p + ...: lane
+    piece p of every group): each thread holds the `width` bytes of its lane piece p of a row, the rows those of its
+    A fragments (rows r and r + 8 of its warp's 16, lane 4r + p), so that `_groups` needs no data movement."""
     assert block_n % (16 * num_warps) == 0, (block_n, num_warps)
-    regs = [[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [8, 0]]
+    regs = [[0, 1 << i] for i in range(width.bit_length() - 1)] + [[8, 0]]
     regs += [[16 * num_warps << i, 0] for i in range((block_n // (16 * num_warps)).bit_length() - 1)]
-    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]],
+    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[0, width], [0, 2 * width], [1, 0], [2, 0], [4, 0]],
                                       warp_bases=[[16 << i, 0] for i in range(num_warps.bit_length() - 1)],
-                                      block_bases=[], shape=[block_n, 128])
+                                      block_bases=[], shape=[block_n, 4 * width])
 
 
 @gluon.jit
@@ -198,6 +199,25 @@ def _groups(q, a_l: gl.constexpr, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
+def _eight_groups(q, a_l: gl.constexpr, BLOCK_N: gl.constexpr):
+    """q [BLOCK_N, 256] in _lane_pieces_layout(width 64) (column 64p + 8j + i: group j's byte 8p + i) -> the eight
+    groups' [BLOCK_N, 32] tiles in the A layout (k_width 8), by register renaming only."""
+    q = gl.permute(gl.reshape(q, [BLOCK_N, 4, 8, 8]), [0, 2, 1, 3])  # (row, j, p, i)
+    q = gl.reshape(gl.permute(gl.reshape(q, [BLOCK_N, 8, 32]), [0, 2, 1]), [BLOCK_N, 32, 2, 2, 2])  # j = 4a + 2b + c
+    c0, c1 = gl.split(q)
+    c0b0, c0b1 = gl.split(c0)
+    c1b0, c1b1 = gl.split(c1)
+    q0, q4 = gl.split(c0b0)
+    q2, q6 = gl.split(c0b1)
+    q1, q5 = gl.split(c1b0)
+    q3, q7 = gl.split(c1b1)
+    return (gl.convert_layout(q0, a_l, assert_trivial=True), gl.convert_layout(q1, a_l, assert_trivial=True),
+            gl.convert_layout(q2, a_l, assert_trivial=True), gl.convert_layout(q3, a_l, assert_trivial=True),
+            gl.convert_layout(q4, a_l, assert_trivial=True), gl.convert_layout(q5, a_l, assert_trivial=True),
+            gl.convert_layout(q6, a_l, assert_trivial=True), gl.convert_layout(q7, a_l, assert_trivial=True))
+
+
+@gluon.jit
 def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn, stride_os,
                    stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, FIVE_BITS: gl.constexpr,
                    TILED: gl.constexpr, PDL: gl.constexpr):
@@ -212,7 +232,7 @@ def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
         w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, 8, TILED, PDL)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
-    wide: gl.constexpr = _lane_pieces_layout(BLOCK_N, NUM_WARPS)
+    wide: gl.constexpr = _lane_pieces_layout(BLOCK_N, NUM_WARPS, 32)
     w_rows = gl.minimum(gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, wide)), N - 1)
     q_ptr = (w_ptr + w_rows.to(gl.int64)[:, None] * stride_wn + NIBBLES
              + gl.arange(0, 128, layout=gl.SliceLayout(0, wide))[None, :])  # rows past N read row N - 1, unstored
@@ -314,16 +334,21 @@ def _q6k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_x
 @gluon.jit
 def _iq4_xs_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn, stride_os,
                    stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, TILED: gl.constexpr, PDL: gl.constexpr):
-    """IQ4_XS as layers/quantized.field_planes keeps it: a row's super-blocks' 128 nibble bytes (sub-block j's 16 at
-    16j: byte l's low nibble is weight l, its high one l + 16), then their 8-byte headers (d, the scales' high bits
-    (16), their low nibbles (4 bytes)). With k_width 8 a thread's k 8t..8t+7 of a row are the eight nibbles of the
-    sub-block's word t, looked up at once (iq4.IQ4_EIGHT: one 4-byte load and 12 instructions for eight weights),
-    in the order x is quantized in for them (gguf_gemv.IQ4_ORDER). Each 32 weights are one mma; a super-block's
-    eight, times their scales (6-bit - 32), summed in int32."""
+    """IQ4_XS as layers/quantized.field_planes keeps it: a row's super-blocks' 128 nibble bytes by lane
+    (layers/quantized.by_lane: sub-block j's word t at 32t + 4j, so a thread's eight words are one 32-byte run; byte
+    l of a sub-block: weight l in the low nibble, l + 16 in the high), then their 8-byte headers (d, the scales'
+    high bits (16), their low nibbles (4 bytes)). With k_width 8 a thread's k 8t..8t+7 of a row are the eight
+    nibbles of the sub-block's word t, looked up at once (iq4.IQ4_EIGHT: 12 instructions for eight weights), in the
+    order x is quantized in for them (gguf_gemv.IQ4_ORDER). Each 32 weights are one mma; a super-block's eight,
+    times their scales (6-bit - 32), summed in int32."""
     first, last, a_row, a_col, b_ptr, s_ptr, x_toks, rows, row_ok, toks, tok_ok, acc, zero = _tile(
         w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, 8, TILED, PDL)
-    a_ptr = a_row + 4 * (a_col // 8) + a_col % 4  # k 8t + i: byte i % 4 of word t
-    word_ok = a_col % 8 < 4  # the other four bytes of a thread's eight are not read
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
+    wide: gl.constexpr = _lane_pieces_layout(BLOCK_N, NUM_WARPS, 32)
+    w_rows = gl.minimum(gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, wide)), N - 1)
+    q_ptr = (w_ptr + w_rows.to(gl.int64)[:, None] * stride_wn
+             + gl.arange(0, 128, layout=gl.SliceLayout(0, wide))[None, :]).to(gl.pointer_type(gl.int8))
     for c in range(first, last):
         head = gl.load(s_ptr + K // 256 * 32 + 2 * c)
         low = gl.load(s_ptr + K // 256 * 32 + 2 * c + 1)
@@ -332,10 +357,12 @@ def _iq4_xs_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
         high = (high | (high << 4)) & 0x0F0F0F0F
         scales = ((low & 0x0F0F0F0F) | ((high & 0x03030303) << 4),  # byte b: sub-block 2b's 6-bit scale
                   ((low >> 4) & 0x0F0F0F0F) | ((high & 0x0C0C0C0C) << 2))  # sub-block 2b + 1's
+        q = gl.reshape(gl.load(q_ptr + 128 * c), [BLOCK_N, 4, 8, 4])  # (t, j, byte)
+        q = gl.permute(gl.join(q, gl.zeros_like(q)), [0, 1, 2, 4, 3])  # each word then four zero bytes: k_width 8
+        words = _eight_groups(gl.reshape(q, [BLOCK_N, 256]), a_l, BLOCK_N)
         isum = zero
         for j in gl.static_range(8):
-            q = gl.load(a_ptr + 128 * c + 16 * j, mask=word_ok, other=0)
-            w = gl.inline_asm_elementwise(IQ4_EIGHT, "=r,=r,r,r", [q], dtype=gl.int8, is_pure=True, pack=8)
+            w = gl.inline_asm_elementwise(IQ4_EIGHT, "=r,=r,r,r", [words[j]], dtype=gl.int8, is_pure=True, pack=8)
             scale = ((scales[j % 2] >> (8 * (j // 2))) & 63) - 32
             isum += mma_v2(w, _x_values(b_ptr, 8 * c + j, TILED), zero) * scale[:, None]
         acc = _scaled(acc, isum, _half(head), _x_scale(xds_ptr, x_toks, stride_xds, 8 * c, TILED))
@@ -344,21 +371,26 @@ def _iq4_xs_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
 
 @gluon.jit
 def _q8_0_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn, stride_os,
-                 stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, K_WIDTH: gl.constexpr, TILED: gl.constexpr,
-                 PDL: gl.constexpr):
+                 stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, TILED: gl.constexpr, PDL: gl.constexpr):
     """Q8_0 as layers/quantized.field_planes keeps it (a row's K int8 values, then its K / 32 fp16 scales), K a
-    multiple of 256, x rounded per 256: each block's exact int32 product times d(row), the eight blocks' sum times
-    xd(token)."""
+    multiple of 256, the values by lane (layers/quantized.by_lane: block j's bytes 8p..8p+7 at 64p + 8j, so a
+    thread's 64 bytes of a row are one run), x rounded per 256: each block's exact int32 product times d(row), the
+    eight blocks' sum times xd(token)."""
     first, last, a_row, a_col, b_ptr, s_ptr, x_toks, rows, row_ok, toks, tok_ok, acc, zero = _tile(
-        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, K_WIDTH, TILED, PDL)
-    a_ptr = (a_row + a_col).to(gl.pointer_type(gl.int8))
+        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, 8, TILED, PDL)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
+    wide: gl.constexpr = _lane_pieces_layout(BLOCK_N, NUM_WARPS, 64)
+    w_rows = gl.minimum(gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, wide)), N - 1)
+    q_ptr = (w_ptr + w_rows.to(gl.int64)[:, None] * stride_wn
+             + gl.arange(0, 256, layout=gl.SliceLayout(0, wide))[None, :]).to(gl.pointer_type(gl.int8))
     d_ptr = (w_ptr + gl.minimum(rows, N - 1).to(gl.int64) * stride_wn + K).to(gl.pointer_type(gl.int64))
     for c in range(first, last):
         d_words = gl.load(d_ptr + 2 * c), gl.load(d_ptr + 2 * c + 1)  # the 8 blocks' fp16 scales, four a word
+        blocks = _eight_groups(gl.load(q_ptr + 256 * c), a_l, BLOCK_N)
         part = gl.zeros_like(acc)
         for j in gl.static_range(8):
-            w = gl.load(a_ptr + 256 * c + 32 * j)
-            prod = mma_v2(w, _x_values(b_ptr, 8 * c + j, TILED), zero)
+            prod = mma_v2(blocks[j], _x_values(b_ptr, 8 * c + j, TILED), zero)
             d = _half((d_words[j // 4] >> (16 * (j % 4))).to(gl.int32))
             part += prod.to(gl.float32) * d[:, None]
         acc += part * _x_scale(xds_ptr, x_toks, stride_xds, 8 * c, TILED)[None, :]
@@ -373,7 +405,7 @@ KERNELS = {"Q4_K": (_kquant_kernel, dict(FIVE_BITS=False, TILED=True)),  # k_wid
            "Q5_K": (_kquant_kernel, dict(FIVE_BITS=True, TILED=True)),
            "Q6_K": (_q6k_kernel, dict(K_WIDTH=4, TILED=True)),
            "IQ4_XS": (_iq4_xs_kernel, dict(TILED=True)),  # k_width 8: IQ4_EIGHT's
-           "Q8_0": (_q8_0_kernel, dict(K_WIDTH=8, TILED=False))}
+           "Q8_0": (_q8_0_kernel, dict(TILED=False))}
 assert TARGET_PROGRAMS.keys() == KERNELS.keys()
 X_ORDERS = {"IQ4_XS": gguf_gemv.IQ4_ORDER}  # x's values in a block as the kernel's A fragments hold the weights
 TIMED = {"Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q8_0"}  # types timed on a GPU and taken by covers(); see docs/PERF.md

@@ -23,14 +23,24 @@ FIELD_PLANES = {"Q8_0": (34, ((2, 34), (0, 2))), "IQ4_XS": (136, ((8, 136), (0, 
 
 # super-block bytes and where its 128 nibble bytes start, for the types lane_grouped keeps
 LANE_GROUPED = {"Q4_K": (144, 16), "Q5_K": (176, 48)}
+# the field_planes types whose values plane is regrouped by lane (by_lane's groups and piece bytes) where a row is
+# whole super-blocks: Q8_0's eight 32-byte blocks, IQ4_XS's eight 16-byte sub-blocks
+LANE_RUNS = {"Q8_0": (8, 8), "IQ4_XS": (8, 4)}
 
 
 def stored_blocks(raw: Tensor, qtype: str) -> Tensor:
     """A matrix's file bytes [rows, row bytes] as the kernels keep them: Q6_K's blocks padded to 212 bytes, the
-    32-weight block types' and IQ4_XS's rows in planes by field (field_planes), Q4_K's and Q5_K's nibbles grouped
-    by lane (lane_grouped); the other K-quants as in the file."""
+    32-weight block types' and IQ4_XS's rows in planes by field (field_planes), Q8_0's and IQ4_XS's values plane
+    then by lane (by_lane) where the row is whole super-blocks, Q4_K's and Q5_K's nibbles grouped by lane
+    (lane_grouped); the other K-quants as in the file."""
     if qtype in FIELD_PLANES:
-        return field_planes(raw, *FIELD_PLANES[qtype])
+        size, fields = FIELD_PLANES[qtype]
+        out = field_planes(raw, size, fields)
+        values = raw.shape[1] // size * (fields[0][1] - fields[0][0])  # the values plane's bytes
+        groups, width = LANE_RUNS.get(qtype, (0, 0))
+        if groups and values % (groups * 4 * width) == 0:
+            out[:, :values] = by_lane(out[:, :values], groups, width)
+        return out
     if qtype in LANE_GROUPED:
         return lane_grouped(raw, *LANE_GROUPED[qtype])
     if qtype not in PADDED_BLOCK_BYTES:
@@ -60,9 +70,17 @@ def lane_grouped(raw: Tensor, size: int, start: int) -> Tensor:
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, size)
     out = blocks.clone()
-    out[:, :, start:start + 128] = blocks[:, :, start:start + 128].reshape(rows, -1, 4, 4, 8).transpose(2, 3).reshape(
-        rows, -1, 128)
+    out[:, :, start:start + 128] = by_lane(blocks[:, :, start:start + 128].reshape(rows, -1), 4, 8).view(rows, -1, 128)
     return out.view(rows, -1)
+
+
+def by_lane(values: Tensor, groups: int, width: int) -> Tensor:
+    """Bytes [rows, n] in runs of [group][piece p of 4][width bytes] -> [p][group][width]: lane p of an int8 mma
+    fragment's quad reads piece p of every group, now one run of groups * width bytes (16-byte loads, where there
+    were `groups` loads of width bytes, each touching a cache line per row). The same bytes; n a multiple of the
+    run."""
+    rows = values.shape[0]
+    return values.reshape(rows, -1, groups, 4, width).transpose(2, 3).reshape(rows, -1)
 
 
 @dataclass
