@@ -117,8 +117,6 @@ def cases(kernels: list[str], types: list[str], block_n: int, whole: bool = True
                 const = dict(FIVE_BITS=qtype == "Q5_K", **const)
             if block32:
                 const = dict(QTYPE=G.BLOCK32_IDS[qtype], **const)
-            if qtype == "Q8_0":
-                const = dict(BY_LANE=True, **const)
             sig |= {k: "constexpr" for k in const}
             fn = G._block32_kernel if block32 else {"Q4_K": G._kquant_kernel, "Q5_K": G._kquant_kernel,
                                                     "Q6_K": G._q6_k_kernel, "Q8_0": G._q8_0_kernel,

@@ -49,11 +49,12 @@ ROW_BUCKETS = (1, 2, 4, 8, 16)  # the kernels are compiled per bucket: rows of x
 # by benchmarks/gguf_kernels.py --gemv-sweep.
 # (software-pipelined loads, tl.range num_stages 2-3, ran slower at every tile: H200 run 12).
 CONFIG = {"BLOCK_N": 4, "SB": 16, "num_warps": 4, "target_programs": 2112}
-# Q6_K: 0.195 ms against 0.218 (8B + Gemma shapes; PERF run 7); IQ4_XS 16 x 8: the 8B's decode step 3.320 ms against
-# 3.503 at 8 x 8 (run 13; 8 x 8 had beaten 4 x 16 in run 12). IQ4_NL: not swept.
+# Q6_K: 0.195 ms against 0.218 (8B + Gemma shapes; PERF run 7); IQ4_XS 8 x 8 with its nibbles by lane: the 8B's
+# decode step 2.921-2.933 ms against 3.158 at 16 x 8, 3.014 at 16 x 4, 3.254 at 8 x 16 (H100, twentieth session;
+# in the file's order 16 x 8 had won, 3.010 against 3.049 at 8 x 8). IQ4_NL: not swept.
 # maxnreg: the register count the kernel had when timed (unmasked loads took Q8_0 94 -> 108 under Triton 3.6 for
 # sm_90, no spills at the cap: fewer programs per SM otherwise).
-TYPE_CONFIGS = {"Q6_K": dict(CONFIG, BLOCK_N=8, SB=8), "IQ4_XS": dict(CONFIG, BLOCK_N=16, SB=8),
+TYPE_CONFIGS = {"Q6_K": dict(CONFIG, BLOCK_N=8, SB=8), "IQ4_XS": dict(CONFIG, BLOCK_N=8, SB=8),
                 "Q8_0": dict(CONFIG, maxnreg=96)}
 # small tiles: the CPU tests' shapes
 INTERPRETED = {"BLOCK_N": 64, "SB": 1, "num_warps": 1, "target_programs": 64}
@@ -439,15 +440,11 @@ def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, lut_ptr, out_ptr, M,
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
 def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd,
                  stride_wu, stride_os, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
-                 ROW_ALIGN: tl.constexpr, WHOLE: tl.constexpr, BY_LANE: tl.constexpr, EMULATE: tl.constexpr,
-                 PDL: tl.constexpr):
+                 ROW_ALIGN: tl.constexpr, WHOLE: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
     """Q8_0 in two planes (layers/quantized.field_planes): w as int32 words, a row's K / 4 words of int8 values,
-    then its K / 32 fp16 scales (w16: the same bytes as int16). SB counts groups of 8 blocks. BY_LANE (K whole
-    groups): the values by lane (layers/quantized.by_lane), block 8g + j's words 2p, 2p + 1 at 64g + 16p + 2j, read
-    as four [N, B, 2] loads so that a block's words stay in one thread."""
+    then its K / 32 fp16 scales (w16: the same bytes as int16). SB counts groups of 8 blocks."""
     split, rows, row_ok, w_rows, mi, acc = _row_tile(N, BLOCK_N, BM)
     bi, t = tl.arange(0, SB * 8), tl.arange(0, 8)
-    h = tl.arange(0, 2)
     first = split * sb_per_split * 8
     last = tl.minimum(first + sb_per_split * 8, K // 32)
     row_words = w_ptr + w_rows.to(tl.int64)[:, None] * (stride_wu * ROW_ALIGN)
@@ -456,24 +453,13 @@ def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_pe
         b = b0 + bi
         b, keep = _split_range(b, last, WHOLE)
         d = _half(tl.load(row_scales + b[None, :]).to(tl.int32)) * keep[None, :]  # [N, B]
-        if BY_LANE:
-            at = row_words[:, :, None] + (b // 8 * 64 + b % 8 * 2)[None, :, None] + h[None, None, :]
-            pieces = (tl.load(at), tl.load(at + 16), tl.load(at + 32), tl.load(at + 48))  # [N, B, 2] each
-        else:
-            words = tl.load(row_words[:, :, None] + b[None, :, None] * 8 + t[None, None, :])  # [N, B, 8]
+        words = tl.load(row_words[:, :, None] + b[None, :, None] * 8 + t[None, None, :])  # [N, B, 8]
         wait_for_inputs(PDL)  # x only after the weight loads are issued
         for m in tl.static_range(BM):
             xm = _x_row(m, M)
+            x = tl.load(xq_ptr + xm * stride_xq + b[:, None] * 8 + t[None, :])
             xd = tl.load(xd_ptr + xm * stride_xd + b)[None, :]
-            if BY_LANE:
-                xw = xq_ptr + xm * stride_xq + b[:, None] * 8 + h[None, :]
-                prod = _dp4a(pieces[0], tl.load(xw)[None], EMULATE)
-                for p in tl.static_range(1, 4):
-                    prod += _dp4a(pieces[p], tl.load(xw + 2 * p)[None], EMULATE)
-                dot = tl.sum(prod, axis=2).to(tl.float32)
-            else:
-                x = tl.load(xq_ptr + xm * stride_xq + b[:, None] * 8 + t[None, :])
-                dot = tl.sum(_dp4a(words, x[None], EMULATE), axis=2).to(tl.float32)
+            dot = tl.sum(_dp4a(words, x[None], EMULATE), axis=2).to(tl.float32)
             contrib = tl.sum(d * xd * dot, axis=1)
             acc = _add_row(acc, mi, m, contrib)
         start_dependents(PDL)
@@ -486,8 +472,8 @@ def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_
                    stride_wu, stride_os, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
                    ROW_ALIGN: tl.constexpr, WHOLE: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
     """IQ4_XS in two planes (layers/quantized.field_planes), w as int32 words: a row's super-blocks' 128 nibble
-    bytes (32 words each, by lane: layers/quantized.by_lane), then their 8-byte headers (d and scales_h, scales_l: two words each). Sub-block j (32
-    weights) has 6-bit scale ls = nibble j of scales_l | bits 2j..2j+1 of scales_h << 4, weight d * (ls - 32) *
+    bytes (32 words each, by lane: sub-block j's word t at 8t + j, layers/quantized.by_lane), then their 8-byte
+    headers (d and scales_h, scales_l: two words each). Sub-block j (32 weights) has 6-bit scale ls = nibble j of scales_l | bits 2j..2j+1 of scales_h << 4, weight d * (ls - 32) *
     iq4.IQ4_VALUES[q]; its 16 bytes hold weights 0..15 in their low nibbles, 16..31 in the high."""
     t0, t1, t2, t3 = iq4_table_words(lut_ptr)
     split, rows, row_ok, w_rows, mi, acc = _row_tile(N, BLOCK_N, BM)
@@ -505,17 +491,16 @@ def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_
         jj = j[None, None, :]
         ls = (((scales_l >> (4 * jj)) & 15) | (((head[:, :, None] >> (16 + 2 * jj)) & 3) << 4)) - 32  # [N, SB, 8]
         d = _half(head) * keep[None, :]
-        # [N, SB, 4 (t), 8 (j)]: sub-block j's word t at 8t + j (layers/quantized.by_lane)
-        words = tl.load(base[:, :, None, None] + 8 * t[None, None, :, None] + jj)
+        # loaded [N, SB, 4 (t), 8 (j)] (runs of j), used as [N, SB, 8, 4]
+        words = tl.permute(tl.load(base[:, :, None, None] + 8 * t[None, None, :, None] + jj), (0, 1, 3, 2))
         lo, hi = iq4_nibbles(words, lut_ptr, t0, t1, t2, t3, EMULATE)
         wait_for_inputs(PDL)  # x only after the weight loads are issued
         for m in tl.static_range(BM):
             xm = _x_row(m, M)
-            xw = xq_ptr + xm * stride_xq + s[:, None, None] * 64 + j[None, None, :] * 8 + 2 * t[None, :, None]
-            x_lo = tl.load(xw)[None]  # [1, SB, 4, 8]: x in IQ4_ORDER
+            xw = xq_ptr + xm * stride_xq + s[:, None, None] * 64 + j[None, :, None] * 8 + 2 * t[None, None, :]
+            x_lo = tl.load(xw)[None]  # [1, SB, 8, 4]: x in IQ4_ORDER
             x_hi = tl.load(xw + 1)[None]
-            isum = tl.sum(tl.sum((_dp4a(lo, x_lo, EMULATE) + _dp4a(hi, x_hi, EMULATE)) * ls[:, :, None, :], axis=3),
-                          axis=2)
+            isum = tl.sum(ls * tl.sum(_dp4a(lo, x_lo, EMULATE) + _dp4a(hi, x_hi, EMULATE), axis=3), axis=2)
             xd = tl.load(xd_ptr + xm * stride_xd + s * 8)[None, :]  # [1, SB]
             contrib = tl.sum(d * xd * isum.to(tl.float32), axis=1)
             acc = _add_row(acc, mi, m, contrib)
@@ -605,7 +590,7 @@ def _gemv_into(out: Tensor | None, x: Tensor, xq: Tensor, xd: Tensor, xs: Tensor
         kernel, args, extra = _q6_k_kernel, (w, qweight.view(torch.int16)), {}
     elif qtype == "Q8_0":  # two planes: the values first, whole words (layers/quantized.field_planes)
         w = qweight.view(torch.int32)
-        kernel, args, extra = _q8_0_kernel, (w, qweight.view(torch.int16)), dict(BY_LANE=k % 256 == 0)
+        kernel, args, extra = _q8_0_kernel, (w, qweight.view(torch.int16)), {}
     elif qtype == "IQ4_XS":
         w = qweight.view(torch.int32)
         kernel, args, extra = _iq4_xs_kernel, (w, iq4_table(x.device).view(torch.int32)), {}

@@ -75,14 +75,12 @@ def _blocks(c, ok, K):
 
 @triton.jit
 def _q8_0(row, c, ok, K, BN: tl.constexpr):
-    """Q8_0 as layers/quantized.field_planes keeps it: a row's K int8 values, then its K / 32 fp16 scales; the
-    values by lane (layers/quantized.by_lane) where K is whole super-blocks: block j's byte 8p + i at 64p + 8j + i."""
+    """Q8_0 as layers/quantized.field_planes keeps it: a row's K int8 values, then its K / 32 fp16 scales."""
     j = tl.arange(0, 8)
     ok2 = ok[:, None] & (8 * c + j < K // 32)[None, :]
     d = _f16(row[:, None] + K + 2 * (8 * c + j)[None, :], ok2)
-    jj, i = j[None, :, None], tl.arange(0, 32)[None, None, :]
-    at = tl.where(K % 256 == 0, 64 * (i // 8) + 8 * jj + i % 8, 32 * jj + i)
-    q = tl.load(row[:, None, None] + 256 * c + at, mask=ok2[:, :, None], other=0).to(tl.int8, bitcast=True)
+    q = tl.load(row[:, None, None] + 256 * c + 32 * j[None, :, None] + tl.arange(0, 32)[None, None, :],
+                mask=ok2[:, :, None], other=0).to(tl.int8, bitcast=True)
     return tl.reshape(d[:, :, None] * q.to(tl.float32), (BN, 256))
 
 

@@ -371,26 +371,21 @@ def _iq4_xs_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
 
 @gluon.jit
 def _q8_0_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn, stride_os,
-                 stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, TILED: gl.constexpr, PDL: gl.constexpr):
+                 stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, K_WIDTH: gl.constexpr, TILED: gl.constexpr,
+                 PDL: gl.constexpr):
     """Q8_0 as layers/quantized.field_planes keeps it (a row's K int8 values, then its K / 32 fp16 scales), K a
-    multiple of 256, the values by lane (layers/quantized.by_lane: block j's bytes 8p..8p+7 at 64p + 8j, so a
-    thread's 64 bytes of a row are one run), x rounded per 256: each block's exact int32 product times d(row), the
-    eight blocks' sum times xd(token)."""
+    multiple of 256, x rounded per 256: each block's exact int32 product times d(row), the eight blocks' sum times
+    xd(token)."""
     first, last, a_row, a_col, b_ptr, s_ptr, x_toks, rows, row_ok, toks, tok_ok, acc, zero = _tile(
-        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, 8, TILED, PDL)
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
-    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
-    wide: gl.constexpr = _lane_pieces_layout(BLOCK_N, NUM_WARPS, 64)
-    w_rows = gl.minimum(gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, wide)), N - 1)
-    q_ptr = (w_ptr + w_rows.to(gl.int64)[:, None] * stride_wn
-             + gl.arange(0, 256, layout=gl.SliceLayout(0, wide))[None, :]).to(gl.pointer_type(gl.int8))
+        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, K_WIDTH, TILED, PDL)
+    a_ptr = (a_row + a_col).to(gl.pointer_type(gl.int8))
     d_ptr = (w_ptr + gl.minimum(rows, N - 1).to(gl.int64) * stride_wn + K).to(gl.pointer_type(gl.int64))
     for c in range(first, last):
         d_words = gl.load(d_ptr + 2 * c), gl.load(d_ptr + 2 * c + 1)  # the 8 blocks' fp16 scales, four a word
-        blocks = _eight_groups(gl.load(q_ptr + 256 * c), a_l, BLOCK_N)
         part = gl.zeros_like(acc)
         for j in gl.static_range(8):
-            prod = mma_v2(blocks[j], _x_values(b_ptr, 8 * c + j, TILED), zero)
+            w = gl.load(a_ptr + 256 * c + 32 * j)
+            prod = mma_v2(w, _x_values(b_ptr, 8 * c + j, TILED), zero)
             d = _half((d_words[j // 4] >> (16 * (j % 4))).to(gl.int32))
             part += prod.to(gl.float32) * d[:, None]
         acc += part * _x_scale(xds_ptr, x_toks, stride_xds, 8 * c, TILED)[None, :]
@@ -405,7 +400,7 @@ KERNELS = {"Q4_K": (_kquant_kernel, dict(FIVE_BITS=False, TILED=True)),  # k_wid
            "Q5_K": (_kquant_kernel, dict(FIVE_BITS=True, TILED=True)),
            "Q6_K": (_q6k_kernel, dict(K_WIDTH=4, TILED=True)),
            "IQ4_XS": (_iq4_xs_kernel, dict(TILED=True)),  # k_width 8: IQ4_EIGHT's
-           "Q8_0": (_q8_0_kernel, dict(TILED=False))}
+           "Q8_0": (_q8_0_kernel, dict(K_WIDTH=8, TILED=False))}
 assert TARGET_PROGRAMS.keys() == KERNELS.keys()
 X_ORDERS = {"IQ4_XS": gguf_gemv.IQ4_ORDER}  # x's values in a block as the kernel's A fragments hold the weights
 TIMED = {"Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q8_0"}  # types timed on a GPU and taken by covers(); see docs/PERF.md

@@ -23,16 +23,16 @@ FIELD_PLANES = {"Q8_0": (34, ((2, 34), (0, 2))), "IQ4_XS": (136, ((8, 136), (0, 
 
 # super-block bytes and where its 128 nibble bytes start, for the types lane_grouped keeps
 LANE_GROUPED = {"Q4_K": (144, 16), "Q5_K": (176, 48)}
-# the field_planes types whose values plane is regrouped by lane (by_lane's groups and piece bytes) where a row is
-# whole super-blocks: Q8_0's eight 32-byte blocks, IQ4_XS's eight 16-byte sub-blocks
-LANE_RUNS = {"Q8_0": (8, 8), "IQ4_XS": (8, 4)}
+# the field_planes types whose values plane is regrouped by lane (by_lane's groups and piece bytes): IQ4_XS's eight
+# 16-byte sub-blocks. Q8_0's blocks by lane (groups 8, bytes 8) took its verify products 2% off and its decode step
+# 4.4% longer on an H100 (docs/PERF.md, twentieth session)
+LANE_RUNS = {"IQ4_XS": (8, 4)}
 
 
 def stored_blocks(raw: Tensor, qtype: str) -> Tensor:
     """A matrix's file bytes [rows, row bytes] as the kernels keep them: Q6_K's blocks padded to 212 bytes, the
-    32-weight block types' and IQ4_XS's rows in planes by field (field_planes), Q8_0's and IQ4_XS's values plane
-    then by lane (by_lane) where the row is whole super-blocks, Q4_K's and Q5_K's nibbles grouped by lane
-    (lane_grouped); the other K-quants as in the file."""
+    32-weight block types' and IQ4_XS's rows in planes by field (field_planes), IQ4_XS's nibbles then by lane
+    (by_lane), Q4_K's and Q5_K's nibbles grouped by lane (lane_grouped); the other K-quants as in the file."""
     if qtype in FIELD_PLANES:
         size, fields = FIELD_PLANES[qtype]
         out = field_planes(raw, size, fields)
