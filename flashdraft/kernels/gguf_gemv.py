@@ -473,8 +473,9 @@ def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_
                    ROW_ALIGN: tl.constexpr, WHOLE: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
     """IQ4_XS in two planes (layers/quantized.field_planes), w as int32 words: a row's super-blocks' 128 nibble
     bytes (32 words each, by lane: sub-block j's word t at 8t + j, layers/quantized.by_lane), then their 8-byte
-    headers (d and scales_h, scales_l: two words each). Sub-block j (32 weights) has 6-bit scale ls = nibble j of scales_l | bits 2j..2j+1 of scales_h << 4, weight d * (ls - 32) *
-    iq4.IQ4_VALUES[q]; its 16 bytes hold weights 0..15 in their low nibbles, 16..31 in the high."""
+    headers (d and scales_h, scales_l: two words each). Sub-block j (32 weights) has 6-bit scale ls = nibble j of
+    scales_l | bits 2j..2j+1 of scales_h << 4, weight d * (ls - 32) * iq4.IQ4_VALUES[q]; its 16 bytes hold weights
+    0..15 in their low nibbles, 16..31 in the high."""
     t0, t1, t2, t3 = iq4_table_words(lut_ptr)
     split, rows, row_ok, w_rows, mi, acc = _row_tile(N, BLOCK_N, BM)
     sbi, j, t = tl.arange(0, SB), tl.arange(0, 8), tl.arange(0, 4)

@@ -200,8 +200,9 @@ def _groups(q, a_l: gl.constexpr, BLOCK_N: gl.constexpr):
 
 @gluon.jit
 def _eight_groups(q, a_l: gl.constexpr, BLOCK_N: gl.constexpr):
-    """q [BLOCK_N, 256] in _lane_pieces_layout(width 64) (column 64p + 8j + i: group j's byte 8p + i) -> the eight
-    groups' [BLOCK_N, 32] tiles in the A layout (k_width 8), by register renaming only."""
+    """q [BLOCK_N, 256] laid out as _lane_pieces_layout(width 64) is (column 64p + 8j + i: group j's byte 8p + i;
+    IQ4_XS's 32-byte runs with four zero bytes after each word are) -> the eight groups' [BLOCK_N, 32] tiles in the
+    A layout (k_width 8), by register renaming only."""
     q = gl.permute(gl.reshape(q, [BLOCK_N, 4, 8, 8]), [0, 2, 1, 3])  # (row, j, p, i)
     q = gl.reshape(gl.permute(gl.reshape(q, [BLOCK_N, 8, 32]), [0, 2, 1]), [BLOCK_N, 32, 2, 2, 2])  # j = 4a + 2b + c
     c0, c1 = gl.split(q)
