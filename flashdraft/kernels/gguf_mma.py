@@ -172,16 +172,25 @@ def _q5_values(q, qh, J: gl.constexpr):
 
 
 @gluon.constexpr_function
-def _lane_pieces_layout(block_n, num_warps, width):
-    """[block_n, 4 * width] bytes as layers/quantized.lane_grouped / by_lane keep them (column width * p + ...: lane
-    piece p of every group): each thread holds the `width` bytes of its lane piece p of a row, the rows those of its
-    A fragments (rows r and r + 8 of its warp's 16, lane 4r + p), so that `_groups` needs no data movement."""
+def _lane_pieces_layout(block_n, num_warps):
+    """[block_n, 128] nibble bytes as layers/quantized.lane_grouped keeps them (column 32p + 8g + i: group g's byte
+    8p + i; IQ4_XS's by_lane: column 32p + 4j + i, sub-block j's byte 4p + i): each thread holds the 32 bytes of its lane piece p of a row, the rows those of its A fragments (rows r
+    and r + 8 of its warp's 16, lane 4r + p), so that `_groups` needs no data movement."""
     assert block_n % (16 * num_warps) == 0, (block_n, num_warps)
-    regs = [[0, 1 << i] for i in range(width.bit_length() - 1)] + [[8, 0]]
+    regs = [[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [8, 0]]
     regs += [[16 * num_warps << i, 0] for i in range((block_n // (16 * num_warps)).bit_length() - 1)]
-    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[0, width], [0, 2 * width], [1, 0], [2, 0], [4, 0]],
+    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]],
                                       warp_bases=[[16 << i, 0] for i in range(num_warps.bit_length() - 1)],
-                                      block_bases=[], shape=[block_n, 4 * width])
+                                      block_bases=[], shape=[block_n, 128])
+
+
+@gluon.jit
+def _lane_piece_ptrs(w_ptr, N, stride_wn, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """The program's rows' bytes 0..127 from w_ptr [BLOCK_N, 128], in _lane_pieces_layout (rows past N read row
+    N - 1, left unstored)."""
+    wide: gl.constexpr = _lane_pieces_layout(BLOCK_N, NUM_WARPS)
+    rows = gl.minimum(gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, wide)), N - 1)
+    return w_ptr + rows.to(gl.int64)[:, None] * stride_wn + gl.arange(0, 128, layout=gl.SliceLayout(0, wide))[None, :]
 
 
 @gluon.jit
@@ -199,26 +208,6 @@ def _groups(q, a_l: gl.constexpr, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _eight_groups(q, a_l: gl.constexpr, BLOCK_N: gl.constexpr):
-    """q [BLOCK_N, 256] laid out as _lane_pieces_layout(width 64) is (column 64p + 8j + i: group j's byte 8p + i;
-    IQ4_XS's 32-byte runs with four zero bytes after each word are) -> the eight groups' [BLOCK_N, 32] tiles in the
-    A layout (k_width 8), by register renaming only."""
-    q = gl.permute(gl.reshape(q, [BLOCK_N, 4, 8, 8]), [0, 2, 1, 3])  # (row, j, p, i)
-    q = gl.reshape(gl.permute(gl.reshape(q, [BLOCK_N, 8, 32]), [0, 2, 1]), [BLOCK_N, 32, 2, 2, 2])  # j = 4a + 2b + c
-    c0, c1 = gl.split(q)
-    c0b0, c0b1 = gl.split(c0)
-    c1b0, c1b1 = gl.split(c1)
-    q0, q4 = gl.split(c0b0)
-    q2, q6 = gl.split(c0b1)
-    q1, q5 = gl.split(c1b0)
-    q3, q7 = gl.split(c1b1)
-    return (gl.convert_layout(q0, a_l, assert_trivial=True), gl.convert_layout(q1, a_l, assert_trivial=True),
-            gl.convert_layout(q2, a_l, assert_trivial=True), gl.convert_layout(q3, a_l, assert_trivial=True),
-            gl.convert_layout(q4, a_l, assert_trivial=True), gl.convert_layout(q5, a_l, assert_trivial=True),
-            gl.convert_layout(q6, a_l, assert_trivial=True), gl.convert_layout(q7, a_l, assert_trivial=True))
-
-
-@gluon.jit
 def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn, stride_os,
                    stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, FIVE_BITS: gl.constexpr,
                    TILED: gl.constexpr, PDL: gl.constexpr):
@@ -233,10 +222,7 @@ def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
         w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, 8, TILED, PDL)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
-    wide: gl.constexpr = _lane_pieces_layout(BLOCK_N, NUM_WARPS, 32)
-    w_rows = gl.minimum(gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, wide)), N - 1)
-    q_ptr = (w_ptr + w_rows.to(gl.int64)[:, None] * stride_wn + NIBBLES
-             + gl.arange(0, 128, layout=gl.SliceLayout(0, wide))[None, :])  # rows past N read row N - 1, unstored
+    q_ptr = _lane_piece_ptrs(w_ptr + NIBBLES, N, stride_wn, BLOCK_N, NUM_WARPS)
     a_ptr = a_row + a_col
     for c in range(first, last):
         head = gl.load(s_ptr + WORDS * c)
@@ -346,10 +332,7 @@ def _iq4_xs_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
         w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, 8, TILED, PDL)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
-    wide: gl.constexpr = _lane_pieces_layout(BLOCK_N, NUM_WARPS, 32)
-    w_rows = gl.minimum(gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, wide)), N - 1)
-    q_ptr = (w_ptr + w_rows.to(gl.int64)[:, None] * stride_wn
-             + gl.arange(0, 128, layout=gl.SliceLayout(0, wide))[None, :]).to(gl.pointer_type(gl.int8))
+    q_ptr = _lane_piece_ptrs(w_ptr, N, stride_wn, BLOCK_N, NUM_WARPS).to(gl.pointer_type(gl.int8))
     for c in range(first, last):
         head = gl.load(s_ptr + K // 256 * 32 + 2 * c)
         low = gl.load(s_ptr + K // 256 * 32 + 2 * c + 1)
@@ -358,12 +341,16 @@ def _iq4_xs_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
         high = (high | (high << 4)) & 0x0F0F0F0F
         scales = ((low & 0x0F0F0F0F) | ((high & 0x03030303) << 4),  # byte b: sub-block 2b's 6-bit scale
                   ((low >> 4) & 0x0F0F0F0F) | ((high & 0x0C0C0C0C) << 2))  # sub-block 2b + 1's
-        q = gl.reshape(gl.load(q_ptr + 128 * c), [BLOCK_N, 4, 8, 4])  # (t, j, byte)
-        q = gl.permute(gl.join(q, gl.zeros_like(q)), [0, 1, 2, 4, 3])  # each word then four zero bytes: k_width 8
-        words = _eight_groups(gl.reshape(q, [BLOCK_N, 256]), a_l, BLOCK_N)
+        # (t, j // 4, j % 4, byte) -> each word followed by four zero bytes (k_width 8), then the two halves of j as
+        # lane_grouped's [BLOCK_N, 128] (column 32t + 8 (j % 4) + i) for _groups
+        q = gl.reshape(gl.load(q_ptr + 128 * c), [BLOCK_N, 4, 2, 4, 4])
+        first_half, second_half = gl.split(gl.permute(gl.join(q, gl.zeros_like(q)), [0, 1, 3, 5, 4, 2]))
+        words = (_groups(gl.reshape(first_half, [BLOCK_N, 128]), a_l, BLOCK_N),
+                 _groups(gl.reshape(second_half, [BLOCK_N, 128]), a_l, BLOCK_N))
         isum = zero
         for j in gl.static_range(8):
-            w = gl.inline_asm_elementwise(IQ4_EIGHT, "=r,=r,r,r", [words[j]], dtype=gl.int8, is_pure=True, pack=8)
+            w = gl.inline_asm_elementwise(IQ4_EIGHT, "=r,=r,r,r", [words[j // 4][j % 4]], dtype=gl.int8, is_pure=True,
+                                          pack=8)
             scale = ((scales[j % 2] >> (8 * (j // 2))) & 63) - 32
             isum += mma_v2(w, _x_values(b_ptr, 8 * c + j, TILED), zero) * scale[:, None]
         acc = _scaled(acc, isum, _half(head), _x_scale(xds_ptr, x_toks, stride_xds, 8 * c, TILED))

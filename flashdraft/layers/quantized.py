@@ -36,10 +36,9 @@ def stored_blocks(raw: Tensor, qtype: str) -> Tensor:
     if qtype in FIELD_PLANES:
         size, fields = FIELD_PLANES[qtype]
         out = field_planes(raw, size, fields)
-        values = raw.shape[1] // size * (fields[0][1] - fields[0][0])  # the values plane's bytes
-        groups, width = LANE_RUNS.get(qtype, (0, 0))
-        if groups and values % (groups * 4 * width) == 0:
-            out[:, :values] = by_lane(out[:, :values], groups, width)
+        if qtype in LANE_RUNS:  # (IQ4_XS rows are whole super-blocks)
+            values = raw.shape[1] // size * (fields[0][1] - fields[0][0])  # the values plane's bytes
+            out[:, :values] = by_lane(out[:, :values], *LANE_RUNS[qtype])
         return out
     if qtype in LANE_GROUPED:
         return lane_grouped(raw, *LANE_GROUPED[qtype])
