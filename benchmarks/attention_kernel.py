@@ -1,7 +1,8 @@
 """The split attention kernel alone (kernels/split_attention.py) at the 8B's decode and verify shapes (32 query heads
 over 8 KV heads of 128, a bf16 cache or a stored KV type), replayed in a CUDA graph, over a sweep of its tile settings.
 Usage: python benchmarks/attention_kernel.py [--lengths 1280,16640] [--types f16,q4_1]
-           [--configs "ROW_TILE,BLOCK_N,TARGET,warps,stages;..."]"""
+           [--configs "ROW_TILE,BLOCK_N,TARGET,warps,stages[,tiles];..."]
+(tiles: row tiles a program takes, FLOAT_TILES or STORED_TILES)"""
 import argparse
 import sys
 from pathlib import Path
@@ -14,8 +15,8 @@ from gpu import graphed, timed  # noqa: E402
 from flashdraft.kernels import split_attention as S  # noqa: E402
 from flashdraft.layers.kv_quant import kv_codecs  # noqa: E402
 
-FLOAT_DEFAULT = f"{S.ROW_TILE},{S.BLOCK_N},{S.TARGET_PROGRAMS},{S.NUM_WARPS},{S.NUM_STAGES}"
-STORED_DEFAULT = f"{S.ROW_TILE},{S.STORED_BLOCK_N},{S.TARGET_PROGRAMS},{S.NUM_WARPS},{S.STORED_STAGES}"
+FLOAT_DEFAULT = f"{S.ROW_TILE},{S.BLOCK_N},{S.TARGET_PROGRAMS},{S.NUM_WARPS},{S.NUM_STAGES},{S.FLOAT_TILES}"
+STORED_DEFAULT = f"{S.ROW_TILE},{S.STORED_BLOCK_N},{S.TARGET_PROGRAMS},{S.NUM_WARPS},{S.STORED_STAGES},{S.STORED_TILES}"
 
 
 def main() -> int:
@@ -40,8 +41,11 @@ def main() -> int:
             q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
             mask = torch.ones(T, L, device="cuda", dtype=torch.bool).tril(L - T)
             for cfg in (args.configs or (STORED_DEFAULT if row_type else FLOAT_DEFAULT)).split(";"):
-                S.ROW_TILE, S.BLOCK_N, S.TARGET_PROGRAMS, S.NUM_WARPS, S.NUM_STAGES = (int(c) for c in cfg.split(","))
+                S.ROW_TILE, S.BLOCK_N, S.TARGET_PROGRAMS, S.NUM_WARPS, S.NUM_STAGES, *tiles = map(int, cfg.split(","))
                 S.STORED_BLOCK_N, S.STORED_STAGES = S.BLOCK_N, S.NUM_STAGES
+                if tiles:  # exactly these tiles a program, however few the programs
+                    S.FLOAT_TILES = S.STORED_TILES = tiles[0]
+                    S.FEWER_TILES_BELOW = 0
                 try:
                     ms = timed(graphed(lambda: S.split_attention(q, k, v, mask, D ** -0.5, 0.0, row_type, row_type,
                                                                       rotated, rotated),
@@ -52,7 +56,8 @@ def main() -> int:
                 gbps = 2 * k.numel() * k.element_size() / (ms * 1e-3) / 1e9
                 rows.append((name, L, T, cfg, ms, gbps))
                 print(f"{name} L={L} T={T} cfg={cfg}: {ms * 1e3:.1f} us ({gbps:.0f} GB/s of K+V)", flush=True)
-    print("\n| type | keys | queries | ROW_TILE,BLOCK_N,TARGET,warps,stages | us | GB/s |\n|---|---|---|---|---|---|")
+    print("\n| type | keys | queries | ROW_TILE,BLOCK_N,TARGET,warps,stages,tiles | us | GB/s |")
+    print("|---|---|---|---|---|---|")
     for name, L, T, cfg, ms, gbps in rows:
         print(f"| {name} | {L} | {T} | {cfg} | {ms * 1e3:.1f} | {gbps:.0f} |")
     return 0

@@ -85,15 +85,16 @@ def attention_cases(kv_types: list[str]):
                                    "blocks_per_split", "n_kv")}
         sig |= {"scale": "fp32", "softcap": "fp32", "T": "i32", "G": "i32", "n_rows": "i32"}
         block_n, stages = (S.STORED_BLOCK_N, S.STORED_STAGES) if row_type else (S.BLOCK_N, S.NUM_STAGES)
-        const = dict(D=128, BLOCK_M=S.ROW_TILE, BLOCK_N=block_n, SOFTCAP=False, K_TYPE=row_type, V_TYPE=row_type,
-                     K_ROW=row, V_ROW=row, K_PLANES=S.planes(row_type), V_PLANES=S.planes(row_type),
-                     K_ROTATED=codec.rotates(128), PDL=True)
-        sig |= {k: "constexpr" for k in const}
         aligned = ("q_ptr", "k_ptr", "v_ptr", "mask_ptr", "acc_ptr", "m_ptr", "l_ptr", "signs_ptr", "stride_qt",
                    "stride_qh", "stride_kh", "stride_vh", "n_kv")
         per_iter = block_n * 2 * row * (1 if row_type else 2)
-        yield (f"split attention over {name}, {block_n} keys", S._partial_kernel, sig, const, aligned, S.NUM_WARPS,
-               dict(num_stages=stages), per_iter)
+        for tiles in sorted({1, S.STORED_TILES if row_type else S.FLOAT_TILES}):  # a plain step's, a verify step's
+            const = dict(D=128, BLOCK_M=S.ROW_TILE, BLOCK_N=block_n, SOFTCAP=False, K_TYPE=row_type,
+                         V_TYPE=row_type, K_ROW=row, V_ROW=row, K_PLANES=S.planes(row_type),
+                         V_PLANES=S.planes(row_type), K_ROTATED=codec.rotates(128), TILES=tiles, PDL=True)
+            yield (f"split attention over {name}, {block_n} keys, {tiles} row tiles", S._partial_kernel,
+                   sig | {k: "constexpr" for k in const}, const, aligned, S.NUM_WARPS, dict(num_stages=stages),
+                   per_iter)
 
 
 def cases(kernels: list[str], types: list[str], block_n: int, whole: bool = True):
@@ -160,6 +161,8 @@ def main() -> int:
         n = sum(ops.values())
         slow = sum(v for k, v in ops.items() if k in QUARTER_RATE)
         top = ", ".join(f"{k} {v}" for k, v in ops.most_common(8))
+        spills = ops.get("STL", 0) + ops.get("LDL", 0)
+        regs += f" ({spills} spill loads/stores in the loop)" if spills else ""
         print(f"| {label} | {regs} | {shared} | {n} | {n * warps / per_iter:.3f} | {slow} | {top} |", flush=True)
     return 0
 

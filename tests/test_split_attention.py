@@ -23,14 +23,22 @@ INTERPRETER = ("triton is not installed" if importlib.util.find_spec("triton") i
 
 # (query tokens, query heads, KV heads, head size, keys): GQA groups of 1-4, one-token decode to 16-token verify,
 # key counts off the 64-key block, enough blocks that a split walks several, and Gemma's 256-value heads (merged
-# in two 128-column programs)
+# in two 128-column programs); 52 rows a KV head: four row tiles, the last cut short
 CASES = [(1, 8, 2, 16, 37), (5, 9, 3, 64, 300), (16, 8, 8, 32, 1000), (16, 32, 8, 128, 200), (1, 4, 1, 64, 3000),
-         (16, 4, 4, 16, 4200), (2, 4, 2, 256, 300)]
+         (16, 4, 4, 16, 4200), (2, 4, 2, 256, 300), (13, 16, 4, 32, 500)]
+
+
+def all_tiles_together() -> None:
+    """Every row tile of a KV head in one program (FLOAT_TILES / STORED_TILES a program) even where the launch would
+    take fewer for want of programs, as long contexts launch them: the small cases here reach the multi-tile code."""
+    from flashdraft.kernels import split_attention
+    split_attention.FEWER_TILES_BELOW = 0
 
 
 def check(device: str, dtype: torch.dtype, tol: float) -> None:
     from flashdraft.layers.attention import grouped_attention
     from flashdraft.kernels.split_attention import split_attention
+    all_tiles_together()
     gen = torch.Generator().manual_seed(0)
     for case, (T, H, KV, D, L) in enumerate(CASES):
         qkv = torch.randn(T, H + 2 * KV, D, generator=gen).to(device, dtype)
@@ -165,11 +173,14 @@ def check_row_invariance(device: str, dtype: torch.dtype) -> None:
     positions = torch.arange(L - 16, L)
     mask = (torch.arange(2048)[None, :] <= positions[:, None]).to(device)
     scale = q.shape[-1] ** -0.5
-    verify = split_attention(q, k[:, :1024], v[:, :1024], mask[:, :1024], scale, 0.0)
+    from flashdraft.kernels import split_attention as kernel_module
+    verify = split_attention(q, k[:, :1024], v[:, :1024], mask[:, :1024], scale, 0.0)  # 64 rows: a tile a program
+    kept, kernel_module.FEWER_TILES_BELOW = kernel_module.FEWER_TILES_BELOW, 0
+    together = split_attention(q, k[:, :1024], v[:, :1024], mask[:, :1024], scale, 0.0)  # four tiles a program
     for i in (0, 7, 15):
         for keys in (1024, 2048):
             one = split_attention(q[i:i + 1], k[:, :keys], v[:, :keys], mask[i:i + 1, :keys], scale, 0.0)
-            assert torch.equal(one[0], verify[i]), (i, keys)
+            assert torch.equal(one[0], verify[i]) and torch.equal(one[0], together[i]), (i, keys)
     from flashdraft.layers.attention import AttentionSpec, attend_cache
     from flashdraft.layers.kv_cache import KVCache
     from flashdraft.layers.kv_quant import kv_codecs
@@ -179,10 +190,11 @@ def check_row_invariance(device: str, dtype: torch.dtype) -> None:
         view = cache.view(0)
         view.write(torch.arange(L, device=device)[None], k[None, :, :L].transpose(1, 2), v[None, :, :L].transpose(1, 2))
         spec = AttentionSpec(scale=scale)
-        verify = attend_cache(q[None], view, 1024, mask[None, :, :1024], spec)
+        verify = attend_cache(q[None], view, 1024, mask[None, :, :1024], spec)  # STORED_TILES a program
         for i in (0, 7, 15):
             one = attend_cache(q[None, i:i + 1], view, 1024, mask[None, i:i + 1, :1024], spec)
             assert torch.equal(one[0, 0], verify[0, i]), (types, i)
+    kernel_module.FEWER_TILES_BELOW = kept
 
 
 QUANTIZED_PAIRS = [("q8_0", "q4_0"), ("q4_1", "q5_0"), ("q5_1", "iq4_nl"), ("turbo3", "turbo4"), ("turbo4", "q8_0"),
@@ -198,6 +210,7 @@ def check_quantized(device: str, dtype: torch.dtype, tol: float) -> None:
     from flashdraft.layers.kv_cache import KVCache
     from flashdraft.layers.kv_quant import kv_codecs
     assert attention.SPLIT_KERNEL_LOADED
+    all_tiles_together()
     gen = torch.Generator().manual_seed(2)
     for (T, H, KV, D, L), types in zip([(1, 8, 2, 64, 150), (16, 8, 4, 128, 333), (3, 4, 1, 32, 100)] * 3,
                                        QUANTIZED_PAIRS):

@@ -31,10 +31,10 @@ from flashdraft.layers.kv_quant import lloyd_max_codebook, rotation_group, rotat
 
 # benchmarks/attention_kernel.py on an H200 (8B shape, 1280 / 16640 keys, docs/PERF.md run 7): 128 keys per tile
 # and two pipeline stages took decode 24.9 -> 14.4 us and 112.7 -> 56.9 us; three stages of 64-key tiles had left
-# one program per SM (131 KB of shared memory, 255 registers). A program takes ROW_TILE query rows (a GQA group's
-# heads x tokens); more rows are more programs over the same keys, so a plain step's rows and a verify step's run
-# the same machine code on the same tile (the same bits). 16-row tiles ran a 16k decode in 34.6 us against 64-row
-# tiles' 56.9 (run 7's sweep), where a group of 4 heads used 4 of the 64 rows.
+# one program per SM (131 KB of shared memory, 255 registers). Query rows (a GQA group's heads x tokens) come in
+# tiles of ROW_TILE, each computed by the same code whatever tiles share its program, so a plain step's rows and a
+# verify step's get the same bits. 16-row tiles ran a 16k decode in 34.6 us against 64-row tiles' 56.9 (run 7's
+# sweep), where a group of 4 heads used 4 of the 64 rows.
 BLOCK_N = 128
 # over a stored (block or rotated) type, 64-key tiles and three stages: at 33k keys q4_1 48.5 us against 60.7 at 128
 # keys and two stages, q5_0 69.3 against 80.7 (H200, benchmarks/attention_kernel.py --types, docs/PERF.md run 12)
@@ -42,6 +42,13 @@ STORED_BLOCK_N, STORED_STAGES = 64, 3
 # no register cap: 168 a thread (three programs per SM) won some shapes and lost others by up to 2.7x (H100,
 # docs/PERF.md "twelfth session")
 ROW_TILE = 16
+# Row tiles a program takes at once (heads of 128 values; fewer for larger heads), so the tiles share each tile of
+# keys and values (and, over a stored type, its expansion). An H100, 8B heads, 16 query tokens over 16640 keys
+# (benchmarks/attention_kernel.py): bf16 87.8 us at one tile a program, 77.5 at two, 77.4 at four; q4_1 93.7 -> 79.0
+# and q5_0 105.6 -> 99.3 at two (docs/PERF.md "twenty-first session"). At 2048 keys four tiles were slower (24.0 us
+# against 20.7), where a launch has only 16 splits: FEWER_TILES_BELOW keeps a launch's programs at least that many.
+FLOAT_TILES, STORED_TILES = 4, 2
+FEWER_TILES_BELOW = 264
 TARGET_PROGRAMS = 264  # about two programs per SM of an H100/H200
 MERGE_COLUMNS = 128  # a merge program's share of a head (all of a rotated one: ROTATION_MAX)
 ROTATION_MAX = 128  # heads up to this size: q rotated here for rotated keys, a rotated V's output back in the merge
@@ -191,85 +198,75 @@ def _plane_of(x, p: tl.constexpr, TYPE: tl.constexpr, D: tl.constexpr, PLANES: t
     return plane
 
 
-# Query count, group size, key count and the mask's row stride are runtime values, never specialised on: a plain
-# step (T=1) and a verify step (T=16) run the same machine code, so a row's arithmetic cannot differ between them.
-@triton.jit(do_not_specialize=["stride_mt", "L", "blocks_per_split", "T", "G", "n_rows"])
-def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, signs_ptr,
-                    stride_qt, stride_qh, stride_kh, stride_vh, stride_mt,
-                    L, blocks_per_split, n_kv, scale, softcap, T, G, n_rows,
-                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
-                    K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, K_ROW: tl.constexpr, V_ROW: tl.constexpr,
-                    K_PLANES: tl.constexpr, V_PLANES: tl.constexpr, K_ROTATED: tl.constexpr, PDL: tl.constexpr):
-    """Keys and values are read in planes (one for float rows and q8_0; low and high nibbles; turbo3's four 2-bit
-    fields): q is loaded once (K_ROTATED: rotated here) and cut into the planes' column orders, the scores
-    are the sum of the planes' products, and each plane of V has its own accumulator, stored to its columns at the
-    end."""
-    # the row tiles of one (KV head, split) are neighbours in the launch order: they read the same keys together,
-    # so a verify step's extra tiles find them in L2
-    wait_for_inputs(PDL)
-    kv = tl.program_id(1)
-    split = tl.program_id(2)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # row r: query token r % T of head kv * G + r // T
-    t = rows % T
-    head = kv * G + rows // T
-    row_ok = rows < G * T
-    q = tl.load(q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + tl.arange(0, D)[None, :],
-                mask=row_ok[:, None], other=0.0)
+@triton.jit
+def _query_planes(q_ptr, signs_ptr, tile, kv, stride_qt, stride_qh, T, G, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                  K_TYPE: tl.constexpr, K_PLANES: tl.constexpr, K_ROTATED: tl.constexpr):
+    """Row tile `tile` of a KV head's query rows (row r: query token r % T of head kv * G + r // T), cut into the
+    keys' planes (K_ROTATED: rotated first); planes past K_PLANES repeat one of them."""
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    q = tl.load(q_ptr + (rows % T)[:, None] * stride_qt + (kv * G + rows // T)[:, None] * stride_qh
+                + tl.arange(0, D)[None, :], mask=(rows < G * T)[:, None], other=0.0)
     if K_ROTATED:  # into the keys' rotated domain (kernels/rotation.py; D <= ROTATION_MAX: one group)
         q = rotated_group(q.to(tl.float32), signs_ptr, D, False).to(q.dtype)
-    q0 = _plane_of(q, 0, K_TYPE, D, K_PLANES)
-    q1 = _plane_of(q, 1 % K_PLANES, K_TYPE, D, K_PLANES)
-    q2 = _plane_of(q, 2 % K_PLANES, K_TYPE, D, K_PLANES)
-    q3 = _plane_of(q, 3 % K_PLANES, K_TYPE, D, K_PLANES)
-    m_i = tl.full([BLOCK_M], -1e30, tl.float32)  # finite: a split with every key masked stays NaN-free
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    WV: tl.constexpr = D // V_PLANES
-    acc0 = tl.zeros([BLOCK_M, WV], tl.float32)
-    acc1 = tl.zeros([BLOCK_M, WV], tl.float32)
-    acc2 = tl.zeros([BLOCK_M, WV], tl.float32)
-    acc3 = tl.zeros([BLOCK_M, WV], tl.float32)
-    k_base, v_base = k_ptr + kv * stride_kh, v_ptr + kv * stride_vh
-    start = split * blocks_per_split * BLOCK_N
-    for i in range(0, blocks_per_split):
-        cols = start + i * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < L
-        k0 = _plane(k_base, cols, col_ok, 0, K_TYPE, D, K_ROW, K_PLANES).to(q0.dtype)
-        s = tl.dot(q0, tl.trans(k0))
-        if K_PLANES > 1:
-            k1 = _plane(k_base, cols, col_ok, 1, K_TYPE, D, K_ROW, K_PLANES).to(q0.dtype)
-            s += tl.dot(q1, tl.trans(k1))
-        if K_PLANES > 2:
-            k2 = _plane(k_base, cols, col_ok, 2, K_TYPE, D, K_ROW, K_PLANES).to(q0.dtype)
-            k3 = _plane(k_base, cols, col_ok, 3, K_TYPE, D, K_ROW, K_PLANES).to(q0.dtype)
-            s += tl.dot(q2, tl.trans(k2)) + tl.dot(q3, tl.trans(k3))
-        s = s * scale
-        if SOFTCAP:  # softcap * tanh(s / softcap), tanh through exp (no libdevice call: the interpreter runs it too)
-            s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)
-        allowed = tl.load(mask_ptr + t[:, None] * stride_mt + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
-                          other=0)
-        s = tl.where(allowed != 0, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        p = p.to(q0.dtype)
-        acc0 = acc0 * alpha[:, None] + tl.dot(p, _plane(v_base, cols, col_ok, 0, V_TYPE, D, V_ROW,
-                                                        V_PLANES).to(q0.dtype))
-        if V_PLANES > 1:
-            acc1 = acc1 * alpha[:, None] + tl.dot(p, _plane(v_base, cols, col_ok, 1, V_TYPE, D, V_ROW,
-                                                            V_PLANES).to(q0.dtype))
-        if V_PLANES > 2:
-            acc2 = acc2 * alpha[:, None] + tl.dot(p, _plane(v_base, cols, col_ok, 2, V_TYPE, D, V_ROW,
-                                                            V_PLANES).to(q0.dtype))
-            acc3 = acc3 * alpha[:, None] + tl.dot(p, _plane(v_base, cols, col_ok, 3, V_TYPE, D, V_ROW,
-                                                            V_PLANES).to(q0.dtype))
-        m_i = m_new
-    # the next kernel (the merge) is placed once every program got here, not at the start: a merge program placed
-    # early waits on its SM through the whole loop, holding registers a program here could use
-    start_dependents(PDL)
-    base = split * n_kv + kv
+    return (_plane_of(q, 0, K_TYPE, D, K_PLANES), _plane_of(q, 1 % K_PLANES, K_TYPE, D, K_PLANES),
+            _plane_of(q, 2 % K_PLANES, K_TYPE, D, K_PLANES), _plane_of(q, 3 % K_PLANES, K_TYPE, D, K_PLANES))
+
+
+@triton.jit
+def _empty_state(BLOCK_M: tl.constexpr, WV: tl.constexpr):
+    """A row tile's running state: the V planes' accumulators, the row maxima (finite: a split with every key
+    masked stays NaN-free), the row sums."""
+    acc = tl.zeros([BLOCK_M, WV], tl.float32)
+    return acc, acc, acc, acc, tl.full([BLOCK_M], -1e30, tl.float32), tl.zeros([BLOCK_M], tl.float32)
+
+
+@triton.jit
+def _softmax_tile(qs, state, ks, mask_ptr, tile, cols, col_ok, stride_mt, scale, softcap, T, G,
+                  BLOCK_M: tl.constexpr, SOFTCAP: tl.constexpr, K_PLANES: tl.constexpr):
+    """One row tile's scores against a tile of keys (planes ks, in registers), online softmax: (p, the factor the
+    accumulators are rescaled by, the state with the new row maxima and sums). Every tile of a program runs this
+    code and _accumulate_tile's, so a row's arithmetic does not depend on the tiles beside it."""
+    acc0, acc1, acc2, acc3, m_i, l_i = state
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    s = tl.dot(qs[0], tl.trans(ks[0]))
+    if K_PLANES > 1:
+        s += tl.dot(qs[1], tl.trans(ks[1]))
+    if K_PLANES > 2:
+        s += tl.dot(qs[2], tl.trans(ks[2])) + tl.dot(qs[3], tl.trans(ks[3]))
+    s = s * scale
+    if SOFTCAP:  # softcap * tanh(s / softcap), tanh through exp (no libdevice call: the interpreter runs it too)
+        s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)
+    allowed = tl.load(mask_ptr + (rows % T)[:, None] * stride_mt + cols[None, :],
+                      mask=(rows < G * T)[:, None] & col_ok[None, :], other=0)
+    s = tl.where(allowed != 0, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return p.to(qs[0].dtype), alpha, (acc0, acc1, acc2, acc3, m_new, l_i)
+
+
+@triton.jit
+def _accumulate_tile(state, p, alpha, vs, V_PLANES: tl.constexpr):
+    """The accumulators rescaled and p times the tile of values (planes vs, in registers) added."""
+    acc0, acc1, acc2, acc3, m_i, l_i = state
+    acc0 = acc0 * alpha[:, None] + tl.dot(p, vs[0])
+    if V_PLANES > 1:
+        acc1 = acc1 * alpha[:, None] + tl.dot(p, vs[1])
+    if V_PLANES > 2:
+        acc2 = acc2 * alpha[:, None] + tl.dot(p, vs[2])
+        acc3 = acc3 * alpha[:, None] + tl.dot(p, vs[3])
+    return acc0, acc1, acc2, acc3, m_i, l_i
+
+
+@triton.jit
+def _store_tile(state, acc_ptr, m_ptr, l_ptr, base, n_rows, tile, T, G, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                V_TYPE: tl.constexpr, V_PLANES: tl.constexpr):
+    acc0, acc1, acc2, acc3, m_i, l_i = state
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < G * T
     out = acc_ptr + (base * n_rows + rows[:, None]) * D
-    jv = tl.arange(0, WV)
+    jv = tl.arange(0, D // V_PLANES)
     tl.store(out + _plane_cols(jv, 0, V_TYPE, D)[None, :], acc0, mask=row_ok[:, None])
     if V_PLANES > 1:
         tl.store(out + _plane_cols(jv, 1, V_TYPE, D)[None, :], acc1, mask=row_ok[:, None])
@@ -278,6 +275,91 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, signs_
         tl.store(out + _plane_cols(jv, 3, V_TYPE, D)[None, :], acc3, mask=row_ok[:, None])
     tl.store(m_ptr + base * n_rows + rows, m_i, mask=row_ok)
     tl.store(l_ptr + base * n_rows + rows, l_i, mask=row_ok)
+
+
+# Query count, group size, key count and the mask's row stride are runtime values, never specialised on, and every
+# row tile runs _softmax_tile's and _accumulate_tile's code: a plain step (T=1, one tile a program) and a verify
+# step (T=16, TILES tiles a program) compute a row the same way, bit for bit (tests/test_split_attention.py's row
+# invariance on the GPU).
+@triton.jit(do_not_specialize=["stride_mt", "L", "blocks_per_split", "T", "G", "n_rows"])
+def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, signs_ptr,
+                    stride_qt, stride_qh, stride_kh, stride_vh, stride_mt,
+                    L, blocks_per_split, n_kv, scale, softcap, T, G, n_rows,
+                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
+                    K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, K_ROW: tl.constexpr, V_ROW: tl.constexpr,
+                    K_PLANES: tl.constexpr, V_PLANES: tl.constexpr, K_ROTATED: tl.constexpr, TILES: tl.constexpr,
+                    PDL: tl.constexpr):
+    """TILES (1, 2 or 4) row tiles of BLOCK_M query rows of one (KV head, split): each tile of keys and values is
+    read once for all of them. Keys and values are read in planes (one for float rows and q8_0; low and high
+    nibbles; turbo3's four 2-bit fields): q is loaded once (K_ROTATED: rotated here) and cut into the planes' column
+    orders, the scores are the sum of the planes' products, and each plane of V has its own accumulator, stored to
+    its columns at the end."""
+    wait_for_inputs(PDL)
+    kv = tl.program_id(1)
+    split = tl.program_id(2)
+    first = tl.program_id(0) * TILES
+    WV: tl.constexpr = D // V_PLANES
+    qa = _query_planes(q_ptr, signs_ptr, first, kv, stride_qt, stride_qh, T, G, D, BLOCK_M, K_TYPE, K_PLANES,
+                       K_ROTATED)
+    sa = _empty_state(BLOCK_M, WV)
+    if TILES > 1:
+        qb = _query_planes(q_ptr, signs_ptr, first + 1, kv, stride_qt, stride_qh, T, G, D, BLOCK_M, K_TYPE,
+                           K_PLANES, K_ROTATED)
+        sb = _empty_state(BLOCK_M, WV)
+    if TILES > 2:
+        qc = _query_planes(q_ptr, signs_ptr, first + 2, kv, stride_qt, stride_qh, T, G, D, BLOCK_M, K_TYPE,
+                           K_PLANES, K_ROTATED)
+        qd = _query_planes(q_ptr, signs_ptr, first + 3, kv, stride_qt, stride_qh, T, G, D, BLOCK_M, K_TYPE,
+                           K_PLANES, K_ROTATED)
+        sc = _empty_state(BLOCK_M, WV)
+        sd = _empty_state(BLOCK_M, WV)
+    k_base, v_base = k_ptr + kv * stride_kh, v_ptr + kv * stride_vh
+    start = split * blocks_per_split * BLOCK_N
+    dtype = qa[0].dtype
+    for i in range(0, blocks_per_split):
+        cols = start + i * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < L
+        k0 = _plane(k_base, cols, col_ok, 0, K_TYPE, D, K_ROW, K_PLANES).to(dtype)
+        ks = (k0, k0, k0, k0)
+        if K_PLANES > 1:
+            ks = (k0, _plane(k_base, cols, col_ok, 1, K_TYPE, D, K_ROW, K_PLANES).to(dtype), k0, k0)
+        if K_PLANES > 2:
+            ks = (k0, ks[1], _plane(k_base, cols, col_ok, 2, K_TYPE, D, K_ROW, K_PLANES).to(dtype),
+                  _plane(k_base, cols, col_ok, 3, K_TYPE, D, K_ROW, K_PLANES).to(dtype))
+        # every tile's scores first, then the values: K's and V's tiles are not held at once
+        pa, aa, sa = _softmax_tile(qa, sa, ks, mask_ptr, first, cols, col_ok, stride_mt, scale, softcap, T, G,
+                                   BLOCK_M, SOFTCAP, K_PLANES)
+        if TILES > 1:
+            pb, ab, sb = _softmax_tile(qb, sb, ks, mask_ptr, first + 1, cols, col_ok, stride_mt, scale, softcap, T,
+                                       G, BLOCK_M, SOFTCAP, K_PLANES)
+        if TILES > 2:
+            pc, ac, sc = _softmax_tile(qc, sc, ks, mask_ptr, first + 2, cols, col_ok, stride_mt, scale, softcap, T,
+                                       G, BLOCK_M, SOFTCAP, K_PLANES)
+            pd, ad, sd = _softmax_tile(qd, sd, ks, mask_ptr, first + 3, cols, col_ok, stride_mt, scale, softcap, T,
+                                       G, BLOCK_M, SOFTCAP, K_PLANES)
+        v0 = _plane(v_base, cols, col_ok, 0, V_TYPE, D, V_ROW, V_PLANES).to(dtype)
+        vs = (v0, v0, v0, v0)
+        if V_PLANES > 1:
+            vs = (v0, _plane(v_base, cols, col_ok, 1, V_TYPE, D, V_ROW, V_PLANES).to(dtype), v0, v0)
+        if V_PLANES > 2:
+            vs = (v0, vs[1], _plane(v_base, cols, col_ok, 2, V_TYPE, D, V_ROW, V_PLANES).to(dtype),
+                  _plane(v_base, cols, col_ok, 3, V_TYPE, D, V_ROW, V_PLANES).to(dtype))
+        sa = _accumulate_tile(sa, pa, aa, vs, V_PLANES)
+        if TILES > 1:
+            sb = _accumulate_tile(sb, pb, ab, vs, V_PLANES)
+        if TILES > 2:
+            sc = _accumulate_tile(sc, pc, ac, vs, V_PLANES)
+            sd = _accumulate_tile(sd, pd, ad, vs, V_PLANES)
+    # the next kernel (the merge) is placed once every program got here, not at the start: a merge program placed
+    # early waits on its SM through the whole loop, holding registers a program here could use
+    start_dependents(PDL)
+    base = split * n_kv + kv
+    _store_tile(sa, acc_ptr, m_ptr, l_ptr, base, n_rows, first, T, G, D, BLOCK_M, V_TYPE, V_PLANES)
+    if TILES > 1:
+        _store_tile(sb, acc_ptr, m_ptr, l_ptr, base, n_rows, first + 1, T, G, D, BLOCK_M, V_TYPE, V_PLANES)
+    if TILES > 2:
+        _store_tile(sc, acc_ptr, m_ptr, l_ptr, base, n_rows, first + 2, T, G, D, BLOCK_M, V_TYPE, V_PLANES)
+        _store_tile(sd, acc_ptr, m_ptr, l_ptr, base, n_rows, first + 3, T, G, D, BLOCK_M, V_TYPE, V_PLANES)
 
 
 @triton.jit(do_not_specialize=["stride_ot", "n_splits", "T", "G", "n_rows"])
@@ -344,6 +426,10 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale
     splits = min(blocks, max_splits)
     blocks_per_split = triton.cdiv(blocks, splits)
     splits = triton.cdiv(blocks, blocks_per_split)
+    tiles = max(1, min(triton.next_power_of_2(row_tiles),
+                       STORED_TILES if k_type or v_type else FLOAT_TILES * 128 // D))
+    while tiles > 1 and triton.cdiv(row_tiles, tiles) * KV * splits < FEWER_TILES_BELOW:
+        tiles //= 2  # short contexts have few splits: keep the programs many
     acc = torch.empty(splits, KV, n_rows, D, device=q.device, dtype=torch.float32)
     m = torch.empty(splits, KV, n_rows, device=q.device, dtype=torch.float32)
     lse = torch.empty_like(m)
@@ -356,7 +442,7 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale
     out = torch.empty(T, H, D, device=q.device, dtype=q.dtype)
     group = rotation_group(D) if v_rotated else 0
     v_signs = rotation_signs(group, q.device) if group else acc
-    _partial_kernel[(row_tiles, KV, splits)](q, keys, values, mask, acc, m, lse,
+    _partial_kernel[(triton.cdiv(row_tiles, tiles), KV, splits)](q, keys, values, mask, acc, m, lse,
                                              rotation_signs(D, q.device) if k_rotated else acc,
                                              q.stride(0), q.stride(1), keys.stride(0), values.stride(0),
                                              mask.stride(0), L, blocks_per_split, KV,
@@ -364,7 +450,7 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale
                                              BLOCK_M=ROW_TILE, BLOCK_N=block_n, SOFTCAP=softcap > 0, K_TYPE=k_type,
                                              V_TYPE=v_type, K_ROW=keys.shape[2], V_ROW=values.shape[2],
                                              K_PLANES=planes(k_type), V_PLANES=planes(v_type), K_ROTATED=k_rotated,
-                                             num_warps=NUM_WARPS, num_stages=stages, **pdl.launch(q))
+                                             TILES=tiles, num_warps=NUM_WARPS, num_stages=stages, **pdl.launch(q))
     # one program per query row and 128 columns, every split at once: 8 programs of 16 rows that took the splits in
     # turn ran a decode step's merges in 179 us against 86 (H200, 8B, 1k keys; docs/PERF.md "seventeenth session")
     dc = min(D, MERGE_COLUMNS)
