@@ -321,10 +321,9 @@ def measure(args) -> int:
         for ctx in ctxs:
             with torch.inference_mode():
                 prompt = torch.randint(0, target.cfg.vocab_size - 1, (ctx,), device=dev)
-                _, feats = prefill(target, state, prompt, 0, draft.cfg.target_layer_ids)
                 draft.reset(0)
-                draft.append_context(feats, torch.arange(ctx, device=dev), 0)
-                del feats
+                prefill(target, state, prompt, 0, draft.cfg.target_layer_ids, 0,
+                        lambda feats, positions: draft.append_context(feats, positions, 0))
                 graphs = GraphCache(dev)
                 bucket = bucket_for(ctx + 16, max_len)
                 tok, pos = torch.tensor([5], device=dev), torch.tensor([ctx], device=dev)

@@ -180,10 +180,9 @@ def section_synthetic(args, results):
                 if dev == "cuda":
                     torch.cuda.reset_peak_memory_stats()
                 prompt = torch.randint(0, cfg.vocab_size - 1, (ctx,), device=dev)
-                _, feats = prefill(target, state, prompt, 0, draft.cfg.target_layer_ids)
                 draft.reset(0)
-                draft.append_context(feats, torch.arange(ctx, device=dev), 0)
-                del feats
+                prefill(target, state, prompt, 0, draft.cfg.target_layer_ids, 0,
+                        lambda feats, positions: draft.append_context(feats, positions, 0))
                 graphs = GraphCache(dev)
                 tok = torch.tensor([5], device=dev)
                 pos = torch.tensor([ctx], device=dev)

@@ -66,8 +66,8 @@ def main() -> int:
             target.compile_layers((1, 16))
             draft.compile_layers()
         ids = draft.cfg.target_layer_ids
-        _, feats = prefill(target, state, torch.randint(0, cfg.vocab_size - 1, (ctx,), device=dev), 0, ids)
-        draft.append_context(feats, torch.arange(ctx, device=dev), 0)
+        prefill(target, state, torch.randint(0, cfg.vocab_size - 1, (ctx,), device=dev), 0, ids, 0,
+                lambda feats, positions: draft.append_context(feats, positions, 0))
         bucket = bucket_for(ctx + 16, max_len)
         tok, pos = torch.tensor([5], device=dev), torch.tensor([ctx], device=dev)
         block = torch.randint(0, cfg.vocab_size - 1, (16,), device=dev)

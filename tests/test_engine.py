@@ -64,6 +64,29 @@ def oracle_proposals(monkeypatch, draft, truth: list[int], prompt_len: int, corr
     monkeypatch.setattr(draft, "compute_logits", compute_logits)
 
 
+@pytest.mark.parametrize("window", [None, 16])
+def test_prompt_features_reach_the_draft_chunk_by_chunk(monkeypatch, window):
+    """A prompt prefilled in chunks hands each chunk's features to the draft as it ends: the draft's ring (wrapping
+    when its window is shorter than the prompt) holds what one hand-over of the whole prompt writes, and the
+    speculative answer is still the plain one."""
+    from flashdraft.engine import generate
+    target = random_target()
+    draft = random_draft(target, block_size=8)
+    draft.setup_cache(window or target.state.max_len)
+    prompt = torch.randint(0, 90, (50,), generator=torch.Generator().manual_seed(5))
+    rings = {}
+    for chunk in (1024, 7):
+        monkeypatch.setattr(generate, "PREFILL_CHUNK", chunk)
+        run(target, prompt, SamplingParams(max_tokens=1), draft=draft)
+        rings[chunk] = [(c.k.clone(), c.v.clone()) for c in draft.caches], draft.row_positions.clone()
+    assert torch.equal(rings[7][1], rings[1024][1]) and (rings[7][1] >= 0).sum() == min(50, window or 50)
+    for (k7, v7), (k, v) in zip(rings[7][0], rings[1024][0]):  # (products over 7 rows or 50: float32 rounding)
+        torch.testing.assert_close(k7, k, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(v7, v, atol=1e-4, rtol=1e-4)
+    params = SamplingParams(max_tokens=40)
+    assert run(target, prompt, params, draft=draft, block_size=8) == run(target, prompt, params)
+
+
 @pytest.mark.parametrize("block_size,window", [(2, None), (4, 5), (8, None), (8, 16), (16, 3)])
 def test_greedy_speculative_is_token_identical(block_size, window):
     target = random_target()
