@@ -1,9 +1,9 @@
 """Split-K ("flash-decoding") attention for a few query tokens over a long KV cache, in Triton.
 
 Decode, verify and draft steps have 1-16 query tokens, so an attention kernel that gives each (batch, head) one
-program leaves most of the GPU idle while it walks the cache. Here the keys are cut into splits, one program per
-(KV head, split) computes a partial softmax-weighted sum for all the query heads of its group at once (GQA
-without repeating K/V), and a second kernel merges the splits by their log-sum-exp. The mask is an
+program leaves most of the GPU idle while it walks the cache. Here the keys are cut into splits, and a program
+per (KV head, split) and a few 16-row tiles of the group's query rows computes a partial softmax-weighted sum for
+all of them at once (GQA without repeating K/V), and a second kernel merges the splits by their log-sum-exp. The mask is an
 explicit bool [T, L] (True = attend), so causal, sliding-window and the draft's non-causal ring layouts all go
 through the same kernel; the score scale and an optional tanh softcap are arguments. Registered as a torch
 custom op, so torch.compile and CUDA graphs treat it as one opaque call.
@@ -262,6 +262,7 @@ def _accumulate_tile(state, p, alpha, vs, V_PLANES: tl.constexpr):
 @triton.jit
 def _store_tile(state, acc_ptr, m_ptr, l_ptr, base, n_rows, tile, T, G, D: tl.constexpr, BLOCK_M: tl.constexpr,
                 V_TYPE: tl.constexpr, V_PLANES: tl.constexpr):
+    """A row tile's partial sums, row maxima and row sums, for the merge."""
     acc0, acc1, acc2, acc3, m_i, l_i = state
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < G * T
@@ -294,6 +295,8 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, signs_
     nibbles; turbo3's four 2-bit fields): q is loaded once (K_ROTATED: rotated here) and cut into the planes' column
     orders, the scores are the sum of the planes' products, and each plane of V has its own accumulator, stored to
     its columns at the end."""
+    # programs of one (KV head, split) are neighbours in the launch order: they read the same keys together, so
+    # where a launch keeps one tile a program (short contexts) the extra tiles find them in L2
     wait_for_inputs(PDL)
     kv = tl.program_id(1)
     split = tl.program_id(2)
