@@ -7,7 +7,8 @@
 `make` writes the BF16 file with the `gguf` package (random weights, std 0.02); llama.cpp's own `llama-quantize`
 makes the other types from it and `llama-bench -ngl 99 -fa 1 -p 512 -n 128` is the peer (run by the caller).
 `measure` loads each file with its matrices kept quantized and times, with CUDA graphs: a decode step and a
-verify(16) step at 1k and 16k context, a random 5-layer DFlash draft's step, a 512-token prefill, and reports
+verify(16) step at 1k and 16k context, a random 5-layer DFlash draft's step (bf16, or with --draft-quant Q5_K
+random blocks kept quantized, as the guide's Q5_K_M draft GGUF is), a 512-token prefill, and reports
 peak GPU memory, the weights' GPU bytes against the file's tensor bytes, and the quantized weight-read floor
 (the bytes of one step's matrices over the measured copy bandwidth).
 """
@@ -172,6 +173,24 @@ def gemma4_draft(target_cfg, device: str, dtype: torch.dtype, tiny: bool):
     return draft.eval()
 
 
+def quantized_draft(draft, qtype: str, device: str, dtype: torch.dtype):
+    """`draft` (built on the meta device: only its config and tensor shapes are read) rebuilt with random blocks of
+    qtype (sane fp16 scales) for each matrix and ones for the norms, kept quantized as a GGUF draft's matrices are
+    (the guide's draft is a Q5_K_M GGUF): its memory and step time are a quantized draft's."""
+    from flashdraft.draft.load import build_draft
+    from flashdraft.layers.quantized import QuantizedWeight, stored_blocks
+    sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+    from test_gguf_kernels import random_blocks
+    tensors = {}
+    for i, (name, t) in enumerate(draft.state_dict().items()):
+        if t.dim() == 2:
+            raw = torch.from_numpy(random_blocks(qtype, t.shape[0], t.shape[1], seed=i))
+            tensors[name] = QuantizedWeight(stored_blocks(raw, qtype).to(device), qtype, tuple(t.shape))
+        else:
+            tensors[name] = torch.ones(t.shape, dtype=dtype, device=device)
+    return build_draft(draft.cfg, tensors, Path(f"random {qtype} draft"), device, dtype)
+
+
 def make(args) -> int:
     from gguf import GGMLQuantizationType, GGUFWriter
     if args.shape.startswith("gemma"):
@@ -306,7 +325,12 @@ def measure(args) -> int:
         load_s = time.perf_counter() - t0
         weights = sum({b.data_ptr(): b.numel() * b.element_size()
                        for b in [*target.parameters(), *target.buffers()]}.values())
-        draft = (gemma4_draft if target.cfg.arch == "gemma4" else draft_for)(target.cfg, dev, torch.bfloat16, args.tiny)
+        random_draft = gemma4_draft if target.cfg.arch == "gemma4" else draft_for
+        draft = random_draft(target.cfg, "meta" if args.draft_quant else dev, torch.bfloat16, args.tiny)
+        if args.draft_quant:
+            draft = quantized_draft(draft, args.draft_quant, dev, torch.bfloat16)
+        draft_bytes = sum({b.data_ptr(): b.numel() * b.element_size()
+                           for b in [*draft.parameters(), *draft.buffers()]}.values())
         max_len = max(ctxs) + 256
         state = target.new_state(1, max_len)
         draft.setup_cache(max_len)
@@ -317,7 +341,8 @@ def measure(args) -> int:
                 + (" no-pdl" if args.no_pdl else "") + (f" tiles {args.gemv_tiles}" if args.gemv_tiles else "")
                 + (" no-inductor-pdl" if args.no_inductor_pdl else "")
                 + (" split-sum-launches" if args.split_sum_launches else "")
-                + (f" mma {args.mma_programs}" if args.mma_programs else ""))
+                + (f" mma {args.mma_programs}" if args.mma_programs else "")
+                + (f" draft {args.draft_quant}" if args.draft_quant else ""))
         for ctx in ctxs:
             with torch.inference_mode():
                 prompt = torch.randint(0, target.cfg.vocab_size - 1, (ctx,), device=dev)
@@ -371,6 +396,7 @@ def measure(args) -> int:
                        verify16_ms=ms["verify"], verify_over_decode=ms["verify"] / ms["decode"],
                        draft_ms=ms["draft_step"], draft_over_decode=ms["draft_step"] / ms["decode"],
                        prefill512_tok_s=512e3 / prefill_ms, peak_mem_GiB=peak, weights_GB=weights / 1e9,
+                       draft_GB=draft_bytes / 1e9,
                        file_tensors_GB=total / 1e9, weights_over_file=weights / total,
                        step_bytes_GB=step_bytes / 1e9, floor_ms=floor_ms, decode_over_floor=ms["decode"] / floor_ms,
                        load_s=load_s, verify16_ms_by_mma_programs=sweep)
@@ -379,7 +405,7 @@ def measure(args) -> int:
                   f"x{row['decode_over_floor']:.2f} the {floor_ms:.3f} ms floor), verify16 "
                   f"x{row['verify_over_decode']:.3f}, draft x{row['draft_over_decode']:.3f}, prefill "
                   f"{row['prefill512_tok_s']:.0f} tok/s, weights {weights / 1e9:.2f} GB of {total / 1e9:.2f} GB in "
-                  f"the file, peak {peak:.1f} GiB", flush=True)
+                  f"the file, draft {draft_bytes / 1e9:.2f} GB, peak {peak:.1f} GiB", flush=True)
             for programs, t in sweep.items():
                 print(f"  mma programs {programs}: verify16 {t:.3f} ms (x{t / ms['decode']:.3f} decode)", flush=True)
         target = draft = state = None  # free this file's model before the next loads
@@ -423,6 +449,9 @@ def main() -> int:
     ap.add_argument("--gemv-tiles", default="",
                     help='integer-kernel tiles per type, "IQ4_XS=16,8;Q5_K=4,16,4,0": BLOCK_N,SB[,warps[,maxnreg '
                          '(0: no cap)]]')
+    ap.add_argument("--draft-quant", help="measure: the random draft's matrices as random blocks of this type, kept "
+                                          "quantized (Q5_K: the guide's Q5_K_M draft GGUF; tiny shapes take Q8_0); "
+                                          "default bf16")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke test of this script")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out")
