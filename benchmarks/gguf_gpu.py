@@ -2,6 +2,7 @@
 
   python benchmarks/gguf_gpu.py make --shape llama-3.1-8b --out-dir DIR       random BF16 GGUF of that shape
   python benchmarks/gguf_gpu.py make --shape gemma-4-31b --out-dir DIR        random blocks in Q4_K_S's layout
+  python benchmarks/gguf_gpu.py make --shape qwen2.5-32b --random-quant Q4_K_M --out-dir DIR   the ~32B shape
   python benchmarks/gguf_gpu.py measure --files A.gguf,B.gguf [--compile]      flashdraft's steps on each file
 
 `make` writes the BF16 file with the `gguf` package (random weights, std 0.02); llama.cpp's own `llama-quantize`
@@ -28,6 +29,7 @@ from flashdraft.engine.generate import prefill  # noqa: E402
 from flashdraft.engine.graphs import GraphCache  # noqa: E402
 from flashdraft.engine.sampling import argmax_rows  # noqa: E402
 from flashdraft.engine.steps import bucket_for, plain_step  # noqa: E402
+from flashdraft.models.llama import LlamaConfig  # noqa: E402
 
 
 def byte_level_tokens(vocab: int) -> list[str]:
@@ -66,6 +68,14 @@ def tensor_type(name: str, n_layers: int, file_type: str, gqa: int) -> str:
         return "Q5_K"
     return base
 
+
+# Qwen2.5-32B (Qwen/Qwen2.5-32B-Instruct's config): a ~32B llama-family shape with q/k/v biases; the tiny one's
+# rows are multiples of 256 (K-quants)
+QWEN25_32B = {"qwen2.5-32b": LlamaConfig(arch="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=27648,
+                                         num_layers=64, num_heads=40, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                                         rope_theta=1e6, qkv_bias=True, max_position_embeddings=32768),
+              "tiny": LlamaConfig(arch="qwen2", vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=4,
+                                  num_heads=4, num_kv_heads=2, head_dim=64, qkv_bias=True)}
 
 # Gemma 4 31B (google/gemma-4-31B-it's text config) and a tiny stand-in for smoke tests
 GEMMA4 = {"gemma-4-31b": dict(vocab=262144, hidden=5376, ffn=21504, layers=60, heads=32, kv=16, kv_full=4, hd=256,
@@ -195,21 +205,27 @@ def make(args) -> int:
     from gguf import GGMLQuantizationType, GGUFWriter
     if args.shape.startswith("gemma"):
         return make_gemma4(args)
-    cfg = (TINY if args.tiny else SHAPES)[args.shape]
+    if args.shape in QWEN25_32B:
+        cfg = QWEN25_32B["tiny" if args.tiny else args.shape]
+    else:
+        cfg = (TINY if args.tiny else SHAPES)[args.shape]
+    if cfg.arch not in ("llama", "qwen2"):
+        raise SystemExit(f"make writes llama and qwen2 files; {args.shape} is {cfg.arch}")
     kind = args.random_quant or "BF16"
     out = Path(args.out_dir) / f"{args.shape}-{kind}.gguf"
     out.parent.mkdir(parents=True, exist_ok=True)
-    w = GGUFWriter(str(out), "llama")
+    a = cfg.arch
+    w = GGUFWriter(str(out), a)
     w.add_string("general.name", f"random {args.shape}")
-    w.add_uint32("llama.block_count", cfg.num_layers)
-    w.add_uint32("llama.context_length", 32768)
-    w.add_uint32("llama.embedding_length", cfg.hidden_size)
-    w.add_uint32("llama.feed_forward_length", cfg.intermediate_size)
-    w.add_uint32("llama.attention.head_count", cfg.num_heads)
-    w.add_uint32("llama.attention.head_count_kv", cfg.num_kv_heads)
-    w.add_float32("llama.rope.freq_base", cfg.rope_theta)
-    w.add_float32("llama.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
-    w.add_uint32("llama.rope.dimension_count", cfg.head_dim)
+    w.add_uint32(f"{a}.block_count", cfg.num_layers)
+    w.add_uint32(f"{a}.context_length", 32768)
+    w.add_uint32(f"{a}.embedding_length", cfg.hidden_size)
+    w.add_uint32(f"{a}.feed_forward_length", cfg.intermediate_size)
+    w.add_uint32(f"{a}.attention.head_count", cfg.num_heads)
+    w.add_uint32(f"{a}.attention.head_count_kv", cfg.num_kv_heads)
+    w.add_float32(f"{a}.rope.freq_base", cfg.rope_theta)
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    w.add_uint32(f"{a}.rope.dimension_count", cfg.head_dim)
     w.add_uint32("general.file_type", FILE_TYPES[args.random_quant][1] if args.random_quant else 32)  # 32: BF16
     w.add_string("tokenizer.ggml.model", "gpt2")
     w.add_string("tokenizer.ggml.pre", "default")
@@ -222,8 +238,9 @@ def make(args) -> int:
     dev = gen.device
 
     def add(name: str, *shape: int, norm: bool = False) -> None:
-        if norm:
-            w.add_tensor(name, np.ones(shape, dtype=np.float32))
+        if norm or name.endswith(".bias"):  # norms: ones; biases (float32 in llama.cpp's files too): small
+            w.add_tensor(name, np.ones(shape, dtype=np.float32) if norm else
+                         (0.02 * np.random.default_rng(len(w.tensors[0])).standard_normal(shape)).astype(np.float32))
             return
         if args.random_quant:  # a file type's layout with random blocks: no quantizer needed to time the kernels
             gqa = cfg.num_heads // cfg.num_kv_heads
@@ -244,6 +261,10 @@ def make(args) -> int:
         add(p + "attn_q.weight", q, H)
         add(p + "attn_k.weight", kv, H)
         add(p + "attn_v.weight", kv, H)
+        if cfg.qkv_bias:
+            add(p + "attn_q.bias", q)
+            add(p + "attn_k.bias", kv)
+            add(p + "attn_v.bias", kv)
         add(p + "attn_output.weight", H, q)
         add(p + "ffn_gate.weight", cfg.intermediate_size, H)
         add(p + "ffn_up.weight", cfg.intermediate_size, H)
