@@ -84,11 +84,16 @@ GEMMA4 = {"gemma-4-31b": dict(vocab=262144, hidden=5376, ffn=21504, layers=60, h
                        window=8)}  # K-quant rows: multiples of 256
 
 
+def random_blocks(qtype: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random stored bytes [rows, row bytes] of `qtype` with sane fp16 scales (the kernel tests' generator)."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+    from test_gguf_kernels import random_blocks as blocks
+    return blocks(qtype, rows, cols, seed)
+
+
 def random_quantized(w, name: str, qtype: str, rows: int, cols: int) -> None:
     """Random blocks of `qtype` (sane fp16 scales): a file both engines read, no quantizer needed."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-    sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
-    from test_gguf_kernels import random_blocks
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
     if cols % block:
         raise SystemExit(f"{name}: rows of {cols} values do not hold whole {qtype} blocks of {block} (with --tiny "
@@ -189,8 +194,6 @@ def quantized_draft(draft, qtype: str, device: str, dtype: torch.dtype):
     (the guide's draft is a Q5_K_M GGUF): its memory and step time are a quantized draft's."""
     from flashdraft.draft.load import build_draft
     from flashdraft.layers.quantized import QuantizedWeight, stored_blocks
-    sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
-    from test_gguf_kernels import random_blocks
     tensors = {}
     for i, (name, t) in enumerate(draft.state_dict().items()):
         if t.dim() == 2:
@@ -238,9 +241,12 @@ def make(args) -> int:
     dev = gen.device
 
     def add(name: str, *shape: int, norm: bool = False) -> None:
-        if norm or name.endswith(".bias"):  # norms: ones; biases (float32 in llama.cpp's files too): small
-            w.add_tensor(name, np.ones(shape, dtype=np.float32) if norm else
-                         (0.02 * np.random.default_rng(len(w.tensors[0])).standard_normal(shape)).astype(np.float32))
+        if norm:
+            w.add_tensor(name, np.ones(shape, dtype=np.float32))
+            return
+        if name.endswith(".bias"):  # float32, as in llama.cpp's files
+            bias = 0.02 * np.random.default_rng(len(w.tensors[0])).standard_normal(shape)
+            w.add_tensor(name, bias.astype(np.float32))
             return
         if args.random_quant:  # a file type's layout with random blocks: no quantizer needed to time the kernels
             gqa = cfg.num_heads // cfg.num_kv_heads
@@ -285,6 +291,11 @@ def file_matrix_bytes(path: str) -> tuple[int, int, dict]:
             step += n
         types[t.qtype.name] = types.get(t.qtype.name, 0) + 1
     return total, step, types
+
+
+def module_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a model's parameters and buffers in memory, each storage once (tied or shared tensors)."""
+    return sum({b.data_ptr(): b.numel() * b.element_size() for b in [*model.parameters(), *model.buffers()]}.values())
 
 
 def copy_bandwidth(dev: str) -> float:
@@ -344,14 +355,12 @@ def measure(args) -> int:
         with torch.inference_mode():
             target, _, _ = load_target(path, dev, torch.bfloat16, quantized=not args.dequantize)
         load_s = time.perf_counter() - t0
-        weights = sum({b.data_ptr(): b.numel() * b.element_size()
-                       for b in [*target.parameters(), *target.buffers()]}.values())
+        weights = module_bytes(target)
         random_draft = gemma4_draft if target.cfg.arch == "gemma4" else draft_for
         draft = random_draft(target.cfg, "meta" if args.draft_quant else dev, torch.bfloat16, args.tiny)
         if args.draft_quant:
             draft = quantized_draft(draft, args.draft_quant, dev, torch.bfloat16)
-        draft_bytes = sum({b.data_ptr(): b.numel() * b.element_size()
-                           for b in [*draft.parameters(), *draft.buffers()]}.values())
+        draft_bytes = module_bytes(draft)
         max_len = max(ctxs) + 256
         state = target.new_state(1, max_len)
         draft.setup_cache(max_len)

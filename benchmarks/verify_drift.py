@@ -22,7 +22,7 @@ BLOCK = 16
 
 def drift(target, state, prompt: torch.Tensor, n: int) -> dict:
     dev, P = prompt.device, len(prompt)
-    logits, _ = prefill(target, state, prompt, 0, None)
+    logits = prefill(target, state, prompt, 0, None)
     tokens, decoded = [int(logits[-1].argmax())], []
     for i in range(n):  # plain greedy decode, as the baseline runs it (bucketed attention length)
         pos = P + i

@@ -62,22 +62,19 @@ def accept_matching_samples(drafted: Tensor, logits: Tensor, params: SamplingPar
 
 
 def prefill(target, state, prompt_ids: Tensor, slot: int, capture: list[int] | None, cached: int = 0,
-            to_draft: Callable[[Tensor, Tensor], None] | None = None) -> tuple[Tensor, Tensor | None]:
+            to_draft: Callable[[Tensor, Tensor], None] | None = None) -> Tensor:
     """Run the prompt from position `cached` on (the cache holds the K/V before it) through the target in chunks;
-    returns the last logits [1, V] and the captured features of the positions it ran. With `to_draft`, each chunk's
-    features go to it with their positions as the chunk ends and none are returned: a long prompt's features
-    (16k positions x 6 layers of a 31B: 1 GB) are never held at once."""
-    features = []
+    returns the last logits [1, V]. With `capture`, each chunk's features of those layers go to `to_draft` with
+    their positions as the chunk ends, so a long prompt's features (16k positions x 6 layers of a 31B: 1 GB) are
+    never held at once."""
     for start in range(cached, len(prompt_ids), PREFILL_CHUNK):
         chunk = prompt_ids[start:start + PREFILL_CHUNK]
         positions = torch.arange(start, start + len(chunk), device=prompt_ids.device)
         logits, feats = target(chunk[None], positions[None], state, slot, capture=capture or (),
                                attn_len=start + len(chunk), logits_at="last", fresh=start == 0)
-        if feats is not None and to_draft is not None:
+        if capture:
             to_draft(feats[0], positions)
-        elif feats is not None:
-            features.append(feats[0])
-    return logits[0], (torch.cat(features) if features else None)
+    return logits[0]
 
 
 @torch.inference_mode()
@@ -111,7 +108,7 @@ def decode(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int =
     if draft is not None:
         draft.reset(slot, keep=cached)
     to_draft = None if draft is None else lambda feats, positions: draft.append_context(feats, positions, slot)
-    logits, _ = prefill(target, state, prompt_ids, slot, capture, cached, to_draft)
+    logits = prefill(target, state, prompt_ids, slot, capture, cached, to_draft)
     history = prompt_ids.tolist() if params.penalized else []  # the penalties' window: prompt and output
     bias = logit_bias_row(params, logits.shape[-1], device)
 

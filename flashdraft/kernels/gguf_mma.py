@@ -174,8 +174,9 @@ def _q5_values(q, qh, J: gl.constexpr):
 @gluon.constexpr_function
 def _lane_pieces_layout(block_n, num_warps):
     """[block_n, 128] nibble bytes as layers/quantized.lane_grouped keeps them (column 32p + 8g + i: group g's byte
-    8p + i; IQ4_XS's by_lane: column 32p + 4j + i, sub-block j's byte 4p + i): each thread holds the 32 bytes of its lane piece p of a row, the rows those of its A fragments (rows r
-    and r + 8 of its warp's 16, lane 4r + p), so that `_groups` needs no data movement."""
+    8p + i; IQ4_XS's by_lane: column 32p + 4j + i, sub-block j's byte 4p + i): each thread holds the 32 bytes of
+    its lane piece p of a row, the rows those of its A fragments (rows r and r + 8 of its warp's 16, lane 4r + p),
+    so that `_groups` needs no data movement."""
     assert block_n % (16 * num_warps) == 0, (block_n, num_warps)
     regs = [[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [8, 0]]
     regs += [[16 * num_warps << i, 0] for i in range((block_n // (16 * num_warps)).bit_length() - 1)]

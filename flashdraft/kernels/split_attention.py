@@ -3,9 +3,9 @@
 Decode, verify and draft steps have 1-16 query tokens, so an attention kernel that gives each (batch, head) one
 program leaves most of the GPU idle while it walks the cache. Here the keys are cut into splits, and a program
 per (KV head, split) and a few 16-row tiles of the group's query rows computes a partial softmax-weighted sum for
-all of them at once (GQA without repeating K/V), and a second kernel merges the splits by their log-sum-exp. The mask is an
-explicit bool [T, L] (True = attend), so causal, sliding-window and the draft's non-causal ring layouts all go
-through the same kernel; the score scale and an optional tanh softcap are arguments. Registered as a torch
+all of them at once (GQA without repeating K/V), and a second kernel merges the splits by their log-sum-exp. The
+mask is an explicit bool [T, L] (True = attend), so causal, sliding-window and the draft's non-causal ring layouts
+all go through the same kernel; the score scale and an optional tanh softcap are arguments. Registered as a torch
 custom op, so torch.compile and CUDA graphs treat it as one opaque call.
 
 K and V may be read as the cache stores them (layers/kv_quant.py): float rows of any float dtype, llama.cpp's
@@ -173,6 +173,19 @@ def _plane(base, n, n_ok, p: tl.constexpr, TYPE: tl.constexpr, D: tl.constexpr, 
 
 
 @triton.jit
+def _planes(base, n, n_ok, TYPE: tl.constexpr, D: tl.constexpr, ROW: tl.constexpr, PLANES: tl.constexpr, dtype):
+    """Every plane of stored rows n (_plane) in `dtype`, as four (planes past PLANES repeat plane 0, unused)."""
+    p0 = _plane(base, n, n_ok, 0, TYPE, D, ROW, PLANES).to(dtype)
+    p1, p2, p3 = p0, p0, p0
+    if PLANES > 1:
+        p1 = _plane(base, n, n_ok, 1, TYPE, D, ROW, PLANES).to(dtype)
+    if PLANES > 2:
+        p2 = _plane(base, n, n_ok, 2, TYPE, D, ROW, PLANES).to(dtype)
+        p3 = _plane(base, n, n_ok, 3, TYPE, D, ROW, PLANES).to(dtype)
+    return p0, p1, p2, p3
+
+
+@triton.jit
 def _plane_of(x, p: tl.constexpr, TYPE: tl.constexpr, D: tl.constexpr, PLANES: tl.constexpr):
     """Rows x [M, D] in registers -> their plane p's columns [M, D / PLANES], in _plane_cols' order."""
     M: tl.constexpr = x.shape[0]
@@ -322,13 +335,7 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, signs_
     for i in range(0, blocks_per_split):
         cols = start + i * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < L
-        k0 = _plane(k_base, cols, col_ok, 0, K_TYPE, D, K_ROW, K_PLANES).to(dtype)
-        ks = (k0, k0, k0, k0)
-        if K_PLANES > 1:
-            ks = (k0, _plane(k_base, cols, col_ok, 1, K_TYPE, D, K_ROW, K_PLANES).to(dtype), k0, k0)
-        if K_PLANES > 2:
-            ks = (k0, ks[1], _plane(k_base, cols, col_ok, 2, K_TYPE, D, K_ROW, K_PLANES).to(dtype),
-                  _plane(k_base, cols, col_ok, 3, K_TYPE, D, K_ROW, K_PLANES).to(dtype))
+        ks = _planes(k_base, cols, col_ok, K_TYPE, D, K_ROW, K_PLANES, dtype)
         # every tile's scores first, then the values: K's and V's tiles are not held at once
         pa, aa, sa = _softmax_tile(qa, sa, ks, mask_ptr, first, cols, col_ok, stride_mt, scale, softcap, T, G,
                                    BLOCK_M, SOFTCAP, K_PLANES)
@@ -340,13 +347,7 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, signs_
                                        G, BLOCK_M, SOFTCAP, K_PLANES)
             pd, ad, sd = _softmax_tile(qd, sd, ks, mask_ptr, first + 3, cols, col_ok, stride_mt, scale, softcap, T,
                                        G, BLOCK_M, SOFTCAP, K_PLANES)
-        v0 = _plane(v_base, cols, col_ok, 0, V_TYPE, D, V_ROW, V_PLANES).to(dtype)
-        vs = (v0, v0, v0, v0)
-        if V_PLANES > 1:
-            vs = (v0, _plane(v_base, cols, col_ok, 1, V_TYPE, D, V_ROW, V_PLANES).to(dtype), v0, v0)
-        if V_PLANES > 2:
-            vs = (v0, vs[1], _plane(v_base, cols, col_ok, 2, V_TYPE, D, V_ROW, V_PLANES).to(dtype),
-                  _plane(v_base, cols, col_ok, 3, V_TYPE, D, V_ROW, V_PLANES).to(dtype))
+        vs = _planes(v_base, cols, col_ok, V_TYPE, D, V_ROW, V_PLANES, dtype)
         sa = _accumulate_tile(sa, pa, aa, vs, V_PLANES)
         if TILES > 1:
             sb = _accumulate_tile(sb, pb, ab, vs, V_PLANES)
