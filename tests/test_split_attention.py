@@ -67,6 +67,23 @@ def check(device: str, dtype: torch.dtype, tol: float) -> None:
         # the draft's layout: heads-first queries, transposed to [T, H, D]
         out_t = split_attention(q.transpose(0, 1).contiguous().transpose(0, 1), k, v, mask, D ** -0.5, 0.0)
         assert torch.equal(out_t, plain_out)
+        check_keys_live(q, k_cache[:, :L], v_cache[:, :L], mask, gen)
+
+
+def check_keys_live(q, k, v, mask, gen) -> None:
+    """A bucket longer than the context (300 rows past the L keys, masked): with keys_live = L the tiles of keys
+    past it are not read (rows of NaN there would poison the sums) and the output is the same, bit for bit, as
+    when they are read and masked."""
+    from flashdraft.kernels.split_attention import BLOCK_N, split_attention
+    T, (KV, L, D) = q.shape[0], k.shape
+    extra = torch.randn(2, KV, 300, D, generator=gen).to(k.device, k.dtype)
+    k, v = torch.cat([k, extra[0]], 1), torch.cat([v, extra[1]], 1)
+    mask = torch.cat([mask, torch.zeros(T, 300, dtype=torch.bool, device=mask.device)], 1)
+    masked = split_attention(q, k, v, mask, D ** -0.5, 0.0)
+    first_dead = -(-L // BLOCK_N) * BLOCK_N  # the first tile of keys wholly past L
+    k[:, first_dead:], v[:, first_dead:] = float("nan"), float("nan")
+    skipped = split_attention(q, k, v, mask, D ** -0.5, 0.0, keys_live=torch.tensor([L], device=q.device))
+    assert torch.equal(skipped, masked), (tuple(q.shape), L, (skipped - masked).abs().max())
 
 
 @pytest.mark.skipif(INTERPRETER is not None, reason=str(INTERPRETER))
@@ -170,17 +187,22 @@ def check_row_invariance(device: str, dtype: torch.dtype) -> None:
     q = torch.randn(16, H, D, generator=gen).to(device, dtype)
     k = torch.randn(KV, 2048, D, generator=gen).to(device, dtype)
     v = torch.randn(KV, 2048, D, generator=gen).to(device, dtype)
-    positions = torch.arange(L - 16, L)
-    mask = (torch.arange(2048)[None, :] <= positions[:, None]).to(device)
+    positions = torch.arange(L - 16, L, device=device)
+    mask = torch.arange(2048, device=device)[None, :] <= positions[:, None]
     scale = q.shape[-1] ** -0.5
     from flashdraft.kernels import split_attention as kernel_module
     verify = split_attention(q, k[:, :1024], v[:, :1024], mask[:, :1024], scale, 0.0)  # 64 rows: a tile a program
     kept, kernel_module.FEWER_TILES_BELOW = kernel_module.FEWER_TILES_BELOW, 0
     together = split_attention(q, k[:, :1024], v[:, :1024], mask[:, :1024], scale, 0.0)  # four tiles a program
+    # and as the engine calls it, each step attending up to its own last position (keys_live)
+    live = split_attention(q, k[:, :1024], v[:, :1024], mask[:, :1024], scale, 0.0, keys_live=positions[-1:] + 1)
     for i in (0, 7, 15):
         for keys in (1024, 2048):
             one = split_attention(q[i:i + 1], k[:, :keys], v[:, :keys], mask[i:i + 1, :keys], scale, 0.0)
             assert torch.equal(one[0], verify[i]) and torch.equal(one[0], together[i]), (i, keys)
+            one_live = split_attention(q[i:i + 1], k[:, :keys], v[:, :keys], mask[i:i + 1, :keys], scale, 0.0,
+                                       keys_live=positions[i:i + 1] + 1)
+            assert torch.equal(one_live[0], verify[i]) and torch.equal(live[i], verify[i]), (i, keys)
     from flashdraft.layers.attention import AttentionSpec, attend_cache
     from flashdraft.layers.kv_cache import KVCache
     from flashdraft.layers.kv_quant import kv_codecs
