@@ -12,6 +12,7 @@ Usage: python benchmarks/sass_report.py [--kernels gemv,dot,attention] [--types 
 """
 import argparse
 import collections
+import itertools
 import os
 import re
 import subprocess
@@ -80,7 +81,7 @@ def attention_cases(kv_types: list[str]):
         row = codec.row_size(128)
         cache = "*u8" if row_type else "*bf16"
         sig = {"q_ptr": "*bf16", "k_ptr": cache, "v_ptr": cache, "mask_ptr": "*u8", "acc_ptr": "*fp32",
-               "m_ptr": "*fp32", "l_ptr": "*fp32", "signs_ptr": "*fp32"}
+               "m_ptr": "*fp32", "l_ptr": "*fp32", "signs_ptr": "*fp32", "pos_ptr": "*i64"}
         sig |= {a: "i32" for a in ("stride_qt", "stride_qh", "stride_kh", "stride_vh", "stride_mt", "L",
                                    "blocks_per_split", "n_kv")}
         sig |= {"scale": "fp32", "softcap": "fp32", "T": "i32", "G": "i32", "n_rows": "i32"}
@@ -88,11 +89,14 @@ def attention_cases(kv_types: list[str]):
         aligned = ("q_ptr", "k_ptr", "v_ptr", "mask_ptr", "acc_ptr", "m_ptr", "l_ptr", "signs_ptr", "stride_qt",
                    "stride_qh", "stride_kh", "stride_vh", "n_kv")
         per_iter = block_n * 2 * row * (1 if row_type else 2)
-        for tiles in sorted({1, S.STORED_TILES if row_type else S.FLOAT_TILES}):  # a plain step's, a verify step's
+        for tiles, live in itertools.product(sorted({1, S.STORED_TILES if row_type else S.FLOAT_TILES}), (True, False)):
             const = dict(D=128, BLOCK_M=S.ROW_TILE, BLOCK_N=block_n, SOFTCAP=False, K_TYPE=row_type,
                          V_TYPE=row_type, K_ROW=row, V_ROW=row, K_PLANES=S.planes(row_type),
-                         V_PLANES=S.planes(row_type), K_ROTATED=codec.rotates(128), TILES=tiles, PDL=True)
-            yield (f"split attention over {name}, {block_n} keys, {tiles} row tiles", S._partial_kernel,
+                         V_PLANES=S.planes(row_type), K_ROTATED=codec.rotates(128), TILES=tiles,
+                         POSITIONS=live,
+                         PDL=True)
+            yield (f"split attention over {name}, {block_n} keys, {tiles} row tiles{', positions' * live}",
+                   S._partial_kernel,
                    sig | {k: "constexpr" for k in const}, const, aligned, S.NUM_WARPS, dict(num_stages=stages),
                    per_iter)
 

@@ -67,13 +67,13 @@ def check(device: str, dtype: torch.dtype, tol: float) -> None:
         # the draft's layout: heads-first queries, transposed to [T, H, D]
         out_t = split_attention(q.transpose(0, 1).contiguous().transpose(0, 1), k, v, mask, D ** -0.5, 0.0)
         assert torch.equal(out_t, plain_out)
-        check_keys_live(q, k_cache[:, :L], v_cache[:, :L], mask, gen)
+        check_positions_bound(q, k_cache[:, :L], v_cache[:, :L], mask, positions.to(device), gen)
 
 
-def check_keys_live(q, k, v, mask, gen) -> None:
-    """A bucket longer than the context (300 rows past the L keys, masked): with keys_live = L the tiles of keys
-    past it are not read (rows of NaN there would poison the sums) and the output is the same, bit for bit, as
-    when they are read and masked."""
+def check_positions_bound(q, k, v, mask, positions, gen) -> None:
+    """A bucket longer than the context (300 rows past the L keys, masked): given the queries' positions (the
+    last is L - 1) the tiles of keys past them are not read (rows of NaN there would poison the sums) and the
+    output is the same, bit for bit, as when they are read and masked."""
     from flashdraft.kernels.split_attention import BLOCK_N, split_attention
     T, (KV, L, D) = q.shape[0], k.shape
     extra = torch.randn(2, KV, 300, D, generator=gen).to(k.device, k.dtype)
@@ -82,7 +82,7 @@ def check_keys_live(q, k, v, mask, gen) -> None:
     masked = split_attention(q, k, v, mask, D ** -0.5, 0.0)
     first_dead = -(-L // BLOCK_N) * BLOCK_N  # the first tile of keys wholly past L
     k[:, first_dead:], v[:, first_dead:] = float("nan"), float("nan")
-    skipped = split_attention(q, k, v, mask, D ** -0.5, 0.0, keys_live=torch.tensor([L], device=q.device))
+    skipped = split_attention(q, k, v, mask, D ** -0.5, 0.0, positions=positions)
     assert torch.equal(skipped, masked), (tuple(q.shape), L, (skipped - masked).abs().max())
 
 
@@ -194,14 +194,14 @@ def check_row_invariance(device: str, dtype: torch.dtype) -> None:
     verify = split_attention(q, k[:, :1024], v[:, :1024], mask[:, :1024], scale, 0.0)  # 64 rows: a tile a program
     kept, kernel_module.FEWER_TILES_BELOW = kernel_module.FEWER_TILES_BELOW, 0
     together = split_attention(q, k[:, :1024], v[:, :1024], mask[:, :1024], scale, 0.0)  # four tiles a program
-    # and as the engine calls it, each step attending up to its own last position (keys_live)
-    live = split_attention(q, k[:, :1024], v[:, :1024], mask[:, :1024], scale, 0.0, keys_live=positions[-1:] + 1)
+    # and as the engine calls it, with the positions: each step reads keys up to its own last position
+    live = split_attention(q, k[:, :1024], v[:, :1024], mask[:, :1024], scale, 0.0, positions=positions)
     for i in (0, 7, 15):
         for keys in (1024, 2048):
             one = split_attention(q[i:i + 1], k[:, :keys], v[:, :keys], mask[i:i + 1, :keys], scale, 0.0)
             assert torch.equal(one[0], verify[i]) and torch.equal(one[0], together[i]), (i, keys)
             one_live = split_attention(q[i:i + 1], k[:, :keys], v[:, :keys], mask[i:i + 1, :keys], scale, 0.0,
-                                       keys_live=positions[i:i + 1] + 1)
+                                       positions=positions[i:i + 1])
             assert torch.equal(one_live[0], verify[i]) and torch.equal(live[i], verify[i]), (i, keys)
     from flashdraft.layers.attention import AttentionSpec, attend_cache
     from flashdraft.layers.kv_cache import KVCache

@@ -297,19 +297,20 @@ def _store_tile(state, acc_ptr, m_ptr, l_ptr, base, n_rows, tile, T, G, D: tl.co
 # step (T=16, TILES tiles a program) compute a row the same way, bit for bit (tests/test_split_attention.py's row
 # invariance on the GPU).
 @triton.jit(do_not_specialize=["stride_mt", "L", "blocks_per_split", "T", "G", "n_rows"])
-def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, signs_ptr, live_ptr,
+def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, signs_ptr, pos_ptr,
                     stride_qt, stride_qh, stride_kh, stride_vh, stride_mt,
                     L, blocks_per_split, n_kv, scale, softcap, T, G, n_rows,
                     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
                     K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, K_ROW: tl.constexpr, V_ROW: tl.constexpr,
                     K_PLANES: tl.constexpr, V_PLANES: tl.constexpr, K_ROTATED: tl.constexpr, TILES: tl.constexpr,
-                    LIVE: tl.constexpr, PDL: tl.constexpr):
+                    POSITIONS: tl.constexpr, PDL: tl.constexpr):
     """TILES (1, 2 or 4) row tiles of BLOCK_M query rows of one (KV head, split): each tile of keys and values is
     read once for all of them. Keys and values are read in planes (one for float rows and q8_0; low and high
     nibbles; turbo3's four 2-bit fields): q is loaded once (K_ROTATED: rotated here) and cut into the planes' column
     orders, the scores are the sum of the planes' products, and each plane of V has its own accumulator, stored to
-    its columns at the end. LIVE: keys from the count at live_ptr on are masked for every row, so the tiles of keys
-    past it are skipped (a tile masked for a row leaves its state exactly as it was: the same bits either way)."""
+    its columns at the end. POSITIONS: pos_ptr holds the query tokens' positions (the last the largest), key j is
+    position j and no row attends a later key, so the tiles of keys past the last are skipped (a tile masked for
+    every row leaves the state exactly as it was: the same bits either way)."""
     # programs of one (KV head, split) are neighbours in the launch order: they read the same keys together, so
     # where a launch keeps one tile a program (short contexts) the extra tiles find them in L2
     wait_for_inputs(PDL)
@@ -335,8 +336,9 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, signs_
     start = split * blocks_per_split * BLOCK_N
     dtype = qa[0].dtype
     n_blocks = blocks_per_split
-    if LIVE:
-        n_blocks = tl.minimum(n_blocks, (tl.maximum(tl.load(live_ptr).to(tl.int32) - start, 0) + BLOCK_N - 1) // BLOCK_N)
+    if POSITIONS:
+        live = tl.load(pos_ptr + T - 1).to(tl.int32) + 1
+        n_blocks = tl.minimum(n_blocks, (tl.maximum(live - start, 0) + BLOCK_N - 1) // BLOCK_N)
     for i in range(0, n_blocks):
         cols = start + i * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < L
@@ -407,13 +409,13 @@ def triton_matmul_ready(device_index: int) -> bool:
 @torch.library.custom_op("flashdraft::split_attention", mutates_args=())
 def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float, softcap: float,
                     k_type: int = 0, v_type: int = 0, v_rotated: bool = False, k_rotated: bool = False,
-                    keys_live: Optional[Tensor] = None) -> Tensor:
+                    positions: Optional[Tensor] = None) -> Tensor:
     """q [T, H, D]; keys/values [KV, L, D] floats (any strides but the last), or [KV, L, row bytes] stored as
     ROW_TYPES k_type / v_type say; mask [T, L] bool; softcap 0: none. Rotated rows (layers/kv_quant.rotate; D <=
-    ROTATION_MAX): k_rotated, q is taken into the keys' domain; v_rotated, the output is rotated back. keys_live:
-    an integer tensor of one element, the count of leading keys any row may attend (the mask holds every key
-    from there on False), so a step attends over its context, not its whole bucket, in one captured graph.
-    Returns [T, H*D] in q's dtype."""
+    ROTATION_MAX): k_rotated, q is taken into the keys' domain; v_rotated, the output is rotated back. positions
+    [T] (integers, the last the largest): where key j is position j and the mask hides every key after a query's
+    position, the query tokens' positions, so no key past the last is read: a captured step attends over its context, not its whole
+    bucket. Returns [T, H*D] in q's dtype."""
     if q.is_cuda and not triton_matmul_ready(torch.cuda.current_device() if q.device.index is None else q.device.index):
         if k_type or v_type:
             raise ValueError("quantized KV rows need the Triton kernel (an Ampere or newer GPU)")
@@ -456,14 +458,16 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale
     v_signs = rotation_signs(group, q.device) if group else acc
     _partial_kernel[(triton.cdiv(row_tiles, tiles), KV, splits)](q, keys, values, mask, acc, m, lse,
                                              rotation_signs(D, q.device) if k_rotated else acc,
-                                             acc if keys_live is None else keys_live,
+                                             acc if positions is None else positions,
                                              q.stride(0), q.stride(1), keys.stride(0), values.stride(0),
                                              mask.stride(0), L, blocks_per_split, KV,
                                              scale, softcap or 1.0, T, G, n_rows, D=D,
                                              BLOCK_M=ROW_TILE, BLOCK_N=block_n, SOFTCAP=softcap > 0, K_TYPE=k_type,
                                              V_TYPE=v_type, K_ROW=keys.shape[2], V_ROW=values.shape[2],
                                              K_PLANES=planes(k_type), V_PLANES=planes(v_type), K_ROTATED=k_rotated,
-                                             TILES=tiles, LIVE=keys_live is not None, num_warps=NUM_WARPS,
+                                             TILES=tiles,
+                                             POSITIONS=positions is not None,
+                                             num_warps=NUM_WARPS,
                                              num_stages=stages, **pdl.launch(q))
     # one program per query row and 128 columns, every split at once: 8 programs of 16 rows that took the splits in
     # turn ran a decode step's merges in 179 us against 86 (H200, 8B, 1k keys; docs/PERF.md "seventeenth session")
@@ -477,5 +481,5 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale
 
 @split_attention.register_fake
 def _(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float, softcap: float, k_type: int = 0,
-      v_type: int = 0, v_rotated: bool = False, k_rotated: bool = False, keys_live: Optional[Tensor] = None) -> Tensor:
+      v_type: int = 0, v_rotated: bool = False, k_rotated: bool = False, positions: Optional[Tensor] = None) -> Tensor:
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])

@@ -129,10 +129,10 @@ def kernel_reads(v_codec, head_dim: int, cuda: bool) -> bool:
 
 
 def attend_cache(q: Tensor, cache, length: int, mask: Tensor, spec: AttentionSpec,
-                 keys_live: Tensor | None = None) -> Tensor:
+                 positions: Tensor | None = None) -> Tensor:
     """q [B, T, H, D] over the first `length` rows of a cache view (layers.kv_cache.KVSlots); mask [B, T, length];
-    keys_live: where given, a one-element count of leading rows past which the mask is False for every query (the
-    split kernel then stops there; see kernels/split_attention.split_attention).
+    positions [B, T]: the queries' positions (the last the largest) where row j of the cache holds position j and
+    the mask hides every later key (the split kernel then reads no row past the last one, whatever the bucket).
     The split kernel reads one slot's rows as stored (quantized types included: a rotated type's keys meet q in
     the rotated domain, and the output is rotated back); elsewhere the rows are expanded first."""
     if (mask is not None and q.shape[0] == 1 and q.shape[1] <= SMALL_QUERY and cache.single and uses_split_kernel(q[0])
@@ -143,7 +143,8 @@ def attend_cache(q: Tensor, cache, length: int, mask: Tensor, spec: AttentionSpe
         head = q.shape[-1]  # <= MAX_SPLIT_HEAD: the kernel rotates q and the output itself
         out = torch.ops.flashdraft.split_attention(q[0], keys, values, mask[0], spec.scale, spec.softcap or 0.0,
                                                    ROW_TYPES.get(k_codec.name, 0), ROW_TYPES.get(v_codec.name, 0),
-                                                   v_codec.rotates(head), k_codec.rotates(head), keys_live)
+                                                   v_codec.rotates(head), k_codec.rotates(head),
+                                                   None if positions is None else positions[0].contiguous())
         return out[None]
     keys, values = cache.read(length, q.dtype)
     return attend(q, keys, values, mask, spec)

@@ -152,10 +152,9 @@ class GemmaAttention(nn.Module):
                                   window=cfg.sliding_window if sliding else None)
 
     def forward(self, x: Tensor, cache, positions: Tensor, cos_sin: Tensor, mask: Tensor | None, attn_len: int,
-                keys_from: str, keys_live: Tensor | None = None) -> Tensor:
+                keys_from: str) -> Tensor:
         """keys_from: "chunk" (a fresh prefill: this chunk's own K/V), "cache" (the step's K/V written first), or
-        "cache+chunk" (a long chunk over a window ring: the ring as it was, then the chunk). keys_live: the cache
-        rows any query may see, where rows are positions (full layers)."""
+        "cache+chunk" (a long chunk over a window ring: the ring as it was, then the chunk)."""
         B, T, H, KV, D = *x.shape[:2], self.num_heads, self.num_kv_heads, self.head_dim
         proj = self.qkv_proj(x).view(B, T, -1, D)
         q = apply_rope(self.q_norm(proj[:, :, :H]), cos_sin)
@@ -171,8 +170,9 @@ class GemmaAttention(nn.Module):
             cache.write(positions, k, v)
         if keys_from == "chunk":
             keys, values = k.transpose(1, 2), v.transpose(1, 2)
-        elif keys_from == "cache":
-            return self.o_proj(attend_cache(q, cache, attn_len, mask, self.spec, keys_live))
+        elif keys_from == "cache":  # a full layer's rows are positions; a sliding layer's ring's are not
+            return self.o_proj(attend_cache(q, cache, attn_len, mask, self.spec,
+                                            None if self.spec.window else positions))
         return self.o_proj(attend(q, keys, values, mask, self.spec))
 
 
@@ -189,9 +189,8 @@ class GemmaDecoderLayer(nn.Module):
         self.layer_scalar = nn.Parameter(torch.ones(1)) if cfg.layer_scalar else None
 
     def forward(self, x: Tensor, cache, positions: Tensor, cos_sin: Tensor, mask: Tensor | None, attn_len: int,
-                keys_from: str, keys_live: Tensor | None = None) -> Tensor:
-        attn = self.self_attn(self.input_layernorm(x), cache, positions, cos_sin, mask, attn_len, keys_from,
-                              keys_live)
+                keys_from: str) -> Tensor:
+        attn = self.self_attn(self.input_layernorm(x), cache, positions, cos_sin, mask, attn_len, keys_from)
         x = x + self.post_attention_layernorm(attn)
         x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         return x if self.layer_scalar is None else x * self.layer_scalar.to(x.dtype)
@@ -254,13 +253,11 @@ class Gemma(DecoderLM):
         self.prepare(T if fresh else attn_len)
         cos_sin = {kind: table[positions][:, :, None] for kind, table in self.ropes.items()}
         window = cfg.sliding_window
-        keys_live = None
         if fresh:
             full = (None, "chunk")
             sliding = (position_mask(positions, positions, True, window), "chunk")
         else:
             full = (position_mask(positions, torch.arange(attn_len, device=positions.device)), "cache")
-            keys_live = positions.max() + 1  # a full layer's rows are positions; a ring's are not
             rows = self.window_rows
             if T <= self.WINDOW_STEP:
                 key_pos, keys_from = window_positions(positions.max(dim=1).values, rows), "cache"
@@ -269,8 +266,7 @@ class Gemma(DecoderLM):
                 keys_from = "cache+chunk"
             sliding = (position_mask(positions, key_pos, True, window) & (key_pos >= 0)[:, None, :], keys_from)
         inputs = {FULL: full, SLIDING: sliding}
-        return [(cos_sin[t], inputs[t][0], attn_len, inputs[t][1], keys_live if t == FULL else None)
-                for t in cfg.layer_types]
+        return [(cos_sin[t], inputs[t][0], attn_len, inputs[t][1]) for t in cfg.layer_types]
 
 
 def gguf_config(metadata: dict[str, Any], tensors: dict[str, Any], base: dict) -> dict:

@@ -95,9 +95,8 @@ class LlamaAttention(nn.Module):
         self.spec = AttentionSpec(scale=cfg.head_dim ** -0.5, window=cfg.sliding_window)
 
     def forward(self, x: Tensor, cache: KVSlots | None, positions: Tensor, cos_sin: Tensor,
-                mask: Tensor | None, attn_len: int, keys_live: Tensor | None = None) -> Tensor:
-        # x: [B, T, H]; cos_sin [B, T, 1, 2, D]; mask: [B, T, attn_len] bool, or None (causal over the chunk);
-        # keys_live: the cache rows any query may see (the largest position + 1)
+                mask: Tensor | None, attn_len: int) -> Tensor:
+        # x: [B, T, H]; cos_sin [B, T, 1, 2, D]; mask: [B, T, attn_len] bool, or None (causal over the chunk)
         B, T, H, KV, D = *x.shape[:2], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x).view(B, T, H + 2 * KV, D)
         if self.qk_norm:
@@ -110,7 +109,7 @@ class LlamaAttention(nn.Module):
             cache.write(positions, k, v)
         if mask is None or cache is None:  # a fresh prefill from position 0 (or training): the chunk's own keys
             return self.o_proj(attend(q, k.transpose(1, 2), v.transpose(1, 2), mask, self.spec))
-        return self.o_proj(attend_cache(q, cache, attn_len, mask, self.spec, keys_live))
+        return self.o_proj(attend_cache(q, cache, attn_len, mask, self.spec, positions))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -123,9 +122,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: Tensor, cache: KVSlots | None, positions: Tensor, cos_sin: Tensor,
-                mask: Tensor | None, attn_len: int, keys_live: Tensor | None = None) -> Tensor:
-        x = x + self.summed(self.self_attn(self.input_layernorm(x), cache, positions, cos_sin, mask, attn_len,
-                                           keys_live))
+                mask: Tensor | None, attn_len: int) -> Tensor:
+        x = x + self.summed(self.self_attn(self.input_layernorm(x), cache, positions, cos_sin, mask, attn_len))
         return x + self.summed(self.mlp(self.post_attention_layernorm(x)))
 
     def summed(self, x: Tensor) -> Tensor:
@@ -166,5 +164,4 @@ class Llama(DecoderLM):
         window = self.cfg.sliding_window
         mask = None if fresh and window is None else \
             position_mask(positions, torch.arange(attn_len, device=positions.device), True, window)
-        keys_live = None if fresh else positions.max() + 1  # once a step, not once a layer
-        return [(cos_sin, mask, attn_len, keys_live)] * len(self.model.layers)
+        return [(cos_sin, mask, attn_len)] * len(self.model.layers)
