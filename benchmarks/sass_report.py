@@ -89,13 +89,13 @@ def attention_cases(kv_types: list[str]):
         aligned = ("q_ptr", "k_ptr", "v_ptr", "mask_ptr", "acc_ptr", "m_ptr", "l_ptr", "signs_ptr", "stride_qt",
                    "stride_qh", "stride_kh", "stride_vh", "n_kv")
         per_iter = block_n * 2 * row * (1 if row_type else 2)
-        for tiles, live in itertools.product(sorted({1, S.STORED_TILES if row_type else S.FLOAT_TILES}), (True, False)):
+        tile_counts = sorted({1, S.STORED_TILES if row_type else S.FLOAT_TILES})  # a plain step's, a verify step's
+        for tiles, bounded in itertools.product(tile_counts, (True, False)):  # positions given (the engine) or not
             const = dict(D=128, BLOCK_M=S.ROW_TILE, BLOCK_N=block_n, SOFTCAP=False, K_TYPE=row_type,
                          V_TYPE=row_type, K_ROW=row, V_ROW=row, K_PLANES=S.planes(row_type),
                          V_PLANES=S.planes(row_type), K_ROTATED=codec.rotates(128), TILES=tiles,
-                         POSITIONS=live,
-                         PDL=True)
-            yield (f"split attention over {name}, {block_n} keys, {tiles} row tiles{', positions' * live}",
+                         POSITIONS=bounded, PDL=True)
+            yield (f"split attention over {name}, {block_n} keys, {tiles} row tiles{', positions' * bounded}",
                    S._partial_kernel,
                    sig | {k: "constexpr" for k in const}, const, aligned, S.NUM_WARPS, dict(num_stages=stages),
                    per_iter)

@@ -413,9 +413,9 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale
     """q [T, H, D]; keys/values [KV, L, D] floats (any strides but the last), or [KV, L, row bytes] stored as
     ROW_TYPES k_type / v_type say; mask [T, L] bool; softcap 0: none. Rotated rows (layers/kv_quant.rotate; D <=
     ROTATION_MAX): k_rotated, q is taken into the keys' domain; v_rotated, the output is rotated back. positions
-    [T] (integers, the last the largest): where key j is position j and the mask hides every key after a query's
-    position, the query tokens' positions, so no key past the last is read: a captured step attends over its context, not its whole
-    bucket. Returns [T, H*D] in q's dtype."""
+    [T] (integers, the last the largest): the query tokens' positions, where key j is position j and the mask hides
+    every key after a query's position; no key past the last is then read, so a captured step attends over its
+    context, not its whole bucket. Returns [T, H*D] in q's dtype."""
     if q.is_cuda and not triton_matmul_ready(torch.cuda.current_device() if q.device.index is None else q.device.index):
         if k_type or v_type:
             raise ValueError("quantized KV rows need the Triton kernel (an Ampere or newer GPU)")
@@ -465,9 +465,7 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale
                                              BLOCK_M=ROW_TILE, BLOCK_N=block_n, SOFTCAP=softcap > 0, K_TYPE=k_type,
                                              V_TYPE=v_type, K_ROW=keys.shape[2], V_ROW=values.shape[2],
                                              K_PLANES=planes(k_type), V_PLANES=planes(v_type), K_ROTATED=k_rotated,
-                                             TILES=tiles,
-                                             POSITIONS=positions is not None,
-                                             num_warps=NUM_WARPS,
+                                             TILES=tiles, POSITIONS=positions is not None, num_warps=NUM_WARPS,
                                              num_stages=stages, **pdl.launch(q))
     # one program per query row and 128 columns, every split at once: 8 programs of 16 rows that took the splits in
     # turn ran a decode step's merges in 179 us against 86 (H200, 8B, 1k keys; docs/PERF.md "seventeenth session")
