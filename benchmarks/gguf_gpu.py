@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu import SHAPES, TINY, draft_for, timed  # noqa: E402
 
+from flashdraft.engine.engine import module_bytes  # noqa: E402
 from flashdraft.engine.generate import prefill  # noqa: E402
 from flashdraft.engine.graphs import GraphCache  # noqa: E402
 from flashdraft.engine.sampling import argmax_rows  # noqa: E402
@@ -293,11 +294,6 @@ def file_matrix_bytes(path: str) -> tuple[int, int, dict]:
     return total, step, types
 
 
-def module_bytes(model: torch.nn.Module) -> int:
-    """Bytes of a model's parameters and buffers in memory, each storage once (tied or shared tensors)."""
-    return sum({b.data_ptr(): b.numel() * b.element_size() for b in [*model.parameters(), *model.buffers()]}.values())
-
-
 def copy_bandwidth(dev: str) -> float:
     x = torch.randn((2 << 30) // 2, device=dev, dtype=torch.bfloat16)
     y = torch.empty_like(x)
@@ -377,8 +373,7 @@ def measure(args) -> int:
             with torch.inference_mode():
                 prompt = torch.randint(0, target.cfg.vocab_size - 1, (ctx,), device=dev)
                 draft.reset(0)
-                prefill(target, state, prompt, 0, draft.cfg.target_layer_ids, 0,
-                        lambda feats, positions: draft.append_context(feats, positions, 0))
+                prefill(target, state, prompt, 0, draft=draft)
                 graphs = GraphCache(dev)
                 bucket = bucket_for(ctx + 16, max_len)
                 tok, pos = torch.tensor([5], device=dev), torch.tensor([ctx], device=dev)
@@ -419,7 +414,7 @@ def measure(args) -> int:
                 if sweep:
                     _dynamo.reset()
                 p512 = torch.randint(0, target.cfg.vocab_size - 1, (512,), device=dev)
-                prefill_ms = timed(lambda: prefill(target, state, p512, 0, None), 3 if args.tiny else 5, dev)
+                prefill_ms = timed(lambda: prefill(target, state, p512, 0), 3 if args.tiny else 5, dev)
             peak = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else 0.0
             floor_ms = step_bytes / (results.get("copy_GBps", 1.0) * 1e9) * 1e3
             row = dict(file=name, types=types, ctx=ctx, decode_ms=ms["decode"], decode_tok_s=1e3 / ms["decode"],

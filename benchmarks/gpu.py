@@ -181,8 +181,7 @@ def section_synthetic(args, results):
                     torch.cuda.reset_peak_memory_stats()
                 prompt = torch.randint(0, cfg.vocab_size - 1, (ctx,), device=dev)
                 draft.reset(0)
-                prefill(target, state, prompt, 0, draft.cfg.target_layer_ids, 0,
-                        lambda feats, positions: draft.append_context(feats, positions, 0))
+                prefill(target, state, prompt, 0, draft=draft)
                 graphs = GraphCache(dev)
                 tok = torch.tensor([5], device=dev)
                 pos = torch.tensor([ctx], device=dev)
@@ -298,7 +297,7 @@ def section_hf(args, results):
     del hf
     # flashdraft's baseline on the same weights and context: CUDA graphs, then graphs over compiled layers
     state = target.new_state(1, prompt_len + 512)
-    prefill(target, state, ids[0], 0, None)
+    prefill(target, state, ids[0], 0)
     graphs = GraphCache(dev)
     bucket = bucket_for(prompt_len + 1, state.max_len)
     tok, pos = torch.tensor([5], device=dev), torch.tensor([prompt_len], device=dev)

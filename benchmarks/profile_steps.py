@@ -66,8 +66,7 @@ def main() -> int:
             target.compile_layers((1, 16))
             draft.compile_layers()
         ids = draft.cfg.target_layer_ids
-        prefill(target, state, torch.randint(0, cfg.vocab_size - 1, (ctx,), device=dev), 0, ids, 0,
-                lambda feats, positions: draft.append_context(feats, positions, 0))
+        prefill(target, state, torch.randint(0, cfg.vocab_size - 1, (ctx,), device=dev), 0, draft=draft)
         bucket = bucket_for(ctx + 16, max_len)
         tok, pos = torch.tensor([5], device=dev), torch.tensor([ctx], device=dev)
         block = torch.randint(0, cfg.vocab_size - 1, (16,), device=dev)

@@ -65,7 +65,7 @@ def bench_rank(args: argparse.Namespace, device: str) -> int:
     for ctx in ctxs:
         prompt = torch.randint(0, cfg.vocab_size, (ctx,), generator=torch.Generator().manual_seed(ctx)).to(device)
         with torch.inference_mode():
-            prefill(target, state, prompt, 0, None)
+            prefill(target, state, prompt, 0)
         graphs = GraphCache(device)
         bucket = bucket_for(ctx + BLOCK, max_len)
         tok, pos = torch.tensor([5], device=device), torch.tensor([ctx], device=device)

@@ -22,7 +22,7 @@ BLOCK = 16
 
 def drift(target, state, prompt: torch.Tensor, n: int) -> dict:
     dev, P = prompt.device, len(prompt)
-    logits = prefill(target, state, prompt, 0, None)
+    logits = prefill(target, state, prompt, 0)
     tokens, decoded = [int(logits[-1].argmax())], []
     for i in range(n):  # plain greedy decode, as the baseline runs it (bucketed attention length)
         pos = P + i
@@ -31,7 +31,7 @@ def drift(target, state, prompt: torch.Tensor, n: int) -> dict:
         decoded.append(out[0].float())
         tokens.append(int(out[0].argmax()))
     decoded = torch.stack(decoded)
-    prefill(target, state, prompt, 0, None)
+    prefill(target, state, prompt, 0)
     verified = []
     for start in range(0, n, BLOCK):  # the same tokens, 16 at a time, as verify steps see them
         ids = torch.tensor(tokens[start:start + BLOCK], device=dev)

@@ -190,6 +190,12 @@ def _held_back(text: str, stops: list[str]) -> int:
     return best
 
 
+def module_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a model's parameters and buffers (quantized weights' blocks included), each storage once (tied or
+    shared tensors)."""
+    return sum({t.data_ptr(): t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()]}.values())
+
+
 class Engine:
     def __init__(self, target, tokenizer, draft=None, config: EngineConfig | None = None):
         config = config or EngineConfig()
@@ -263,13 +269,10 @@ class Engine:
     @property
     def memory(self) -> dict[str, int]:
         """Bytes of weights and caches (what start-up logs and /props reports)."""
-        def size(module) -> int:  # parameters and quantized weight bytes, each tensor once (tied ones share)
-            tensors = [*module.parameters(), *module.buffers()]
-            return sum({t.data_ptr(): t.numel() * t.element_size() for t in tensors}.values())
-        out = dict(weights=size(self.target), kv_cache=self.state.bytes,
+        out = dict(weights=module_bytes(self.target), kv_cache=self.state.bytes,
                    kv_per_token=sum(c.bytes_per_token for c in self.state.layers) // max(self.n_slots, 1))
         if self.draft is not None:
-            out["draft_weights"] = size(self.draft)
+            out["draft_weights"] = module_bytes(self.draft)
             out["draft_cache"] = sum(2 * c.k.numel() * c.k.element_size() for c in self.draft.caches)
         if self.device.startswith("cuda"):  # the rest the caching allocator holds: CUDA graph pools and workspaces
             held = torch.cuda.memory_reserved(self.device)

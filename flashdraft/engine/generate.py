@@ -61,19 +61,19 @@ def accept_matching_samples(drafted: Tensor, logits: Tensor, params: SamplingPar
     return accepted, target_tokens[accepted]
 
 
-def prefill(target, state, prompt_ids: Tensor, slot: int, capture: list[int] | None, cached: int = 0,
-            to_draft: Callable[[Tensor, Tensor], None] | None = None) -> Tensor:
+def prefill(target, state, prompt_ids: Tensor, slot: int, cached: int = 0, draft=None) -> Tensor:
     """Run the prompt from position `cached` on (the cache holds the K/V before it) through the target in chunks;
-    returns the last logits [1, V]. With `capture`, each chunk's features of those layers go to `to_draft` with
-    their positions as the chunk ends, so a long prompt's features (16k positions x 6 layers of a 31B: 1 GB) are
-    never held at once."""
+    returns the last logits [1, V]. With a draft, each chunk's features of the draft's target layers go into the
+    draft's context for `slot` as the chunk ends, so a long prompt's features (16k positions x 6 layers of a 31B:
+    1 GB) are never held at once."""
+    capture = draft.cfg.target_layer_ids if draft is not None else ()
     for start in range(cached, len(prompt_ids), PREFILL_CHUNK):
         chunk = prompt_ids[start:start + PREFILL_CHUNK]
         positions = torch.arange(start, start + len(chunk), device=prompt_ids.device)
-        logits, feats = target(chunk[None], positions[None], state, slot, capture=capture or (),
+        logits, feats = target(chunk[None], positions[None], state, slot, capture=capture,
                                attn_len=start + len(chunk), logits_at="last", fresh=start == 0)
-        if capture:
-            to_draft(feats[0], positions)
+        if draft is not None:
+            draft.append_context(feats[0], positions, slot)
     return logits[0]
 
 
@@ -102,13 +102,11 @@ def decode(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int =
     budget = min(params.max_tokens, max_len - n)
     if budget <= 0:
         return
-    capture = draft.cfg.target_layer_ids if draft is not None else None
     if not 0 <= cached < n:
         raise ValueError(f"cached {cached} of a {n}-token prompt: the last prompt token must run")
     if draft is not None:
         draft.reset(slot, keep=cached)
-    to_draft = None if draft is None else lambda feats, positions: draft.append_context(feats, positions, slot)
-    logits = prefill(target, state, prompt_ids, slot, capture, cached, to_draft)
+    logits = prefill(target, state, prompt_ids, slot, cached, draft)
     history = prompt_ids.tolist() if params.penalized else []  # the penalties' window: prompt and output
     bias = logit_bias_row(params, logits.shape[-1], device)
 

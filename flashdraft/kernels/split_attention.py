@@ -456,17 +456,18 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale
     out = torch.empty(T, H, D, device=q.device, dtype=q.dtype)
     group = rotation_group(D) if v_rotated else 0
     v_signs = rotation_signs(group, q.device) if group else acc
-    _partial_kernel[(triton.cdiv(row_tiles, tiles), KV, splits)](q, keys, values, mask, acc, m, lse,
-                                             rotation_signs(D, q.device) if k_rotated else acc,
-                                             acc if positions is None else positions,
-                                             q.stride(0), q.stride(1), keys.stride(0), values.stride(0),
-                                             mask.stride(0), L, blocks_per_split, KV,
-                                             scale, softcap or 1.0, T, G, n_rows, D=D,
-                                             BLOCK_M=ROW_TILE, BLOCK_N=block_n, SOFTCAP=softcap > 0, K_TYPE=k_type,
-                                             V_TYPE=v_type, K_ROW=keys.shape[2], V_ROW=values.shape[2],
-                                             K_PLANES=planes(k_type), V_PLANES=planes(v_type), K_ROTATED=k_rotated,
-                                             TILES=tiles, POSITIONS=positions is not None, num_warps=NUM_WARPS,
-                                             num_stages=stages, **pdl.launch(q))
+    grid = (triton.cdiv(row_tiles, tiles), KV, splits)
+    _partial_kernel[grid](q, keys, values, mask, acc, m, lse,
+                          rotation_signs(D, q.device) if k_rotated else acc,
+                          acc if positions is None else positions,
+                          q.stride(0), q.stride(1), keys.stride(0), values.stride(0),
+                          mask.stride(0), L, blocks_per_split, KV,
+                          scale, softcap or 1.0, T, G, n_rows, D=D,
+                          BLOCK_M=ROW_TILE, BLOCK_N=block_n, SOFTCAP=softcap > 0, K_TYPE=k_type,
+                          V_TYPE=v_type, K_ROW=keys.shape[2], V_ROW=values.shape[2],
+                          K_PLANES=planes(k_type), V_PLANES=planes(v_type), K_ROTATED=k_rotated,
+                          TILES=tiles, POSITIONS=positions is not None, num_warps=NUM_WARPS,
+                          num_stages=stages, **pdl.launch(q))
     # one program per query row and 128 columns, every split at once: 8 programs of 16 rows that took the splits in
     # turn ran a decode step's merges in 179 us against 86 (H200, 8B, 1k keys; docs/PERF.md "seventeenth session")
     dc = min(D, MERGE_COLUMNS)
