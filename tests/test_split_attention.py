@@ -258,10 +258,71 @@ def check_quantized(device: str, dtype: torch.dtype, tol: float) -> None:
             assert (far - ref).abs().max() > tol, types
 
 
+# every KV type once as K and once as V, over Gemma's head sizes
+WIDE_PAIRS = [("q5_0", "q4_1"), ("q8_0", "q4_0"), ("q4_1", "q5_1"), ("q5_1", "iq4_nl"), ("iq4_nl", "q8_0"),
+              ("turbo3", "turbo4"), ("turbo4", "f16"), ("f16", "turbo3"), ("bf16", "q5_0"), ("q4_0", "bf16"),
+              ("f32", "f32")]
+
+
+def check_wide_heads(device: str, dtype: torch.dtype, tol: float) -> None:
+    """Gemma's 256- and 512-value heads through the split kernel (attend_cache, as the model calls it), every KV
+    type as K and as V, over a sliding layer's mask (keys within a window, no positions bound) and a full layer's
+    (causal, the queries' positions bounding the keys read): against attention over the cache's expansion. The
+    comparison can fail: a 512-value head's keys read as their first 256 values are far off (checked below)."""
+    from flashdraft.layers import attention
+    from flashdraft.layers.attention import AttentionSpec, attend_cache, grouped_attention, position_mask
+    from flashdraft.layers.kv_cache import KVCache
+    from flashdraft.layers.kv_quant import kv_codecs
+    assert attention.SPLIT_KERNEL_LOADED and attention.MAX_SPLIT_HEAD >= 512
+    all_tiles_together()
+    launches = collections.Counter()
+    from flashdraft.kernels import split_attention as kernel_module
+    partial = kernel_module._partial_kernel
+
+    class CountingLauncher:
+        def __getitem__(self, grid):
+            def launch(q, keys, *args, **kwargs):
+                launches[q.shape[-1]] += 1
+                return partial[grid](q, keys, *args, **kwargs)
+            return launch
+
+    kernel_module._partial_kernel = CountingLauncher()
+    gen = torch.Generator().manual_seed(4)
+    cases = [(D, types, window) for D in (256, 512) for types in WIDE_PAIRS for window in (None, 40)]
+    for i, (D, types, window) in enumerate(cases):
+        T, H, KV, L = (1, 4, 2, 90) if i % 2 else (5, 8, 2, 70)  # a decode step; a verify block of a GQA group
+        dt = torch.float32 if "f32" in types else dtype
+        softcap = None if i % 3 else 30.0
+        cache = KVCache(1, KV, L + 30, D, dt, device, kv_codecs(types, dt))
+        k, v = torch.randn(2, 1, L, KV, D, generator=gen).to(device, dt)
+        if cache.codecs[0].packed and softcap is None:  # (a softcap's scores are not shift-invariant: no shift)
+            cache.key_shift = 4 * torch.randn(KV, D, generator=gen).to(device)
+            k = (k + cache.key_shift).to(dt)
+        view = cache.view(0)
+        view.write(torch.arange(L, device=device)[None], k, v)
+        q = torch.randn(1, T, H, D, generator=gen).to(device, dt)
+        positions = torch.arange(L - T, L, device=device)[None]
+        mask = position_mask(positions, torch.arange(L + 30, device=device)[None], True, window)
+        spec = AttentionSpec(scale=D ** -0.5, softcap=softcap, window=window)
+        out = attend_cache(q, view, L + 30, mask, spec, None if window else positions)
+        keys, values = view.read(L, torch.float32)
+        ref = grouped_attention(q[0].float(), keys[0], values[0], mask[0, :, :L], spec.scale, spec.softcap)
+        err = (out[0].float() - ref).abs().max().item()
+        assert out.dtype == dt and err < tol, f"{types}, D={D}, window {window}: max error {err}"
+        if D == 512 and i % 7 == 0:
+            half = keys[0].clone()
+            half[..., 256:] = 0
+            half = grouped_attention(q[0].float(), half, values[0], mask[0, :, :L], spec.scale, spec.softcap)
+            assert (half - ref).abs().max() > tol
+    kernel_module._partial_kernel = partial
+    assert launches[256] == launches[512] == len(cases) // 2, launches  # no case fell back to expanding the cache
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
                     reason="needs a GPU and triton")
 def test_split_attention_reads_quantized_rows_on_gpu():
     check_quantized("cuda", torch.bfloat16, 0.05)
+    check_wide_heads("cuda", torch.bfloat16, 0.05)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
@@ -275,10 +336,12 @@ if __name__ == "__main__":
     if device == "cpu":
         check("cpu", torch.float32, 1e-5)
         check_quantized("cpu", torch.float32, 1e-5)
+        check_wide_heads("cpu", torch.float32, 1e-5)
     elif device.startswith("engine"):
         check_engine(compiled=device == "engine-compiled")
     else:
         check(device, torch.bfloat16, 0.05)
         check_quantized(device, torch.bfloat16, 0.05)
+        check_wide_heads(device, torch.bfloat16, 0.05)
         check_row_invariance(device, torch.bfloat16)
     print(f"split attention matches on {device}")

@@ -50,9 +50,11 @@ ROW_TILE = 16
 # against 20.7), where a launch has only 16 splits: FEWER_TILES_BELOW keeps a launch's programs at least that many.
 FLOAT_TILES, STORED_TILES = 4, 2
 FEWER_TILES_BELOW = 264
+# Wider heads (Gemma's 256 and 512) keep a tile's bytes: keys per tile and row tiles a program scale by 128 / D, so
+# the K and V tiles and the accumulators take what a 128-wide head's do (at least 16 keys, one tile: tl.dot's minimum)
+WIDE_FROM = 128
 TARGET_PROGRAMS = 264  # about two programs per SM of an H100/H200
-MERGE_COLUMNS = 128  # a merge program's share of a head (all of a rotated one: ROTATION_MAX)
-ROTATION_MAX = 128  # heads up to this size: q rotated here for rotated keys, a rotated V's output back in the merge
+MERGE_COLUMNS = 128  # a merge program's share of a head: one rotation group (layers/kv_quant.ROTATION_GROUP)
 NUM_WARPS, NUM_STAGES = 4, 2
 # stored row types: 0 float; GGML ids of the block types; 100 + bits for the rotated types
 ROW_TYPES = {"q8_0": 8, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "iq4_nl": 20, "turbo3": 103, "turbo4": 104}
@@ -220,8 +222,10 @@ def _query_planes(q_ptr, signs_ptr, tile, kv, stride_qt, stride_qh, T, G, D: tl.
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     q = tl.load(q_ptr + (rows % T)[:, None] * stride_qt + (kv * G + rows // T)[:, None] * stride_qh
                 + tl.arange(0, D)[None, :], mask=(rows < G * T)[:, None], other=0.0)
-    if K_ROTATED:  # into the keys' rotated domain (kernels/rotation.py; D <= ROTATION_MAX: one group)
-        q = rotated_group(q.to(tl.float32), signs_ptr, D, False).to(q.dtype)
+    if K_ROTATED:  # into the keys' rotated domain (kernels/rotation.py), by groups of RG values
+        RG: tl.constexpr = 128 if D > 128 else D
+        q = tl.reshape(rotated_group(tl.reshape(q.to(tl.float32), [BLOCK_M * (D // RG), RG]), signs_ptr, RG, False),
+                       [BLOCK_M, D]).to(q.dtype)
     return (_plane_of(q, 0, K_TYPE, D, K_PLANES), _plane_of(q, 1 % K_PLANES, K_TYPE, D, K_PLANES),
             _plane_of(q, 2 % K_PLANES, K_TYPE, D, K_PLANES), _plane_of(q, 3 % K_PLANES, K_TYPE, D, K_PLANES))
 
@@ -380,7 +384,7 @@ def _merge_kernel(acc_ptr, m_ptr, l_ptr, signs_ptr, out_ptr, stride_ot, stride_o
     """Columns [DC * program_id(2), + DC) of one query row (program_id(1)) of one KV head's group (program_id(0)):
     the splits' partial sums merged by their log-sum-exp, every split loaded at once (SPLITS: a power of two, at
     least n_splits). ROTATION > 0: V was stored rotated in groups of that many values (layers/kv_quant.rotate;
-    then DC = D), so each group of the output is rotated back (x R; R's signs at signs_ptr)."""
+    DC is a multiple of it), so each group of the output is rotated back (x R; R's signs at signs_ptr)."""
     wait_for_inputs(PDL)
     start_dependents(PDL)
     kv = tl.program_id(0)
@@ -411,8 +415,8 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale
                     k_type: int = 0, v_type: int = 0, v_rotated: bool = False, k_rotated: bool = False,
                     positions: Optional[Tensor] = None) -> Tensor:
     """q [T, H, D]; keys/values [KV, L, D] floats (any strides but the last), or [KV, L, row bytes] stored as
-    ROW_TYPES k_type / v_type say; mask [T, L] bool; softcap 0: none. Rotated rows (layers/kv_quant.rotate; D <=
-    ROTATION_MAX): k_rotated, q is taken into the keys' domain; v_rotated, the output is rotated back. positions
+    ROW_TYPES k_type / v_type say; mask [T, L] bool; softcap 0: none. Rotated rows (layers/kv_quant.rotate, by groups
+    of rotation_group(D)): k_rotated, q is taken into the keys' domain; v_rotated, the output is rotated back. positions
     [T] (integers, the last the largest): the query tokens' positions, where key j is position j and the mask hides
     every key after a query's position; no key past the last is then read, so a captured step attends over its
     context, not its whole bucket. Returns [T, H*D] in q's dtype."""
@@ -435,13 +439,15 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale
     row_tiles = triton.cdiv(G * T, ROW_TILE)
     n_rows = row_tiles * ROW_TILE
     block_n, stages = (STORED_BLOCK_N, STORED_STAGES) if k_type or v_type else (BLOCK_N, NUM_STAGES)
+    wide = max(1, D // WIDE_FROM)
+    block_n = max(16, block_n // wide)
     blocks = triton.cdiv(L, block_n)
     max_splits = triton.cdiv(TARGET_PROGRAMS, KV)
     splits = min(blocks, max_splits)
     blocks_per_split = triton.cdiv(blocks, splits)
     splits = triton.cdiv(blocks, blocks_per_split)
     tiles = max(1, min(triton.next_power_of_2(row_tiles),
-                       STORED_TILES if k_type or v_type else FLOAT_TILES * 128 // D))
+                       STORED_TILES // wide if k_type or v_type else FLOAT_TILES * 128 // D))
     while tiles > 1 and triton.cdiv(row_tiles, tiles) * KV * splits < FEWER_TILES_BELOW:
         tiles //= 2  # short contexts have few splits: keep the programs many
     acc = torch.empty(splits, KV, n_rows, D, device=q.device, dtype=torch.float32)
@@ -451,14 +457,12 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale
         keys = keys.contiguous()
     if values.stride(1) != values.shape[2]:
         values = values.contiguous()
-    if D > ROTATION_MAX and (k_rotated or v_rotated):
-        raise ValueError(f"split_attention rotates queries and outputs for heads up to {ROTATION_MAX}, got {D}")
     out = torch.empty(T, H, D, device=q.device, dtype=q.dtype)
     group = rotation_group(D) if v_rotated else 0
     v_signs = rotation_signs(group, q.device) if group else acc
     grid = (triton.cdiv(row_tiles, tiles), KV, splits)
     _partial_kernel[grid](q, keys, values, mask, acc, m, lse,
-                          rotation_signs(D, q.device) if k_rotated else acc,
+                          rotation_signs(rotation_group(D), q.device) if k_rotated else acc,
                           acc if positions is None else positions,
                           q.stride(0), q.stride(1), keys.stride(0), values.stride(0),
                           mask.stride(0), L, blocks_per_split, KV,
