@@ -26,8 +26,10 @@ def add_engine_args(ap: argparse.ArgumentParser, model: bool = True, context: bo
     ap.add_argument("--quantized", action="store_true",
                     help="keep GGUF matrices in their block format (the default on CUDA; the CPU runs the kernels "
                          "only under TRITON_INTERPRET=1)")
-    ap.add_argument("--compile", action="store_true",
-                    help="fuse each layer's small ops with torch.compile for decode/verify steps (slower start)")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="fuse each layer's small ops with torch.compile inside the decode/verify step graphs (default: "
+                         "on with CUDA; its caches persist under the cache folder, so a later start reuses the compiled "
+                         "kernels; --no-compile: plain CUDA graphs, a faster first start, slower steps)")
     ap.add_argument("-ctk", "--cache-type-k", default="auto", choices=("auto", *KV_CACHE_TYPES),
                     help="KV cache storage for K, as llama.cpp's (default auto: the model's dtype); q8_0, q5_0, "
                          "q5_1, q4_0, q4_1, iq4_nl are 32-value blocks with fp16 scales, quantized as rows are "

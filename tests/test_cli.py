@@ -99,3 +99,21 @@ def test_out_of_gpu_memory_is_one_line(monkeypatch, capsys):
     assert cli.main(["generate", "-m", "x"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "out of GPU memory (CUDA out of memory. Tried to allocate 2.00 GiB" in err[0], err
+
+
+def test_compile_is_the_default_on_cuda_only():
+    """The fast path needs no flag: `serve` and `generate` leave --compile unset, which compiles on CUDA (the step
+    graphs capture compiled layers) and not on the CPU; --compile / --no-compile override it."""
+    import argparse
+
+    from flashdraft.args import add_engine_args
+    from flashdraft.engine.config import EngineConfig, compile_enabled
+    from flashdraft.server.main import parse_settings
+    ap = argparse.ArgumentParser()
+    add_engine_args(ap)
+    for argv, want in (([], None), (["--compile"], True), (["--no-compile"], False)):
+        assert ap.parse_args(["-m", "x", *argv]).compile is want
+        assert parse_settings(["-m", "x", *argv])[0].compile is want
+    assert compile_enabled(EngineConfig(device="cuda")) and compile_enabled(EngineConfig(device="cuda:1"))
+    assert not compile_enabled(EngineConfig(device="cuda", compile=False))
+    assert not compile_enabled(EngineConfig(device="cpu")) and not compile_enabled(EngineConfig(device="cpu", compile=True))

@@ -18,7 +18,7 @@ class EngineConfig:
     n_slots: int = 1
     draft_window: int | None = None
     block_size: int | None = None
-    compile: bool = False
+    compile: bool | None = None  # torch.compile'd layers in the step graphs (None: on with CUDA; compile_enabled)
     adaptive: bool = False  # adaptive verify width (--spec-dm-adaptive)
     progress: bool = False
     # GGUF matrices (the target's and a GGUF draft's): "quantized" keeps them in their block format (the GPU
@@ -33,3 +33,10 @@ class EngineConfig:
     slot_prompt_similarity: float = 0.1  # a request takes the slot sharing this much of its prompt (-sps)
     draft_cache_type_k: str = "auto"  # DRAFT_KV_CACHE_TYPES (--spec-draft-type-k); auto: the draft's dtype
     draft_cache_type_v: str = "auto"
+
+
+def compile_enabled(config: EngineConfig) -> bool:
+    """Whether the engine compiles its layers: asked for (--compile / --no-compile), else on with CUDA, where the
+    step graphs capture compiled layers (the fast path; compiling for the CPU's eager steps does not pay)."""
+    cuda = config.device.startswith("cuda")
+    return cuda and (config.compile if config.compile is not None else True)

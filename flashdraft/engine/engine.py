@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flashdraft.engine.config import EngineConfig
+from flashdraft.engine.config import EngineConfig, compile_enabled
 from flashdraft.engine.generate import SpecStats, decode
 from flashdraft.engine.grammar import Constraint, Grammar
 from flashdraft.engine.lockstep import from_rank0, in_lockstep
@@ -196,6 +196,21 @@ def module_bytes(module: torch.nn.Module) -> int:
     return sum({t.data_ptr(): t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()]}.values())
 
 
+# GPU memory a context must leave for the step graphs, the draft's ring and the CUDA workspaces (what the 31B shape's
+# graphs and workspaces took beside its caches)
+RESERVE_BYTES = 1 << 30
+
+
+def largest_context(target, config: EngineConfig) -> int:
+    """The largest context per slot (a multiple of 256) whose caches fit the free GPU memory, less RESERVE_BYTES:
+    cache bytes are a fixed part (sliding windows' rings) plus a part per position, read off two small caches."""
+    types = (config.cache_type_k, config.cache_type_v)
+    small = [target.new_state(config.n_slots, n, types).bytes for n in (512, 1024)]
+    per_position = (small[1] - small[0]) / 512
+    free = torch.cuda.mem_get_info(torch.device(config.device))[0] - RESERVE_BYTES - (small[0] - 512 * per_position)
+    return max(0, int(free / per_position) // 256 * 256) if per_position > 0 else 0
+
+
 class Engine:
     def __init__(self, target, tokenizer, draft=None, config: EngineConfig | None = None):
         config = config or EngineConfig()
@@ -225,12 +240,15 @@ class Engine:
         except RuntimeError as e:  # torch.OutOfMemoryError, or the CPU allocator's refusal
             if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
                 raise
+            cuda = config.device.startswith("cuda")
             room = (f"the {torch.cuda.mem_get_info(torch.device(config.device))[0] / 1e9:.1f} GB of GPU memory left "
-                    "after the weights" if config.device.startswith("cuda") else "this machine's memory")
+                    "after the weights" if cuda else "this machine's memory")
+            fits = largest_context(target, config) if cuda else 0
+            hint = f" (at most about {fits} tokens a slot fit)" if fits else ""
             raise ValueError(f"the KV caches for {config.n_slots} slot(s) of {config.ctx_size} tokens "
-                             f"({config.cache_type_k}/{config.cache_type_v}) do not fit {room}: lower --ctx-size or "
-                             "--parallel, or take a smaller --cache-type-k/--cache-type-v (q8_0, q5_0, q4_1, ...)"
-                             ) from None
+                             f"({config.cache_type_k}/{config.cache_type_v}) do not fit {room}: lower --ctx-size"
+                             f"{hint} or --parallel, or take a smaller --cache-type-k/--cache-type-v (q8_0, q5_0, "
+                             "q4_1, ...)") from None
         self.steps = Steps(target, self.state, draft, config.device)
         self.startup_s = {}
         self.slots = SlotPool(config.n_slots, config.slot_prompt_similarity)
@@ -247,7 +265,10 @@ class Engine:
         if draft_model is not None and config.draft_embed_scale is not None:
             draft_model.cfg.input_embedding_scale = config.draft_embed_scale
         engine = Engine(target, tokenizer, draft_model, dataclasses.replace(config, model=str(model_path)))
-        if config.compile and config.device.startswith("cuda"):  # shapes are static only where graphs bucket them
+        if compile_enabled(config):  # shapes are static only where graphs bucket them
+            from flashdraft.formats.named import cache_dir
+            # compiled kernels kept beside the models (not in /tmp): a later start, after a reboot too, reuses them
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
             widths = {1} | ({engine.draft_block} if draft_model is not None else set())
             target.compile_layers(tuple(widths))
             if draft_model is not None:
@@ -256,6 +277,7 @@ class Engine:
             engine.warmup()
         if engine.adaptive and engine.width_costs is None:
             engine.measure_width_costs()
+            engine._release_cached()
         return engine
 
     def resized(self, ctx_size: int) -> "Engine":
@@ -310,6 +332,7 @@ class Engine:
                 self.generate(Request(prompt_ids=[0, 1, 2, 3], params=SamplingParams(max_tokens=max_tokens),
                                       speculative=speculative))
         self._sync()
+        self._release_cached()
         self.startup_s["warmup"] = time.perf_counter() - t
         return self.startup_s["warmup"]
 
@@ -445,6 +468,13 @@ class Engine:
             yield Delta(text[emitted:], [], logprobs[reported:] if logprobs is not None else [])
         yield Completion(text=text, token_ids=tokens, prompt_ids=list(req.prompt_ids), finish_reason=finish,
                          stop_word=stop_word, timings=timings, spec=stats, logprobs=logprobs)
+
+    def _release_cached(self) -> None:
+        """Give back what the caching allocator keeps from the eager runs before each graph capture (the graphs'
+        own pool stays): the process then holds what it uses (nvidia-smi's figure)."""
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
 
     def _sync(self) -> None:
         if self.device.startswith("cuda"):

@@ -22,8 +22,8 @@ IGNORED_FLAGS = [
      "the draft always runs on --device with the target"),
     (("-b", "--batch-size"), True, "prompts are processed in the engine's own fixed-size chunks"),
     (("-ub", "--ubatch-size"), True, "prompts are processed in the engine's own fixed-size chunks"),
-    (("-fa", "--flash-attn"), "?", "attention uses PyTorch's scaled_dot_product_attention, which picks its "
-                                   "fused kernel itself"),
+    (("-fa", "--flash-attn"), "?", "attention always takes fused kernels: the split-K kernel over the cache for "
+                                   "decode and verify steps, PyTorch's flash attention for prompts"),
     (("--no-mmap",), False, "weights are read into PyTorch tensors, never memory-mapped"),
     (("--mlock",), False, "weights are read into PyTorch tensors, never memory-mapped"),
     (("--no-host",), False, "there are no host-side weight buffers to place"),

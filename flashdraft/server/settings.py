@@ -18,7 +18,7 @@ class Settings:
     ctx_size: int = 4096  # total over all slots, as llama-server's -c; each slot gets ctx_size // n_slots
     device: str | None = None
     dtype: str = "auto"
-    compile: bool = False
+    compile: bool | None = None  # None: on with CUDA (engine.config.compile_enabled)
     dequantize: bool = False  # --dequantize: GGUF weights expanded to --dtype
     quantized: bool = False  # --quantized: GGUF matrices kept in their block format (the default on CUDA)
     adaptive: bool = True  # adaptive verify width (--spec-dm-adaptive)
