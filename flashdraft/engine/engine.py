@@ -1,5 +1,6 @@
 """Engine: the one interface the CLI, the server and the bench use."""
 import dataclasses
+import logging
 import os
 import threading
 import time
@@ -15,6 +16,8 @@ from flashdraft.engine.lockstep import from_rank0, in_lockstep
 from flashdraft.engine.sampling import SamplingParams
 from flashdraft.engine.steps import Steps
 from flashdraft.layers.kv_quant import FLOAT_KV_TYPES
+
+log = logging.getLogger("flashdraft")
 
 
 @dataclass
@@ -258,6 +261,7 @@ class Engine:
         from flashdraft.formats.loader import load_draft, load_target
         torch_dtype = resolve_dtype(config.dtype, config.device)
         quantized = keep_quantized(config)
+        t = time.perf_counter()
         target, tokenizer, model_path = load_target(config.model, config.device, torch_dtype, progress=config.progress,
                                                     quantized=quantized)
         draft_model = (load_draft(config.draft, target, config.device, torch_dtype, quantized=quantized)
@@ -265,6 +269,8 @@ class Engine:
         if draft_model is not None and config.draft_embed_scale is not None:
             draft_model.cfg.input_embedding_scale = config.draft_embed_scale
         engine = Engine(target, tokenizer, draft_model, dataclasses.replace(config, model=str(model_path)))
+        engine.startup_s["load"] = time.perf_counter() - t
+        log.info("weights read in %.1f s", engine.startup_s["load"])
         if compile_enabled(config):  # shapes are static only where graphs bucket them
             from flashdraft.formats.named import cache_dir
             # compiled kernels kept beside the models (not in /tmp): a later start, after a reboot too, reuses them
@@ -274,7 +280,10 @@ class Engine:
             if draft_model is not None:
                 draft_model.compile_layers((engine.draft_block,))
         if engine.steps.static:
+            log.info("capturing the decode steps' CUDA graphs%s (--no-compile: a faster first start)",
+                     " over torch.compile'd layers" if compile_enabled(config) else "")
             engine.warmup()
+            log.info("step graphs ready in %.1f s", engine.startup_s["warmup"])
         if engine.adaptive and engine.width_costs is None:
             engine.measure_width_costs()
             engine._release_cached()
@@ -326,8 +335,11 @@ class Engine:
         with torch.inference_mode():
             if self.steps.static:
                 block = self.draft_block if self.draft is not None else 1
-                for key in self.steps.warmup_keys(self.n_slots, block, self.adaptive):
+                keys = self.steps.warmup_keys(self.n_slots, block, self.adaptive)
+                for i, key in enumerate(keys):
                     self.steps.run_key(key)
+                    if (i + 1) % 8 == 0 or i + 1 == len(keys):
+                        log.info("captured %d of %d step graphs (%.1f s)", i + 1, len(keys), time.perf_counter() - t)
             for speculative in ([False, True] if self.draft is not None else [False]):
                 self.generate(Request(prompt_ids=[0, 1, 2, 3], params=SamplingParams(max_tokens=max_tokens),
                                       speculative=speculative))
