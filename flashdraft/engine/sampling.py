@@ -1,4 +1,5 @@
 """Sampling parameters, the filtered target distribution, and seeded sampling without host syncs."""
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -114,23 +115,52 @@ def token_logprobs(logits: Tensor, tokens: list[int], top: int) -> list[tuple[in
     return [(t, c, list(zip(i, v))) for t, c, i, v in zip(tokens, chosen_l, ids, values)]
 
 
-def filtered_probs(logits: Tensor, p: SamplingParams) -> Tensor:
-    """The distribution every emitted token follows: top-k, top-p and min-p applied to softmax(logits),
-    then the temperature applied to what survives (llama.cpp's sampler order). logits: [N, V]."""
+def candidates(logits: Tensor, p: SamplingParams) -> tuple[Tensor, Tensor | None]:
+    """The tokens the filters may keep, as (their logits [N, C] in float32, their ids [N, C], or None when they are
+    the whole vocabulary in its own order). With top-k, exactly the k largest logits, sorted descending: a tie at
+    the k-th logit is cut by topk's order, as llama.cpp truncates at k. Without top-k but with top-p, the whole
+    vocabulary sorted descending (top-p needs the order; no bounded shortcut is exact without a host round trip).
+    Otherwise the whole vocabulary unsorted."""
     logits = logits.float()
-    keep = torch.ones_like(logits, dtype=torch.bool)
     if 0 < p.top_k < logits.shape[-1]:
-        kth = logits.topk(p.top_k, dim=-1).values[:, -1:]
-        keep &= logits >= kth
+        return logits.topk(p.top_k, dim=-1)
     if p.top_p < 1.0:
-        probs = logits.masked_fill(~keep, float("-inf")).softmax(-1)
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        before = sorted_probs.cumsum(-1) - sorted_probs
-        keep &= torch.zeros_like(keep).scatter(-1, order, before < p.top_p)
+        return logits.sort(dim=-1, descending=True)
+    return logits, None
+
+
+def filtered_candidates(logits: Tensor, p: SamplingParams) -> tuple[Tensor, Tensor | None]:
+    """(probabilities [N, C], ids [N, C] or None) of `candidates` after top-p and min-p and the temperature.
+    top-p keeps a candidate while the mass before it, in the candidates' renormalised softmax, is below top_p
+    (the first is always kept); min-p keeps p_i >= min_p * p_max, i.e. l_i >= l_max + log(min_p): a ratio, so
+    the same whichever set the probabilities are normalised over (llama.cpp renormalises after top-p).
+    Fixed shapes and no host synchronisation, so it can run inside a captured CUDA graph."""
+    values, ids = candidates(logits, p)
+    keep = None
+    if p.top_p < 1.0:  # values are sorted descending here
+        probs = values.softmax(-1)
+        keep = probs.cumsum(-1) - probs < p.top_p
     if p.min_p > 0:
-        probs = logits.masked_fill(~keep, float("-inf")).softmax(-1)
-        keep &= probs >= p.min_p * probs.max(-1, keepdim=True).values
-    return (logits / p.temperature).masked_fill(~keep, float("-inf")).softmax(-1)
+        best = values[:, :1] if ids is not None else values.max(-1, keepdim=True).values
+        above = values >= best + math.log(p.min_p)
+        keep = above if keep is None else keep & above
+    scaled = values / p.temperature
+    if keep is not None:
+        scaled = scaled.masked_fill(~keep, float("-inf"))
+    return scaled.softmax(-1), ids
+
+
+def filtered_probs(logits: Tensor, p: SamplingParams) -> Tensor:
+    """The distribution every emitted token follows, [N, V]: top-k, top-p and min-p applied to softmax(logits),
+    then the temperature applied to what survives (llama.cpp's sampler order); one-hot on argmax_rows when greedy.
+    Built from the same candidates as `sample`, so the two agree on every tie."""
+    if p.greedy:
+        out = torch.zeros_like(logits, dtype=torch.float32)
+        return out.scatter_(-1, argmax_rows(logits)[:, None], 1.0)
+    probs, ids = filtered_candidates(logits, p)
+    if ids is None:
+        return probs
+    return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, ids, probs)
 
 
 ARGMAX_CHUNKS = 64
@@ -152,10 +182,12 @@ def chunked_argmax(x: Tensor) -> Tensor:
 
 
 def sample(logits: Tensor, p: SamplingParams, generator: torch.Generator | None) -> Tensor:
-    """One token per row of logits [N, V]: argmax when greedy, else an exponential race over the
-    filtered distribution (equivalent to multinomial, but with no host synchronisation)."""
+    """One token per row of logits [N, V]: argmax when greedy, else an exponential race over the filtered
+    distribution (equivalent to multinomial, but with no host synchronisation). With top-k the race runs over the
+    k candidates only, [N, k], and the winner's id is gathered."""
     if p.greedy:
         return argmax_rows(logits)
-    probs = filtered_probs(logits, p)
+    probs, ids = filtered_candidates(logits, p)
     noise = torch.empty_like(probs).exponential_(1, generator=generator)
-    return argmax_rows(probs / noise)
+    pick = argmax_rows(probs / noise)
+    return pick if ids is None else ids.gather(-1, pick[:, None]).squeeze(-1)
