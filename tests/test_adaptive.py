@@ -12,16 +12,23 @@ COSTS = {1: 1.0, 2: 1.15, 4: 1.4, 8: 2.0}
 def test_controller_narrows_on_rejections_probes_and_widens_on_acceptance():
     c = WidthController(dict(COSTS))
     assert c.width() == 8  # starts wide
+    widths = []
     for _ in range(30):
-        c.record(c.width(), 0)
-    assert c.width() == 1  # nothing accepted: plain decoding pays best
-    for _ in range(16):
-        assert c.width() == 1
-        c.record(1, 0)
-    assert c.width() == 8  # a probe at full width after probe_every plain steps
-    c.record(8, 0)
+        widths.append(c.width())
+        c.record(widths[-1], 0)
+    assert widths[-17:] == [1] * 16 + [8]  # nothing accepted: plain decoding, and a probe after probe_every steps
+    for interval in (32, 64, 128, 256, 256):  # each probe that finds nothing doubles the wait for the next
+        for _ in range(interval):
+            assert c.width() == 1
+            c.record(1, 0)
+        assert c.width() == 8
+        c.record(8, 0)
     assert c.width() == 1
-    for _ in range(60):
+    for _ in range(256):
+        c.record(1, 0)
+    c.record(c.width(), 1)  # a probe that accepts a token: probes come every probe_every steps again
+    assert c.current == 1 and c.probe_interval == 16
+    for _ in range(300):
         c.record(c.width(), c.width() - 1)  # everything accepted
     assert c.width() == 8 and c.expected_tokens(8) > 7
     widths = []

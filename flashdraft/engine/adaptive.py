@@ -7,7 +7,9 @@ that checked it. Each candidate width has a cost relative to a plain one-token s
 only when another width beats it by a margin. Estimates start optimistic (every position accepted), so a
 request starts at full width. A narrower width learns nothing of the positions it does not check, so every
 `explore_every` steps one step goes a candidate wider; width 1 is plain decoding, and from there a full-width
-step every `probe_every` steps keeps the estimates fresh. Decisions depend on acceptance alone, never on the
+step every `probe_every` steps keeps the estimates fresh: that interval doubles after each probe that has no draft
+token accepted (up to `probe_most`, so a draft that never fits, a random one, costs next to nothing) and falls
+back to `probe_every` once a probe accepts one. Decisions depend on acceptance alone, never on the
 clock during a request, so a seeded request repeats exactly.
 """
 from __future__ import annotations
@@ -23,15 +25,18 @@ class WidthController:
     alpha: float = 0.15
     margin: float = 0.05
     probe_every: int = 16
+    probe_most: int = 256
     explore_every: int = 12
     survival: list[float] = field(default_factory=list)
     current: int = 0
     steps_at_current: int = 0
+    probe_interval: int = 0  # plain steps before the next probe (probe_every, doubled by each fruitless probe)
 
     def __post_init__(self) -> None:
         widest = max(self.costs)
         self.survival = self.survival or [1.0] * (widest - 1)
         self.current = self.current or widest
+        self.probe_interval = self.probe_interval or self.probe_every
 
     def expected_tokens(self, width: int) -> float:
         return 1.0 + sum(self.survival[:width - 1])
@@ -41,7 +46,7 @@ class WidthController:
 
     def width(self) -> int:
         if self.current == 1:
-            return max(self.costs) if self.steps_at_current >= self.probe_every else 1
+            return max(self.costs) if self.steps_at_current >= self.probe_interval else 1
         if self.current < max(self.costs) and self.steps_at_current >= self.explore_every:
             return min(w for w in self.costs if w > self.current)
         return self.current
@@ -50,6 +55,9 @@ class WidthController:
         """After a step of `width` whose first `accepted` drafted tokens were accepted."""
         if width != self.current:  # a probe or an exploration step
             self.steps_at_current = 0
+            if self.current == 1:
+                self.probe_interval = (min(2 * self.probe_interval, self.probe_most) if accepted == 0
+                                       else self.probe_every)
         else:
             self.steps_at_current += 1
         if width == 1:

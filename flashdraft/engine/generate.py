@@ -77,6 +77,35 @@ def prefill(target, state, prompt_ids: Tensor, slot: int, cached: int = 0, draft
     return logits[0]
 
 
+class FollowBuffer:
+    """Plain steps' features on their way to the draft's context: a plain step taken while the draft follows
+    (the adaptive width at 1) leaves its row here, and the rows go to the draft `block` at a time, or before the
+    next speculative step or the end, whichever comes first. One append of many rows reads the draft's context
+    weights once (the Gemma 4 31B draft's: ~150 MB) where one append per token read them every step."""
+
+    def __init__(self, steps: Steps, slot: int, block: int):
+        self.steps, self.slot, self.block = steps, slot, block
+        self.rows: Tensor | None = None
+        self.positions: list[int] = []
+
+    def add(self, features: Tensor, pos: int) -> None:
+        """features [1, width] of position `pos` (the next after the rows held)."""
+        if self.rows is None:
+            self.rows = features.new_empty(self.block, features.shape[-1])
+        self.rows[len(self.positions)].copy_(features.reshape(-1))  # the graph's output buffer is overwritten by its next replay
+        self.positions.append(pos)
+        if len(self.positions) == self.block:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.positions:
+            n = len(self.positions)
+            first = self.positions[0]
+            positions = torch.arange(first, first + n, device=self.rows.device)  # consecutive: plain steps in a row
+            self.steps.append_context(self.slot, self.rows[:n], positions)
+            self.positions = []
+
+
 @torch.inference_mode()
 def decode(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int = 0, speculative: bool = True,
            block_size: int | None = None, stats: SpecStats | None = None, max_len: int | None = None,
@@ -132,50 +161,55 @@ def decode(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int =
     block = (block_size or draft.cfg.block_size) if draft is not None else 1
     if stats is not None:
         stats.block_size = block
-    while produced < budget:
-        # As z-lab's loop, a block covers at most the tokens still wanted plus the anchor (`live`). The draft
-        # still runs the full block, with the rows past `live` hidden, so the same CUDA graph serves the last
-        # steps; only the context's end shrinks the block itself.
-        room = max_len - pos
-        live = min(block, budget - produced + 1, room)
-        width = min(controller.width() if controller is not None else block, room)
-        if not steps.static:  # no captured shape to keep: verify no row past the wanted tokens
-            width = min(width, live)
-        attn_len = steps.attended(pos + width)  # static shapes: the whole bucket, masked by position
-        if width <= 1:
-            follow = draft is not None and room > 1  # the draft needs this position's features later
-            positions = torch.tensor([pos], device=device)
-            out = steps.plain(slot, torch.tensor([token], device=device), positions, attn_len, follow)
-            new = [int(sample(choose(out[0]), params, generator)[0])]
-            report(out[0], new[:budget - produced])
-            if follow:
-                steps.append_context(slot, out[1], positions)
+    following = FollowBuffer(steps, slot, block)
+    try:
+        while produced < budget:
+            # As z-lab's loop, a block covers at most the tokens still wanted plus the anchor (`live`). The draft
+            # still runs the full block, with the rows past `live` hidden, so the same CUDA graph serves the last
+            # steps; only the context's end shrinks the block itself.
+            room = max_len - pos
+            live = min(block, budget - produced + 1, room)
+            width = min(controller.width() if controller is not None else block, room)
+            if not steps.static:  # no captured shape to keep: verify no row past the wanted tokens
+                width = min(width, live)
+            attn_len = steps.attended(pos + width)  # static shapes: the whole bucket, masked by position
+            if width <= 1:
+                follow = draft is not None and room > 1  # the draft needs this position's features later
+                positions = torch.tensor([pos], device=device)
+                out = steps.plain(slot, torch.tensor([token], device=device), positions, attn_len, follow)
+                new = [int(sample(choose(out[0]), params, generator)[0])]
+                report(out[0], new[:budget - produced])
+                if follow:
+                    following.add(out[1], pos)
+                    if controller is not None:
+                        controller.record(1, 0)
+                pos += 1
+            else:
+                # As z-lab's loop: the draft block shrinks only where the output budget or the context ends.
+                following.flush()  # the draft drafts from every committed position
+                drafted_len = min(block, room)
+                block_ids = torch.full((drafted_len,), draft.cfg.mask_token_id, dtype=torch.long, device=device)
+                block_ids[0] = token
+                positions = torch.arange(pos, pos + drafted_len, device=device)
+                live_t = torch.full((1,), live, device=device)  # a fill on the device, no copy from host
+                drafted, logits, feats = steps.speculative(slot, block_ids, positions, live_t, attn_len, width, block)
+                checked = min(width, live)  # rows past `live` hold no wanted token: they neither count nor commit
+                drafted, logits = drafted[:checked - 1], logits[:checked]
+                accepted, bonus = accept_rule(drafted, choose(logits, drafted), params, generator)
+                proposed = drafted.tolist()
+                if stats is not None:
+                    stats.record(proposed, accepted)
                 if controller is not None:
-                    controller.record(1, 0)
-            pos += 1
-        else:
-            # As z-lab's loop: the draft block shrinks only where the output budget or the context ends.
-            drafted_len = min(block, room)
-            block_ids = torch.full((drafted_len,), draft.cfg.mask_token_id, dtype=torch.long, device=device)
-            block_ids[0] = token
-            positions = torch.arange(pos, pos + drafted_len, device=device)
-            live_t = torch.full((1,), live, device=device)  # a fill on the device, no copy from host
-            drafted, logits, feats = steps.speculative(slot, block_ids, positions, live_t, attn_len, width, block)
-            checked = min(width, live)  # rows past `live` hold no wanted token: they neither count nor commit
-            drafted, logits = drafted[:checked - 1], logits[:checked]
-            accepted, bonus = accept_rule(drafted, choose(logits, drafted), params, generator)
-            proposed = drafted.tolist()
-            if stats is not None:
-                stats.record(proposed, accepted)
-            if controller is not None:
-                controller.record(width, accepted)
-            n_new = accepted + 1
-            state.commit(slot, pos + n_new)
-            steps.append_context(slot, feats[:n_new], positions[:n_new])
-            new = proposed[:accepted] + [bonus]
-            report(logits, new[:budget - produced])
-            pos += accepted + 1
-        new = new[:budget - produced]
-        produced += len(new)
-        token = new[-1]
-        yield new
+                    controller.record(width, accepted)
+                n_new = accepted + 1
+                state.commit(slot, pos + n_new)
+                steps.append_context(slot, feats[:n_new], positions[:n_new])
+                new = proposed[:accepted] + [bonus]
+                report(logits, new[:budget - produced])
+                pos += accepted + 1
+            new = new[:budget - produced]
+            produced += len(new)
+            token = new[-1]
+            yield new
+    finally:
+        following.flush()  # the draft's ring holds every committed position, as the slot's prompt cache records
