@@ -126,6 +126,20 @@ def check(device: str, dtype: torch.dtype = torch.float32, tol: float = 1e-5) ->
         assert err < tol, f"parts {types}, {rows} rows: relative error {err}"
         one = torch.cat([gguf_matmul(x.to(device), w, t, k) for w, t in zip(parts, types)], -1).cpu()
         assert torch.equal(out, one), f"parts {types}, {rows} rows: not the bits of the parts one at a time"
+    # a prefill's rows (more than FEW_ROWS): each part expanded a slice of 16 output rows at a time (a scratch of
+    # 16 rows here, so the 45-row part takes three slices, the last cut short)
+    from flashdraft.layers import quantized
+    from flashdraft.layers.quantized import GGUFLinear, QuantizedWeight
+    kept, quantized.SCRATCH_VALUES = quantized.SCRATCH_VALUES, 16 * k
+    try:
+        layer = GGUFLinear([QuantizedWeight(p, t, (n, k)) for p, t, n in zip(parts, types, sizes)])
+        x = torch.randn(quantized.FEW_ROWS + 3, k, generator=gen).to(dtype)
+        out = layer(x.to(device)).cpu()
+        ref = x.double() @ want.double().T
+        err = ((out.double() - ref).norm() / ref.norm()).item()
+        assert err < tol, f"parts {types}, {len(x)} rows in slices: relative error {err}"
+    finally:
+        quantized.SCRATCH_VALUES = kept
 
 
 @pytest.mark.skipif(INTERPRETER is not None, reason=str(INTERPRETER))

@@ -106,14 +106,28 @@ def merge_same_type(parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
 
 
 _SCRATCH: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+# A prefill's matrices are expanded this many values at a time (row slices), so the reused buffer stays small
+# beside the weights: a whole fused gate/up matrix of the Gemma 4 31B shape would hold 462 MB for good.
+SCRATCH_VALUES = 1 << 25
 
 
 def scratch(numel: int, device: torch.device, dtype: torch.dtype) -> Tensor:
-    """A buffer reused by every prefill dequantization on a device (grown to the largest matrix)."""
+    """A buffer reused by every prefill dequantization on a device (grown to the largest slice)."""
     buf = _SCRATCH.get((device, dtype))
     if buf is None or buf.numel() < numel:
         buf = _SCRATCH[(device, dtype)] = torch.empty(numel, device=device, dtype=dtype)
     return buf
+
+
+def expanded_product(rows: Tensor, w: Tensor, qtype: str, k: int) -> Tensor:
+    """rows [M, k] times the quantized matrix w (stored rows) through cuBLAS: w expanded a slice of output rows at
+    a time into the shared scratch buffer (SCRATCH_VALUES)."""
+    from flashdraft.kernels.gguf_matmul import dequantize_gguf
+    step = max(16, SCRATCH_VALUES // k // 16 * 16)
+    outs = [F.linear(rows, dequantize_gguf(w[a:a + step], qtype, k, rows.dtype,
+                                           scratch(min(step, w.shape[0] - a) * k, rows.device, rows.dtype)))
+            for a in range(0, w.shape[0], step)]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
 class GGUFLinear(nn.Module):
@@ -153,7 +167,7 @@ class GGUFLinear(nn.Module):
 
     def _product(self, x: Tensor, parts: list[tuple[Tensor, str]], bias: Tensor | None) -> Tensor:
         from flashdraft.kernels import split_k
-        from flashdraft.kernels.gguf_matmul import dequantize_gguf, gguf_matmul, gguf_matmul_partials, gguf_matmul_parts
+        from flashdraft.kernels.gguf_matmul import gguf_matmul, gguf_matmul_partials, gguf_matmul_parts
         rows = x.reshape(-1, self.in_features)
         k = self.in_features
         if rows.shape[0] <= FEW_ROWS and GRAPH_SPLIT_SUMS and torch.compiler.is_compiling():
@@ -166,8 +180,7 @@ class GGUFLinear(nn.Module):
         elif rows.shape[0] <= FEW_ROWS:
             out = gguf_matmul_parts(rows, [w for w, _ in parts], ",".join(q for _, q in parts), k)
         else:
-            outs = [F.linear(rows, dequantize_gguf(w, q, k, x.dtype, scratch(w.shape[0] * k, x.device, x.dtype)))
-                    for w, q in parts]
+            outs = [expanded_product(rows, w, q, k) for w, q in parts]
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         out = out if bias is None else out + bias
         return out.reshape(*x.shape[:-1], out.shape[-1])
