@@ -45,6 +45,17 @@ def byte_level_tokens(vocab: int) -> list[str]:
     return [chr(c) for c in cs] + ["Ġt"] + [f"<t{i}>" for i in range(vocab - 257)]  # "Ġt": the one merge
 
 
+def add_byte_level_tokenizer(w, vocab: int) -> None:
+    """The tokenizer keys of a random-weight file: byte-level tokens (byte_level_tokens), one merge, BOS 257, EOS 258."""
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_string("tokenizer.ggml.pre", "default")
+    w.add_array("tokenizer.ggml.tokens", byte_level_tokens(vocab))
+    w.add_array("tokenizer.ggml.token_type", [1] * vocab)
+    w.add_array("tokenizer.ggml.merges", ["Ġ t"])
+    w.add_uint32("tokenizer.ggml.bos_token_id", 257)
+    w.add_uint32("tokenizer.ggml.eos_token_id", 258)
+
+
 def more_bits(i: int, n: int) -> bool:
     """llama.cpp's use_more_bits: the layers whose attn_v / ffn_down Q4_K_M stores as Q6_K."""
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
@@ -141,13 +152,7 @@ def make_gemma4(args) -> int:
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)
     w.add_float32(f"{a}.final_logit_softcapping", 30.0)
     w.add_uint32("general.file_type", 14)  # MOSTLY_Q4_K_S
-    w.add_string("tokenizer.ggml.model", "gpt2")
-    w.add_string("tokenizer.ggml.pre", "default")
-    w.add_array("tokenizer.ggml.tokens", byte_level_tokens(c["vocab"]))
-    w.add_array("tokenizer.ggml.token_type", [1] * c["vocab"])
-    w.add_array("tokenizer.ggml.merges", ["Ġ t"])
-    w.add_uint32("tokenizer.ggml.bos_token_id", 257)
-    w.add_uint32("tokenizer.ggml.eos_token_id", 258)
+    add_byte_level_tokenizer(w, c["vocab"])
     H = c["hidden"]
     random_quantized(w, "token_embd.weight", "Q6_K", c["vocab"], H)
     w.add_tensor("output_norm.weight", np.ones(H, dtype=np.float32))
@@ -231,13 +236,7 @@ def make(args) -> int:
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
     w.add_uint32(f"{a}.rope.dimension_count", cfg.head_dim)
     w.add_uint32("general.file_type", FILE_TYPES[args.random_quant][1] if args.random_quant else 32)  # 32: BF16
-    w.add_string("tokenizer.ggml.model", "gpt2")
-    w.add_string("tokenizer.ggml.pre", "default")
-    w.add_array("tokenizer.ggml.tokens", byte_level_tokens(cfg.vocab_size))
-    w.add_array("tokenizer.ggml.token_type", [1] * cfg.vocab_size)
-    w.add_array("tokenizer.ggml.merges", ["Ġ t"])
-    w.add_uint32("tokenizer.ggml.bos_token_id", 257)
-    w.add_uint32("tokenizer.ggml.eos_token_id", 258)
+    add_byte_level_tokenizer(w, cfg.vocab_size)
     gen = torch.Generator(device="cuda" if torch.cuda.is_available() else "cpu").manual_seed(0)
     dev = gen.device
 

@@ -308,7 +308,7 @@ def write_draft(path: Path, tiny: bool) -> None:
     import numpy as np
     import torch
     from gguf import GGUFWriter
-    from gguf_gpu import GEMMA4, byte_level_tokens, gemma4_draft, random_quantized
+    from gguf_gpu import GEMMA4, add_byte_level_tokenizer, gemma4_draft, random_quantized
 
     from flashdraft.formats.gguf_draft import GLOBAL_NAMES, LAYER_NAMES
     c = GEMMA4["tiny" if tiny else "gemma-4-31b"]
@@ -334,13 +334,7 @@ def write_draft(path: Path, tiny: bool) -> None:
     w.add_array(f"{a}.attention.sliding_window_pattern", [t == "sliding_attention" for t in d.layer_types])
     w.add_array(f"{a}.target_layers", [i + 1 for i in d.target_layer_ids])
     w.add_uint32("general.file_type", 7 if tiny else 17)  # MOSTLY_Q8_0 / MOSTLY_Q5_K_M
-    w.add_string("tokenizer.ggml.model", "gpt2")  # the target's (gguf_gpu.make_gemma4), as the converter copies it
-    w.add_string("tokenizer.ggml.pre", "default")
-    w.add_array("tokenizer.ggml.tokens", byte_level_tokens(c["vocab"]))
-    w.add_array("tokenizer.ggml.token_type", [1] * c["vocab"])
-    w.add_array("tokenizer.ggml.merges", ["Ġ t"])
-    w.add_uint32("tokenizer.ggml.bos_token_id", 257)
-    w.add_uint32("tokenizer.ggml.eos_token_id", 258)
+    add_byte_level_tokenizer(w, c["vocab"])  # the target's (gguf_gpu.make_gemma4), as the converter copies it
     w.add_uint32("tokenizer.ggml.mask_token_id", d.mask_token_id)
     for name, t in draft.state_dict().items():
         base = name.removesuffix(".weight")
