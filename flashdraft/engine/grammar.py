@@ -45,13 +45,48 @@ def _ll_tokenizer(tokenizer):
 JSON_WHITESPACE = r"(\n{1,2}[ \t]{0,20}| )?"
 
 
+def gbnf_to_lark(text: str) -> str:
+    """llguidance's GBNF-to-Lark conversion, except that a repetition of a repetition keeps its parentheses:
+    llguidance writes `("a"{1,3}){2}` as `"a"{1,3}{2,2}`, which its Lark parser rejects."""
+    from llguidance import gbnf_to_lark as g
+
+    class Group(g.ASTNode):
+        def __init__(self, node: g.ASTNode):
+            self.node = node
+
+        def __str__(self) -> str:
+            return f"({self.node})"
+
+        def children(self) -> list:
+            return [self.node]
+
+    def fix(node) -> None:
+        for child in node.children():
+            fix(child)
+        if isinstance(node, g.RepetitionNode) and isinstance(node.node, g.RepetitionNode):
+            node.node = Group(node.node)
+
+    rules = g.GrammarParser().parse(text)
+    g.resolve(rules)
+    out, newline = "%llguidance {}\n\n", True
+    for rule in sorted(rules.values(), key=lambda r: r.order):  # as llguidance prints them
+        fix(rule.alternatives)
+        line = str(rule)
+        if not newline and "\n" in line:
+            out += "\n"
+        out += line + "\n"
+        newline = "\n" in line
+        if newline:
+            out += "\n"
+    return out
+
+
 def lark_source(grammar: Grammar) -> str:
     import llguidance
     if grammar.kind == "json_schema":
         options = {"whitespace_flexible": False} if grammar.compact else {"whitespace_pattern": JSON_WHITESPACE}
         return llguidance.LLMatcher.grammar_from_json_schema(grammar.text, overrides=options)
     if grammar.kind == "gbnf":
-        from llguidance.gbnf_to_lark import gbnf_to_lark
         return llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(grammar.text))
     return llguidance.LLMatcher.grammar_from_lark(grammar.text)
 
