@@ -33,7 +33,7 @@ async def models(request: Request) -> dict:
                                         "created": int(state.started), "owned_by": "llamacpp",
                                         "meta": meta}]}
 
-@router.get("/props")
+@router.api_route("/props", methods=["GET", "HEAD"])
 async def props(request: Request) -> dict:
     state = server_state(request)
     engine, scheduler = state.require()
@@ -60,7 +60,7 @@ async def props(request: Request) -> dict:
         "memory_bytes": engine.memory,
     }
 
-@router.get("/slots")
+@router.api_route("/slots", methods=["GET", "HEAD"])
 async def slots(request: Request) -> list[dict]:
     state = server_state(request)
     engine, scheduler = state.require()
@@ -81,7 +81,7 @@ async def slots(request: Request) -> list[dict]:
                                    "n_decoded": n_decoded}})
     return out
 
-@router.get("/metrics")
+@router.api_route("/metrics", methods=["GET", "HEAD"])
 async def metrics(request: Request) -> Response:
     state = server_state(request)
     if not state.settings.metrics:
