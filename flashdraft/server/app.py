@@ -85,5 +85,6 @@ def create_app(engine_or_loader: Engine | Callable[[], Engine], settings: Settin
             return FileResponse(WEBUI_DIR / "index.html")
 
     app.add_middleware(Gate, state=state)
+    app.add_middleware(routes_anthropic.AnthropicErrors)  # outside the gate: its errors too
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
     return app

@@ -1,24 +1,113 @@
 """Anthropic's Messages API (`POST /v1/messages`), what several coding agents speak, as llama-server serves it: the
 request is turned into the chat route's (system prompt, text blocks, `tool_use` / `tool_result` blocks, tools with
 their `input_schema`, `tool_choice` auto / any / tool / none) and the answer back into content blocks, streamed as
-Anthropic's named events; `/v1/messages/count_tokens` counts a request's prompt."""
+Anthropic's named events; `/v1/messages/count_tokens` counts a request's prompt. Errors come in Anthropic's shape
+(`{"type": "error", "error": {"type", "message"}}`, an `event: error` once a stream has started), which its SDKs
+turn into their own exceptions."""
 import asyncio
+import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator
+from http import HTTPStatus
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from flashdraft.engine.engine import Completion, Delta
 from flashdraft.server import protocol as P
 from flashdraft.server.protocol import ApiError
 from flashdraft.server.routes_generate import chat_prompt_ids, engine_request, generate, stream_events, tools_of
+from flashdraft.server.scheduler import ShuttingDown
 from flashdraft.server.state import read_json, server_state
-from flashdraft.server.streaming import EventStream, guarded
+from flashdraft.server.streaming import SHUTTING_DOWN, EventStream
 from flashdraft.server.tools import CallStream
 
 router = APIRouter()
+log = logging.getLogger("flashdraft.server")
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "cancelled": "end_turn"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+               503: "overloaded_error", 529: "overloaded_error"}
+
+
+def error_body(status: int, message: str) -> dict:
+    """An error as Anthropic's API answers it (its SDKs pick the exception by the HTTP status)."""
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def is_messages_path(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+class AnthropicErrors:
+    """ASGI middleware: every error answer on the Messages paths, from whichever layer made it (the gate's 401 and
+    413, a route's 400, a 404 or 405, a 500), rewritten from the OpenAI shape into Anthropic's. Only error answers
+    are held back (they are small); streams and answers below 400 pass through untouched."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not is_messages_path(scope["path"]):
+            return await self.app(scope, receive, send)
+        start: Message | None = None
+        chunks: list[bytes] = []
+
+        async def rewriting_send(message: Message) -> None:
+            nonlocal start
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                start = message
+                return
+            if start is None or message["type"] != "http.response.body":
+                return await send(message)
+            chunks.append(message.get("body", b""))
+            if message.get("more_body", False):
+                return
+            status = start["status"]
+            body = json.dumps(error_body(status, _error_message(status, b"".join(chunks)))).encode()
+            headers = [(k, v) for k, v in start.get("headers", []) if k.lower() not in (b"content-length",
+                                                                                      b"content-type")]
+            await send(start | {"headers": headers + [(b"content-type", b"application/json"),
+                                                      (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+
+        await self.app(scope, receive, rewriting_send)
+
+
+def _error_message(status: int, raw: bytes) -> str:
+    """The message of an error body in the OpenAI shape (or its text, or the status's phrase)."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = None
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        return error["message"]
+    text = raw.decode("utf-8", "replace").strip()
+    if text:
+        return text
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return f"error {status}"
+
+
+async def errors_as_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """A stream's events; an error after the response started ends it as Anthropic's `error` event."""
+    try:
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                yield chunk
+    except ShuttingDown:
+        yield event("error", error_body(SHUTTING_DOWN.status, SHUTTING_DOWN.message))
+    except ApiError as e:
+        yield event("error", error_body(e.status, e.message))
+    except Exception as e:
+        log.exception("generation failed")
+        yield event("error", error_body(500, f"{type(e).__name__}: {e}"))
 
 
 def _text(content, where: str) -> str:
@@ -69,7 +158,7 @@ def chat_body(body: dict) -> dict:
         if text or calls:
             messages.append({"role": m["role"], "content": "".join(text) or None} |
                             ({"tool_calls": calls} if calls else {}))
-    out = {"messages": messages, "max_tokens": body["max_tokens"], "stream": bool(body.get("stream"))}
+    out = {"messages": messages, "max_tokens": body["max_tokens"], "stream": P.get_bool(body, "stream", False)}
     for name in ("temperature", "top_p", "top_k"):
         if body.get(name) is not None:
             out[name] = body[name]
@@ -185,4 +274,4 @@ async def messages(request: Request) -> Response:
             yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": word},
                                           "usage": {"output_tokens": len(c.token_ids)}})
             yield event("message_stop", {})
-    return EventStream(guarded(chunks()))
+    return EventStream(errors_as_events(chunks()))
