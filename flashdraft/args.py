@@ -1,5 +1,7 @@
 """The engine's command-line flags, declared once for generate, serve and bench, and the EngineConfig they give."""
 import argparse
+import os
+from pathlib import Path
 
 from flashdraft.engine.config import DRAFT_KV_CACHE_TYPES, KV_CACHE_TYPES, EngineConfig
 
@@ -19,6 +21,11 @@ def add_engine_args(ap: argparse.ArgumentParser, model: bool = True, context: bo
         ap.add_argument("--block-size", type=int, default=None, help="verify block (at most the draft's)")
         ap.add_argument("--draft-window", type=int, default=None, help="draft sees the last N positions")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    ap.add_argument("-t", "--threads", type=int, default=None, metavar="N",
+                    help=f"CPU threads for generation (default: the physical cores this process may run on, "
+                         f"{default_threads()} here; on CUDA only host-side work uses them)")
+    ap.add_argument("-tb", "--threads-batch", type=int, default=None, metavar="N",
+                    help="CPU threads for prompt processing (accepted as llama.cpp's; prompts run with --threads)")
     ap.add_argument("--dtype", default="auto", choices=DTYPES)
     ap.add_argument("--dequantize", action="store_true",
                     help="expand GGUF weights (target and draft) to --dtype at load (default: on CUDA they stay in "
@@ -50,6 +57,65 @@ def add_engine_args(ap: argparse.ArgumentParser, model: bool = True, context: bo
     ap.add_argument("--spec-dm-adaptive", dest="adaptive", action=argparse.BooleanOptionalAction, default=True,
                     help="choose each verify step's width from the draft's recent acceptance and measured step costs, "
                          "down to plain decoding when drafting does not pay (default on; off: always the full block)")
+
+
+# the thread pools that read these when their library loads: set before torch is imported, so that no library starts
+# a pool of its own size next to torch's
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "VECLIB_MAXIMUM_THREADS",
+                    "NUMEXPR_NUM_THREADS")
+
+
+def default_threads() -> int:
+    """The physical cores among the CPUs this process may run on: hyperthreads of one core count once (read from
+    sysfs where it has the topology), so that busy sibling threads do not slow each other down."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+    cores = set()
+    for cpu in cpus:
+        try:
+            cores.add((Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip()))
+        except OSError:
+            return max(1, len(cpus))
+    return max(1, len(cores))
+
+
+def requested_threads(argv: list[str]) -> int | None:
+    """The value of -t/--threads in a command line, read before it is parsed (None when absent or malformed)."""
+    for i, a in enumerate(argv):
+        name, eq, value = a.partition("=")
+        if name in ("-t", "--threads"):
+            value = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+            try:
+                return int(value) if int(value) > 0 else None
+            except ValueError:
+                return None
+    return None
+
+
+def thread_env(argv: list[str], env=None) -> None:
+    """Size the OpenMP/BLAS pools (-t, else the physical cores) unless the user set them; call before torch loads."""
+    env = os.environ if env is None else env
+    n = str(requested_threads(argv) or default_threads())
+    for name in THREAD_VARIABLES:
+        if not env.get(name):
+            env[name] = n
+
+
+def set_threads(threads: int | None, world: int = 1) -> int:
+    """torch's intra-op pool: `threads` (-t), else the physical cores shared by `world` processes of this host;
+    one inter-op thread (the engine runs no independent ops side by side). Returns the count used."""
+    import torch
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {threads}")
+    n = threads or max(1, default_threads() // max(world, 1))
+    torch.set_num_threads(n)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # only settable before the first inter-op work; already running: leave it
+        pass
+    return n
 
 
 def default_device(device: str | None) -> str:

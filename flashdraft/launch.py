@@ -53,7 +53,8 @@ def run_rank(main: RankMain, device: str) -> int:
         # device_id: the communicator is set up now, not lazily inside the first captured CUDA graph
         dist.init_process_group("nccl", device_id=torch.device(device))
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+        from flashdraft.args import set_threads
+        set_threads(None, int(os.environ.get("LOCAL_WORLD_SIZE", world)))  # the physical cores, shared by the ranks
         dist.init_process_group("gloo")
     try:
         return main(device)
