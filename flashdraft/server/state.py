@@ -52,7 +52,7 @@ def server_state(request: Request) -> ServerState:
     return request.app.state.server
 
 
-MAX_DEPTH = 64  # nesting of arrays and objects a request may have
+MAX_DEPTH = 256  # nesting of arrays and objects a request may have (a JSON schema takes two a level)
 
 
 def check_values(body) -> None:
