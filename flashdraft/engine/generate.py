@@ -12,7 +12,8 @@ import torch
 from torch import Tensor
 
 from flashdraft.engine.adaptive import WidthController
-from flashdraft.engine.sampling import SamplingParams, adjust_logits, logit_bias_row, sample, token_logprobs
+from flashdraft.engine.sampling import (SamplingParams, adjust_logits, check_sampled, logit_bias_row, sample,
+                                       token_logprobs)
 from flashdraft.engine.steps import Steps
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ def accept_matching_samples(drafted: Tensor, logits: Tensor, params: SamplingPar
     both = torch.cat([drafted, posterior]).tolist()  # the one host synchronisation of a verify step
     proposed, target_tokens = both[:len(drafted)], both[len(drafted):]
     accepted = next((i for i, (d, t) in enumerate(zip(proposed, target_tokens)) if d != t), len(proposed))
+    check_sampled(target_tokens[accepted:accepted + 1])  # the rows before equal drafted ids; the ones after don't count
     return accepted, target_tokens[accepted]
 
 
@@ -155,6 +157,7 @@ def decode(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int =
             logprobs.extend(token_logprobs(rows[:len(tokens)], tokens, params.logprobs))
 
     token = int(sample(choose(logits), params, generator)[0])
+    check_sampled([token])
     report(logits, [token])
     yield [token]
     produced, pos = 1, n  # pos: position of `token`, committed but not yet in the target cache
@@ -178,6 +181,7 @@ def decode(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int =
                 positions = torch.tensor([pos], device=device)
                 out = steps.plain(slot, torch.tensor([token], device=device), positions, attn_len, follow)
                 new = [int(sample(choose(out[0]), params, generator)[0])]
+                check_sampled(new)
                 report(out[0], new[:budget - produced])
                 if follow:
                     following.add(out[1], pos)

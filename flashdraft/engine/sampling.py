@@ -26,7 +26,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0 or self.top_k == 1
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
     @property
     def penalized(self) -> bool:
@@ -39,8 +39,9 @@ class SamplingParams:
         return bool(self.logit_bias) or self.penalized
 
     def validate(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        """Every field within BOUNDS (see there), so the arithmetic on float32 logits stays finite."""
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be >= 0 and at most {MAX_TEMPERATURE:g}, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
@@ -49,15 +50,39 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
-        if not self.repeat_penalty > 0:
-            raise ValueError(f"repeat_penalty must be > 0, got {self.repeat_penalty}")
+        if not MIN_REPEAT_PENALTY <= self.repeat_penalty <= MAX_REPEAT_PENALTY:
+            raise ValueError(f"repeat_penalty must be > 0, between {MIN_REPEAT_PENALTY:g} and "
+                             f"{MAX_REPEAT_PENALTY:g}, got {self.repeat_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise ValueError(f"{name} must be between {-MAX_PENALTY:g} and {MAX_PENALTY:g}, "
+                                 f"got {getattr(self, name)}")
         if self.repeat_last_n < -1:
             raise ValueError(f"repeat_last_n must be >= -1, got {self.repeat_last_n}")
+        bad = next((b for b in self.logit_bias.values() if not (-MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS
+                                                                or b == float("-inf"))), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias values must be between {-MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g} "
+                             f"(false bans a token), got {bad}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"the number of top log-probabilities must be between 0 and {MAX_LOGPROBS}, "
                              f"got {self.logprobs}")
 
 
+# BOUNDS. Each field is bounded so that float32 logits stay finite under every combination the bounds allow: a
+# model's logits are well below 1e4 in magnitude; a bias adds at most MAX_LOGIT_BIAS, the repeat penalty scales by
+# at most MAX_REPEAT_PENALTY, the frequency penalty subtracts at most MAX_PENALTY per occurrence (a window holds at
+# most the context, < 1e7 tokens), the presence penalty MAX_PENALTY once: |logit| < 2e4 * 1e4 + 1e7 * 1e4 + 1e4,
+# about 1e11, and divided by a temperature >= MIN_TEMPERATURE, below 1e16, far from float32's 3.4e38. The bounds
+# are generous: OpenAI allows a bias in [-100, 100], penalties in [-2, 2] and a temperature in [0, 2]; llama.cpp
+# has no bounds (its extremes overflow float into NaN). A bias of 1e4 already decides softmax in float32 (exp
+# underflows below -104), so nothing is lost. A temperature below MIN_TEMPERATURE samples greedily (as vLLM's
+# 1e-5); dividing by it would overflow.
+MIN_TEMPERATURE = 1e-5
+MAX_TEMPERATURE = 1e4
+MAX_LOGIT_BIAS = 1e4
+MAX_PENALTY = 1e4  # presence and frequency penalties, either sign
+MIN_REPEAT_PENALTY, MAX_REPEAT_PENALTY = 1e-4, 1e4
 MAX_LOGPROBS = 100
 
 
@@ -73,11 +98,16 @@ def logit_bias_row(p: SamplingParams, vocab_size: int, device: torch.device | st
 
 def penalty_counts(history: list[int], drafted: Tensor, rows: int, p: SamplingParams, vocab_size: int) -> Tensor:
     """[rows, V] occurrences of each token in the penalty window of every row: row i's window is the last
-    `repeat_last_n` tokens of `history` followed by drafted[:i] (the prefix that row's logits were computed on)."""
+    `repeat_last_n` tokens of `history` followed by drafted[:i] (the prefix that row's logits were computed on).
+    The window is never wider than the tokens that exist (-1 or any larger width: all of them), whatever the width
+    asked for."""
     device = drafted.device
     extra = drafted[:rows - 1]
-    width = p.repeat_last_n if p.repeat_last_n > 0 else len(history) + rows - 1
-    tail = history[-width:] if width else []
+    existing = len(history) + rows - 1
+    width = existing if p.repeat_last_n < 0 else min(p.repeat_last_n, existing)
+    if width <= 0:
+        return torch.zeros(rows, vocab_size, device=device)
+    tail = history[-width:]
     seq = torch.cat([torch.full((width - len(tail),), vocab_size, dtype=torch.long, device=device),
                      torch.tensor(tail, dtype=torch.long, device=device), extra.long()])
     windows = seq[len(seq) - (rows - 1) - width:].unfold(0, width, 1)  # [rows, width]; vocab_size pads
@@ -140,6 +170,7 @@ def filtered_candidates(logits: Tensor, p: SamplingParams) -> tuple[Tensor, Tens
     if p.top_p < 1.0:  # values are sorted descending here
         probs = values.softmax(-1)
         keep = probs.cumsum(-1) - probs < p.top_p
+        keep[:, 0] = True  # the first is kept whatever top_p is (a subnormal top_p is 0 in float32)
     if p.min_p > 0:
         best = values[:, :1] if ids is not None else values.max(-1, keepdim=True).values
         above = values >= best + math.log(p.min_p)
@@ -181,13 +212,27 @@ def chunked_argmax(x: Tensor) -> Tensor:
     return (best * width + index.gather(-1, best)).squeeze(-1)
 
 
+class NoTokenToSample(RuntimeError):
+    """A row of logits with no finite choice: NaN or +inf in it (the model's arithmetic overflowed), or every token
+    at -inf (logit_bias or a grammar banned them all). An error for the request, never a token."""
+
+
+def check_sampled(tokens: list[int]) -> None:
+    """Raise NoTokenToSample where `sample` flagged a row (a negative id)."""
+    if any(t < 0 for t in tokens):
+        raise NoTokenToSample("no token can be sampled: the logits hold NaN or +inf (the model's output overflowed) "
+                              "or every token is banned (logit_bias, grammar)")
+
+
 def sample(logits: Tensor, p: SamplingParams, generator: torch.Generator | None) -> Tensor:
     """One token per row of logits [N, V]: argmax when greedy, else an exponential race over the filtered
     distribution (equivalent to multinomial, but with no host synchronisation). With top-k the race runs over the
-    k candidates only, [N, k], and the winner's id is gathered."""
+    k candidates only, [N, k], and the winner's id is gathered. A row with no finite choice (NaN or +inf in it, or
+    nothing above -inf) gives -1, which check_sampled turns into an error once the tokens reach the host."""
     if p.greedy:
-        return argmax_rows(logits)
+        return torch.where(torch.isfinite(logits.amax(-1)), argmax_rows(logits), -1)  # amax is NaN if any is
     probs, ids = filtered_candidates(logits, p)
     noise = torch.empty_like(probs).exponential_(1, generator=generator)
     pick = argmax_rows(probs / noise)
-    return pick if ids is None else ids.gather(-1, pick[:, None]).squeeze(-1)
+    pick = pick if ids is None else ids.gather(-1, pick[:, None]).squeeze(-1)
+    return torch.where(probs.isnan().any(-1), -1, pick)

@@ -1,11 +1,12 @@
 """Request validation and response shapes for the OpenAI and llama.cpp APIs."""
+import re
 import secrets
 import string
 import time
 from typing import Any
 
 from flashdraft.engine.engine import Completion, Timings, TokenLogprob
-from flashdraft.engine.sampling import SamplingParams
+from flashdraft.engine.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from flashdraft.formats.tokenizer import IncrementalDetokenizer, TooManyTokens
 from flashdraft.server.scheduler import Job
 from flashdraft.server.settings import Settings
@@ -47,11 +48,20 @@ def get_number(body: dict, name: str, default: float, lo: float | None = None, h
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         bounds = f"between {lo} and {hi}" if lo is not None and hi is not None else f">= {lo}" if lo is not None \
             else f"<= {hi}"
-        raise ApiError(400, f"'{name}' must be {bounds}, got {value}")
-    return float(value)
+        raise ApiError(400, f"'{name}' must be {bounds}, got {_short(value)}")
+    return as_float(value, name)
 
 
-def get_int(body: dict, name: str, default: int | None, lo: int | None = None) -> int | None:
+def as_float(value: int | float, name: str) -> float:
+    """A JSON number as a float; an integer too large for a double (JSON allows any) is a 400 naming `name`."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise ApiError(400, f"'{name}' is too large for a number (a double's range)") from None
+
+
+def get_int(body: dict, name: str, default: int | None, lo: int | None = None,
+            hi: int | None = None) -> int | None:
     value = body.get(name)
     if value is None:
         return default
@@ -60,7 +70,9 @@ def get_int(body: dict, name: str, default: int | None, lo: int | None = None) -
     if isinstance(value, bool) or not isinstance(value, int):
         raise ApiError(400, f"'{name}' must be an integer, got {_type_name(value)}")
     if lo is not None and value < lo:
-        raise ApiError(400, f"'{name}' must be >= {lo}, got {value}")
+        raise ApiError(400, f"'{name}' must be >= {lo}, got {_short(value)}")
+    if hi is not None and value > hi:
+        raise ApiError(400, f"'{name}' must be <= {hi}, got {_short(value)}")
     return value
 
 
@@ -112,7 +124,7 @@ def sampling_params(body: dict, settings: Settings, token_limit_names: tuple[str
     top_p = get_number(body, "top_p", settings.top_p, 0.0, 1.0)
     seed = get_int(body, "seed", settings.seed)
     if seed is not None and not -1 <= seed < 2 ** 32:  # llama.cpp's seed is a uint32; -1: random
-        raise ApiError(400, f"'seed' must be between -1 and {2 ** 32 - 1}, got {seed}")
+        raise ApiError(400, f"'seed' must be between -1 and {2 ** 32 - 1}, got {_short(seed)}")
     params = SamplingParams(
         temperature=get_number(body, "temperature", settings.temperature, lo=0.0),
         # top_k <= 0 disables it (llama.cpp; vLLM clients send -1)
@@ -152,23 +164,45 @@ def logit_bias(body: dict, tokenizer, vocab_size: int) -> dict[int, float]:
         if bias is False:
             bias = float("-inf")
         elif isinstance(bias, bool) or not isinstance(bias, int | float):
-            raise ApiError(400, f"'logit_bias' values must be numbers or false, got {_type_name(bias)} for {key!r}")
-        if isinstance(key, str) and key.lstrip("-").isdigit():
+            raise ApiError(400, f"'logit_bias' values must be numbers or false, got {_type_name(bias)} for "
+                                f"{_short(key)}")
+        elif not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # compared before float(): a huge integer overflows it
+            raise ApiError(400, f"'logit_bias' values must be between {-MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g} "
+                                f"(false bans the token), got {_short(bias)} for {_short(key)}")
+        if isinstance(key, str) and TOKEN_ID.fullmatch(key):
+            if len(key.lstrip("-")) > 18:  # no id of any vocabulary; int() of thousands of digits is refused
+                raise ApiError(400, f"'logit_bias' has token ids outside the vocabulary (size {vocab_size}): "
+                                    f"{_short(key)}")
             ids = [int(key)]
         elif isinstance(key, int) and not isinstance(key, bool):
             ids = [key]
         elif isinstance(key, str) and isinstance(value, list):
             ids = tokenizer.encode(key, add_special=False)
         else:
-            raise ApiError(400, f"'logit_bias' keys must be token ids, got {key!r}")
-        check_token_ids(ids, vocab_size, "'logit_bias'")
+            raise ApiError(400, f"'logit_bias' keys must be token ids (ASCII decimal integers), got {_short(key)}")
+        if any(not 0 <= t < vocab_size for t in ids):
+            raise ApiError(400, f"'logit_bias' has token ids outside the vocabulary (size {vocab_size}): "
+                                f"{[_short(t) for t in ids if not 0 <= t < vocab_size][:5]}")
         out.update(dict.fromkeys(ids, float(bias)))
+    if sum(b == float("-inf") for b in out.values()) >= vocab_size:
+        raise ApiError(400, "'logit_bias' bans every token of the vocabulary: nothing could be sampled")
     return out
+
+
+TOKEN_ID = re.compile(r"-?[0-9]+")  # ASCII only: str.isdigit() also takes "²" and "٥", which int() refuses or reads
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    """repr(value) cut to `limit` characters (a key may be megabytes; an integer may have thousands of digits)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10 ** limit:
+        return f"an integer of more than {limit} digits"
+    text = repr(value[:limit + 1] if isinstance(value, str) else value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def chat_logprobs_count(body: dict) -> int | None:
     """OpenAI chat: `logprobs: true` with `top_logprobs` alternatives per token."""
-    top = get_int(body, "top_logprobs", None, lo=0)
+    top = get_int(body, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
     if not get_bool(body, "logprobs", False):
         if top:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true")
@@ -178,14 +212,18 @@ def chat_logprobs_count(body: dict) -> int | None:
 
 def text_logprobs_count(body: dict) -> int | None:
     """OpenAI completions: `logprobs: N` alternatives per token (false or null: none)."""
-    return None if body.get("logprobs") is False else get_int(body, "logprobs", None, lo=0)
+    return None if body.get("logprobs") is False else get_int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
 
 
 def native_probs_count(body: dict) -> int | None:
     """llama.cpp: `n_probs: N` > 0 adds completion_probabilities with N alternatives per token."""
     if get_bool(body, "post_sampling_probs", False):
         raise ApiError(400, "'post_sampling_probs' is not supported yet")
-    return get_int(body, "n_probs", 0, lo=0) or None
+    value = get_int(body, "n_probs", 0, lo=0)
+    if value > MAX_LOGPROBS:
+        raise ApiError(400, f"'n_probs' (the number of top log-probabilities) must be between 0 and {MAX_LOGPROBS}, "
+                            f"got {value}")
+    return value or None
 
 
 LOGPROB_FLOOR = -9999.0  # OpenAI's value for a token the model gives no chance (JSON has no -inf)
