@@ -5,7 +5,7 @@ import logging
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from flashdraft.server.protocol import ApiError
+from flashdraft.server.protocol import ApiError, internal_error
 from flashdraft.server.state import ServerState
 
 log = logging.getLogger("flashdraft.server")
@@ -46,7 +46,7 @@ class Gate:
         except Exception as e:
             log.exception("%s %s failed", method, path)
             if not started:
-                await send_error(send, ApiError(500, f"internal server error: {type(e).__name__}: {e}"), path)
+                await send_error(send, internal_error(e), path)
 
 
 def is_public(path: str) -> bool:

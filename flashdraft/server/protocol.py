@@ -28,6 +28,17 @@ class ApiError(Exception):
         return {"error": {"code": self.status, "message": self.message, "type": self.type, **self.extra}}
 
 
+def internal_error(e: Exception) -> ApiError:
+    """What a client is told of an unexpected failure: the engine's own request errors in their words, anything else
+    by its kind only, since its message can hold internals (allocator state, paths); the log has the traceback."""
+    from flashdraft.engine.sampling import NoTokenToSample
+    if isinstance(e, NoTokenToSample):
+        return ApiError(500, str(e))
+    if type(e).__name__ == "OutOfMemoryError":
+        return ApiError(500, "the request ran out of GPU memory (lower --ctx-size or --parallel)")
+    return ApiError(500, f"internal server error ({type(e).__name__}); the server's log has the details")
+
+
 def _type_name(value: Any) -> str:
     return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
             dict: "an object"}.get(type(value), type(value).__name__)

@@ -17,7 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from flashdraft.engine.engine import Completion, Delta
 from flashdraft.server import protocol as P
-from flashdraft.server.protocol import ApiError
+from flashdraft.server.protocol import ApiError, internal_error
 from flashdraft.server.routes_generate import chat_prompt_ids, engine_request, generate, stream_events, tools_of
 from flashdraft.server.scheduler import ShuttingDown
 from flashdraft.server.state import read_json, server_state
@@ -107,7 +107,8 @@ async def errors_as_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]
         yield event("error", error_body(e.status, e.message))
     except Exception as e:
         log.exception("generation failed")
-        yield event("error", error_body(500, f"{type(e).__name__}: {e}"))
+        error = internal_error(e)
+        yield event("error", error_body(error.status, error.message))
 
 
 def _text(content, where: str) -> str:

@@ -11,7 +11,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from flashdraft.server.protocol import ApiError
+from flashdraft.server.protocol import ApiError, internal_error
 from flashdraft.server.scheduler import ShuttingDown
 
 SHUTTING_DOWN = ApiError(503, "the server is shutting down")
@@ -85,4 +85,4 @@ async def guarded(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         yield sse(e.body())
     except Exception as e:
         log.exception("generation failed")
-        yield sse(ApiError(500, f"{type(e).__name__}: {e}").body())
+        yield sse(internal_error(e).body())
