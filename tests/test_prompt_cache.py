@@ -115,3 +115,34 @@ def test_a_plain_request_between_leaves_the_draft_no_stale_context(models):
     assert hit.token_ids == fresh.token_ids and hit.spec.draft_steps == fresh.spec.draft_steps
     again = engine.generate(Request(b, PARAMS))  # now the ring holds b's turn too
     assert again.timings.cache_n == len(b) - 1 and again.spec.draft_steps == fresh.spec.draft_steps
+
+
+@pytest.fixture(scope="module")
+def wide_heads(tmp_path_factory):
+    """A tiny target whose heads (32 values) take llama.cpp's 32-value block types."""
+    from tiny import make_target
+    return make_target(tmp_path_factory.mktemp("wide-heads") / "target", heads=2, kv_heads=1)
+
+
+@pytest.mark.parametrize("types", [("q8_0", "q4_0"), ("q4_1", "q5_0"), ("q5_1", "iq4_nl"), ("turbo3", "turbo4")])
+def test_a_cached_prefix_gives_the_fresh_answer_with_a_quantized_cache(wide_heads, types):
+    """A prompt's first chunk attends to its own K/V as the cache will give them back, as every later step and a
+    prefill after a cache hit do (llama.cpp attends through the cache too): the same request answers the same
+    whatever the slot ran before it."""
+    engine = load((wide_heads, None), n_slots=1, slot_ctx=512, cache_type_k=types[0], cache_type_v=types[1])
+    first = [5, 6, 7, 8, 9, 10, 11, 12] * 3
+    reused = run_conversation(engine, first, 4, False, cache=True)
+    fresh = run_conversation(engine, first, 4, False, cache=False)
+    assert [c.timings.cache_n > 0 for _, c in reused[1:]] == [True] * 3
+    assert [c.token_ids for _, c in reused] == [c.token_ids for _, c in fresh]
+    # the logits themselves: a whole prompt in one fresh chunk, and its second half after the first from the cache,
+    # differ by float rounding only (before, by the cache type's rounding: 1e-3 to 1e-1 here)
+    import torch
+
+    from flashdraft.engine.generate import prefill
+    ids = torch.tensor([5 + (i * 7) % 300 for i in range(60)])
+    with torch.inference_mode():
+        whole = prefill(engine.target, engine.state, ids, 0)
+        prefill(engine.target, engine.state, ids[:37], 0)
+        continued = prefill(engine.target, engine.state, ids, 0, cached=37)
+    assert (whole - continued).abs().max() < 1e-4, (types, (whole - continued).abs().max())

@@ -58,14 +58,14 @@ def write_gemma_tokenizer(folder: Path, merges: int = 80) -> int:
 
 
 def make_target(folder: Path, arch: str = "llama", vocab_size: int = 320, layers: int = 4, seed: int = 0,
-                std: float = 0.15) -> Path:
+                std: float = 0.15, heads: int = 4, kv_heads: int = 2) -> Path:
     import transformers
     folder.mkdir(parents=True, exist_ok=True)
     write_tokenizer(folder, vocab_size)
     eos = 2  # <|im_end|>
     cfg = transformers.AutoConfig.for_model(
         model_type=arch, vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=2048, rms_norm_eps=1e-5,
         tie_word_embeddings=arch == "llama", eos_token_id=eos, bos_token_id=None)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg).float()

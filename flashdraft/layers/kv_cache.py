@@ -70,10 +70,25 @@ class KVSlots:
             k, v = self.k[None, :, rows], self.v[None, :, rows]
         else:
             k, v = self.k[self.slots, :, rows], self.v[self.slots, :, rows]
-        if self.key_shift is None:
+        shift = None if self.key_shift is None else self.key_shift[:, None]  # heads before rows here
+        return self._expand(k, v, shift, dtype)
+
+    def _expand(self, k: Tensor, v: Tensor, shift: Tensor | None, dtype: torch.dtype | None) -> tuple[Tensor, Tensor]:
+        """Stored K/V rows -> rows in `dtype`, the keys' shift added back."""
+        if shift is None:
             return self.codecs[0].decode(k, dtype), self.codecs[1].decode(v, dtype)
-        keys = self.codecs[0].decode(k, torch.float32) + self.key_shift[:, None]
+        keys = self.codecs[0].decode(k, torch.float32) + shift
         return keys.to(dtype or self.codecs[0].dtype), self.codecs[1].decode(v, dtype)
+
+    def as_read(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """New rows k/v [B, T, KV, D] as a read of the cache will give them back, in their own dtype: a chunk that
+        attends to its own K/V (a fresh prefill) then sees what a step attending through the cache sees, so an
+        answer does not depend on whether its prompt's start came from the prompt cache (llama.cpp attends through
+        its cache too)."""
+        kc, vc = self.codecs
+        if kc.storage_dtype == k.dtype and vc.storage_dtype == v.dtype:  # float rows of the model's own dtype
+            return k, v
+        return self._expand(kc.encode(k, self.key_shift), vc.encode(v), self.key_shift, k.dtype)
 
 
 class KVCache:

@@ -163,13 +163,17 @@ class GemmaAttention(nn.Module):
         v = raw_k if self.k_eq_v else proj[:, :, H + KV:]
         if self.v_norm is not None:
             v = self.v_norm(v)
+        if cache is not None and keys_from != "cache":  # the chunk's own K/V as the cache gives them back
+            k_read, v_read = cache.as_read(k, v)
+        else:
+            k_read, v_read = k, v
         if keys_from == "cache+chunk":
             old_k, old_v = cache.read(attn_len, q.dtype)
-            keys, values = torch.cat([old_k, k.transpose(1, 2)], 2), torch.cat([old_v, v.transpose(1, 2)], 2)
+            keys, values = torch.cat([old_k, k_read.transpose(1, 2)], 2), torch.cat([old_v, v_read.transpose(1, 2)], 2)
         if cache is not None:
             cache.write(positions, k, v)
         if keys_from == "chunk":
-            keys, values = k.transpose(1, 2), v.transpose(1, 2)
+            keys, values = k_read.transpose(1, 2), v_read.transpose(1, 2)
         elif keys_from == "cache":  # a full layer's rows are positions; a sliding layer's ring's are not
             return self.o_proj(attend_cache(q, cache, attn_len, mask, self.spec,
                                             None if self.spec.window else positions))

@@ -108,6 +108,8 @@ class LlamaAttention(nn.Module):
         if cache is not None:
             cache.write(positions, k, v)
         if mask is None or cache is None:  # a fresh prefill from position 0 (or training): the chunk's own keys
+            if cache is not None:
+                k, v = cache.as_read(k, v)
             return self.o_proj(attend(q, k.transpose(1, 2), v.transpose(1, 2), mask, self.spec))
         return self.o_proj(attend_cache(q, cache, attn_len, mask, self.spec, positions))
 
