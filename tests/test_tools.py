@@ -263,3 +263,69 @@ def test_stream_sends_content_before_a_call_and_the_call_after(tool_models):
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
         r = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Rome?"}], tools=[WEATHER])
         assert r.choices[0].message.content == "Sure, checking." and r.choices[0].finish_reason == "tool_calls"
+
+
+def pydantic_tool() -> dict:
+    """A tool whose parameters Pydantic wrote: a nested model behind a local `$ref` into `$defs`."""
+    from typing import Literal
+
+    from pydantic import BaseModel, ConfigDict, Field
+
+    class City(BaseModel):
+        model_config = ConfigDict(extra="forbid")  # bounded output: a random model writes free text forever
+        name: Literal["Paris", "Rome"]
+        unit: Literal["celsius", "fahrenheit"]
+
+    class Forecast(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        city: City
+        days: int = Field(ge=1, le=7)
+
+    return {"type": "function", "function": {"name": "get_forecast", "parameters": Forecast.model_json_schema()}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_pydantic_parameters_with_refs_work_with_required_and_named_choice(tool_urls, stream):
+    tool = pydantic_tool()
+    params = tool["function"]["parameters"]
+    assert "$defs" in params and "$ref" in json.dumps(params["properties"])  # what the wrapper used to break
+    for choice in ("required", {"type": "function", "function": {"name": "get_forecast"}}):
+        # (one tool: the schema's text in the prompt leaves room for the call in the 1024-token context)
+        content, calls, finish = ask(tool_urls[1], stream, tools=[tool], tool_choice=choice, parallel_tool_calls=False)
+        assert finish == "tool_calls" and [c[0] for c in calls] == ["get_forecast"], (content, calls)
+        jsonschema.validate(json.loads(calls[0][1]), params)
+
+
+def test_recursive_parameters_keep_their_root_reference():
+    """A schema that refers to its own root ("#", as a recursive model's may) or to `definitions` still compiles
+    and accepts a call after being moved below the call's wrapper."""
+    import llguidance
+
+    from flashdraft.server.tools import choice_grammar
+    tree = {"type": "object", "properties": {"label": {"type": "string", "maxLength": 4},
+                                             "kids": {"type": "array", "maxItems": 2, "items": {"$ref": "#"}},
+                                             "leaf": {"$ref": "#/definitions/leaf"}},
+            "required": ["label"], "additionalProperties": False,
+            "definitions": {"leaf": {"type": "boolean"}}}
+    tool = {"type": "function", "function": {"name": "tree", "parameters": tree}}
+    grammar = choice_grammar([tool], "required", False)
+    schema = json.loads(grammar.text)
+    call = {"name": "tree", "arguments": {"label": "a", "kids": [{"label": "b", "kids": [], "leaf": True}]}}
+    jsonschema.validate(call, schema)  # the references resolve inside the wrapper
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "tree", "arguments": {"label": "a", "kids": [{"label": 3}]}}, schema)
+    assert llguidance.LLMatcher.validate_grammar(llguidance.grammar_from("json_schema", grammar.text)) == ""
+
+
+@pytest.mark.parametrize("tool, message", [
+    ({"type": "function", "function": {"name": "<|im_end|>"}}, "tools[0].function.name must be"),
+    ({"type": "function", "function": {"name": "x" * 65}}, "tools[0].function.name must be"),
+    ({"type": "function", "function": {"name": "a b"}}, "tools[0].function.name must be"),
+    ({"type": "retrieval", "function": {"name": "find"}}, "tools[0].type must be"),
+    ({"type": "function", "function": {"name": "f", "parameters": "{\"type\": \"object\"}"}},
+     "tools[0].function.parameters must be"),
+])
+def test_bad_tool_definitions_are_400s_naming_the_field(tool_urls, tool, message):
+    r = httpx.post(tool_urls[0] + "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "tools": [tool], "max_tokens": 4}, timeout=60)
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text

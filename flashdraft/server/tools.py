@@ -36,14 +36,48 @@ def tool_format(template: str | None) -> str | None:
     return "json"
 
 
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule: nothing a template or a grammar reads as markup
+
+
 def tool_names(tools: list) -> list[str]:
+    """The tools' function names, each tool checked: a function with a valid name and, if any, object parameters."""
     names = []
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
             raise ToolError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}")
+        if tool.get("type", "function") != "function":
+            raise ToolError(f"tools[{i}].type must be \"function\", got {str(tool['type'])[:40]!r}")
+        if not FUNCTION_NAME.fullmatch(function["name"]):
+            raise ToolError(f"tools[{i}].function.name must be 1-64 letters, digits, '_' or '-', got "
+                            f"{function['name'][:80]!r}")
+        if not isinstance(function.get("parameters", {}), dict):
+            raise ToolError(f"tools[{i}].function.parameters must be a JSON schema object")
         names.append(function["name"])
     return names
+
+
+def relocated(schema: dict, key: str) -> tuple[dict, dict]:
+    """A function's parameter schema made to sit below another root: (its body with every local `$ref` rewritten,
+    the definitions to put in the new root's `$defs`). Its own `$defs`/`definitions` go up as `key__NAME` and the
+    schema itself as `key`, so refs to them and to its root ("#", as Pydantic writes recursive models) still land."""
+    defs = {f"{key}__{name}": d for table in ("$defs", "definitions") for name, d in (schema.get(table) or {}).items()}
+
+    def pointer(ref: str) -> str:
+        for table in ("$defs", "definitions"):
+            if ref.startswith(f"#/{table}/"):
+                name, _, rest = ref[len(table) + 3:].partition("/")
+                return f"#/$defs/{key}__{name}" + (f"/{rest}" if rest else "")
+        return f"#/$defs/{key}{ref[1:]}"
+
+    def walk(node):
+        if isinstance(node, dict):
+            return {k: pointer(v) if k == "$ref" and isinstance(v, str) and v.startswith("#") else walk(v)
+                    for k, v in node.items() if k not in ("$defs", "definitions", "$id", "$schema")}
+        return [walk(v) for v in node] if isinstance(node, list) else node
+
+    body = walk(schema)
+    return body, {key: body, **{name: walk(d) for name, d in defs.items()}}
 
 
 def parse_tool_choice(value, names: list[str]) -> str:
@@ -66,19 +100,20 @@ def choice_grammar(tools: list, choice: str, parallel: bool) -> Grammar | None:
     are allowed), with `arguments` valid for that function's parameters."""
     if choice == "auto":
         return None
-    calls = []
-    for tool in tools:
+    calls, defs = [], {}
+    for i, tool in enumerate(tools):
         function = tool["function"]
         if choice != "required" and function["name"] != choice:
             continue
-        params = function.get("parameters") or {"type": "object"}
+        params, own = relocated(function.get("parameters") or {"type": "object"}, f"tool{i}")
+        defs.update(own)
         calls.append({"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": params},
                       "required": ["name", "arguments"], "additionalProperties": False})
     call = calls[0] if len(calls) == 1 else {"anyOf": calls}
     # parallel calls: an array of at most MAX_PARALLEL_CALLS (a bound, so that a weak model cannot list forever)
     schema = ({"type": "array", "items": call, "minItems": 1, "maxItems": MAX_PARALLEL_CALLS}
               if parallel and choice == "required" else call)
-    return Grammar("json_schema", json.dumps(schema), compact=True)
+    return Grammar("json_schema", json.dumps({**schema, "$defs": defs}), compact=True)
 
 
 def template_messages(messages: list[dict]) -> list[dict]:
