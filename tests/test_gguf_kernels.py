@@ -157,12 +157,14 @@ def test_smollm2_quantized_logits_interpreted(smollm2_gguf):
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_gguf_kernels_on_gpu_match_gguf_reference(tmp_path):
     check("cuda", torch.bfloat16, 1e-2)
     check_engine(str(tmp_path), "cuda")  # the kernels inside CUDA graphs
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_compiled_steps_with_pdl_on_gpu(tmp_path):
     """torch.compile's kernels launched with PDL beside ours (kernels/pdl.compile_options) inside CUDA graphs: the
@@ -230,6 +232,7 @@ def test_kernels_wait_before_they_start_dependents():
     assert pdl.compile_options() in ({}, {"triton.enable_pdl": True})
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_int8_mma_kernels_on_gpu_match_gguf_reference():
     """kernels/gguf_mma.py (Gluon: no interpreter) for 5-16 rows of each type it has a kernel for (through
@@ -259,6 +262,7 @@ def test_int8_mma_kernels_on_gpu_match_gguf_reference():
         gguf_mma.ENABLED = enabled
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_dependent_launches_in_a_graph_match_plain_launches():
     """kernels/pdl.py: integer products each reading the one before (x rounded, the product, its split-K sum),

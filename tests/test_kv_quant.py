@@ -279,6 +279,7 @@ def test_greedy_speculative_equals_plain_with_each_cache_type(monkeypatch, types
     assert target.state.layers[0].k.dtype == (torch.bfloat16 if types[0] == "bf16" else torch.uint8)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("types", [("f16", "f16"), ("q8_0", "q8_0"), ("q5_0", "q4_1"), ("q4_1", "q4_1"),
                                    ("iq4_nl", "iq4_nl"), ("turbo4", "turbo4"), ("turbo3", "q8_0")])
@@ -477,6 +478,7 @@ def test_quantize_kernel_interpreted_equals_the_torch_quantizers():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_quantize_kernel_on_gpu_equals_the_torch_quantizers():
     check_quantize_kernel("cuda")

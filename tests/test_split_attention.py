@@ -113,6 +113,7 @@ def test_split_attention_interpreted_matches_matmul_attention():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
                     reason="needs a GPU and triton")
 def test_split_attention_on_gpu_matches_matmul_attention():
@@ -318,6 +319,7 @@ def check_wide_heads(device: str, dtype: torch.dtype, tol: float) -> None:
     assert launches[256] == launches[512] == len(cases) // 2, launches  # no case fell back to expanding the cache
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
                     reason="needs a GPU and triton")
 def test_split_attention_reads_quantized_rows_on_gpu():
@@ -325,6 +327,7 @@ def test_split_attention_reads_quantized_rows_on_gpu():
     check_wide_heads("cuda", torch.bfloat16, 0.05)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
                     reason="needs a GPU and triton")
 def test_split_attention_rows_are_invariant_on_gpu():
