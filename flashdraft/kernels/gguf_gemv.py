@@ -46,7 +46,7 @@ MAX_ROWS = 4
 ROW_BUCKETS = (1, 2, 4, 8, 16)  # the kernels are compiled per bucket: rows of x are unrolled
 
 # tile: BLOCK_N output rows x SB super-blocks (the 32-weight types: 8-block groups) per iteration; chosen on an H200
-# by benchmarks/gguf_kernels.py --gemv-sweep.
+# by benchmarks/kernels/gguf_kernels.py --gemv-sweep.
 # (software-pipelined loads, tl.range num_stages 2-3, ran slower at every tile: H200 run 12).
 CONFIG = {"BLOCK_N": 4, "SB": 16, "num_warps": 4, "target_programs": 2112}
 # Q6_K: 0.195 ms against 0.218 (8B + Gemma shapes; PERF run 7); IQ4_XS 8 x 8 with its nibbles by lane: the 8B's

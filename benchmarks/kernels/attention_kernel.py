@@ -1,6 +1,6 @@
 """The split attention kernel alone (kernels/split_attention.py) at the 8B's decode and verify shapes (32 query heads
 over 8 KV heads of 128, a bf16 cache or a stored KV type), replayed in a CUDA graph, over a sweep of its tile settings.
-Usage: python benchmarks/attention_kernel.py [--lengths 1280,16640] [--types f16,q4_1]
+Usage: python benchmarks/kernels/attention_kernel.py [--lengths 1280,16640] [--types f16,q4_1]
            [--configs "ROW_TILE,BLOCK_N,TARGET,warps,stages[,tiles];..."]
 (tiles: row tiles a program takes, FLOAT_TILES or STORED_TILES)"""
 import argparse
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))  # benchmarks/, for its shared modules
 from gpu import graphed, timed  # noqa: E402
 
 from flashdraft.kernels import split_attention as S  # noqa: E402

@@ -3,18 +3,20 @@ kernel. Greedy speculative decoding is token-identical to plain decoding only wh
 in bf16 they differ by rounding (matrix products of 1 and of 16 rows take different kernels), and this prints by
 how much: max and mean |logit difference| and the share of positions whose argmax differs.
 
-Usage: python benchmarks/verify_drift.py [--tokens 256] [--compile] [--kernels split,matmul] [--out FILE.json]
-       python benchmarks/verify_drift.py --tiny --device cpu   (a smoke test)
+Usage: python benchmarks/kernels/verify_drift.py [--tokens 256] [--compile] [--kernels split,matmul] [--out FILE.json]
+       python benchmarks/kernels/verify_drift.py --tiny --device cpu   (a smoke test)
 """
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
 from flashdraft.engine.generate import prefill
 from flashdraft.engine.steps import bucket_for, plain_step
 from flashdraft.layers import attention
+sys.path.insert(0, str(Path(__file__).parent.parent))  # benchmarks/, for gpu.py
 from gpu import SHAPES, TINY, log, random_target
 
 BLOCK = 16

@@ -1,6 +1,6 @@
 """The GGUF matmul kernel alone on Llama-3.1-8B's matrix shapes: time per call and achieved bandwidth against a
 bf16 F.linear of the same shape, over a sweep of tile sizes. Random stored bytes (valid fp16 scales).
-Usage: python benchmarks/gguf_kernels.py [--types Q4_K,Q6_K,Q8_0] [--sweep] [--gemv-sweep] [--dot] [--out FILE.json]
+Usage: python benchmarks/kernels/gguf_kernels.py [--types Q4_K,Q6_K,Q8_0] [--sweep] [--gemv-sweep] [--dot] [--out FILE.json]
 The integer kernels (kernels/gguf_gemv.py) take the rows they cover unless --dot; --sweep varies the tensor-core
 kernel's tiles, --gemv-sweep / --gemv-configs the integer kernels'."""
 import argparse
@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).parent.parent))  # benchmarks/, for its shared modules
+sys.path.insert(0, str(Path(__file__).parent.parent.parent / "tests"))
 from gpu import graphed, timed  # noqa: E402
 
 from flashdraft.kernels import gguf_gemv as G  # noqa: E402

@@ -1,9 +1,9 @@
 """Times the int8 tensor-core kernels for verify widths (kernels/gguf_mma.py) beside the float tensor-core kernel,
 after checking them against the `gguf` package; or, without a GPU, compiles them for sm_90 and reads the SASS.
-    python benchmarks/gluon_mma.py [--types Q4_K,Q6_K] [--configs "64,4;32,4"]     BLOCK_N,warps
-    python benchmarks/gluon_mma.py --configs 128,4 --rows 16,8 --layouts "4,rows;8,rows;8,tiled;4,tiled"
+    python benchmarks/kernels/gluon_mma.py [--types Q4_K,Q6_K] [--configs "64,4;32,4"]     BLOCK_N,warps
+    python benchmarks/kernels/gluon_mma.py --configs 128,4 --rows 16,8 --layouts "4,rows;8,rows;8,tiled;4,tiled"
         each kernel also at these K_WIDTH and x layouts (the same bits as the first checked)
-    python benchmarks/gluon_mma.py --sass
+    python benchmarks/kernels/gluon_mma.py --sass
 """
 import argparse
 import sys
@@ -17,7 +17,7 @@ from flashdraft.kernels.gguf_mma import KERNELS
 
 def sass(qtype: str, block_n: int, num_warps: int) -> None:
     """Compile for sm_90 here (no GPU) and print the main loop's instruction counts, as sass_report does."""
-    sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, str(Path(__file__).parent.parent))  # benchmarks/, for its shared modules
     import sass_report as S
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -56,8 +56,8 @@ def main() -> int:
             for bn, warps in configs:
                 sass(qtype, bn, warps)
         return 0
-    sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
-    sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, str(Path(__file__).parent.parent.parent / "tests"))
+    sys.path.insert(0, str(Path(__file__).parent.parent))  # benchmarks/, for its shared modules
     from test_gguf_kernels import as_int8_rows, random_blocks, reference
     from gpu import graphed, timed
     from flashdraft.kernels import gguf_matmul as K

@@ -2,14 +2,14 @@
 in a model's attention scores? Captures every layer's queries and keys over one 1024-token context (f32 cache),
 then compares the scores over q8_0 keys, plain and equalised, with the exact ones.
 
-  python benchmarks/kv_equalise.py MODEL.gguf
+  python benchmarks/kernels/kv_equalise.py MODEL.gguf
 """
 import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))  # benchmarks/, for its shared modules
 from kv_quality import texts  # noqa: E402
 import flashdraft.models.llama as L  # noqa: E402
 from flashdraft.formats.loader import load_target  # noqa: E402

@@ -1,5 +1,5 @@
 """One launch of the integer GGUF kernel per matrix shape, for Nsight Compute to read its counters.
-Usage: ncu --clock-control none --set full -k regex:_kquant -c 3 python benchmarks/ncu_gemv.py --types Q4_K
+Usage: ncu --clock-control none --set full -k regex:_kquant -c 3 python benchmarks/kernels/ncu_gemv.py --types Q4_K
 (the first call of each shape compiles and warms up outside the profiled launches: ncu's --launch-skip)."""
 import argparse
 import sys
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).parent.parent.parent / "tests"))
 
 from flashdraft.kernels import gguf_gemv as G  # noqa: E402
 from flashdraft.kernels import gguf_matmul as K  # noqa: E402

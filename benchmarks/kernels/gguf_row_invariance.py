@@ -1,12 +1,12 @@
 """Whether the integer kernels give a token the same bits whatever the row count (1, 2, 4, 16 rows), on the GPU,
-for a given tile. Usage: python benchmarks/gguf_row_invariance.py [--sb 8] [--types Q4_K,Q6_K]"""
+for a given tile. Usage: python benchmarks/kernels/gguf_row_invariance.py [--sb 8] [--types Q4_K,Q6_K]"""
 import argparse
 import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).parent.parent.parent / "tests"))
 from test_gguf_kernels import random_blocks  # noqa: E402
 
 from flashdraft.kernels import gguf_gemv as G  # noqa: E402

@@ -2,13 +2,14 @@
 by kernel, for the random-weight shapes of benchmarks/gpu.py. Prints one table per step and a summary of
 matrix-product time against everything else.
 
-Usage: python benchmarks/profile_steps.py [--model llama-3.1-8b] [--ctx 1024] [--compile] [--cache-types K/V]
+Usage: python benchmarks/kernels/profile_steps.py [--model llama-3.1-8b] [--ctx 1024] [--compile] [--cache-types K/V]
            [--out FILE.json]
 """
 import argparse
 import collections
 import json
 import sys
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -16,6 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 from flashdraft.engine.generate import prefill
 from flashdraft.engine.steps import bucket_for
 from flashdraft.engine.sampling import argmax_rows
+sys.path.insert(0, str(Path(__file__).parent.parent))  # benchmarks/, for gpu.py
 from gpu import SHAPES, TINY, draft_for, random_target
 
 GEMM_MARKERS = ("gemm", "gemv", "cutlass", "sm90_xmma", "nvjet", "splitkreduce", "cublas")

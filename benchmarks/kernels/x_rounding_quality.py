@@ -4,7 +4,7 @@ next-token distribution with every projection's input rounded, against unrounded
 agreement), and per-32 against per-256 (how often the two roundings pick different greedy tokens). CPU, float32,
 the file's weights dequantized; the rounding is the tests' emulation of the kernels' (as_int8_rows).
 
-  python benchmarks/x_rounding_quality.py [-m smollm2-135m | FILE.gguf] [--tokens 1024] [--texts 2]
+  python benchmarks/kernels/x_rounding_quality.py [-m smollm2-135m | FILE.gguf] [--tokens 1024] [--texts 2]
 """
 import argparse
 import sys
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).parent.parent))  # benchmarks/, for its shared modules
+sys.path.insert(0, str(Path(__file__).parent.parent.parent / "tests"))
 from kv_quality import log_probs, texts  # noqa: E402
 from test_gguf_kernels import as_int8_rows  # noqa: E402
 

@@ -7,7 +7,7 @@ compare kernels with each other, not with ncu's absolute figures.
 At full bandwidth an H200 SM streams ~14 bytes per cycle and issues 4 warp-instructions per cycle, so a streaming
 kernel needs fewer than ~0.28 warp-instructions per weight byte, and fewer still to leave room for stalls.
 
-Usage: python benchmarks/sass_report.py [--kernels gemv,dot,attention] [--types Q4_K,Q6_K] [--block-n 32]
+Usage: python benchmarks/kernels/sass_report.py [--kernels gemv,dot,attention] [--types Q4_K,Q6_K] [--block-n 32]
            [--kv-types bf16,q4_1]
 """
 import argparse
