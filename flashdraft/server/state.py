@@ -1,5 +1,6 @@
 """The server's state (settings, the engine once loaded, the scheduler), shared by the routes through
 `request.app.state.server`, and reading a request's JSON body."""
+import asyncio
 import json
 import math
 import time
@@ -9,6 +10,7 @@ from fastapi import Request
 
 from flashdraft.engine.engine import Engine
 from flashdraft.server import protocol as P
+from flashdraft.server.budgets import check_budgets
 from flashdraft.server.protocol import ApiError
 from flashdraft.server.scheduler import Scheduler
 from flashdraft.server.settings import Settings
@@ -55,36 +57,70 @@ def server_state(request: Request) -> ServerState:
 MAX_DEPTH = 256  # nesting of arrays and objects a request may have (a JSON schema takes two a level)
 
 
+def _path(keys: list) -> str:
+    out = ""
+    for key in keys:
+        if key is None:
+            continue
+        out += f"[{key}]" if isinstance(key, int) else (f".{key}" if out else key)
+    return out or "the request body"
+
+
 def check_values(body) -> None:
     """Reject what JSON parsing lets through but nothing downstream can use, naming the field: NaN and the
-    infinities (Python reads them), lone UTF-16 surrogates in strings (not encodable), deep nesting."""
-    stack = [(body, "", 0)]
-    while stack:
-        value, path, depth = stack.pop()
-        name = path or "the request body"
-        if depth > MAX_DEPTH:
-            raise ApiError(400, f"the request body is nested deeper than {MAX_DEPTH} levels (at '{name}')")
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ApiError(400, f"'{name}' must be a finite number, got {value}")
-        if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ApiError(400, f"'{name}' holds a lone UTF-16 surrogate: not valid Unicode text") from None
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                if not key.isascii():
-                    try:
-                        key.encode("utf-8")
-                    except UnicodeEncodeError:
-                        raise ApiError(400, f"a key in '{name}' holds a lone UTF-16 surrogate") from None
-                stack.append((item, f"{path}.{key}" if path else key, depth + 1))
-        elif isinstance(value, list):
-            stack += [(item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value)]
+    infinities (Python reads them), lone UTF-16 surrogates in strings (not encodable), deep nesting.
+
+    Time and memory linear in the body: the containers being walked are a stack of iterators and the path of
+    keys to them; a field's name is formatted only for the error."""
+    keys: list = []  # the keys (or indices) from the body down to the container iters[-1] walks
+    iters: list = []
+
+    def bad(value, key) -> None:  # None when `value` is fine; pushes a container to walk
+        if isinstance(value, float):
+            if not math.isfinite(value):
+                raise ApiError(400, f"'{_path(keys + [key])}' must be a finite number, got {value}")
+        elif isinstance(value, str):
+            if not value.isascii():
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise ApiError(400, f"'{_path(keys + [key])}' holds a lone UTF-16 surrogate: not valid "
+                                        "Unicode text") from None
+        elif isinstance(value, dict | list):
+            if len(iters) > MAX_DEPTH or (len(iters) == MAX_DEPTH and value):  # its items would be too deep
+                raise ApiError(400, f"the request body is nested deeper than {MAX_DEPTH} levels (at "
+                                    f"'{_path(keys + [key])}')")
+            if isinstance(value, dict):
+                for k in value:
+                    if not k.isascii():
+                        try:
+                            k.encode("utf-8")
+                        except UnicodeEncodeError:
+                            raise ApiError(400, f"a key in '{_path(keys + [key])}' holds a lone UTF-16 "
+                                                "surrogate") from None
+            if value:
+                if iters:
+                    keys.append(key)
+                iters.append(iter(value.items()) if isinstance(value, dict) else enumerate(value))
+
+    bad(body, None)
+    while iters:
+        depth = len(iters)
+        for key, value in iters[-1]:
+            if isinstance(value, int) or value is None:
+                continue
+            bad(value, key)
+            if len(iters) > depth:
+                break  # walk the container just pushed first
+        else:
+            iters.pop()
+            if keys and len(keys) >= len(iters):
+                keys.pop()
 
 
-async def read_json(request: Request) -> dict:
-    raw = await request.body()
+def parse_json(raw: bytes) -> dict:
+    """The request body parsed, checked (check_values) and its budgets checked (budgets.py): work that grows
+    with the body, so the routes run it off the event loop."""
     try:
         body = json.loads(raw)
     except RecursionError:
@@ -92,4 +128,13 @@ async def read_json(request: Request) -> dict:
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"malformed JSON in the request body: {e}") from None
     check_values(body)
-    return P.require_object(body)
+    body = P.require_object(body)
+    check_budgets(body)
+    return body
+
+
+async def read_json(request: Request) -> dict:
+    raw = await request.body()
+    if len(raw) < 4096:  # small: not worth a thread
+        return parse_json(raw)
+    return await asyncio.to_thread(parse_json, raw)

@@ -3,6 +3,7 @@ and `grammar` (GBNF), turned into one engine grammar (engine/grammar.py), checke
 import json
 
 from flashdraft.engine.grammar import Grammar, check
+from flashdraft.server.budgets import GRAMMAR_CHARS, SCHEMA_CHARS
 from flashdraft.server.protocol import ApiError
 
 ANY_OBJECT = '{"type": "object"}'
@@ -45,8 +46,13 @@ def request_grammar(tokenizer, body: dict, tool_grammar: Grammar | None = None) 
     if not found:
         return None
     name, grammar = found[0]
+    limit = GRAMMAR_CHARS if grammar.kind != "json_schema" else SCHEMA_CHARS
+    if len(grammar.text) > limit:  # its compilation would take too long (budgets.py)
+        field = "tools" if name == "tool_choice" else name
+        raise ApiError(400, f"'{field}' is too large: {len(grammar.text):,} characters of "
+                            f"{'JSON schema' if grammar.kind == 'json_schema' else 'grammar'} (at most {limit:,})")
     try:
-        check(tokenizer, grammar)
+        check(tokenizer, grammar)  # compiles it once: the slot's Constraint takes the compiled matcher
     except ValueError as e:
         raise ApiError(400, f"'{name}': {e}") from None
     return grammar
