@@ -12,7 +12,7 @@ mean against 36-41 us on SmolLM2's and Qwen2.5's vocabularies), but compiles eac
 its first token is not delayed; both stay a few percent of a verify step. llguidance also reads the tokenizer's
 own definition (special tokens never match text) and has no dependencies.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -27,6 +27,8 @@ class Grammar:
     kind: str
     text: str
     compact: bool = False  # a JSON schema's output without whitespace between tokens (machine-read JSON)
+    # the matcher check() compiled, taken by the request's Constraint so that the grammar is compiled once
+    compiled: list = field(default_factory=list, compare=False, hash=False, repr=False)
 
 
 def _ll_tokenizer(tokenizer):
@@ -100,9 +102,10 @@ def check(tokenizer, grammar: Grammar) -> None:
         source = lark_source(grammar)
     except Exception as e:  # gbnf_to_lark's own errors
         raise ValueError(f"invalid {grammar.kind}: {e}") from None
-    message = llguidance.LLMatcher.validate_grammar(source, _ll_tokenizer(tokenizer))
-    if message:
-        raise ValueError(f"invalid {grammar.kind}: {message}")
+    matcher = llguidance.LLMatcher(_ll_tokenizer(tokenizer), source, log_level=0)
+    if matcher.is_error():
+        raise ValueError(f"invalid {grammar.kind}: {matcher.get_error()}")
+    grammar.compiled[:] = [matcher]  # for Constraint: compiled once per request
 
 
 def pack(allowed: Tensor) -> Tensor:
@@ -123,7 +126,10 @@ class Constraint:
 
     def __init__(self, tokenizer, grammar: Grammar, n_logits: int):
         import llguidance
-        self.matcher = llguidance.LLMatcher(_ll_tokenizer(tokenizer), lark_source(grammar), log_level=0)
+        try:
+            self.matcher = grammar.compiled.pop()  # check() compiled it (a fresh matcher, used once)
+        except IndexError:
+            self.matcher = llguidance.LLMatcher(_ll_tokenizer(tokenizer), lark_source(grammar), log_level=0)
         if self.matcher.is_error():
             raise ValueError(f"invalid {grammar.kind}: {self.matcher.get_error()}")
         self.n_logits = n_logits

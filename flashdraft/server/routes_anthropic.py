@@ -215,8 +215,9 @@ async def count_tokens(request: Request) -> dict:
     state = server_state(request)
     raw = await read_json(request)
     engine, _ = state.require()
-    body = chat_body({"max_tokens": 1} | raw)
-    ids = await asyncio.to_thread(chat_prompt_ids, state, engine, body, None, tools_of(engine, body))
+    body = await asyncio.to_thread(chat_body, {"max_tokens": 1} | raw)
+    plan = await asyncio.to_thread(tools_of, engine, body)
+    ids = await asyncio.to_thread(chat_prompt_ids, state, engine, body, None, plan)
     return {"input_tokens": len(ids)}
 
 
@@ -225,10 +226,10 @@ async def messages(request: Request) -> Response:
     state = server_state(request)
     raw = await read_json(request)
     engine, _ = state.require()
-    body = chat_body(raw)
-    plan = tools_of(engine, body)
+    body = await asyncio.to_thread(chat_body, raw)  # grows with the messages
+    plan = await asyncio.to_thread(tools_of, engine, body)
     ids = await asyncio.to_thread(chat_prompt_ids, state, engine, body, engine.ctx_size, plan)
-    req = engine_request(state, ids, body, ("max_tokens",), None, plan)
+    req = await asyncio.to_thread(engine_request, state, ids, body, ("max_tokens",), None, plan)
     if not body["stream"]:
         done = await generate(request, req)
         if done is None:

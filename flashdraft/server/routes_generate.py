@@ -74,6 +74,8 @@ def chat_prompt_ids(state: ServerState, engine: Engine, body: dict, limit: int |
 
 def engine_request(state: ServerState, ids: list[int], body: dict, limit_names: tuple[str, ...],
                    top_logprobs: int | None, plan: ToolPlan | None = None) -> EngineRequest:
+    """The engine's request for a body (its grammar compiled, its logit_bias texts tokenized): the routes call
+    it off the event loop."""
     engine, _ = state.require()
     P.check_supported(body)
     grammar = request_grammar(engine.tokenizer, body, None if plan is None else plan.grammar)
@@ -144,7 +146,8 @@ async def apply_template(request: Request) -> dict:
     state = server_state(request)
     engine, _ = state.require()
     body = await read_json(request)
-    ids = await asyncio.to_thread(chat_prompt_ids, state, engine, body, None, tools_of(engine, body))
+    plan = await asyncio.to_thread(tools_of, engine, body)
+    ids = await asyncio.to_thread(chat_prompt_ids, state, engine, body, None, plan)
     return {"prompt": await asyncio.to_thread(engine.tokenizer.decode, ids, skip_special=False)}
 
 @router.post("/v1/chat/completions")
@@ -153,10 +156,11 @@ async def chat_completions(request: Request) -> Response:
     state = server_state(request)
     body = await read_json(request)
     engine, _ = state.require()
-    plan = tools_of(engine, body)
+    plan = await asyncio.to_thread(tools_of, engine, body)  # the tool-call grammar is compiled
     ids = await asyncio.to_thread(chat_prompt_ids, state, engine, body, engine.ctx_size, plan)  # may be large
-    req = engine_request(state, ids, body, ("max_completion_tokens", "max_tokens", "n_predict"),
-                         P.chat_logprobs_count(body), plan)
+    req = await asyncio.to_thread(engine_request, state, ids, body,
+                                  ("max_completion_tokens", "max_tokens", "n_predict"), P.chat_logprobs_count(body),
+                                  plan)
     env = P.Envelope("chatcmpl-", "chat.completion.chunk", state.model_name, FINGERPRINT)
     split = P.reasoning_format(body, state.settings.reasoning_format) != "none"
     thinking_open = split and prompt_opens_thinking(engine.tokenizer.decode(ids[-16:], skip_special=False))
@@ -217,7 +221,8 @@ async def completions(request: Request) -> Response:
     engine, _ = state.require()
     ids = await asyncio.to_thread(P.prompt_ids, body, engine.tokenizer, engine.target.cfg.vocab_size,
                                   engine.ctx_size)
-    req = engine_request(state, ids, body, ("max_tokens", "n_predict"), P.text_logprobs_count(body))
+    req = await asyncio.to_thread(engine_request, state, ids, body, ("max_tokens", "n_predict"),
+                                  P.text_logprobs_count(body))
     env = P.Envelope("cmpl-", "text_completion", state.model_name, FINGERPRINT)
     with_logprobs = req.params.logprobs is not None
     if not P.get_bool(body, "stream", False):
@@ -246,12 +251,13 @@ async def native_completion(request: Request) -> Response:
     engine, _ = state.require()
     ids = await asyncio.to_thread(P.prompt_ids, body, engine.tokenizer, engine.target.cfg.vocab_size,
                                   engine.ctx_size)
-    req = engine_request(state, ids, body, ("n_predict", "max_tokens"), P.native_probs_count(body))
+    req = await asyncio.to_thread(engine_request, state, ids, body, ("n_predict", "max_tokens"),
+                                  P.native_probs_count(body))
     with_probs = req.params.logprobs is not None
     return_tokens = P.get_bool(body, "return_tokens", False)
     per_token = P.get_bool(body, "timings_per_token", False)
     settings = P.generation_settings(req.params, engine.ctx_size, req.speculative)
-    prompt_text = engine.tokenizer.decode(ids, skip_special=False)
+    prompt_text = await asyncio.to_thread(engine.tokenizer.decode, ids, skip_special=False)
     if not P.get_bool(body, "stream", False):
         done = await generate(request, req)
         if done is None:
