@@ -177,20 +177,68 @@ def sampling_seed(p: SamplingParams) -> int | None:
     return p.seed if p.seed is not None and p.seed >= 0 else int(torch.seed() % (2 ** 63))
 
 
-def _stop_hit(text: str, stops: list[str]) -> tuple[int, str] | None:
-    hits = [(text.find(s), s) for s in stops if s and s in text]
-    return min(hits) if hits else None
+class StopStrings:
+    """The stop strings of one request, matched as the text grows by an Aho-Corasick automaton: the cost per
+    character of new text does not depend on how many stop strings there are or how long they are.
 
+    push(piece) takes the text's next piece and answers what the text so far gives: the earliest stop string
+    found in it (its start in the whole text and the string: the first occurrence that starts earliest, the
+    shorter one of two that start at the same place) or None, and `held`, the length of the longest suffix of
+    the text that is a proper prefix of a stop string (text not yet safe to emit)."""
 
-def _held_back(text: str, stops: list[str]) -> int:
-    """Length of the longest text suffix that is a proper prefix of a stop string (not yet safe to emit)."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:k]):
-                best = max(best, k)
-                break
-    return best
+    def __init__(self, stops: list[str]):
+        stops = [s for s in stops if s]
+        self.goto: list[dict[str, int]] = [{}]
+        self.depth = [0]
+        self.word: list[str | None] = [None]  # the stop string a state spells, if it is one
+        for s in stops:
+            state = 0
+            for ch in s:
+                nxt = self.goto[state].get(ch)
+                if nxt is None:
+                    nxt = len(self.goto)
+                    self.goto[state][ch] = nxt
+                    self.goto.append({})
+                    self.depth.append(self.depth[state] + 1)
+                    self.word.append(None)
+                state = nxt
+            self.word[state] = s
+        # fail: the longest proper suffix that is a state; out: the longest stop string that is a suffix
+        self.fail = [0] * len(self.goto)
+        self.out: list[str | None] = list(self.word)
+        queue = list(self.goto[0].values())
+        for state in queue:  # breadth first: a state's fail is shallower, so done before it
+            for ch, nxt in self.goto[state].items():
+                f = self.fail[state]
+                while f and ch not in self.goto[f]:
+                    f = self.fail[f]
+                g = self.goto[f].get(ch, 0)
+                self.fail[nxt] = g if g != nxt else 0
+                if self.out[nxt] is None:
+                    self.out[nxt] = self.out[self.fail[nxt]]
+                queue.append(nxt)
+        self.state = 0
+        self.length = 0  # characters pushed so far
+        self.held = 0
+
+    def push(self, piece: str) -> tuple[int, str] | None:
+        goto, fail, out = self.goto, self.fail, self.out
+        state, best = self.state, None
+        if len(goto) == 1:  # no stop strings
+            self.length += len(piece)
+            return None
+        for i, ch in enumerate(piece, self.length):
+            while state and ch not in goto[state]:
+                state = fail[state]
+            state = goto[state].get(ch, 0)
+            word = out[state]  # the longest stop string ending here starts earliest
+            if word is not None:
+                start = i + 1 - len(word)
+                if best is None or start < best[0]:
+                    best = (start, word)
+        self.state, self.length = state, self.length + len(piece)
+        self.held = self.depth[state] if best is None else 0
+        return best
 
 
 def module_bytes(module: torch.nn.Module) -> int:
@@ -434,6 +482,7 @@ class Engine:
         constraint = None if req.grammar is None else Constraint(self.tokenizer, req.grammar,
                                                                  self.target.cfg.vocab_size)
         reported = 0  # logprobs already handed out in deltas
+        stops = StopStrings(p.stop)
         steps = decode(self.steps, prompt, p, slot=slot, speculative=draft is not None,
                        block_size=req.block_size or self.block_size, stats=stats, max_len=self.ctx_size, generator=gen,
                        controller=controller, logprobs=logprobs, cached=cached, constraint=constraint)
@@ -450,11 +499,12 @@ class Engine:
                     if logprobs is not None:
                         del logprobs[len(tokens) + end:]
                 tokens += new
-                text += detok.push(new if end is None else new[:end])
-                hit = _stop_hit(text, p.stop)
+                piece = detok.push(new if end is None else new[:end])
+                text += piece
+                hit = stops.push(piece)
                 if hit is not None:
                     text, stop_word, finish = text[:hit[0]], hit[1], "stop"
-                safe = len(text) if finish == "stop" else len(text) - _held_back(text, p.stop)
+                safe = len(text) if finish == "stop" else len(text) - stops.held
                 if safe > emitted:
                     yield Delta(text[emitted:safe], new, logprobs[reported:] if logprobs is not None else [])
                     emitted, reported = safe, len(logprobs or ())
