@@ -1,7 +1,7 @@
 """What a quantized KV cache costs in quality: the next-token distribution with each K/V type pair against the
 f16 cache, on real text, as mean KL divergence (and its median and 99th percentile over the scored positions: the
-mean of 4-bit keys can be a few rare positions', docs/PERF.md) and top-1 agreement. Prints a table; writes JSON with
---out.
+mean of 4-bit keys can be a few rare positions', docs/perf-history.md, 2026-12-05 CPU) and top-1 agreement. Prints
+a table; writes JSON with --out.
 
   python benchmarks/kv_quality.py [-m smollm2-135m] [--tokens 2048] [--texts 4] [--types q8_0/q8_0,q4_1/q4_1]
       [--llama-perplexity BUILD/bin/llama-perplexity]

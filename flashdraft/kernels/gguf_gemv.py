@@ -41,16 +41,16 @@ GEMV_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q4_K", "Q5_K", 
 BLOCK32_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "IQ4_NL": 20}  # GGML type ids
 # Row counts up to this take the integer kernels. Each row of x costs its own dot products and reductions, so
 # for a verify block of 16 the tensor-core kernel is faster (H200, the 8B's four matrices, Q4_K: 0.065 ms for
-# one row, 0.345 ms for 16, against 0.150 and 0.155 for the tensor-core kernel; docs/PERF.md).
+# one row, 0.345 ms for 16, against 0.150 and 0.155 for the tensor-core kernel; docs/perf-history.md, 2026-12-03 H200).
 MAX_ROWS = 4
 ROW_BUCKETS = (1, 2, 4, 8, 16)  # the kernels are compiled per bucket: rows of x are unrolled
 
 # tile: BLOCK_N output rows x SB super-blocks (the 32-weight types: 8-block groups) per iteration; chosen on an H200
 # by benchmarks/kernels/gguf_kernels.py --gemv-sweep.
-# (software-pipelined loads, tl.range num_stages 2-3, ran slower at every tile: H200 run 12).
+# (software-pipelined loads, tl.range num_stages 2-3, ran slower at every tile: H200, 2026-12-04).
 CONFIG = {"BLOCK_N": 4, "SB": 16, "num_warps": 4, "target_programs": 2112}
-# Q6_K: 0.195 ms against 0.218 (8B + Gemma shapes; PERF run 7); IQ4_XS 8 x 8 with its nibbles by lane: the 8B's
-# decode step 2.921-2.933 ms against 3.158 at 16 x 8, 3.014 at 16 x 4, 3.254 at 8 x 16 (H100, twentieth session;
+# Q6_K: 0.195 ms against 0.218 (8B + Gemma shapes; H200, 2026-12-04); IQ4_XS 8 x 8 with its nibbles by lane: the 8B's
+# decode step 2.921-2.933 ms against 3.158 at 16 x 8, 3.014 at 16 x 4, 3.254 at 8 x 16 (H100, 2026-12-06;
 # in the file's order 16 x 8 had won, 3.010 against 3.049 at 8 x 8). IQ4_NL: not swept.
 # maxnreg: the register count the kernel had when timed (unmasked loads took Q8_0 94 -> 108 under Triton 3.6 for
 # sm_90, no spills at the cap: fewer programs per SM otherwise).
@@ -122,11 +122,11 @@ IQ4_ORDER = 1  # quantize_rows' order for the IQ4 kernels
 IQ4_TYPES = ("IQ4_NL", "IQ4_XS")
 
 
-# x's rounding group per weight type: the types whose blocks are 256 weights with small integer sub-block scales round
-# x per 256 (llama.cpp's CPU Q8_K), so the int8 mma kernels sum a super-block's sub-block products in int32 and
-# convert once (docs/PERF.md: per 256 costs what per 32 costs in KL); Q8_0 too where a row is whole groups of 256
-# (its mma kernel then scales x once per 8 blocks); the other 32-weight types round per 32. Decode and verify round
-# alike, so a token's greedy choice does not depend on which computed it.
+# x's rounding group per weight type: the types whose blocks are 256 weights with small integer sub-block scales round x
+# per 256 (llama.cpp's CPU Q8_K), so the int8 mma kernels sum a super-block's sub-block products in int32 and convert
+# once (docs/perf-history.md, 2026-12-05 CPU: per 256 costs what per 32 costs in KL); Q8_0 too where a row is whole
+# groups of 256 (its mma kernel then scales x once per 8 blocks); the other 32-weight types round per 32. Decode and
+# verify round alike, so a token's greedy choice does not depend on which computed it.
 GROUP_256 = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
 
 

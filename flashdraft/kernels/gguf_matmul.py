@@ -331,9 +331,9 @@ def _check(qweight: Tensor, qtype: str, k: int) -> None:
         raise ValueError(f"{qtype} weight of {tuple(qweight.shape)} bytes does not hold {k} inputs per row")
 
 
-# The fastest of benchmarks/kernels/gguf_kernels.py --sweep on an H200 (docs/PERF.md, GGUF run 2): BLOCK_N 16-64 x 4-8
-# warps x 528-1056 programs spread 0.79-1.53 ms over the 8B's four matrix shapes; BLOCK_N 32 since run 7 (16 rows:
-# Q4_K 0.152 ms against 0.158 at 64, Q6_K 0.194 against 0.225).
+# The fastest of benchmarks/kernels/gguf_kernels.py --sweep on an H200 (docs/perf-history.md, 2026-12-03 H200): BLOCK_N
+# 16-64 x 4-8 warps x 528-1056 programs spread 0.79-1.53 ms over the 8B's four matrix shapes; BLOCK_N 32 since
+# 2026-12-04 (H200, 16 rows: Q4_K 0.152 ms against 0.158 at 64, Q6_K 0.194 against 0.225).
 BLOCK_N = 32
 NUM_WARPS = 4
 TARGET_PROGRAMS = 1056  # about eight programs per SM of an H100/H200

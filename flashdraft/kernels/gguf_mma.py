@@ -18,8 +18,8 @@ and K is split by the matrix's shape only, so a token's result does not depend o
 
 Gluon has no interpreter: the CPU tests cannot run these kernels (the GPU test does, against the `gguf` package;
 the CPU tests read their unpacking assembly as PTX and the tiled layout through the interpreter).
-H100 (docs/PERF.md, fourteenth session), 16 rows of the 8B's four matrices with x's rounding, against these kernels at
-k_width 4 with x by rows: Q4_K x0.68, Q5_K x0.70, IQ4_XS x0.87, Q6_K x0.92; Q8_0 0.172 ms against the float
+H100 (docs/perf-history.md, 2026-12-05 H100), 16 rows of the 8B's four matrices with x's rounding, against these
+kernels at k_width 4 with x by rows: Q4_K x0.68, Q5_K x0.70, IQ4_XS x0.87, Q6_K x0.92; Q8_0 0.172 ms against the float
 tensor-core kernel's 0.280. Decode rows stay with gguf_gemv (a Q6_K file's decode through these kernels measured 210
 tok/s against 219 through the integer kernels).
 """
@@ -34,16 +34,16 @@ from flashdraft.kernels import gguf_gemv, pdl, split_k
 from flashdraft.kernels.iq4 import IQ4_EIGHT
 
 ENABLED = True
-BLOCK_N, NUM_WARPS = 128, 4  # 64 and 32 rows, 8 warps: slower at 16 rows (run 12)
+BLOCK_N, NUM_WARPS = 128, 4  # 64 and 32 rows, 8 warps: slower at 16 rows (H200, 2026-12-04)
 # Programs K is split for, per type: 264 (two an SM of an H100/H200): Q4_K_M verify16 6.24 ms against 6.60 at 1056 and
-# 7.16 at 2112 (docs/PERF.md 2026-12-05); Q8_0 (140 registers: three programs an SM) at 396: verify16 1.5-2.4%
-# faster than at 264 in two H100 leases, Q4_K_M 2% slower (docs/PERF.md, nineteenth session). IQ4_XS by lane: 0.089
-# ms at 264 against 0.095 at 396 (16 rows of the 8B's four matrices, H100, twentieth session).
+# 7.16 at 2112 (docs/perf-history.md, 2026-12-05 H200); Q8_0 (140 registers: three programs an SM) at 396: verify16
+# 1.5-2.4% faster than at 264 in two H100 leases, Q4_K_M 2% slower (docs/perf-history.md, 2026-12-06 H100). IQ4_XS by
+# lane: 0.089 ms at 264 against 0.095 at 396 (16 rows of the 8B's four matrices, H100, 2026-12-06).
 TARGET_PROGRAMS = {"Q4_K": 264, "Q5_K": 264, "Q6_K": 264, "IQ4_XS": 264, "Q8_0": 396}
-# Ran slower on an H100 at 8 and 16 rows (docs/PERF.md, "2026-12-05, twelfth session"): super-blocks staged
+# Ran slower on an H100 at 8 and 16 rows (docs/perf-history.md, 2026-12-05 H100): super-blocks staged
 # through shared memory by cp.async 2-4 deep (x0.73-0.93), registers capped for three or four programs per SM
 # (x0.52-0.98), the next super-block's words loaded before this one's products, and float conversion by 2^23;
-# also plain Triton's software-pipelined int8 wgmma (Q8_0 x0.64-0.71, IQ4_XS x0.54; nineteenth session).
+# also plain Triton's software-pipelined int8 wgmma (Q8_0 x0.64-0.71, IQ4_XS x0.54; H100, 2026-12-06).
 
 
 TOKENS = gl.constexpr(16)  # the mma's N: rows of x, padded
@@ -383,8 +383,8 @@ def _q8_0_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_
 
 # K_WIDTH: consecutive k per thread in the A and B fragments (Triton permutes k alike in both, so the same bits);
 # 8 gives 64-bit weight loads and fewer registers (Q4_K 134 against 186), but turns Q6_K's half-block selects into
-# byte selects. TILED: x laid out by quantize_rows_tiled. Chosen per type on an H100 (docs/PERF.md, fourteenth
-# session).
+# byte selects. TILED: x laid out by quantize_rows_tiled. Chosen per type on an H100 (docs/perf-history.md,
+# 2026-12-05 H100).
 KERNELS = {"Q4_K": (_kquant_kernel, dict(FIVE_BITS=False, TILED=True)),  # k_width 8: _lane_pieces_layout's
            "Q5_K": (_kquant_kernel, dict(FIVE_BITS=True, TILED=True)),
            "Q6_K": (_q6k_kernel, dict(K_WIDTH=4, TILED=True)),

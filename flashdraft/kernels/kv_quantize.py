@@ -4,7 +4,7 @@ scale's least-squares refit sums 32 products in another order than torch's, so i
 ulp), written straight into the planar row layout the cache stores (every block's quants, then scales, then mins,
 then fifth bits); and the rotated turbo3/turbo4 rows: norms, rotation (kernels/rotation.py), codes, scales and
 packing in one kernel. The torch path takes ~30 small kernels per row batch; inside a decode step's graph that
-was ~2 ms over a 32-layer model (docs/PERF.md)."""
+was ~2 ms over a 32-layer model (docs/perf-history.md, 2026-12-04 H200)."""
 import torch
 import triton
 import triton.language as tl

@@ -30,24 +30,25 @@ from flashdraft.kernels.pdl import start_dependents, wait_for_inputs
 from flashdraft.kernels.rotation import rotated_group
 from flashdraft.layers.kv_quant import lloyd_max_codebook, rotation_group, rotation_signs
 
-# benchmarks/kernels/attention_kernel.py on an H200 (8B shape, 1280 / 16640 keys, docs/PERF.md run 7): 128 keys per tile
-# and two pipeline stages took decode 24.9 -> 14.4 us and 112.7 -> 56.9 us; three stages of 64-key tiles had left
-# one program per SM (131 KB of shared memory, 255 registers). Query rows (a GQA group's heads x tokens) come in
-# tiles of ROW_TILE, each computed by the same code whatever tiles share its program, so a plain step's rows and a
-# verify step's get the same bits. 16-row tiles ran a 16k decode in 34.6 us against 64-row tiles' 56.9 (run 7's
-# sweep), where a group of 4 heads used 4 of the 64 rows.
+# benchmarks/kernels/attention_kernel.py on an H200 (8B shape, 1280 / 16640 keys, docs/perf-history.md, 2026-12-04
+# H200): 128 keys per tile and two pipeline stages took decode 24.9 -> 14.4 us and 112.7 -> 56.9 us; three stages of
+# 64-key tiles had left one program per SM (131 KB of shared memory, 255 registers). Query rows (a GQA group's heads x
+# tokens) come in tiles of ROW_TILE, each computed by the same code whatever tiles share its program, so a plain step's
+# rows and a verify step's get the same bits. 16-row tiles ran a 16k decode in 34.6 us against 64-row tiles' 56.9 (the
+# same sweep), where a group of 4 heads used 4 of the 64 rows.
 BLOCK_N = 128
 # over a stored (block or rotated) type, 64-key tiles and three stages: at 33k keys q4_1 48.5 us against 60.7 at 128
-# keys and two stages, q5_0 69.3 against 80.7 (H200, benchmarks/kernels/attention_kernel.py --types, docs/PERF.md run 12)
+# keys and two stages, q5_0 69.3 against 80.7 (H200, benchmarks/kernels/attention_kernel.py --types,
+# docs/perf-history.md, 2026-12-04)
 STORED_BLOCK_N, STORED_STAGES = 64, 3
 # no register cap: 168 a thread (three programs per SM) won some shapes and lost others by up to 2.7x (H100,
-# docs/PERF.md "twelfth session")
+# docs/perf-history.md, 2026-12-05 H100)
 ROW_TILE = 16
-# Row tiles a program takes at once (heads of 128 values; fewer for larger heads), so the tiles share each tile of
-# keys and values (and, over a stored type, its expansion). An H100, 8B heads, 16 query tokens over 16640 keys
-# (benchmarks/kernels/attention_kernel.py): bf16 87.8 us at one tile a program, 77.5 at two, 77.4 at four; q4_1 93.7 -> 79.0
-# and q5_0 105.6 -> 99.3 at two (docs/PERF.md "twenty-first session"). At 2048 keys four tiles were slower (24.0 us
-# against 20.7), where a launch has only 16 splits: FEWER_TILES_BELOW keeps a launch's programs at least that many.
+# Row tiles a program takes at once (heads of 128 values; fewer for larger heads), so the tiles share each tile of keys
+# and values (and, over a stored type, its expansion). An H100, 8B heads, 16 query tokens over 16640 keys
+# (benchmarks/kernels/attention_kernel.py): bf16 87.8 us at one tile a program, 77.5 at two, 77.4 at four; q4_1 93.7 ->
+# 79.0 and q5_0 105.6 -> 99.3 at two (docs/perf-history.md, 2026-12-06 H100). At 2048 keys four tiles were slower (24.0
+# us against 20.7), where a launch has only 16 splits: FEWER_TILES_BELOW keeps a launch's programs at least that many.
 FLOAT_TILES, STORED_TILES = 4, 2
 FEWER_TILES_BELOW = 264
 # Wider heads (Gemma's 256 and 512) keep a tile's bytes: keys per tile and row tiles a program scale by 128 / D, so
@@ -153,11 +154,11 @@ def _plane(base, n, n_ok, p: tl.constexpr, TYPE: tl.constexpr, D: tl.constexpr, 
         if TYPE == 20:
             x = iq4_value((byte >> (4 * p)) & 15) * _spread(d, 16)
         else:
-            # d * code + o (o: the min, or -8 d / -16 d) as one FMA f * (2^bits d) + (o - 2^bits d), rounded once as
-            # d * code + o (2^bits d and o - 2^bits d are exact in float32), where f = 1 + code / 2^bits is the code
-            # put at the top of 1.0's mantissa: integer operations where a conversion (I2F.U16) would issue at a
-            # quarter of the float rate (benchmarks/kernels/sass_report.py --kernels attention: 148 -> 20 such instructions
-            # a tile for q4_1 and q5_0, the loop 1290 -> 1356 and 2032 -> 1638 instructions; docs/PERF.md)
+            # d * code + o (o: the min, or -8 d / -16 d) as one FMA f * (2^bits d) + (o - 2^bits d), rounded once as d *
+            # code + o (2^bits d and o - 2^bits d are exact in float32), where f = 1 + code / 2^bits is the code put at
+            # the top of 1.0's mantissa: integer operations where a conversion (I2F.U16) would issue at a quarter of the
+            # float rate (benchmarks/kernels/sass_report.py --kernels attention: 148 -> 20 such instructions a tile for
+            # q4_1 and q5_0, the loop 1290 -> 1356 and 2032 -> 1638 instructions; docs/perf-history.md)
             BITS: tl.constexpr = 5 if FIVE else 4
             f = ((byte << (19 - BITS + 4 - 4 * p)) & (15 << (23 - BITS))) | 0x3F800000  # the nibble, placed
             if FIVE:  # block b's 32 fifth bits as one word; bit i for the block's value i = 16 p + r
@@ -473,7 +474,7 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale
                           TILES=tiles, POSITIONS=positions is not None, num_warps=NUM_WARPS,
                           num_stages=stages, **pdl.launch(q))
     # one program per query row and 128 columns, every split at once: 8 programs of 16 rows that took the splits in
-    # turn ran a decode step's merges in 179 us against 86 (H200, 8B, 1k keys; docs/PERF.md "seventeenth session")
+    # turn ran a decode step's merges in 179 us against 86 (H200, 8B, 1k keys; docs/perf-history.md, 2026-12-05 H200)
     dc = min(D, MERGE_COLUMNS)
     merge_splits = max(2, triton.next_power_of_2(max_splits))  # one compiled variant for every length
     _merge_kernel[(KV, G * T, D // dc)](acc, m, lse, v_signs, out, out.stride(0), out.stride(1), splits, KV, T, G,

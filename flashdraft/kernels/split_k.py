@@ -5,7 +5,7 @@ torch.compile graph, the graph's own additions (`add_splits`: fused into the ker
 
 Each tile's last program adding the splits itself (an arrival count per tile, a release/acquire handoff) saved ~80
 of a decode step's ~700 launches but measured slower on an H100 (8B Q4_K_M decode 3.642 ms against 3.509, IQ4_XS
-3.603 against 3.462; docs/PERF.md, sixteenth session), as an earlier version had (fourth session), so the sum is
+3.603 against 3.462; docs/perf-history.md, 2026-12-05 H100), as an earlier version had (H200, 2026-12-04), so the sum is
 a launch of its own.
 """
 import torch

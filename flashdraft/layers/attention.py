@@ -121,8 +121,8 @@ def few_query_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, s
 
 def kernel_reads(v_codec, head_dim: int, cuda: bool) -> bool:
     """Whether the split kernel reads this V storage directly. On the H200 (Triton 3.6) its V sums came out wrong
-    for the 32-value nibble types (q4_0, q4_1, q5_0, q5_1, iq4_nl) at head sizes under 128 (docs/PERF.md; right
-    under the interpreter and at 128): such caches are expanded first there."""
+    for the 32-value nibble types (q4_0, q4_1, q5_0, q5_1, iq4_nl) at head sizes under 128 (docs/perf-history.md,
+    2026-12-04 H200; right under the interpreter and at 128): such caches are expanded first there."""
     return not (cuda and head_dim < 128 and v_codec.qtype is not None and v_codec.name != "q8_0")
 
 

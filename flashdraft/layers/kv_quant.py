@@ -40,16 +40,17 @@ ROTATION_SEED = 42
 # A rotated group's codes come from the best of these scales (times the Gaussian's norm / sqrt(g)): a group whose
 # coordinates are not Gaussian-shaped (one past the outer level, or all near a level) fits another scale better.
 # Qwen2.5-0.5B's keys: relative squared error 8.8e-3 -> 6.9e-3 at turbo4, its 99.9th percentile 3.0e-2 -> 1.3e-2
-# (docs/PERF.md). 1.0 is one of them: a group never fits worse than at the Gaussian's scale.
+# (docs/perf-history.md, 2026-12-05 CPU). 1.0 is one of them: a group never fits worse than at the Gaussian's scale.
 SCALE_SEARCH = tuple(1 + k / 20 for k in range(-6, 11))
 # Block types are stored rotated too where the head size is a multiple of 64, as llama.cpp's KV cache does
 # (attn_rot_k / attn_rot_v, on by default for quantized types; LLAMA_ATTN_ROT_DISABLE=1 turns it off there and
 # here): a head's outlier channels (Qwen2's key bias) then no longer set the scale of every block they sit in.
-# Qwen2.5-0.5B, q8_0 keys, llama-perplexity's protocol: KL 1.37e-2 without, 2.07e-3 with (docs/PERF.md).
+# Qwen2.5-0.5B, q8_0 keys, llama-perplexity's protocol: KL 1.37e-2 without, 2.07e-3 with (docs/perf-history.md,
+# 2026-12-04 CPU).
 ROTATE_BLOCKS = os.environ.get("LLAMA_ATTN_ROT_DISABLE", "0") in ("", "0")
 # Quantized keys are stored minus the model's mean key (layers/kv_cache.py, models/decoder.key_shifts): Qwen2.5-0.5B,
-# q8_0 keys, llama-perplexity's protocol: KL 2.07e-3 with the rotation alone (docs/PERF.md). FLASHDRAFT_KV_SHIFT=0
-# turns it off.
+# q8_0 keys, llama-perplexity's protocol: KL 2.07e-3 with the rotation alone (docs/perf-history.md,
+# 2026-12-04 CPU). FLASHDRAFT_KV_SHIFT=0 turns it off.
 SHIFT_KEYS = os.environ.get("FLASHDRAFT_KV_SHIFT", "1") != "0"
 
 

@@ -13,8 +13,8 @@ log = logging.getLogger("flashdraft")
 FEW_ROWS = 64  # up to this many rows a product runs the fused kernel; more dequantize into a scratch buffer
 GRAPH_SPLIT_SUMS = True  # under torch.compile, K's partial sums added by the graph (kernels/split_k.add_splits)
 # Q6_K's 210-byte blocks leave every other block only 2-byte aligned, so the kernels could read them only in 16-bit
-# halves (half the GPU's bandwidth, docs/PERF.md): in memory each block gets two zero bytes after its 210 (+0.95%),
-# so every block starts on a 4-byte word. The block's own bytes are unchanged.
+# halves (half the GPU's bandwidth; docs/perf-history.md, 2026-12-04 H200): in memory each block gets two zero bytes
+# after its 210 (+0.95%), so every block starts on a 4-byte word. The block's own bytes are unchanged.
 PADDED_BLOCK_BYTES = {"Q6_K": (210, 212)}
 # block bytes and the byte ranges of a block's fields in the order field_planes keeps them: values, fifth bits, scales
 FIELD_PLANES = {"Q8_0": (34, ((2, 34), (0, 2))), "IQ4_XS": (136, ((8, 136), (0, 8))),
@@ -25,7 +25,7 @@ FIELD_PLANES = {"Q8_0": (34, ((2, 34), (0, 2))), "IQ4_XS": (136, ((8, 136), (0, 
 LANE_GROUPED = {"Q4_K": (144, 16), "Q5_K": (176, 48)}
 # the field_planes types whose values plane is regrouped by lane (by_lane's groups and piece bytes): IQ4_XS's eight
 # 16-byte sub-blocks. Q8_0's blocks by lane (groups 8, bytes 8) took its verify products 2% off and its decode step
-# 4.4% longer on an H100 (docs/PERF.md, twentieth session)
+# 4.4% longer on an H100 (docs/perf-history.md, 2026-12-06 H100)
 LANE_RUNS = {"IQ4_XS": (8, 4)}
 
 
@@ -64,8 +64,8 @@ def field_planes(raw: Tensor, size: int, fields: tuple[tuple[int, int], ...]) ->
 def lane_grouped(raw: Tensor, size: int, start: int) -> Tensor:
     """Each super-block's 128 nibble bytes (at `start`) from the file's [group g][piece p][8 bytes] to [p][g][8]: the
     int8 tensor-core kernels give lane p of a quad piece p of every group (kernels/gguf_mma.py), now 32 contiguous
-    bytes, one load where there were four, each touching a cache line per row for 8 bytes (docs/PERF.md, fourteenth
-    session). The same bytes, the same size; the other fields stay in place."""
+    bytes, one load where there were four, each touching a cache line per row for 8 bytes (docs/perf-history.md,
+    2026-12-05 H200). The same bytes, the same size; the other fields stay in place."""
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, size)
     out = blocks.clone()
