@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 
 from flashdraft.engine.grammar import Grammar
+from flashdraft.server.budgets import SCHEMA_CHARS
 
 MAX_PARALLEL_CALLS = 8
 OPENERS = {"hermes": ("<tool_call>",), "mistral": ("[TOOL_CALLS]",), "llama3": ("<|python_tag|>",),
@@ -113,7 +114,11 @@ def choice_grammar(tools: list, choice: str, parallel: bool) -> Grammar | None:
     # parallel calls: an array of at most MAX_PARALLEL_CALLS (a bound, so that a weak model cannot list forever)
     schema = ({"type": "array", "items": call, "minItems": 1, "maxItems": MAX_PARALLEL_CALLS}
               if parallel and choice == "required" else call)
-    return Grammar("json_schema", json.dumps({**schema, "$defs": defs}), compact=True)
+    text = json.dumps({**schema, "$defs": defs})
+    if len(text) > SCHEMA_CHARS:  # its compilation would take too long (budgets.py)
+        raise ToolError(f"'tools' is too large: the call schema of tool_choice {json.dumps(choice)} is "
+                        f"{len(text):,} characters of JSON schema (at most {SCHEMA_CHARS:,})")
+    return Grammar("json_schema", text, compact=True)
 
 
 def template_messages(messages: list[dict]) -> list[dict]:
