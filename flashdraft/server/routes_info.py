@@ -2,7 +2,7 @@
 import asyncio
 
 from fastapi import APIRouter, Request
-from fastapi.responses import PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from flashdraft.server import protocol as P
 from flashdraft.server.protocol import ApiError
@@ -91,26 +91,33 @@ async def metrics(request: Request) -> Response:
     return PlainTextResponse(scheduler.metrics.prometheus(engine.memory), media_type="text/plain; version=0.0.4")
 
 @router.post("/tokenize")
-async def tokenize(request: Request) -> dict:
+async def tokenize(request: Request) -> Response:
     state = server_state(request)
     engine, _ = state.require()
     body = await read_json(request)
     content = body.get("content")
     if not isinstance(content, str):
         raise ApiError(400, "'content' is required and must be a string")
-    ids = await asyncio.to_thread(engine.tokenizer.encode, content,  # off the event loop: may be megabytes
-                                  add_special=P.get_bool(body, "add_special", False))
-    if P.get_bool(body, "with_pieces", False):
-        return {"tokens": [{"id": t, "piece": engine.tokenizer.decode([t], skip_special=False)} for t in ids]}
-    return {"tokens": ids}
+    add_special, with_pieces = P.get_bool(body, "add_special", False), P.get_bool(body, "with_pieces", False)
+
+    def answer() -> Response:  # off the event loop: the content may be megabytes, the answer millions of ids
+        ids = engine.tokenizer.encode(content, add_special=add_special)
+        if with_pieces:
+            return JSONResponse({"tokens": [{"id": t, "piece": engine.tokenizer.decode([t], skip_special=False)}
+                                            for t in ids]})
+        return JSONResponse({"tokens": ids})
+    return await asyncio.to_thread(answer)
 
 @router.post("/detokenize")
-async def detokenize(request: Request) -> dict:
+async def detokenize(request: Request) -> Response:
     state = server_state(request)
     engine, _ = state.require()
     body = await read_json(request)
     tokens = body.get("tokens")
-    if not P.is_token_list(tokens):
-        raise ApiError(400, "'tokens' is required and must be an array of token ids")
-    P.check_token_ids(tokens, engine.target.cfg.vocab_size, "'tokens'")
-    return {"content": await asyncio.to_thread(engine.tokenizer.decode, tokens, skip_special=False)}
+
+    def answer() -> Response:  # off the event loop: the ids may be millions
+        if not P.is_token_list(tokens):
+            raise ApiError(400, "'tokens' is required and must be an array of token ids")
+        P.check_token_ids(tokens, engine.target.cfg.vocab_size, "'tokens'")
+        return JSONResponse({"content": engine.tokenizer.decode(tokens, skip_special=False)})
+    return await asyncio.to_thread(answer)
