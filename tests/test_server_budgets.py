@@ -117,6 +117,17 @@ def test_oversized_request_is_a_quick_400_and_health_answers_meanwhile(url, case
     assert took < ANSWER_LIMIT, f"refused after {took:.1f} s"
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/tokenize", {"content": "the quick brown fox " * 100_000, "with_pieces": True}),
+    ("/detokenize", {"tokens": [100, 200, 300] * 1_000_000}),
+])
+def test_big_tokenize_and_detokenize_leave_health_answering(url, path, body):
+    with HealthPoller(url) as poller:
+        r = post_raw(url, path, json.dumps(body))
+    assert r.status_code == 200, r.text[:300]
+    assert poller.worst < HEALTH_LIMIT, f"/health took {poller.worst:.2f} s at worst"
+
+
 def test_a_grammar_within_the_budget_is_served(url):
     body = json.dumps({"prompt": "hi", "n_predict": 1, "grammar": gbnf(4000)})
     with HealthPoller(url) as poller:
