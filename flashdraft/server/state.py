@@ -66,6 +66,17 @@ def _path(keys: list) -> str:
     return out or "the request body"
 
 
+def unencodable(text: str) -> bool:
+    """Whether a string holds a lone UTF-16 surrogate (JSON's escapes let one through; UTF-8 cannot encode it)."""
+    if text.isascii():
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
 def check_values(body) -> None:
     """Reject what JSON parsing lets through but nothing downstream can use, naming the field: NaN and the
     infinities (Python reads them), lone UTF-16 surrogates in strings (not encodable), deep nesting.
@@ -80,24 +91,14 @@ def check_values(body) -> None:
             if not math.isfinite(value):
                 raise ApiError(400, f"'{_path(keys + [key])}' must be a finite number, got {value}")
         elif isinstance(value, str):
-            if not value.isascii():
-                try:
-                    value.encode("utf-8")
-                except UnicodeEncodeError:
-                    raise ApiError(400, f"'{_path(keys + [key])}' holds a lone UTF-16 surrogate: not valid "
-                                        "Unicode text") from None
+            if unencodable(value):
+                raise ApiError(400, f"'{_path(keys + [key])}' holds a lone UTF-16 surrogate: not valid Unicode text")
         elif isinstance(value, dict | list):
             if len(iters) > MAX_DEPTH or (len(iters) == MAX_DEPTH and value):  # its items would be too deep
                 raise ApiError(400, f"the request body is nested deeper than {MAX_DEPTH} levels (at "
                                     f"'{_path(keys + [key])}')")
-            if isinstance(value, dict):
-                for k in value:
-                    if not k.isascii():
-                        try:
-                            k.encode("utf-8")
-                        except UnicodeEncodeError:
-                            raise ApiError(400, f"a key in '{_path(keys + [key])}' holds a lone UTF-16 "
-                                                "surrogate") from None
+            if isinstance(value, dict) and any(unencodable(k) for k in value):
+                raise ApiError(400, f"a key in '{_path(keys + [key])}' holds a lone UTF-16 surrogate")
             if value:
                 if iters:
                     keys.append(key)
