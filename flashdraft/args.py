@@ -22,9 +22,8 @@ def add_engine_args(ap: argparse.ArgumentParser, model: bool = True, context: bo
         ap.add_argument("--draft-window", type=int, default=None, help="draft sees the last N positions")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     ap.add_argument("-t", "--threads", type=int, default=None, metavar="N",
-                    help=f"CPU threads for generation (default: the physical cores this process may run on, less those "
-                         f"other processes keep busy at start; {default_threads()} now; on CUDA only host-side work "
-                         f"uses them)")
+                    help=f"CPU threads for generation (default: the physical cores this process may run on, "
+                         f"{default_threads()} here; on CUDA only host-side work uses them)")
     ap.add_argument("-tb", "--threads-batch", type=int, default=None, metavar="N",
                     help="CPU threads for prompt processing (accepted as llama.cpp's; prompts run with --threads)")
     ap.add_argument("--dtype", default="auto", choices=DTYPES)
@@ -66,7 +65,7 @@ THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"
                     "NUMEXPR_NUM_THREADS")
 
 
-def physical_cores() -> int:
+def default_threads() -> int:
     """The physical cores among the CPUs this process may run on: hyperthreads of one core count once (read from
     sysfs where it has the topology), so that busy sibling threads do not slow each other down."""
     try:
@@ -76,25 +75,10 @@ def physical_cores() -> int:
     cores = set()
     for cpu in cpus:
         try:
-            cores.add(Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip())
+            cores.add((Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip()))
         except OSError:
             return max(1, len(cpus))
     return max(1, len(cores))
-
-
-def default_threads() -> int:
-    """-t's default: the physical cores, less those other processes keep busy at start (the 1-minute load average),
-    at least one. A thread pool wider than the idle cores waits at every op for a thread the scheduler has put off:
-    on a two-core machine kept busy by another job, decoding SmolLM2-135M ran at 0.7-2.2 tok/s with two threads
-    and 3.0-12.0 with one (and idle, 14.8 with two against 15.2 with one)."""
-    cores = physical_cores()
-    try:
-        busy = os.getloadavg()[0]
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return cores
-    idle = int(cpus - busy + 0.5)  # of all the CPUs this process may use; the pool never exceeds the physical cores
-    return max(1, min(cores, idle))
 
 
 def requested_threads(argv: list[str]) -> int | None:

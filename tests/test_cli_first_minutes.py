@@ -95,15 +95,6 @@ def test_default_threads_do_not_oversubscribe():
     assert env["OMP_NUM_THREADS"] == "7" and env["MKL_NUM_THREADS"] == str(n)
 
 
-def test_default_threads_leave_busy_cores_alone(monkeypatch):
-    from flashdraft import args
-    monkeypatch.setattr(args, "physical_cores", lambda: 2)
-    monkeypatch.setattr(args.os, "sched_getaffinity", lambda pid: {0, 1})
-    for load, want in ((0.0, 2), (0.4, 2), (1.0, 1), (2.0, 1), (7.5, 1)):
-        monkeypatch.setattr(args.os, "getloadavg", lambda load=load: (load, load, load))
-        assert args.default_threads() == want, load
-
-
 def test_threads_reach_torch():
     out = subprocess.run([sys.executable, "-c", "import sys; from flashdraft.args import thread_env, set_threads; "
                           "thread_env(sys.argv[1:]); import torch; set_threads(3); "
