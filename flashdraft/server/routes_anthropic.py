@@ -5,9 +5,7 @@ Anthropic's named events; `/v1/messages/count_tokens` counts a request's prompt.
 (`{"type": "error", "error": {"type", "message"}}`, an `event: error` once a stream has started), which its SDKs
 turn into their own exceptions."""
 import asyncio
-import contextlib
 import json
-import logging
 from collections.abc import AsyncIterator
 from http import HTTPStatus
 
@@ -17,15 +15,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from flashdraft.engine.engine import Completion, Delta
 from flashdraft.server import protocol as P
-from flashdraft.server.protocol import ApiError, internal_error
+from flashdraft.server.protocol import ApiError
 from flashdraft.server.routes_generate import chat_prompt_ids, engine_request, generate, stream_events, tools_of
-from flashdraft.server.scheduler import ShuttingDown
 from flashdraft.server.state import read_json, server_state
-from flashdraft.server.streaming import SHUTTING_DOWN, EventStream
+from flashdraft.server.streaming import EventStream, guarded
 from flashdraft.server.tools import CallStream
 
 router = APIRouter()
-log = logging.getLogger("flashdraft.server")
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "cancelled": "end_turn"}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
@@ -95,20 +91,9 @@ def _error_message(status: int, raw: bytes) -> str:
         return f"error {status}"
 
 
-async def errors_as_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """A stream's events; an error after the response started ends it as Anthropic's `error` event."""
-    try:
-        async with contextlib.aclosing(chunks):
-            async for chunk in chunks:
-                yield chunk
-    except ShuttingDown:
-        yield event("error", error_body(SHUTTING_DOWN.status, SHUTTING_DOWN.message))
-    except ApiError as e:
-        yield event("error", error_body(e.status, e.message))
-    except Exception as e:
-        log.exception("generation failed")
-        error = internal_error(e)
-        yield event("error", error_body(error.status, error.message))
+def error_events(error: ApiError) -> list[bytes]:
+    """An error after a stream started: Anthropic's `error` event."""
+    return [event("error", error_body(error.status, error.message))]
 
 
 def _text(content, where: str) -> str:
@@ -276,4 +261,4 @@ async def messages(request: Request) -> Response:
             yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": word},
                                           "usage": {"output_tokens": len(c.token_ids)}})
             yield event("message_stop", {})
-    return EventStream(errors_as_events(chunks()))
+    return EventStream(guarded(chunks(), error_events))

@@ -4,7 +4,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import Request
@@ -72,17 +72,28 @@ async def until_disconnect(request: Request, work: Awaitable) -> Any:
             await task
 
 
-async def guarded(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """An error after the response started can only be reported as one more event."""
+def openai_error_events(error: ApiError) -> list[bytes]:
+    """An error as the OpenAI routes' streams end with it; shutting down, they end as a finished one would, so
+    clients stop waiting."""
+    return [sse(error.body())] + ([b"data: [DONE]\n\n"] if error is SHUTTING_DOWN else [])
+
+
+async def guarded(chunks: AsyncIterator[bytes],
+                  error_events: Callable[[ApiError], list[bytes]] = openai_error_events) -> AsyncIterator[bytes]:
+    """An error after the response started can only be reported as more events: `error_events` writes them (the
+    OpenAI shape by default); an unexpected exception is reported by its kind (protocol.internal_error)."""
     try:
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 yield chunk
-    except ShuttingDown:  # the stream ends as a finished one would, so clients stop waiting
-        yield sse(SHUTTING_DOWN.body())
-        yield b"data: [DONE]\n\n"
+    except ShuttingDown:
+        error = SHUTTING_DOWN
     except ApiError as e:
-        yield sse(e.body())
+        error = e
     except Exception as e:
         log.exception("generation failed")
-        yield sse(internal_error(e).body())
+        error = internal_error(e)
+    else:
+        return
+    for event in error_events(error):
+        yield event
