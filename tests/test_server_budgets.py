@@ -9,7 +9,7 @@ import time
 
 import httpx
 import pytest
-from test_server import load, models, serving, settings  # noqa: F401  (models: the session fixture)
+from test_server import load, models, serving, settings  # noqa: F401  (models: a fixture)
 from test_tools import HERMES
 
 from flashdraft.engine import grammar as G

@@ -7,7 +7,7 @@ import time
 import httpx
 import pytest
 import torch
-from test_server import load, models, serving, settings  # noqa: F401  (models: the session fixture)
+from test_server import load, models, serving, settings  # noqa: F401  (models: a fixture)
 
 from flashdraft.engine import sampling as S
 from flashdraft.engine.sampling import SamplingParams, adjust_logits, sample

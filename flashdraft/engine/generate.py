@@ -88,24 +88,24 @@ class FollowBuffer:
     def __init__(self, steps: Steps, slot: int, block: int):
         self.steps, self.slot, self.block = steps, slot, block
         self.rows: Tensor | None = None
-        self.positions: list[int] = []
+        self.first, self.held = 0, 0  # the rows held are positions first, first + 1, ... (plain steps in a row)
 
     def add(self, features: Tensor, pos: int) -> None:
         """features [1, width] of position `pos` (the next after the rows held)."""
         if self.rows is None:
             self.rows = features.new_empty(self.block, features.shape[-1])
-        self.rows[len(self.positions)].copy_(features.reshape(-1))  # the graph's output buffer is overwritten by its next replay
-        self.positions.append(pos)
-        if len(self.positions) == self.block:
+        if not self.held:
+            self.first = pos
+        self.rows[self.held].copy_(features.reshape(-1))  # the graph's output buffer: overwritten by its next replay
+        self.held += 1
+        if self.held == self.block:
             self.flush()
 
     def flush(self) -> None:
-        if self.positions:
-            n = len(self.positions)
-            first = self.positions[0]
-            positions = torch.arange(first, first + n, device=self.rows.device)  # consecutive: plain steps in a row
-            self.steps.append_context(self.slot, self.rows[:n], positions)
-            self.positions = []
+        if self.held:
+            positions = torch.arange(self.first, self.first + self.held, device=self.rows.device)
+            self.steps.append_context(self.slot, self.rows[:self.held], positions)
+            self.held = 0
 
 
 @torch.inference_mode()

@@ -229,8 +229,9 @@ def sample(logits: Tensor, p: SamplingParams, generator: torch.Generator | None)
     distribution (equivalent to multinomial, but with no host synchronisation). With top-k the race runs over the
     k candidates only, [N, k], and the winner's id is gathered. A row with no finite choice (NaN or +inf in it, or
     nothing above -inf) gives -1, which check_sampled turns into an error once the tokens reach the host."""
-    if p.greedy:
-        return torch.where(torch.isfinite(logits.amax(-1)), argmax_rows(logits), -1)  # amax is NaN if any is
+    if p.greedy:  # argmax picks a NaN where a row has one, so the picked logit alone tells a row with no choice
+        pick = argmax_rows(logits)
+        return torch.where(logits.gather(-1, pick[:, None])[:, 0].isfinite(), pick, -1)
     probs, ids = filtered_candidates(logits, p)
     noise = torch.empty_like(probs).exponential_(1, generator=generator)
     pick = argmax_rows(probs / noise)
