@@ -191,9 +191,7 @@ def logit_bias(body: dict, tokenizer, vocab_size: int) -> dict[int, float]:
             ids = tokenizer.encode(key, add_special=False)
         else:
             raise ApiError(400, f"'logit_bias' keys must be token ids (ASCII decimal integers), got {_short(key)}")
-        if any(not 0 <= t < vocab_size for t in ids):
-            raise ApiError(400, f"'logit_bias' has token ids outside the vocabulary (size {vocab_size}): "
-                                f"{[_short(t) for t in ids if not 0 <= t < vocab_size][:5]}")
+        check_token_ids(ids, vocab_size, "'logit_bias'")
         out.update(dict.fromkeys(ids, float(bias)))
     if sum(b == float("-inf") for b in out.values()) >= vocab_size:
         raise ApiError(400, "'logit_bias' bans every token of the vocabulary: nothing could be sampled")
@@ -365,7 +363,8 @@ def prompt_ids(body: dict, tokenizer, vocab_size: int, limit: int) -> list[int]:
 def check_token_ids(ids: list[int], vocab_size: int, what: str) -> None:
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise ApiError(400, f"{what} has token ids outside the vocabulary (size {vocab_size}): {bad[:5]}")
+        raise ApiError(400, f"{what} has token ids outside the vocabulary (size {vocab_size}): "
+                            f"[{', '.join(_short(t) for t in bad[:5])}]")
 
 
 def check_fits(ids: list[int], slot_ctx: int) -> None:
