@@ -109,3 +109,22 @@ def test_a_forbidden_drafted_token_is_rejected_like_a_mismatch(models):
 
 def torch_equal_rows(x, y) -> bool:
     return bool((x == y).all())
+
+
+def test_a_checked_grammar_compiles_once_and_still_pickles(models):
+    """check() keeps its compiled matcher for the request's Constraint; the grammar still pickles (tensor-parallel
+    ranks receive the request that way) and a rank that gets it compiles its own."""
+    import pickle
+
+    from flashdraft.engine.grammar import check
+    engine = load(models)
+    grammar = Grammar("gbnf", 'root ::= "ab" "cd"')
+    check(engine.tokenizer, grammar)
+    assert len(grammar.compiled) == 1
+    copy = pickle.loads(pickle.dumps(grammar))
+    assert copy == grammar and copy.compiled == []
+    for g in (grammar, copy):
+        constraint = Constraint(engine.tokenizer, g, engine.target.cfg.vocab_size)
+        a = engine.tokenizer.encode("a", add_special=False)
+        assert constraint.masks([])[0, a[0]]
+    assert grammar.compiled == []  # taken by the first Constraint

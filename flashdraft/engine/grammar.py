@@ -30,6 +30,11 @@ class Grammar:
     # the matcher check() compiled, taken by the request's Constraint so that the grammar is compiled once
     compiled: list = field(default_factory=list, compare=False, hash=False, repr=False)
 
+    def __getstate__(self) -> dict:
+        """Pickled (a request shared with tensor-parallel ranks) without the compiled matcher, which does not pickle:
+        each rank compiles its own."""
+        return {**self.__dict__, "compiled": []}
+
 
 def _ll_tokenizer(tokenizer):
     """The llguidance view of a tokenizer (made once per tokenizer: about a second for a large vocabulary)."""
