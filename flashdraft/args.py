@@ -109,7 +109,8 @@ def set_threads(threads: int | None, world: int = 1) -> int:
     import torch
     if threads is not None and threads < 1:
         raise ValueError(f"--threads must be at least 1, got {threads}")
-    n = threads or max(1, default_threads() // max(world, 1))
+    sharing = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # the ranks on this host (torchrun sets it)
+    n = threads or max(1, default_threads() // max(sharing, 1))
     torch.set_num_threads(n)
     try:
         torch.set_num_interop_threads(1)

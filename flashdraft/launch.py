@@ -44,17 +44,14 @@ def run_tensor_parallel(main: RankMain, tp: int, device: str) -> int:
 
 def run_rank(main: RankMain, device: str) -> int:
     """Join the process group described by the environment, run main on this rank's device, leave the group."""
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_rank = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
     if device.startswith("cuda"):
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
         # device_id: the communicator is set up now, not lazily inside the first captured CUDA graph
         dist.init_process_group("nccl", device_id=torch.device(device))
-    else:
-        from flashdraft.args import set_threads
-        set_threads(None, int(os.environ.get("LOCAL_WORLD_SIZE", world)))  # the physical cores, shared by the ranks
+    else:  # (each command's main sizes its CPU threads: flashdraft.args.set_threads)
         dist.init_process_group("gloo")
     try:
         return main(device)
