@@ -36,13 +36,38 @@ class Grammar:
         return {**self.__dict__, "compiled": []}
 
 
+class _TextTokenizer:
+    """The tokenizer as llguidance's TokenizerWrapper reads it: each token's bytes and which tokens are special
+    (from llguidance's own reading of the tokenizer's definition) and an encoder that reads special-token text as
+    text. llguidance tokenizes the bytes a grammar forces (a literal, a schema's `const`) with it: the tokenizer
+    itself would turn `<|im_end|>` in a literal into the end-of-turn token, so that the grammar made the model
+    end its answer there instead of writing the text."""
+
+    def __init__(self, tokenizer, spelled):
+        from tokenizers import Tokenizer as Backend
+        n = tokenizer.vocab_size
+        self.tokens = [spelled.decode_bytes([i]) for i in range(n)]
+        self.special_token_ids = [i for i in range(n) if spelled.is_special_token(i)]
+        self.eos_token_id = tokenizer.eos_ids[0] if tokenizer.eos_ids else spelled.eos_token
+        self.bos_token_id = tokenizer.bos_id
+        self.backend = Backend.from_str(tokenizer.backend.to_str())  # a copy: the prompt's encoder is unchanged
+        self.backend.encode_special_tokens = True
+
+    def __call__(self, text: str) -> list[int]:
+        if not isinstance(text, str):  # TokenizerWrapper then passes text, never bytes
+            raise TypeError("text only")
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+
 def _ll_tokenizer(tokenizer):
     """The llguidance view of a tokenizer (made once per tokenizer: about a second for a large vocabulary)."""
     cached = getattr(tokenizer, "_llguidance", None)
     if cached is None:
         import llguidance
-        cached = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=tokenizer.vocab_size,
-                                        eos_token=list(tokenizer.eos_ids) or None)
+        eos = list(tokenizer.eos_ids) or None
+        spelled = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=tokenizer.vocab_size, eos_token=eos)
+        cached = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TextTokenizer(tokenizer, spelled)),
+                                        n_vocab=tokenizer.vocab_size, eos_token=eos)
         tokenizer._llguidance = cached
     return cached
 
