@@ -1,16 +1,125 @@
-"""Text that spells a special token inside a grammar literal or a schema stays text (before, `"a<|im_end|>b"`
-let the model write the real end-of-turn token and the answer stopped at "a")."""
+"""Output constraints a client can get wrong in ways the grammar compiler accepts: a schema that no value matches
+(a `$ref` cycle with nothing else in it, a required property that nothing matches) is a 400 naming the field,
+never an empty 200; text that spells a special token inside a grammar literal or a schema stays text (before,
+`"a<|im_end|>b"` let the model write the real end-of-turn token and the answer stopped at "a")."""
+import json
+import shutil
+
 import httpx
 import pytest
 from test_server import load, models, serving, settings  # noqa: F401  (models: the session fixture)
+from test_tools import HERMES
 
 from flashdraft.server.app import create_app
+
+CYCLE = {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+TWO_CYCLE = {"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/b"}]}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+REQUIRED_CYCLE = {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}, "required": ["x"],
+                  "$defs": {"a": {"$ref": "#/$defs/a"}}}
+ENDLESS = {"$defs": {"node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}}, "required": ["next"]}},
+           "$ref": "#/$defs/node"}  # every node needs a next node: no finite value
+ITEMS_CYCLE = {"type": "array", "minItems": 1, "items": {"$ref": "#/$defs/a"}, "$defs": {"a": {"$ref": "#/$defs/a"}}}
+NOTHING = [CYCLE, TWO_CYCLE, REQUIRED_CYCLE, ENDLESS, ITEMS_CYCLE,
+           {"type": "object", "properties": {"x": False}, "required": ["x"]}]
+SOMETHING = [  # schemas with refs, cycles and required properties that values do match
+    {"$defs": {"node": {"type": "object", "properties": {"next": {"anyOf": [{"$ref": "#/$defs/node"},
+                                                                          {"type": "null"}]}},
+                        "required": ["next"]}}, "$ref": "#/$defs/node"},
+    {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}, "required": ["kids"]},
+    {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}, "$defs": {"a": {"$ref": "#/$defs/a"}}},
+    {"anyOf": [{"type": "string"}, {"$ref": "#/$defs/a"}], "$defs": {"a": {"$ref": "#/$defs/a"}}},
+    {"properties": {"x": {"$ref": "#/$defs/a"}}, "required": ["x"], "$defs": {"a": {"$ref": "#/$defs/a"}}},  # any type
+    {"$ref": "https://example.com/schema"},  # not ours to resolve: left to the compiler
+    {"type": "object", "properties": {"a~b/c": {"$ref": "#/properties/d"}, "d": {"type": "integer"}},
+     "required": ["a~b/c"]},
+    {"type": "object", "properties": {"a": {"$ref": "#/properties/a~1b"}, "a/b": {"type": "string"}},
+     "required": ["a"]},
+]
+
+
+@pytest.mark.parametrize("schema", NOTHING)
+def test_unmatchable_finds_schemas_no_value_matches(schema):
+    from flashdraft.engine.grammar import unmatchable
+    assert unmatchable(schema)
+
+
+@pytest.mark.parametrize("schema", SOMETHING)
+def test_unmatchable_leaves_schemas_values_match(schema):
+    from flashdraft.engine.grammar import unmatchable
+    assert unmatchable(schema) is None
+
+
+def test_unmatchable_is_linear_in_a_long_chain_of_refs():
+    """5000 definitions each referring to the next: decided in well under a second (a fixpoint iterated over the
+    whole schema would take one pass per definition)."""
+    import time
+
+    from flashdraft.engine.grammar import unmatchable
+    n = 5000
+    schema = {"$defs": {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}, "$ref": "#/$defs/d0"}
+    schema["$defs"][f"d{n}"] = {"$ref": "#/$defs/d0"}
+    t = time.perf_counter()
+    assert unmatchable(schema)
+    schema["$defs"][f"d{n}"] = {"type": "string"}
+    assert unmatchable(schema) is None
+    assert time.perf_counter() - t < 1.0
 
 
 @pytest.fixture(scope="module")
 def url(models):  # noqa: F811
     with serving(create_app(load(models, n_slots=1, slot_ctx=1024), settings())) as url:
         yield url
+
+
+@pytest.fixture(scope="module")
+def tools_url(models, tmp_path_factory):  # noqa: F811
+    target, draft = models
+    folder = tmp_path_factory.mktemp("hermes-constraints") / "target"
+    shutil.copytree(target, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=HERMES)))
+    with serving(create_app(load((folder, draft), n_slots=1, slot_ctx=1024), settings())) as url:
+        yield url
+
+
+def assert_400(r: httpx.Response, *words: str) -> None:
+    assert r.status_code == 400, (r.status_code, r.text[:300])
+    message = r.json()["error"]["message"]
+    assert all(w in message for w in words), message
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0}
+
+
+@pytest.mark.parametrize("schema", NOTHING[:5])
+def test_a_schema_no_value_matches_is_a_400_naming_the_field(url, schema):
+    r = httpx.post(url + "/v1/chat/completions", json=CHAT | {"response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}, timeout=60)
+    assert_400(r, "response_format.json_schema.schema", "no JSON value matches")
+    r = httpx.post(url + "/completion", json={"prompt": "hi", "n_predict": 4, "json_schema": schema}, timeout=60)
+    assert_400(r, "'json_schema'", "no JSON value matches")
+
+
+@pytest.mark.parametrize("choice", ["auto", "required", {"type": "function", "function": {"name": "g"}}])
+@pytest.mark.parametrize("schema", [REQUIRED_CYCLE, ENDLESS])
+def test_tool_parameters_no_value_matches_are_a_400_naming_the_tool(tools_url, schema, choice):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
+             {"type": "function", "function": {"name": "g", "parameters": schema}}]
+    r = httpx.post(tools_url + "/v1/chat/completions", json=CHAT | {"tools": tools, "tool_choice": choice},
+                   timeout=60)
+    assert_400(r, "tools[1].function.parameters", "no JSON value matches")
+
+
+def test_a_grammar_that_matches_nothing_is_a_400(url):
+    r = httpx.post(url + "/completion", json={"prompt": "hi", "n_predict": 4, "grammar": "root ::= a\na ::= a"},
+                   timeout=60)
+    assert_400(r, "'grammar'")
+
+
+def test_schemas_values_match_are_served(url):
+    for schema in SOMETHING[:4]:
+        r = httpx.post(url + "/completion", json={"prompt": "hi", "n_predict": 4, "json_schema": schema}, timeout=60)
+        assert r.status_code == 200, (schema, r.text[:300])
 
 
 SPECIAL_TEXT = [  # (field, value, the answer it forces)

@@ -123,6 +123,109 @@ def lark_source(grammar: Grammar) -> str:
     return llguidance.LLMatcher.grammar_from_lark(grammar.text)
 
 
+def _pointer(root, ref: str):
+    """The node a local JSON pointer (`#`, `#/$defs/a`, `#/properties/a~1b/items`) names in `root`, or None."""
+    from urllib.parse import unquote
+    if ref == "#":
+        return root
+    if not ref.startswith("#/"):
+        return None
+    node = root
+    for part in ref[2:].split("/"):
+        part = unquote(part).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def unmatchable(schema) -> str | None:
+    """Why no JSON value can match `schema`, or None when one may. llguidance finds a property or an intersection
+    that nothing matches, but not what comes from references: a `$ref` cycle with nothing else in it, or a
+    recursive object whose every instance needs another one, compiles into a grammar that allows no output at all,
+    or none that ever ends.
+
+    The schema becomes an and/or graph (a `$ref`, an `allOf`, the required properties of an object, the first
+    `minItems` items of an array must each be matchable; an `anyOf`/`oneOf` needs one branch; `false` never is)
+    and the matchable nodes are found bottom-up as for a context-free grammar's productive symbols: linear in the
+    schema's size, cycles included. Only what certainly matches nothing is reported; keywords not read here
+    (types, bounds, `not`, ...) count as matchable."""
+    nodes: dict[int, int] = {}  # id(schema object) -> its node
+    kinds: list[str] = []  # "and" / "or"
+    children: list[list[int]] = []
+    todo: list[tuple[int, dict]] = []  # nodes whose children are still to be read (no recursion: refs chain deep)
+
+    def new(kind: str, parts: list[int] | None = None) -> int:
+        kinds.append(kind)
+        children.append(parts or [])
+        return len(kinds) - 1
+
+    def node(value) -> int:
+        if value is False:
+            return new("or")  # an "or" of nothing: never matchable
+        if not isinstance(value, dict):
+            return new("and")
+        if id(value) not in nodes:
+            nodes[id(value)] = new("and")
+            todo.append((nodes[id(value)], value))
+        return nodes[id(value)]
+
+    def listed(value: dict, key: str) -> list:
+        return value[key] if isinstance(value.get(key), list) else []
+
+    root = node(schema)
+    while todo:
+        index, value = todo.pop()
+        parts = []
+        ref = value.get("$ref")
+        target = _pointer(schema, ref) if isinstance(ref, str) else None
+        if target is not None:
+            parts.append(node(target))
+        parts += [node(sub) for sub in listed(value, "allOf")]
+        for key in ("anyOf", "oneOf"):
+            if listed(value, key):
+                parts.append(new("or", [node(sub) for sub in listed(value, key)]))
+        kind = value.get("type")
+        if kind in ("object", ["object"]) and isinstance(value.get("properties"), dict):
+            properties = value["properties"]
+            parts += [node(properties[name]) for name in listed(value, "required")
+                      if isinstance(name, str) and name in properties]
+        if kind in ("array", ["array"]):
+            least, prefix, items = value.get("minItems"), listed(value, "prefixItems"), value.get("items")
+            if isinstance(items, list):  # the older tuple form
+                prefix, items = items, value.get("additionalItems")
+            if isinstance(least, int) and not isinstance(least, bool) and least > 0:
+                parts += [node(sub) for sub in prefix[:least]]
+                if least > len(prefix) and isinstance(items, dict | bool):
+                    parts.append(node(items))
+        children[index] = parts
+    # bottom-up: an "and" is matchable once all its children are, an "or" once one is
+    waiting = [len(c) if k == "and" else min(len(c), 1) for k, c in zip(kinds, children)]
+    parents: list[list[int]] = [[] for _ in kinds]
+    for i, c in enumerate(children):
+        for child in c:
+            parents[child].append(i)
+    matchable = [False] * len(kinds)
+    ready = [i for i, (k, w) in enumerate(zip(kinds, waiting)) if k == "and" and w == 0]
+    while ready:
+        i = ready.pop()
+        if matchable[i]:
+            continue
+        matchable[i] = True
+        for p in parents[i]:
+            if not matchable[p]:
+                waiting[p] -= 1
+                if waiting[p] <= 0:
+                    ready.append(p)
+    if matchable[root]:
+        return None
+    return "no JSON value matches this schema (a $ref cycle with nothing else in it, or a required property or item " \
+           "that nothing matches)"
+
+
 def check(tokenizer, grammar: Grammar) -> None:
     """Raise ValueError naming what is wrong with a grammar (before a request takes a slot)."""
     import llguidance
@@ -132,9 +235,18 @@ def check(tokenizer, grammar: Grammar) -> None:
         source = lark_source(grammar)
     except Exception as e:  # gbnf_to_lark's own errors
         raise ValueError(f"invalid {grammar.kind}: {e}") from None
+    if grammar.kind == "json_schema":
+        import json
+        why = unmatchable(json.loads(grammar.text))
+        if why:
+            raise ValueError(why)
     matcher = llguidance.LLMatcher(_ll_tokenizer(tokenizer), source, log_level=0)
+    if not matcher.is_error():
+        matcher.compute_bitmask()  # the first token's set: some grammars are found to match nothing only here
     if matcher.is_error():
         raise ValueError(f"invalid {grammar.kind}: {matcher.get_error()}")
+    if matcher.is_stopped() and not matcher.is_accepting():
+        raise ValueError(f"no output matches this {grammar.kind}")
     grammar.compiled[:] = [matcher]  # for Constraint: compiled once per request
 
 

@@ -14,7 +14,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from flashdraft.engine.grammar import Grammar
+from flashdraft.engine.grammar import Grammar, unmatchable
 from flashdraft.server.budgets import SCHEMA_CHARS
 
 MAX_PARALLEL_CALLS = 8
@@ -54,6 +54,9 @@ def tool_names(tools: list) -> list[str]:
                             f"{function['name'][:80]!r}")
         if not isinstance(function.get("parameters", {}), dict):
             raise ToolError(f"tools[{i}].function.parameters must be a JSON schema object")
+        why = unmatchable(function.get("parameters", {}))
+        if why:  # a call to it could never be written: not a tool
+            raise ToolError(f"tools[{i}].function.parameters: {why}")
         names.append(function["name"])
     return names
 
