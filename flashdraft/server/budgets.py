@@ -1,12 +1,22 @@
 """Size budgets for the request fields whose cost grows with their size (grammar and schema compilation, the
 tokenization of logit_bias texts, the stop-string automaton, tool schemas), checked before any of that work
-starts: a 400 naming the field, decided in time bounded by the budget itself, never by the body.
+starts: a 400 naming the field, decided in time bounded by the budget itself, never by the body; and the deadline
+on a request's preparation (Preparation), the work after those checks, which runs in worker threads.
 
 The limits keep each compilation well under a second. Measured with llguidance on a small vocabulary (2 CPU
 cores): a GBNF grammar of N alternatives compiles in ~0.1 s at 4k (39 KB), ~0.4 s at 16k (165 KB), ~1.5 s at 32k
 (341 KB), growing about quadratically; a JSON schema of 1k properties (46 KB) in ~0.04 s, 4k (190 KB) in ~0.65 s.
 """
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 from flashdraft.server.protocol import ApiError
+
+log = logging.getLogger("flashdraft.server")
+T = TypeVar("T")
 
 GRAMMAR_CHARS = 64 * 1024  # a GBNF or Lark grammar's text
 SCHEMA_CHARS = 128 * 1024  # a JSON schema (json_schema, response_format, the tool-call schema) as JSON text
@@ -17,6 +27,39 @@ LOGIT_BIAS_TEXT_CHARS = 1024  # one text key of llama.cpp's array form (it is to
 LOGIT_BIAS_TEXTS_CHARS = 64 * 1024  # all of them together
 TOOLS_COUNT = 128  # OpenAI's limit
 TOOLS_CHARS = 256 * 1024  # the tools as JSON text (rendered into the prompt; their schemas may be compiled)
+PREPARE_SECONDS = 30.0  # the deadline on a request's preparation, all of its steps together
+
+
+class Preparation:
+    """A request's preparation (parsing and checking its body, rendering the chat template, tokenizing, compiling
+    its grammar): each step runs in a worker thread, so the event loop (/health, the other requests' streams)
+    never waits for it, and all steps together within PREPARE_SECONDS. A request past the deadline is answered at
+    once with a 503 naming the step that was running.
+
+    A thread cannot be cancelled: the step that missed the deadline runs on to its end and its result is dropped.
+    What bounds that leftover work is the budgets above, checked before any step starts (each step's cost is
+    bounded by them: about a second at most on 2 CPU cores, docs/PERF.md), so the deadline is reached only when
+    the machine is far slower or busier than that, and what a late step still holds is a worker thread for about
+    as long again."""
+
+    def __init__(self):
+        self.seconds = PREPARE_SECONDS
+        self.ends = time.monotonic() + self.seconds
+
+    async def run(self, what: str, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """fn(*args, **kwargs) in a worker thread; `what` names the step in the error if the deadline passes."""
+        left = self.ends - time.monotonic()
+        if left <= 0:
+            raise self.late(what)
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(fn, *args, **kwargs), left)
+        except TimeoutError:
+            raise self.late(what) from None
+
+    def late(self, what: str) -> ApiError:
+        log.warning("request preparation past its deadline of %g s while %s", self.seconds, what)
+        return ApiError(503, f"the request's preparation took longer than {self.seconds:g} s: {what} did not finish "
+                             "in time (the server is busy, or the request is very large)", type="timeout_error")
 
 
 def json_size_over(value, limit: int) -> bool:

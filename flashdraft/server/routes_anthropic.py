@@ -4,7 +4,6 @@ their `input_schema`, `tool_choice` auto / any / tool / none) and the answer bac
 Anthropic's named events; `/v1/messages/count_tokens` counts a request's prompt. Errors come in Anthropic's shape
 (`{"type": "error", "error": {"type", "message"}}`, an `event: error` once a stream has started), which its SDKs
 turn into their own exceptions."""
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from http import HTTPStatus
@@ -15,8 +14,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from flashdraft.engine.engine import Completion, Delta
 from flashdraft.server import protocol as P
+from flashdraft.server.budgets import Preparation
 from flashdraft.server.protocol import ApiError
-from flashdraft.server.routes_generate import chat_prompt_ids, engine_request, generate, stream_events, tools_of
+from flashdraft.server.routes_generate import (CHECKING_TOOLS, COMPILING, RENDERING, chat_prompt_ids, engine_request,
+                                               generate, stream_events, tools_of)
 from flashdraft.server.state import read_json, server_state
 from flashdraft.server.streaming import EventStream, guarded
 from flashdraft.server.tools import CallStream
@@ -190,6 +191,9 @@ def message(model: str, content: list[dict], stop: tuple[str, str | None], c: Co
             "stop_reason": stop[0], "stop_sequence": stop[1], "usage": usage}
 
 
+READING = "reading the Messages request"
+
+
 def event(name: str, data: dict) -> bytes:
     return f"event: {name}\ndata: {json.dumps(data | {'type': name}, ensure_ascii=False)}\n\n".encode()
 
@@ -198,23 +202,25 @@ def event(name: str, data: dict) -> bytes:
 async def count_tokens(request: Request) -> dict:
     """The prompt's token count as the Messages route would render it (agents call this to budget context)."""
     state = server_state(request)
-    raw = await read_json(request)
+    prep = Preparation()
+    raw = await read_json(request, prep)
     engine, _ = state.require()
-    body = await asyncio.to_thread(chat_body, {"max_tokens": 1} | raw)
-    plan = await asyncio.to_thread(tools_of, engine, body)
-    ids = await asyncio.to_thread(chat_prompt_ids, state, engine, body, None, plan)
+    body = await prep.run(READING, chat_body, {"max_tokens": 1} | raw)
+    plan = await prep.run(CHECKING_TOOLS, tools_of, engine, body)
+    ids = await prep.run(RENDERING, chat_prompt_ids, state, engine, body, None, plan)
     return {"input_tokens": len(ids)}
 
 
 @router.post("/v1/messages")
 async def messages(request: Request) -> Response:
     state = server_state(request)
-    raw = await read_json(request)
+    prep = Preparation()
+    raw = await read_json(request, prep)
     engine, _ = state.require()
-    body = await asyncio.to_thread(chat_body, raw)  # grows with the messages
-    plan = await asyncio.to_thread(tools_of, engine, body)
-    ids = await asyncio.to_thread(chat_prompt_ids, state, engine, body, engine.ctx_size, plan)
-    req = await asyncio.to_thread(engine_request, state, ids, body, ("max_tokens",), None, plan)
+    body = await prep.run(READING, chat_body, raw)  # grows with the messages
+    plan = await prep.run(CHECKING_TOOLS, tools_of, engine, body)
+    ids = await prep.run(RENDERING, chat_prompt_ids, state, engine, body, engine.ctx_size, plan)
+    req = await prep.run(COMPILING, engine_request, state, ids, body, ("max_tokens",), None, plan)
     if not body["stream"]:
         done = await generate(request, req)
         if done is None:

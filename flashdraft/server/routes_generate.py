@@ -13,6 +13,7 @@ from flashdraft.engine.engine import Request as EngineRequest
 from flashdraft.formats.chat import chat_ids
 from flashdraft.formats.tokenizer import TooManyTokens
 from flashdraft.server import protocol as P
+from flashdraft.server.budgets import Preparation
 from flashdraft.server.protocol import ApiError
 from flashdraft.server.reasoning import ThinkSplitter, prompt_opens_thinking, split_reasoning
 from flashdraft.server.scheduler import Job
@@ -38,6 +39,11 @@ def log_completion(path: str, job: Job, c: Completion) -> None:
 
 
 TEMPLATE_RESERVED = ("messages", "add_generation_prompt")  # chat_ids passes these itself
+# the steps of a request's preparation, as a 503 past its deadline names them (budgets.Preparation)
+CHECKING_TOOLS = "checking the tools and compiling the tool-call grammar"
+RENDERING = "rendering the chat template and tokenizing the prompt"
+TOKENIZING = "tokenizing the prompt"
+COMPILING = "compiling the output constraint and reading the sampling fields"
 
 
 def tools_of(engine: Engine, body: dict) -> ToolPlan | None:
@@ -145,22 +151,23 @@ def openai_stream(request: Request, req: EngineRequest, env: P.Envelope, body: d
 async def apply_template(request: Request) -> dict:
     state = server_state(request)
     engine, _ = state.require()
-    body = await read_json(request)
-    plan = await asyncio.to_thread(tools_of, engine, body)
-    ids = await asyncio.to_thread(chat_prompt_ids, state, engine, body, None, plan)
-    return {"prompt": await asyncio.to_thread(engine.tokenizer.decode, ids, skip_special=False)}
+    prep = Preparation()
+    body = await read_json(request, prep)
+    plan = await prep.run(CHECKING_TOOLS, tools_of, engine, body)
+    ids = await prep.run(RENDERING, chat_prompt_ids, state, engine, body, None, plan)
+    return {"prompt": await prep.run("detokenizing the prompt", engine.tokenizer.decode, ids, skip_special=False)}
 
 @router.post("/v1/chat/completions")
 @router.post("/chat/completions")
 async def chat_completions(request: Request) -> Response:
     state = server_state(request)
-    body = await read_json(request)
+    prep = Preparation()
+    body = await read_json(request, prep)
     engine, _ = state.require()
-    plan = await asyncio.to_thread(tools_of, engine, body)  # the tool-call grammar is compiled
-    ids = await asyncio.to_thread(chat_prompt_ids, state, engine, body, engine.ctx_size, plan)  # may be large
-    req = await asyncio.to_thread(engine_request, state, ids, body,
-                                  ("max_completion_tokens", "max_tokens", "n_predict"), P.chat_logprobs_count(body),
-                                  plan)
+    plan = await prep.run(CHECKING_TOOLS, tools_of, engine, body)
+    ids = await prep.run(RENDERING, chat_prompt_ids, state, engine, body, engine.ctx_size, plan)  # may be large
+    req = await prep.run(COMPILING, engine_request, state, ids, body,
+                         ("max_completion_tokens", "max_tokens", "n_predict"), P.chat_logprobs_count(body), plan)
     env = P.Envelope("chatcmpl-", "chat.completion.chunk", state.model_name, FINGERPRINT)
     split = P.reasoning_format(body, state.settings.reasoning_format) != "none"
     thinking_open = split and prompt_opens_thinking(engine.tokenizer.decode(ids[-16:], skip_special=False))
@@ -217,12 +224,13 @@ async def chat_completions(request: Request) -> Response:
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     state = server_state(request)
-    body = await read_json(request)
+    prep = Preparation()
+    body = await read_json(request, prep)
     engine, _ = state.require()
-    ids = await asyncio.to_thread(P.prompt_ids, body, engine.tokenizer, engine.target.cfg.vocab_size,
-                                  engine.ctx_size)
-    req = await asyncio.to_thread(engine_request, state, ids, body, ("max_tokens", "n_predict"),
-                                  P.text_logprobs_count(body))
+    ids = await prep.run(TOKENIZING, P.prompt_ids, body, engine.tokenizer, engine.target.cfg.vocab_size,
+                         engine.ctx_size)
+    req = await prep.run(COMPILING, engine_request, state, ids, body, ("max_tokens", "n_predict"),
+                         P.text_logprobs_count(body))
     env = P.Envelope("cmpl-", "text_completion", state.model_name, FINGERPRINT)
     with_logprobs = req.params.logprobs is not None
     if not P.get_bool(body, "stream", False):
@@ -247,17 +255,18 @@ async def completions(request: Request) -> Response:
 async def native_completion(request: Request) -> Response:
     """llama.cpp's own completion API (not OpenAI's), as llama-server serves it on both paths."""
     state = server_state(request)
-    body = await read_json(request)
+    prep = Preparation()
+    body = await read_json(request, prep)
     engine, _ = state.require()
-    ids = await asyncio.to_thread(P.prompt_ids, body, engine.tokenizer, engine.target.cfg.vocab_size,
-                                  engine.ctx_size)
-    req = await asyncio.to_thread(engine_request, state, ids, body, ("n_predict", "max_tokens"),
-                                  P.native_probs_count(body))
+    ids = await prep.run(TOKENIZING, P.prompt_ids, body, engine.tokenizer, engine.target.cfg.vocab_size,
+                         engine.ctx_size)
+    req = await prep.run(COMPILING, engine_request, state, ids, body, ("n_predict", "max_tokens"),
+                         P.native_probs_count(body))
     with_probs = req.params.logprobs is not None
     return_tokens = P.get_bool(body, "return_tokens", False)
     per_token = P.get_bool(body, "timings_per_token", False)
     settings = P.generation_settings(req.params, engine.ctx_size, req.speculative)
-    prompt_text = await asyncio.to_thread(engine.tokenizer.decode, ids, skip_special=False)
+    prompt_text = await prep.run("detokenizing the prompt", engine.tokenizer.decode, ids, skip_special=False)
     if not P.get_bool(body, "stream", False):
         done = await generate(request, req)
         if done is None:

@@ -10,7 +10,7 @@ from fastapi import Request
 
 from flashdraft.engine.engine import Engine
 from flashdraft.server import protocol as P
-from flashdraft.server.budgets import check_budgets
+from flashdraft.server.budgets import Preparation, check_budgets
 from flashdraft.server.protocol import ApiError
 from flashdraft.server.scheduler import Scheduler
 from flashdraft.server.settings import Settings
@@ -134,8 +134,11 @@ def parse_json(raw: bytes) -> dict:
     return body
 
 
-async def read_json(request: Request) -> dict:
+async def read_json(request: Request, prep: Preparation | None = None) -> dict:
+    """The body, parsed off the event loop when large (within `prep`'s deadline, when given)."""
     raw = await request.body()
     if len(raw) < 4096:  # small: not worth a thread
         return parse_json(raw)
+    if prep is not None:
+        return await prep.run("parsing the JSON body", parse_json, raw)
     return await asyncio.to_thread(parse_json, raw)
