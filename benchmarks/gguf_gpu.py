@@ -199,12 +199,12 @@ def quantized_draft(draft, qtype: str, device: str, dtype: torch.dtype):
     qtype (sane fp16 scales) for each matrix and ones for the norms, kept quantized as a GGUF draft's matrices are
     (the guide's draft is a Q5_K_M GGUF): its memory and step time are a quantized draft's."""
     from flashdraft.draft.load import build_draft
-    from flashdraft.layers.quantized import QuantizedWeight, stored_blocks
+    from flashdraft.layers.quantized import QuantizedWeight
     tensors = {}
     for i, (name, t) in enumerate(draft.state_dict().items()):
         if t.dim() == 2:
             raw = torch.from_numpy(random_blocks(qtype, t.shape[0], t.shape[1], seed=i))
-            tensors[name] = QuantizedWeight(stored_blocks(raw, qtype).to(device), qtype, tuple(t.shape))
+            tensors[name] = QuantizedWeight(raw, qtype, tuple(t.shape))
         else:
             tensors[name] = torch.ones(t.shape, dtype=dtype, device=device)
     return build_draft(draft.cfg, tensors, Path(f"random {qtype} draft"), device, dtype)

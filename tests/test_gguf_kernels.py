@@ -96,7 +96,7 @@ def check(device: str, dtype: torch.dtype = torch.float32, tol: float = 1e-5) ->
         # sum launches, for the integer kernels (1 row) and the tensor-core kernel (5 rows), one part and two
         from flashdraft.kernels.gguf_matmul import split_counts
         from flashdraft.layers.quantized import GGUFLinear, QuantizedWeight
-        weights = [QuantizedWeight(stored_blocks(torch.from_numpy(random_blocks(q, n, 512, seed=7)), q), q, (n, 512))
+        weights = [QuantizedWeight(torch.from_numpy(random_blocks(q, n, 512, seed=7)), q, (n, 512))
                    for q, n in (("Q4_K", 45), ("Q6_K", 20))]
         graphs = []
 
@@ -132,7 +132,8 @@ def check(device: str, dtype: torch.dtype = torch.float32, tol: float = 1e-5) ->
     from flashdraft.layers.quantized import GGUFLinear, QuantizedWeight
     kept, quantized.SCRATCH_VALUES = quantized.SCRATCH_VALUES, 16 * k
     try:
-        layer = GGUFLinear([QuantizedWeight(p, t, (n, k)) for p, t, n in zip(parts, types, sizes)])
+        layer = GGUFLinear([QuantizedWeight(torch.from_numpy(r), t, (n, k)) for r, t, n in zip(raws, types, sizes)],
+                           device=device)
         x = torch.randn(quantized.FEW_ROWS + 3, k, generator=gen).to(dtype)
         out = layer(x.to(device)).cpu()
         ref = x.double() @ want.double().T
@@ -556,3 +557,39 @@ if __name__ == "__main__":
         check(sys.argv[1] if len(sys.argv) > 1 else "cpu")
 
 
+
+
+def test_quantized_loading_stores_each_matrix_once(tmp_path):
+    """A GGUF's matrices go to their modules in the kernels' order, each written once: a fused projection's parts
+    into one matrix (the bytes of stored_blocks over their concatenation), a tied embedding and output layer
+    sharing one copy, and no buffer left pointing into the file's read-only mapping."""
+    from gguf import GGMLQuantizationType as Q
+    from test_gguf import tiny_hf_state, write_tiny_gguf
+
+    from flashdraft.formats import gguf
+    from flashdraft.formats.loader import build_target
+    from flashdraft.layers.quantized import GGUFEmbedding, GGUFLinear, stored_blocks
+    from flashdraft.models.registry import read_config
+    sd = tiny_hf_state("qwen2", layers=1, hidden=64, ffn=128, vocab=96, tied=True)
+    path = write_tiny_gguf(tmp_path / "t.gguf", "qwen2", sd, quantise=[Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_0])
+    reader = gguf.read_gguf(path)
+    _, cfg = read_config(gguf.gguf_to_hf_config(reader))
+    model = build_target(cfg, gguf.iter_gguf_tensors(reader, torch.float32, keep_quantized=True), "cpu",
+                         torch.float32)
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, GGUFLinear)
+    files = {n: reader.tensors[f"blk.0.attn_{n}.weight"] for n in "qkv"}
+    runs, start = [], 0
+    for qtype, size in zip(qkv.qtypes, qkv.sizes):  # neighbours of one type are one matrix
+        names = []
+        while sum(files[n].shape[0] for n in names) < size:
+            names.append("qkv"[start + len(names)])
+        raw = torch.cat([gguf.tensor_bytes(files[n]).view(files[n].shape[0], -1) for n in names])
+        runs.append(stored_blocks(raw, qtype))
+        start += len(names)
+    assert len(runs) == 2 and all(torch.equal(w, want) for (w, _), want in zip(qkv.parts(), runs))
+    embed = model.model.embed_tokens
+    assert isinstance(embed, GGUFEmbedding) and isinstance(model.lm_head, GGUFLinear)
+    assert model.lm_head.qweight0.data_ptr() == embed.qweight.data_ptr()  # tied: one copy
+    mapped = {gguf.mapped_bytes(t).data_ptr() for t in reader.tensors.values()}
+    assert all(b.data_ptr() not in mapped and b.is_contiguous() for b in model.buffers())

@@ -120,7 +120,7 @@ def build_draft(cfg: DraftConfig, tensors: dict[str, Any], source: Path, device:
         raise ValueError(f"{source}: tensors with wrong shapes: {_name_list(wrong_shapes)}")
     quantized = {name: t for name, t in tensors.items() if isinstance(t, QuantizedWeight)}
     tensors = {name: t if dtype is None else t.to(dtype) for name, t in tensors.items() if name not in quantized}
-    swap_quantized(model, quantized, dtype or torch.float32)
+    swap_quantized(model, quantized, dtype or torch.float32, device)
     model.load_state_dict(tensors, assign=True)
     model.rotary.to_empty(device=device)  # the frequencies are recomputed on the real device in Rotary._apply
     return model.eval()

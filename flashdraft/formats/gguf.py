@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
@@ -412,11 +413,18 @@ def keeps_quantized(t: GGUFTensor, kernel_types: tuple[str, ...]) -> bool:
     return t.shape[1] % block == 0
 
 
-def stored_weight(t: GGUFTensor, raw: torch.Tensor, device: str | torch.device):
-    """A matrix kept in its block format (keeps_quantized): its bytes as the kernels keep them, on `device`."""
-    from flashdraft.layers.quantized import QuantizedWeight, stored_blocks
-    return QuantizedWeight(stored_blocks(raw.view(t.shape[0], -1).to(device), t.qtype.name), t.qtype.name,
-                           tuple(t.shape))
+def stored_weight(t: GGUFTensor, raw: torch.Tensor):
+    """A matrix kept in its block format (keeps_quantized): its file bytes [rows, row bytes], left where they are
+    (GGUFLinear / GGUFEmbedding put them on their device)."""
+    from flashdraft.layers.quantized import QuantizedWeight
+    return QuantizedWeight(raw.view(t.shape[0], -1), t.qtype.name, tuple(t.shape))
+
+
+def mapped_bytes(t: GGUFTensor) -> torch.Tensor:
+    """A tensor's stored bytes as a uint8 view of the file's read-only mapping (no copy: never write to it)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch warns that the array is not writable
+        return torch.from_numpy(np.asarray(t.data).view(np.uint8).reshape(-1))
 
 
 def iter_gguf_tensors(gguf: GGUFFile | str | Path, dtype: torch.dtype = torch.float32,
@@ -424,7 +432,8 @@ def iter_gguf_tensors(gguf: GGUFFile | str | Path, dtype: torch.dtype = torch.fl
                       keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
     """(HF name, tensor) pairs in HF layout, dequantised one at a time straight into `dtype` on `device`.
     keep_quantized: matrices of a type the GPU kernels read come as `layers.quantized.QuantizedWeight` (their
-    stored bytes, rows in HF order, copied once to `device`); the rest are dequantised as before."""
+    file bytes in HF row order, still on the host: the module that reads them puts them on `device`); the rest
+    are dequantised as before."""
     from flashdraft.layers.quantized import kernel_types
     kept = kernel_types() if keep_quantized else ()
     if not isinstance(gguf, GGUFFile):
@@ -443,12 +452,13 @@ def iter_gguf_tensors(gguf: GGUFFile | str | Path, dtype: torch.dtype = torch.fl
         name = hf_name(t.name, family)
         if name is None:
             continue
-        raw = tensor_bytes(t)
+        kept_here = keeps_quantized(t, kept)
+        raw = mapped_bytes(t) if kept_here else tensor_bytes(t)
         part = t.name.split(".")[2] if t.name.startswith("blk.") else ""
         if part in permute_heads:
             raw = _unpermute(raw, t.shape[0], permute_heads[part])
-        if keeps_quantized(t, kept):
-            yield name, stored_weight(t, raw, device)
+        if kept_here:
+            yield name, stored_weight(t, raw)
             continue
         shifted = name.endswith("norm.weight") and norm_shift != 0
         try:

@@ -111,7 +111,7 @@ def iter_draft_tensors(g: GGUFFile, dtype: torch.dtype | None, device: torch.dev
     """(z-lab name, dequantized tensor) pairs, all in `dtype` (None: the fusion matrix's stored float type, else
     float32; the norms, stored as F32, follow it). keep_quantized: matrices of a type the GPU kernels read come as
     `layers.quantized.QuantizedWeight`, as a target's do (formats/gguf.iter_gguf_tensors)."""
-    from flashdraft.formats.gguf import FLOAT_TYPES, keeps_quantized, stored_weight
+    from flashdraft.formats.gguf import FLOAT_TYPES, keeps_quantized, mapped_bytes, stored_weight
     from flashdraft.layers.quantized import kernel_types
     kept = kernel_types() if keep_quantized else ()
     if dtype is None:
@@ -122,7 +122,7 @@ def iter_draft_tensors(g: GGUFFile, dtype: torch.dtype | None, device: torch.dev
         if name is None:
             continue
         if keeps_quantized(t, kept):
-            yield name, stored_weight(t, tensor_bytes(t), device)
+            yield name, stored_weight(t, mapped_bytes(t))
             continue
         try:
             yield name, dequantize(tensor_bytes(t), t.qtype, t.shape, dtype, device)

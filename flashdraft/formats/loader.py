@@ -27,7 +27,7 @@ def build_target(cfg, tensors, device: str, dtype: torch.dtype, rank: int = 0, w
     for name, tensor in tensors:
         if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
-        if isinstance(tensor, QuantizedWeight):  # kept as stored (one rank only: see load_target)
+        if isinstance(tensor, QuantizedWeight):  # kept in its block format (one rank only: see load_target)
             quantized[name] = tensor
             continue
         state[name] = shard(name, tensor).to(device=device, dtype=dtype)
@@ -35,7 +35,7 @@ def build_target(cfg, tensors, device: str, dtype: torch.dtype, rank: int = 0, w
         state["lm_head.weight"] = shard("lm_head.weight", state["model.embed_tokens.weight"])
     if cfg.tie_word_embeddings and "model.embed_tokens.weight" in quantized:
         quantized["lm_head.weight"] = quantized["model.embed_tokens.weight"]  # the same bytes, read by both
-    swap_quantized(model, quantized, dtype)
+    swap_quantized(model, quantized, dtype, device)
     try:
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     except RuntimeError as e:  # size mismatches

@@ -2,7 +2,7 @@
 kernels/gguf_matmul.py. A model never learns about them: the loader swaps them in for `Linear` / `nn.Embedding`
 where the file holds a quantized matrix (`swap_quantized`)."""
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -84,25 +84,44 @@ def by_lane(values: Tensor, groups: int, width: int) -> Tensor:
 
 @dataclass
 class QuantizedWeight:
-    """One GGUF matrix as stored: `data` uint8 [out_features, bytes per row] of `qtype` blocks."""
+    """One GGUF matrix as the file holds it: `data` uint8 [out_features, bytes per row] of `qtype` blocks, on the
+    host (a view of the file's mapping: nothing copied yet) or on a device. GGUFLinear and GGUFEmbedding put the
+    bytes on their device in the kernels' order (stored_blocks)."""
     data: Tensor
     qtype: str
     shape: tuple[int, int]  # (out_features, in_features)
-
-    def to(self, device) -> "QuantizedWeight":
-        return QuantizedWeight(self.data.to(device), self.qtype, self.shape)
+    stored: Tensor | None = field(default=None, repr=False, compare=False)  # set by stored_on: a tied matrix's, shared
 
 
-def merge_same_type(parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
-    """Neighbouring parts of one type as one matrix (rows stacked): one kernel launch over more rows."""
-    merged = [parts[0]]
+def stored_on(parts: list[QuantizedWeight], device: torch.device | str) -> Tensor:
+    """Parts of one type as one matrix on `device` in the kernels' order (stored_blocks; rows stacked): the matrix
+    is allocated once and each part written into its rows as it arrives (file bytes to the device, reordered
+    there), so the device never holds a matrix twice and loading leaves no freed holes between the weights (a
+    24 GB card could not hold the Gemma 4 31B shape's parts beside their concatenation). A single matrix is
+    stored once, however many modules read it (a tied embedding and output layer)."""
+    if len(parts) == 1 and parts[0].stored is not None:
+        return parts[0].stored
+    first = stored_blocks(parts[0].data[:1].to("cpu", copy=True), parts[0].qtype)  # one row: the stored row size
+    out = torch.empty(sum(p.data.shape[0] for p in parts), first.shape[1], dtype=torch.uint8, device=device)
+    row = 0
+    for p in parts:
+        raw = p.data.to(device, copy=True)  # a copy on the host too: the file's mapping is read-only
+        out[row:row + len(raw)] = stored_blocks(raw, p.qtype)
+        row += len(raw)
+    if len(parts) == 1:
+        parts[0].stored = out
+    return out
+
+
+def same_type_runs(parts: list[QuantizedWeight]) -> list[list[QuantizedWeight]]:
+    """Neighbouring parts of one type grouped (each group one matrix: one kernel launch over more rows)."""
+    runs = [[parts[0]]]
     for p in parts[1:]:
-        last = merged[-1]
-        if p.qtype == last.qtype:
-            merged[-1] = QuantizedWeight(torch.cat([last.data, p.data]), p.qtype, (last.shape[0] + p.shape[0], p.shape[1]))
+        if p.qtype == runs[-1][0].qtype:
+            runs[-1].append(p)
         else:
-            merged.append(p)
-    return merged
+            runs.append([p])
+    return runs
 
 
 _SCRATCH: dict[tuple[torch.device, torch.dtype], Tensor] = {}
@@ -135,17 +154,19 @@ class GGUFLinear(nn.Module):
     Q4_K_M files mix Q4_K and Q6_K). Few rows: the fused kernel per part; more: each part dequantized into a
     shared scratch buffer, then one cuBLAS product."""
 
-    def __init__(self, parts: list[QuantizedWeight], bias: bool = False):
+    def __init__(self, parts: list[QuantizedWeight], bias: bool = False, device: torch.device | str | None = None):
+        """device: where the weights go (default: where the parts' bytes are)."""
         super().__init__()
         self.in_features = parts[0].shape[1]
         if any(p.shape[1] != self.in_features for p in parts):
             raise ValueError("fused quantized parts must share in_features")
-        parts = merge_same_type(parts)
-        self.qtypes = [p.qtype for p in parts]
-        self.sizes = [p.shape[0] for p in parts]
+        runs = same_type_runs(parts)
+        self.qtypes = [run[0].qtype for run in runs]
+        self.sizes = [sum(p.shape[0] for p in run) for run in runs]
         self.out_features = sum(self.sizes)
-        for i, p in enumerate(parts):
-            self.register_buffer(f"qweight{i}", p.data, persistent=False)  # not in state dicts
+        for i, run in enumerate(runs):
+            data = stored_on(run, device or run[0].data.device)
+            self.register_buffer(f"qweight{i}", data, persistent=False)  # not in state dicts
         self.bias = nn.Parameter(torch.empty(self.out_features, device="meta")) if bias else None
 
     def parts(self) -> list[tuple[Tensor, str]]:
@@ -192,10 +213,10 @@ class GGUFLinear(nn.Module):
 class GGUFEmbedding(nn.Module):
     """A token embedding over a quantized table: the rows of the step's tokens are gathered, then dequantized."""
 
-    def __init__(self, weight: QuantizedWeight):
+    def __init__(self, weight: QuantizedWeight, device: torch.device | str | None = None):
         super().__init__()
         self.qtype, (self.num_embeddings, self.embedding_dim) = weight.qtype, weight.shape
-        self.register_buffer("qweight", weight.data, persistent=False)
+        self.register_buffer("qweight", stored_on([weight], device or weight.data.device), persistent=False)
         self.dtype = torch.bfloat16
 
     def forward(self, ids: Tensor) -> Tensor:
@@ -209,24 +230,26 @@ def kernel_types() -> tuple[str, ...]:
     return tuple(TYPES)
 
 
-def swap_quantized(model: nn.Module, quantized: dict[str, QuantizedWeight], dtype: torch.dtype) -> None:
-    """Replace the model's Linear / Embedding modules whose weights `quantized` holds (HF names) by GGUF modules.
-    A fused projection (fuse_linears_on_load) takes its parts in order; the names taken are removed."""
+def swap_quantized(model: nn.Module, quantized: dict[str, QuantizedWeight], dtype: torch.dtype,
+                   device: torch.device | str | None = None) -> None:
+    """Replace the model's Linear / Embedding modules whose weights `quantized` holds (HF names) by GGUF modules
+    with their bytes on `device` (default: where they are). A fused projection (fuse_linears_on_load) takes its
+    parts in order; the names taken are removed."""
     for module_name, module in list(model.named_modules()):
         for fused, parts in getattr(module, "fused_parts", {}).items():
             names = [f"{module_name}.{p}.weight" if module_name else f"{p}.weight" for p in parts]
             if all(n in quantized for n in names):
                 old = getattr(module, fused)
-                setattr(module, fused, GGUFLinear([quantized.pop(n) for n in names], bias=old.bias is not None))
+                setattr(module, fused, GGUFLinear([quantized.pop(n) for n in names], old.bias is not None, device))
     for name in list(quantized):
         path = name.removesuffix(".weight")
         old = model.get_submodule(path)
         weight = quantized.pop(name)
         if isinstance(old, nn.Embedding):
-            new = GGUFEmbedding(weight)
+            new = GGUFEmbedding(weight, device)
             new.dtype = dtype
         elif isinstance(old, nn.Linear):
-            new = GGUFLinear([weight], bias=old.bias is not None)
+            new = GGUFLinear([weight], old.bias is not None, device)
         else:
             raise ValueError(f"{name}: no quantized module for {type(old).__name__}")
         model.set_submodule(path, new)
