@@ -20,6 +20,21 @@ def add_engine_args(ap: argparse.ArgumentParser, model: bool = True, context: bo
         ap.add_argument("--ctx-size", type=int, default=4096)
         ap.add_argument("--block-size", type=int, default=None, help="verify block (at most the draft's)")
         ap.add_argument("--draft-window", type=int, default=None, help="draft sees the last N positions")
+    hub = ap.add_argument_group("models from the Hugging Face Hub (as llama.cpp's; downloaded into the Hugging "
+                                "Face cache, then given as -m/-md)")
+    hub.add_argument(*HUB_OPTIONS["model"], dest="hf_repo", metavar="<user>/<model>[:quant]",
+                     help="the target from a Hugging Face repository: quant is case-insensitive, by default Q4_K_M, "
+                          "else Q8_0, else the repository's first GGUF file; a repository of safetensors (an HF "
+                          "folder) downloads whole. Example: ggml-org/Qwen2.5-Coder-1.5B-Q8_0-GGUF:Q8_0")
+    hub.add_argument(*HUB_OPTIONS["draft"], dest="hf_repo_draft", metavar="<user>/<model>[:quant]",
+                     help="the DFlash draft from a Hugging Face repository (a dflash-*.gguf file first, else as -hf; "
+                          "an HF folder, as z-lab publishes drafts, downloads whole)")
+    hub.add_argument(*HUB_OPTIONS["file"], dest="hf_file", metavar="FILE",
+                     help="the file of the -hf repository to load, instead of the one its quant picks")
+    hub.add_argument(*HUB_OPTIONS["token"], dest="hf_token", metavar="TOKEN",
+                     help="Hugging Face access token (default: HF_TOKEN, or the one `hf auth login` saved)")
+    hub.add_argument(OFFLINE, action="store_true",
+                     help="use the Hugging Face cache only, never the network (as HF_HUB_OFFLINE=1)")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     ap.add_argument("-t", "--threads", type=int, default=None, metavar="N",
                     help=f"CPU threads for generation (default: the physical cores this process may run on, "
@@ -57,6 +72,44 @@ def add_engine_args(ap: argparse.ArgumentParser, model: bool = True, context: bo
     ap.add_argument("--spec-dm-adaptive", dest="adaptive", action=argparse.BooleanOptionalAction, default=True,
                     help="choose each verify step's width from the draft's recent acceptance and measured step costs, "
                          "down to plain decoding when drafting does not pay (default on; off: always the full block)")
+
+
+# llama.cpp's spellings; the flashdraft command resolves them into -m/-md before a subcommand parses its arguments
+# (flashdraft.cli.hub_argv), so the parsers declare them for --help only
+HUB_OPTIONS = {
+    "model": ("-hf", "-hfr", "--hf-repo"),
+    "draft": ("-hfd", "-hfrd", "--hf-repo-draft", "--spec-draft-hf"),
+    "file": ("-hff", "--hf-file"),
+    "token": ("-hft", "--hf-token"),
+}
+OFFLINE = "--offline"
+
+
+def take_hub_options(argv: list[str]) -> tuple[list[str], dict[str, tuple[str, str]], bool]:
+    """argv without the Hugging Face options; their values as {"model"|"draft"|"file"|"token": (as typed, value)};
+    whether --offline was given. Raises ValueError for an option without its value."""
+    kinds = {name: kind for kind, names in HUB_OPTIONS.items() for name in names}
+    rest, found, offline = [], {}, False
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        name, eq, value = a.partition("=")
+        if a == OFFLINE:
+            offline = True
+        elif name in kinds:
+            if not eq:
+                if i + 1 >= len(argv) or (argv[i + 1].startswith("-") and len(argv[i + 1]) > 1):
+                    what = {"file": "FILE", "token": "TOKEN"}.get(kinds[name], "<user>/<model>[:quant]")
+                    raise ValueError(f"{name} needs a value: {name} {what}")
+                value = argv[i + 1]
+                i += 1
+            if kinds[name] in found:
+                raise ValueError(f"{found[kinds[name]][0]} and {name} are given both: give one")
+            found[kinds[name]] = (name, value)
+        else:
+            rest.append(a)
+        i += 1
+    return rest, found, offline
 
 
 # the thread pools that read these when their library loads: set before torch is imported, so that no library starts

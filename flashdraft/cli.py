@@ -14,7 +14,7 @@ HELP = {
     "generate": "generate text from a prompt (plain decoding, or DFlash with -md DRAFT)",
     "serve": "OpenAI- and llama.cpp-compatible HTTP server (a drop-in for llama-server)",
     "bench": "compare plain decoding with DFlash: speed, acceptance, same text",
-    "pull": "fetch a named model into the cache; --list: the named models and drafts",
+    "pull": "fetch a named model, or one of the Hugging Face Hub (-hf), into its cache; --list: the names",
     "train-draft": "train a DFlash draft for a target model",
     "make-data": "build a draft-training data set from a target's own answers",
 }
@@ -118,16 +118,97 @@ def generate(args: argparse.Namespace, device: str) -> int:
 
 
 def pull_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="flashdraft pull", description="Fetch a named model into the cache.")
+    from flashdraft.args import HUB_OPTIONS, OFFLINE
+    ap = argparse.ArgumentParser(prog="flashdraft pull", allow_abbrev=False,
+                                 description="Fetch a named model into the cache, or a model from the Hugging Face "
+                                             "Hub into the Hugging Face cache (-hf, -hfd, as generate and serve take "
+                                             "them), and print its path.")
     ap.add_argument("name", nargs="?", help="a named model (see --list)")
     ap.add_argument("--list", action="store_true", help="list the named models and the named (shipped) drafts")
+    hub = ap.add_mutually_exclusive_group()
+    hub.add_argument(*HUB_OPTIONS["model"], dest="hf_repo", metavar="<user>/<model>[:quant]",
+                     help="a model of the Hugging Face Hub, its quant picked as llama.cpp does (default Q4_K_M)")
+    hub.add_argument(*HUB_OPTIONS["draft"], dest="hf_repo_draft", metavar="<user>/<model>[:quant]",
+                     help="a DFlash draft of the Hugging Face Hub")
+    ap.add_argument(*HUB_OPTIONS["file"], dest="hf_file", metavar="FILE", help="this file of the -hf repository")
+    ap.add_argument(*HUB_OPTIONS["token"], dest="hf_token", metavar="TOKEN", help="Hugging Face access token")
+    ap.add_argument(OFFLINE, action="store_true", help="the Hugging Face cache only (as HF_HUB_OFFLINE=1)")
     args = ap.parse_args(argv)
+    if args.offline:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+    if args.hf_repo or args.hf_repo_draft:
+        if args.name or args.list:
+            ap.error("a named model or -hf/-hfd, not both")
+        if args.hf_file and not args.hf_repo:
+            ap.error("-hff names a file of the -hf repository")
+        from flashdraft.formats.hub import resolve
+        spec = args.hf_repo or args.hf_repo_draft
+        print(resolve(spec, draft=not args.hf_repo, file=args.hf_file, token=args.hf_token,
+                      option="-hf" if args.hf_repo else "-hfd"))
+        return 0
     from flashdraft.formats.named import listing, pull
     if args.list or not args.name:
         print(listing())
         return 0 if args.list else 2
     print(pull(args.name))
     return 0
+
+
+MODEL_OPTIONS = ("-m", "--model")
+DRAFT_OPTIONS = ("-md", "--draft", "--spec-draft-model", "--model-draft")
+ALIAS_OPTIONS = ("-a", "--alias")
+
+
+def given(argv: list[str], names: tuple[str, ...]) -> str | None:
+    return next((a.partition("=")[0] for a in argv if a.partition("=")[0] in names), None)
+
+
+def hub_argv(cmd: str, argv: list[str]) -> list[str]:
+    """generate, serve and bench arguments with -hf/-hfd (llama.cpp's) resolved: the files are downloaded into the
+    Hugging Face cache, or found there, and named by -m/-md. The command line is checked first, with the repository
+    names in place of the paths, so that --help or a typo answers before a download."""
+    from flashdraft.args import take_hub_options
+
+    rest, hub, offline = take_hub_options(argv)
+    if offline:
+        os.environ["HF_HUB_OFFLINE"] = "1"  # before huggingface_hub is imported, which reads it once
+    if not hub:
+        return rest
+    if "file" in hub and "model" not in hub:
+        raise ValueError(f"{hub['file'][0]} names a file of the -hf repository: give -hf <user>/<model> too")
+    for kind, names in (("model", MODEL_OPTIONS), ("draft", DRAFT_OPTIONS)):
+        if kind in hub and (typed := given(rest, names)):
+            raise ValueError(f"{typed} and {hub[kind][0]} both name the {kind}: give one")
+    if cmd == "bench" and "--url" in (a.partition("=")[0] for a in rest):
+        raise ValueError("-hf/-hfd are for the in-process bench: with --url, -m names the model the servers serve")
+    stand_in = rest + [x for kind, flag in (("model", "-m"), ("draft", "-md")) if kind in hub
+                       for x in (flag, hub[kind][1])]
+    check_arguments(cmd, stand_in)  # exits on --help or a mistake, as the subcommand itself would
+    from flashdraft.formats import hub as hf
+    token = hub["token"][1] if "token" in hub else None
+    out = list(rest)
+    if "model" in hub:
+        option, spec = hub["model"]
+        file = hub["file"][1] if "file" in hub else None
+        out += ["-m", str(hf.resolve(spec, file=file, token=token, option=option))]
+        if cmd == "serve" and not given(rest, ALIAS_OPTIONS):
+            out += ["--alias", spec]  # llama-server names the model by its -hf, as typed
+    if "draft" in hub:
+        option, spec = hub["draft"]
+        out += ["-md", str(hf.resolve(spec, draft=True, token=token, option=option))]
+    return out
+
+
+def check_arguments(cmd: str, argv: list[str]) -> None:
+    """Parse a subcommand's arguments as it will (exits with its message on a mistake, or after --help)."""
+    if cmd == "generate":
+        generate_parser().parse_args(argv)
+    elif cmd == "serve":
+        from flashdraft.server.main import parse_settings
+        parse_settings(argv)
+    elif cmd == "bench":
+        from flashdraft.bench.main import parse_args
+        parse_args(argv)
 
 
 def usage() -> str:
@@ -161,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cmd, rest = argv[0], argv[1:]
     try:
+        if cmd in ("generate", "serve", "bench"):
+            rest = hub_argv(cmd, rest)
         if cmd == "generate":
             return generate_main(rest)
         if cmd == "pull":
