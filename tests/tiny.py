@@ -207,3 +207,48 @@ def write_beellama_draft_gguf(path: Path, draft, qtype: str = "Q8_0") -> Path:
             w.add_tensor(gname, data)
     finish_gguf(w)
     return path
+
+
+def write_target_gguf(path: Path, folder: Path) -> Path:
+    """A make_target folder (llama) as the GGUF llama.cpp's converter would write: F32 tensors with q/k rows
+    permuted, its byte-level BPE vocabulary and merges, the chat template. flashdraft loads both to the same model."""
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+    cfg = json.loads((folder / "config.json").read_text())
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_string("general.name", folder.name)
+    for key, value in (("block_count", cfg["num_hidden_layers"]), ("context_length", cfg["max_position_embeddings"]),
+                       ("embedding_length", cfg["hidden_size"]), ("feed_forward_length", cfg["intermediate_size"]),
+                       ("attention.head_count", heads), ("attention.head_count_kv", kv_heads)):
+        w.add_uint32(f"llama.{key}", value)
+    w.add_float32("llama.rope.freq_base", float(cfg.get("rope_theta", 10000.0)))
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    specials = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_string("tokenizer.ggml.pre", "default")
+    w.add_array("tokenizer.ggml.tokens", [t for t, _ in vocab])
+    w.add_array("tokenizer.ggml.token_type", [3 if t in specials else 1 for t, _ in vocab])  # 3: control
+    w.add_array("tokenizer.ggml.merges", [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_uint32("tokenizer.ggml.eos_token_id", cfg["eos_token_id"])
+    w.add_bool("tokenizer.ggml.add_bos_token", False)
+    w.add_string("tokenizer.chat_template", CHATML)
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for name, array in load_file(str(folder / "model.safetensors")).items():
+        array = array.astype(np.float32)
+        if name.startswith("model.layers."):
+            _, _, i, module = name.removesuffix(".weight").split(".", 3)
+            if module in ("self_attn.q_proj", "self_attn.k_proj"):  # convert_hf_to_gguf.py's LlamaModel.permute
+                n = heads if module == "self_attn.q_proj" else kv_heads
+                array = array.reshape(n, 2, array.shape[0] // n // 2, -1).swapaxes(1, 2).reshape(array.shape)
+            w.add_tensor(f"blk.{i}.{names[module]}.weight", array)
+        elif name != "lm_head.weight" or not cfg.get("tie_word_embeddings"):
+            w.add_tensor({"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                          "lm_head.weight": "output.weight"}[name], array)
+    finish_gguf(w)
+    return path
