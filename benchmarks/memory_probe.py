@@ -1,5 +1,5 @@
 """Where an engine's GPU memory goes after start-up: the live allocations grouped by the Python line that made them
-(largest first), beside the caching allocator's totals. Finds what `memory`'s "graphs" figure (reserved less weights
+(largest first), beside the caching allocator's totals. Finds what `memory`'s "workspace" figure (reserved less weights
 and caches) holds.
 Usage: python benchmarks/memory_probe.py -m MODEL.gguf [-md DRAFT] [--ctx-size 32768] [-ctk q5_0 -ctv q4_1]"""
 import argparse

@@ -512,7 +512,7 @@ def check_engine_blocks(root, device: str) -> None:
                                       weights="quantized"))
     assert {type(m) for m in engine.target.modules()} >= {GGUFLinear, GGUFEmbedding}
     memory = engine.memory  # start-up's and /props' figures; on CUDA also what graphs and workspaces hold
-    assert memory["weights"] > 0 and memory["kv_cache"] > 0 and ("graphs" in memory) == (device == "cuda")
+    assert memory["weights"] > 0 and memory["kv_cache"] > 0 and ("workspace" in memory) == (device == "cuda")
     prompt = [5, 6, 7, 8, 9, 10]
     plain = engine.generate(Request(prompt, SamplingParams(max_tokens=12, ignore_eos=True), speculative=False))
     for block in (3, 8):

@@ -353,9 +353,9 @@ class Engine:
         if self.draft is not None:
             out["draft_weights"] = module_bytes(self.draft)
             out["draft_cache"] = sum(2 * c.k.numel() * c.k.element_size() for c in self.draft.caches)
-        if self.device.startswith("cuda"):  # the rest the caching allocator holds: CUDA graph pools and workspaces
+        if self.device.startswith("cuda"):  # the rest the caching allocator holds: activations, CUDA graph pools
             held = torch.cuda.memory_reserved(self.device)
-            out["graphs"] = max(0, held - sum(n for name, n in out.items() if name != "kv_per_token"))
+            out["workspace"] = max(0, held - sum(n for name, n in out.items() if name != "kv_per_token"))
         return out
 
     def measure_width_costs(self, slot: int = 0) -> dict[int, float]:
@@ -386,7 +386,7 @@ class Engine:
                 keys = self.steps.warmup_keys(self.n_slots, block, self.adaptive)
                 for i, key in enumerate(keys):
                     self.steps.run_key(key)
-                    if (i + 1) % 8 == 0 or i + 1 == len(keys):
+                    if i == 0 or (i + 1) % 8 == 0 or i + 1 == len(keys):  # the first: compiled layers loaded
                         log.info("captured %d of %d step graphs (%.1f s)", i + 1, len(keys), time.perf_counter() - t)
             for speculative in ([False, True] if self.draft is not None else [False]):
                 self.generate(Request(prompt_ids=[0, 1, 2, 3], params=SamplingParams(max_tokens=max_tokens),

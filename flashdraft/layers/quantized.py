@@ -105,11 +105,39 @@ def stored_on(parts: list[QuantizedWeight], device: torch.device | str) -> Tenso
     out = torch.empty(sum(p.data.shape[0] for p in parts), first.shape[1], dtype=torch.uint8, device=device)
     row = 0
     for p in parts:
-        raw = p.data.to(device, copy=True)  # a copy on the host too: the file's mapping is read-only
+        raw = copied_to(p.data, device)
         out[row:row + len(raw)] = stored_blocks(raw, p.qtype)
         row += len(raw)
     if len(parts) == 1:
         parts[0].stored = out
+    return out
+
+
+STAGING_BYTES = 64 << 20
+_STAGING: list[tuple[Tensor, "torch.cuda.Event"]] = []  # two pinned buffers, each with the event of its last copy
+
+
+def copied_to(host: Tensor, device: torch.device | str) -> Tensor:
+    """A copy of `host` on `device` (a copy on the host too: a file's mapping is read-only). To a GPU through two
+    pinned buffers in turn: one piece's bytes are copied out of the page cache while the previous piece crosses
+    to the GPU (also across calls: a matrix's copy overlaps the next one's), where a copy from pageable memory
+    stages each piece through the driver's buffer and waits."""
+    device = torch.device(device)
+    if device.type != "cuda" or host.dtype != torch.uint8:
+        return host.to(device, copy=True)
+    if not _STAGING:
+        _STAGING.extend((torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True), torch.cuda.Event())
+                        for _ in range(2))
+    src = host.contiguous().view(-1)
+    out = torch.empty(host.shape, dtype=torch.uint8, device=device)
+    dst = out.view(-1)
+    for i, start in enumerate(range(0, src.numel(), STAGING_BYTES)):
+        buf, done = _STAGING[i % 2]
+        n = min(STAGING_BYTES, src.numel() - start)
+        done.synchronize()  # the buffer's previous piece has crossed
+        buf[:n].copy_(src[start:start + n])
+        dst[start:start + n].copy_(buf[:n], non_blocking=True)
+        done.record()
     return out
 
 
