@@ -12,6 +12,7 @@ mean against 36-41 us on SmolLM2's and Qwen2.5's vocabularies), but compiles eac
 its first token is not delayed; both stay a few percent of a verify step. llguidance also reads the tokenizer's
 own definition (special tokens never match text) and has no dependencies.
 """
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -77,9 +78,64 @@ def _ll_tokenizer(tokenizer):
 JSON_WHITESPACE = r"(\n{1,2}[ \t]{0,20}| )?"
 
 
+def _resolve(g, rules: dict) -> None:
+    """llguidance's gbnf_to_lark.resolve, except that which rules are terminals (rules whose every reference
+    is to a terminal rule) is found by propagation, in time linear in the grammar: llguidance rescans every rule
+    until nothing changes, quadratic in a chain of rules (8 s for 3k rules, 62 KB of GBNF, on one CPU core)."""
+    import re
+
+    def rename(r, name: str) -> None:
+        if name in rules:
+            raise Exception(f"Rule '{name}' already exists")
+        del rules[r.name]
+        r.name = name
+        rules[name] = r
+
+    for i, r in enumerate(rules.values()):
+        r.order = i
+        r.alternatives = r.alternatives.simplify()
+    refs: dict[str, list] = {}  # rule name -> the rules it refers to
+    for r in rules.values():
+        stack, found = list(r.children()), []
+        while stack:
+            node = stack.pop()
+            if isinstance(node, g.RuleRefNode):
+                if node.name not in rules:
+                    raise Exception(f"Rule '{node.name}' not found")
+                node.target = rules[node.name]
+                found.append(node.target)
+            stack.extend(node.children())
+        refs[r.name] = found
+    if "root" not in rules:
+        raise Exception("No 'root' rule found")
+    start = rules["root"]
+    waiting = {id(r): len(refs[r.name]) for r in rules.values()}
+    users: dict[int, list] = {}
+    for r in rules.values():
+        for target in refs[r.name]:
+            users.setdefault(id(target), []).append(r)
+    ready = [r for r in rules.values() if waiting[id(r)] == 0 and r is not start]
+    while ready:
+        r = ready.pop()
+        if r.rule_is_terminal:
+            continue
+        r.rule_is_terminal = True
+        for user in users.get(id(r), []):
+            waiting[id(user)] -= 1
+            if waiting[id(user)] == 0 and user is not start:
+                ready.append(user)
+    rename(start, "start")
+    for r in list(rules.values()):
+        new_name = re.sub(r"([a-z])([A-Z])", r"\1_\2", r.name.replace("-", "_")).lower()
+        new_name = new_name.upper() if r.rule_is_terminal else new_name.lower()
+        if r.name != new_name:
+            rename(r, new_name)
+
+
 def gbnf_to_lark(text: str) -> str:
     """llguidance's GBNF-to-Lark conversion, except that a repetition of a repetition keeps its parentheses:
-    llguidance writes `("a"{1,3}){2}` as `"a"{1,3}{2,2}`, which its Lark parser rejects."""
+    llguidance writes `("a"{1,3}){2}` as `"a"{1,3}{2,2}`, which its Lark parser rejects; and that resolving the
+    rules takes linear time (_resolve)."""
     from llguidance import gbnf_to_lark as g
 
     class Group(g.ASTNode):
@@ -99,7 +155,7 @@ def gbnf_to_lark(text: str) -> str:
             node.node = Group(node.node)
 
     rules = g.GrammarParser().parse(text)
-    g.resolve(rules)
+    _resolve(g, rules)
     out, newline = "%llguidance {}\n\n", True
     for rule in sorted(rules.values(), key=lambda r: r.order):  # as llguidance prints them
         fix(rule.alternatives)
@@ -226,9 +282,53 @@ def unmatchable(schema) -> str | None:
            "that nothing matches)"
 
 
+# llguidance's compiler recurses once per level of a grammar's rules (a chain of GBNF rules, of schema `$ref`s): at
+# the grammar budget's size (about 4k levels) that overflows a thread's usual 8 MiB stack and kills the process
+# (a segmentation fault, no Python exception). Compiling runs in a thread with a stack of this size; the memory is
+# only reserved, pages are taken as the recursion reaches them (a compiled matcher is then used and freed on any
+# thread: it does not recurse so).
+COMPILE_STACK = 512 << 20
+_stack_lock = threading.Lock()
+
+
+def _on_big_stack(fn, *args):
+    """fn(*args) in a thread of COMPILE_STACK bytes of stack; its exception is raised here."""
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001  (raised again in the caller's thread)
+            out["error"] = e
+
+    with _stack_lock:  # the size applies to the threads started while it is set
+        previous = threading.stack_size(COMPILE_STACK)
+        try:
+            thread = threading.Thread(target=run, name="grammar-compile", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def compile_matcher(tokenizer, source: str, first_mask: bool = False):
+    """llguidance's matcher of a grammar source (lark_source), compiled on a big stack; `first_mask`: its first
+    token's set computed too (some grammars are found to match nothing only then)."""
+    import llguidance
+
+    def compile_():
+        matcher = llguidance.LLMatcher(_ll_tokenizer(tokenizer), source, log_level=0)
+        if first_mask and not matcher.is_error():
+            matcher.compute_bitmask()
+        return matcher
+    return _on_big_stack(compile_)
+
+
 def check(tokenizer, grammar: Grammar) -> None:
     """Raise ValueError naming what is wrong with a grammar (before a request takes a slot)."""
-    import llguidance
     if grammar.kind not in KINDS:
         raise ValueError(f"unknown grammar kind {grammar.kind!r} (kinds: {', '.join(KINDS)})")
     try:
@@ -240,9 +340,7 @@ def check(tokenizer, grammar: Grammar) -> None:
         why = unmatchable(json.loads(grammar.text))
         if why:
             raise ValueError(why)
-    matcher = llguidance.LLMatcher(_ll_tokenizer(tokenizer), source, log_level=0)
-    if not matcher.is_error():
-        matcher.compute_bitmask()  # the first token's set: some grammars are found to match nothing only here
+    matcher = compile_matcher(tokenizer, source, first_mask=True)
     if matcher.is_error():
         raise ValueError(f"invalid {grammar.kind}: {matcher.get_error()}")
     if matcher.is_stopped() and not matcher.is_accepting():
@@ -267,11 +365,10 @@ class Constraint:
     allowed). Once the grammar is complete only the end-of-generation tokens are allowed."""
 
     def __init__(self, tokenizer, grammar: Grammar, n_logits: int):
-        import llguidance
         try:
             self.matcher = grammar.compiled.pop()  # check() compiled it (a fresh matcher, used once)
         except IndexError:
-            self.matcher = llguidance.LLMatcher(_ll_tokenizer(tokenizer), lark_source(grammar), log_level=0)
+            self.matcher = compile_matcher(tokenizer, lark_source(grammar))
         if self.matcher.is_error():
             raise ValueError(f"invalid {grammar.kind}: {self.matcher.get_error()}")
         self.n_logits = n_logits
