@@ -106,14 +106,17 @@ class Steps:
                         lambda f, p: (self.draft.append_context(f, p, slot),), [features, positions])
 
     def warmup_keys(self, n_slots: int, block: int, adaptive: bool) -> list[PlainKey | SpecKey | ContextKey]:
-        """Every key the decode loop can use with this configuration (full-width verify; adaptive widths are
-        captured as measure_width_costs times them)."""
+        """The keys the decode loop uses with this configuration (full-width verify; adaptive widths are captured
+        as measure_width_costs times them). With a draft, plain steps that do not feed it (a request without
+        speculation, the context's last position) are left to be captured on first use: the server's requests
+        speculate, and each captured step costs start-up time (the Gemma 4 31B shape: 8 of its 40)."""
         max_len = self.state.max_len
         buckets = sorted({bucket_for(MIN_BUCKET * 2 ** i, max_len) for i in range(32) if MIN_BUCKET * 2 ** i < max_len * 2})
         keys: list[PlainKey | SpecKey | ContextKey] = []
         for slot in range(n_slots):
             for b in buckets:
-                keys.append(PlainKey(slot, b, False))
+                if self.draft is None:
+                    keys.append(PlainKey(slot, b, False))
                 if self.draft is not None and adaptive:
                     keys.append(PlainKey(slot, b, True))
                 if self.draft is not None and block > 1 and b >= block:
