@@ -139,6 +139,30 @@ def check_compiled_layers(tmp_path: Path) -> None:
     torch.testing.assert_close(draft(noise, torch.arange(37, 45)), hidden, rtol=1e-5, atol=1e-5)
 
 
+def test_compiled_layers_trace_once_for_every_bucket(tmp_path):
+    """Decode steps over every attended length (the CUDA graphs' buckets) share their compiled layer graphs: the
+    first bucket's and one more, where static shapes traced one per bucket (each costing start-up time)."""
+    import torch._dynamo
+    from tiny import make_target
+
+    from flashdraft.formats.loader import load_target
+    from flashdraft.layers.compile import compile_layer_forward
+    target, _, _ = load_target(str(make_target(tmp_path / "t", layers=2)))
+    state = target.new_state(1, 4096)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    torch._dynamo.reset()
+    target.compiled_layer = compile_layer_forward(type(target.model.layers[0]).forward, backend=backend)
+    target.compiled_widths = {1}
+    with torch.inference_mode():
+        for attn_len in (256, 512, 1024, 2048, 4096):
+            target(torch.tensor([[5]]), torch.tensor([[100]]), state, 0, attn_len=attn_len)
+    assert len(graphs) == 2, len(graphs)
+
+
 @pytest.mark.slow
 def test_compiled_layers_match_eager(tmp_path):
     check_compiled_layers(tmp_path)
