@@ -312,13 +312,14 @@ class Engine:
         t = time.perf_counter()
         target, tokenizer, model_path = load_target(config.model, config.device, torch_dtype, progress=config.progress,
                                                     quantized=quantized)
+        log.info("model read in %.1f s", time.perf_counter() - t)
         draft_model = (load_draft(config.draft, target, config.device, torch_dtype, quantized=quantized)
                        if config.draft else None)
         if draft_model is not None and config.draft_embed_scale is not None:
             draft_model.cfg.input_embedding_scale = config.draft_embed_scale
         engine = Engine(target, tokenizer, draft_model, dataclasses.replace(config, model=str(model_path)))
         engine.startup_s["load"] = time.perf_counter() - t
-        log.info("weights read in %.1f s", engine.startup_s["load"])
+        log.info("weights and caches ready in %.1f s", engine.startup_s["load"])
         if compile_enabled(config):  # shapes are static only where graphs bucket them
             from flashdraft.formats.named import cache_dir
             # compiled kernels kept beside the models (not in /tmp): a later start, after a reboot too, reuses them
