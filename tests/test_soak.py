@@ -1,7 +1,14 @@
 """Soak (slow): `flashdraft serve` on the CPU under 8 concurrent clients sending a mix of good and bad requests,
 some hanging up mid-stream, for FLASHDRAFT_SOAK_SECONDS (default 30 minutes), then SIGTERM with streams in
 flight. Zero 5xx, zero tracebacks, the server's memory flat within 10% after warm-up, every good answer equal
-to the answer it got alone."""
+to the answer it got alone.
+
+The server keeps its K/V quantized (q4_0 keys, q5_0 values: a target with 32-value heads) on 4 slots with
+speculation, so the good answers are greedy and seeded answers checked under concurrency and prompt-cache hits
+(second turns whose first turn a slot holds) with a quantized cache. Besides the malformed requests, the bad ones
+are each field at its limit's other side (grammar, schema, stop strings, logit_bias, tools), bad tool
+definitions, schemas no value matches (a $ref cycle); numeric extremes in every sampling field must answer a 4xx
+or a 200 with every token asked for, never a 5xx."""
 import json
 import os
 import random
@@ -14,7 +21,7 @@ import time
 
 import httpx
 import pytest
-from test_server import REPO, free_port, models  # noqa: F401  (models: the session fixture)
+from test_server import REPO, free_port
 from tiny import wait_healthy
 
 DURATION = float(os.environ.get("FLASHDRAFT_SOAK_SECONDS", 1800))
@@ -35,6 +42,16 @@ GOOD = [
     ("/completion", {"prompt": "0123456789", "n_predict": 50, "temperature": 0.7, "seed": 3,
                      "frequency_penalty": 0.5, "ignore_eos": True}),
     ("/completion", {"prompt": "jumps over the lazy dog.", "n_predict": 20, "temperature": 0, "n_probs": 2}),
+    # a second turn: its first turn (GOOD[0]'s prompt) is often in a slot's prompt cache, quantized
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "def add(a, b):"},
+                                           {"role": "assistant", "content": "return a + b"},
+                                           {"role": "user", "content": "and sub?"}], "temperature": 0,
+                              "max_tokens": 32, "ignore_eos": True}),
+    ("/completion", {"prompt": "hi", "n_predict": 6, "temperature": 0, "grammar": 'root ::= ("yes" | "no") "."'}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a person"}], "temperature": 0,
+                              "max_tokens": 60, "response_format": {"type": "json_schema", "json_schema": {
+                                  "name": "p", "schema": {"type": "object", "properties": {
+                                      "name": {"type": "string", "maxLength": 8}}, "required": ["name"]}}}}),
 ]
 BAD = [  # raw bodies: each must be a 4xx
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}'),
@@ -52,7 +69,50 @@ BAD = [  # raw bodies: each must be a 4xx
     ("/completion", '{"prompt": "' + "fox " * 200_000 + '"}'),
     ("/tokenize", '{"content": 5}'),
     ("/detokenize", '{"tokens": [99999999]}'),
+    # each field past its budget (budgets.py), decided before any of its work
+    ("/completion", json.dumps({"prompt": "hi", "grammar": "root ::= " + " | ".join(f'"w{i}"' for i in range(9000))})),
+    ("/completion", json.dumps({"prompt": "hi", "json_schema": {"type": "object", "properties": {
+        f"p{i}": {"type": "string"} for i in range(6000)}}})),
+    ("/completion", json.dumps({"prompt": "hi", "stop": [f"s{i}" for i in range(2000)]})),
+    ("/completion", json.dumps({"prompt": "hi", "logit_bias": [["fox " * 300, 1.0]]})),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "hi"}],
+                                         "tools": [{"type": "function", "function": {"name": f"f{i}"}}
+                                                   for i in range(200)]})),
+    # bad tools (the tiny template takes none: the tools are checked first) and schemas no value matches
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", '
+                             '"function": {"name": "<|im_end|>"}}]}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "retrieval", '
+                             '"function": {"name": "f"}}]}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", '
+                             '"function": {"name": "f", "parameters": {"$defs": {"a": {"$ref": "#/$defs/a"}}, '
+                             '"$ref": "#/$defs/a"}}}]}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": '
+                             '"json_schema", "json_schema": {"name": "x", "schema": {"$defs": {"a": {"$ref": '
+                             '"#/$defs/a"}}, "$ref": "#/$defs/a"}}}}'),
+    ("/completion", json.dumps({"prompt": "hi", "grammar": "root ::= a\na ::= a"})),
+    ("/completion", '{"prompt": "hi", "logit_bias": {"\u00b2": 5}}'),
 ]
+# every finite double class in every sampling field: a 4xx naming it, or a 200 with every token asked for
+EXTREMES = [5e-324, -5e-324, 1e-39, 1e-45, 1e38, -1e38, 1e308, -1e308, -0.0, 2 ** 53 + 1, 2 ** 63, 10 ** 30]
+FIELDS = ["temperature", "top_p", "min_p", "top_k", "repeat_penalty", "presence_penalty", "frequency_penalty",
+          "repeat_last_n", "seed"]
+
+
+def extreme(rng: random.Random) -> str:
+    field, value = rng.choice(FIELDS), rng.choice(EXTREMES)
+    if rng.random() < 0.3:  # or as a logit bias
+        return json.dumps({"prompt": [5, 17, 42], "n_predict": 3, "ignore_eos": True, "logit_bias": {"9": value}})
+    return json.dumps({"prompt": [5, 17, 42], "n_predict": 3, "ignore_eos": True, "repeat_penalty": 1.1,
+                       "frequency_penalty": 0.1, field: value})
+
+
+@pytest.fixture(scope="module")
+def soak_models(tmp_path_factory):
+    """A tiny target with 32-value heads (the block KV types' size) and its DFlash draft."""
+    from tiny import make_draft, make_target
+    root = tmp_path_factory.mktemp("soak")
+    target = make_target(root / "target", heads=2, kv_heads=1)
+    return target, make_draft(root / "draft", target)
 
 
 def answer(url: str, path: str, body: dict, stream: bool) -> str:
@@ -94,18 +154,18 @@ def rss_kib(pid: int) -> int:
 
 
 @pytest.mark.slow
-def test_soak(models):  # noqa: F811
-    target, draft = models
+def test_soak(soak_models):
+    target, draft = soak_models
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "flashdraft.cli", "serve", "-m", str(target), "-md", str(draft), "--port", str(port),
-           "--device", "cpu", "-c", "8192", "-np", "4", "--no-webui", "--metrics"]
+           "--device", "cpu", "-c", "8192", "-np", "4", "--no-webui", "--metrics", "-ctk", "q4_0", "-ctv", "q5_0"]
     log_path = REPO / ".soak.log" if os.environ.get("FLASHDRAFT_SOAK_KEEP_LOG") else None
     log = open(log_path, "w+") if log_path else __import__("tempfile").TemporaryFile("w+")
     proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=log,
                             stderr=subprocess.STDOUT, text=True)
     failures: list[str] = []
-    counts = {"good": 0, "bad": 0, "hang_up": 0}
+    counts = {"good": 0, "bad": 0, "extreme": 0, "hang_up": 0}
     memory: list[tuple[float, int]] = []
     try:
         wait_healthy(proc, url, timeout=300)
@@ -118,7 +178,7 @@ def test_soak(models):  # noqa: F811
         def client(seed: int) -> None:
             rng = random.Random(seed)
             while time.time() < deadline and len(failures) < 20:
-                kind = rng.choices(["good", "bad", "hang_up"], [6, 3, 1])[0]
+                kind = rng.choices(["good", "bad", "extreme", "hang_up"], [6, 3, 1, 1])[0]
                 try:
                     if kind == "good":
                         i, stream = rng.randrange(len(GOOD)), rng.random() < 0.5
@@ -131,6 +191,13 @@ def test_soak(models):  # noqa: F811
                                        timeout=300)
                         if not 400 <= r.status_code < 500:
                             failures.append(f"bad request to {path} got {r.status_code}: {r.text[:200]}")
+                    elif kind == "extreme":
+                        body = extreme(rng)
+                        r = httpx.post(url + "/completion", content=body, headers={"Content-Type": "application/json"},
+                                       timeout=300)
+                        whole = r.status_code == 200 and r.json()["tokens_predicted"] == 3
+                        if not (400 <= r.status_code < 500 or whole):
+                            failures.append(f"extreme {body} got {r.status_code}: {r.text[:200]}")
                     else:
                         hang_up(url, *GOOD[rng.randrange(len(GOOD))], rng)
                 except Exception as e:  # noqa: BLE001  (any client-side failure is a finding)
@@ -167,7 +234,7 @@ def test_soak(models):  # noqa: F811
     assert proc.returncode == 0, text[-3000:]
     server_errors = [line for line in text.splitlines() if re.match(r"\S+ 5\d\d ", line)]  # "PATH STATUS message"
     assert "Traceback" not in text and not server_errors, (server_errors[:5], text[-3000:])
-    assert counts["good"] > 0 and counts["bad"] > 0 and counts["hang_up"] > 0
+    assert all(counts.values()), counts
     assert "llamacpp:requests_processing" in metrics
     warm = [m for t, m in memory if t >= DURATION * 0.2]  # after warm-up
     assert max(warm) <= 1.10 * min(warm), memory
