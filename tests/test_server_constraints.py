@@ -16,8 +16,8 @@ CYCLE = {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
 TWO_CYCLE = {"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/b"}]}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
 REQUIRED_CYCLE = {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}, "required": ["x"],
                   "$defs": {"a": {"$ref": "#/$defs/a"}}}
-ENDLESS = {"$defs": {"node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}}, "required": ["next"]}},
-           "$ref": "#/$defs/node"}  # every node needs a next node: no finite value
+ENDLESS = {"$defs": {"node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}},
+                             "required": ["next"]}}, "$ref": "#/$defs/node"}  # each node needs a next: no finite value
 ITEMS_CYCLE = {"type": "array", "minItems": 1, "items": {"$ref": "#/$defs/a"}, "$defs": {"a": {"$ref": "#/$defs/a"}}}
 NOTHING = [CYCLE, TWO_CYCLE, REQUIRED_CYCLE, ENDLESS, ITEMS_CYCLE,
            {"type": "object", "properties": {"x": False}, "required": ["x"]}]
@@ -51,7 +51,7 @@ def test_unmatchable_leaves_schemas_values_match(schema):
 
 def test_unmatchable_is_linear_in_a_long_chain_of_refs():
     """5000 definitions each referring to the next: decided in well under a second (a fixpoint iterated over the
-    whole schema would take one pass per definition)."""
+    whole schema would take one pass per definition, minutes)."""
     import time
 
     from flashdraft.engine.grammar import unmatchable
@@ -62,7 +62,7 @@ def test_unmatchable_is_linear_in_a_long_chain_of_refs():
     assert unmatchable(schema)
     schema["$defs"][f"d{n}"] = {"type": "string"}
     assert unmatchable(schema) is None
-    assert time.perf_counter() - t < 1.0
+    assert time.perf_counter() - t < 3.0  # 0.1 s on an idle core; room for a busy machine
 
 
 @pytest.fixture(scope="module")
@@ -210,8 +210,8 @@ worker.join()
 
 
 def test_gbnf_conversion_is_linear_and_as_llguidance_writes_it():
-    """A chain of 3k rules (62 KB) converts in well under a second (before: 8 s, llguidance's resolve rescans every
-    rule until nothing changes); the Lark text is the one llguidance writes for ordinary grammars."""
+    """A chain of 3.2k rules (62 KB) converts in well under a second (before: 8 s, llguidance's resolve rescans
+    every rule until nothing changes); the Lark text is the one llguidance writes for ordinary grammars."""
     import random
     import time
 
@@ -221,7 +221,7 @@ def test_gbnf_conversion_is_linear_and_as_llguidance_writes_it():
     text = DEEP["GBNF rule chain"][1](3200)
     t = time.perf_counter()
     gbnf_to_lark(text)
-    assert time.perf_counter() - t < 1.0
+    assert time.perf_counter() - t < 3.0  # 0.14 s on an idle core; room for a busy machine
     rng = random.Random(0)
     grammars = ['root ::= x y\nx ::= "a"+\ny ::= [0-9]{1,3} z\nz ::= "q" | x',
                 'root ::= fooBar\nfooBar ::= baz-qux "x"\nbaz-qux ::= "y" | root']
