@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flashdraft.engine.config import EngineConfig, compile_enabled
+from flashdraft.layers.compile import preload_compiler
 from flashdraft.engine.generate import SpecStats, decode
 from flashdraft.engine.grammar import Constraint, Grammar
 from flashdraft.engine.lockstep import from_rank0, in_lockstep
@@ -310,6 +311,7 @@ class Engine:
         torch_dtype = resolve_dtype(config.dtype, config.device)
         quantized = keep_quantized(config)
         t = time.perf_counter()
+        compiler = preload_compiler() if compile_enabled(config) else None
         target, tokenizer, model_path = load_target(config.model, config.device, torch_dtype, progress=config.progress,
                                                     quantized=quantized)
         log.info("model read in %.1f s", time.perf_counter() - t)
@@ -324,6 +326,7 @@ class Engine:
             from flashdraft.formats.named import cache_dir
             # compiled kernels kept beside the models (not in /tmp): a later start, after a reboot too, reuses them
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+            compiler.join()
             widths = {1} | ({engine.draft_block} if draft_model is not None else set())
             target.compile_layers(tuple(widths))
             if draft_model is not None:
