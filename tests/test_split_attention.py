@@ -319,6 +319,87 @@ def check_wide_heads(device: str, dtype: torch.dtype, tol: float) -> None:
     assert launches[256] == launches[512] == len(cases) // 2, launches  # no case fell back to expanding the cache
 
 
+# K/V types a launch over the whole cache is checked with: float rows, q8_0/q4_1/q5_0 blocks and a rotated type
+WHOLE_CACHE_PAIRS = [("f16", "bf16"), ("q8_0", "q4_1"), ("q5_0", "turbo4"), ("turbo3", "q5_0")]
+
+
+def bucket(last_position: int, keys: int) -> int:
+    """The keys a launch over a bucket takes (engine/steps.bucket_for of the positions up to the last)."""
+    from flashdraft.engine.steps import bucket_for
+    return bucket_for(last_position + 1, keys)
+
+
+def check_whole_cache(device: str, dtype: torch.dtype, keys: int, heads: tuple[int, ...], lasts: tuple[int, ...],
+                      kv_heads: int, groups: int, pairs=WHOLE_CACHE_PAIRS) -> None:
+    """A launch over the whole cache (keys rows) given the queries' positions computes what a launch over the
+    bucket of the last position computes, bit for bit: the kernel takes its split partition from the positions,
+    whatever the rows it is handed (one CUDA graph a step for every context length). Decode (T=1) and verify
+    (T=16) steps, causal and windowed masks, float and stored rows (through attend_cache, as the models call it)."""
+    from flashdraft.layers.attention import AttentionSpec, attend_cache, position_mask
+    from flashdraft.layers.kv_cache import KVCache
+    from flashdraft.layers.kv_quant import kv_codecs
+    gen = torch.Generator().manual_seed(5)
+    checked = 0
+    for D in heads:
+        for types in pairs:
+            cache = KVCache(1, kv_heads, keys, D, dtype, device, kv_codecs(types, dtype))
+            view = cache.view(0)
+            k, v = torch.randn(2, 1, keys, kv_heads, D, generator=gen).to(device, dtype)
+            view.write(torch.arange(keys, device=device)[None], k, v)  # rows past the positions hold old keys
+            for last in lasts:
+                for T in (1, 16):
+                    q = torch.randn(1, T, kv_heads * groups, D, generator=gen).to(device, dtype)
+                    positions = torch.arange(last - T + 1, last + 1, device=device)[None]
+                    window = 200 if checked % 3 == 1 else None
+                    mask = position_mask(positions, torch.arange(keys, device=device)[None], True, window)
+                    spec = AttentionSpec(scale=D ** -0.5, window=window)
+                    rows = bucket(last, keys)
+                    bucketed = attend_cache(q, view, rows, mask[..., :rows], spec, positions)
+                    whole = attend_cache(q, view, keys, mask, spec, positions)
+                    assert torch.equal(whole, bucketed), \
+                        (D, types, last, T, window, (whole.float() - bucketed.float()).abs().max().item())
+                    checked += 1
+    assert checked == len(heads) * len(pairs) * len(lasts) * 2
+
+
+def check_whole_cache_interpreted() -> None:
+    """check_whole_cache on small shapes: one KV head, and the launch's program target scaled down to 8 (8 splits at
+    most), so that 4096 keys take four blocks a split (float rows of 64 values) where a bucket of 512, 1024 or 2048
+    keys takes one or two (the partitions differ), and the whole-cache launch takes two row tiles a program where a
+    short bucket's takes one (as on a GPU)."""
+    from flashdraft.kernels import split_attention as kernel_module
+    kept = kernel_module.TARGET_PROGRAMS, kernel_module.FEWER_TILES_BELOW
+    kernel_module.TARGET_PROGRAMS = kernel_module.FEWER_TILES_BELOW = 8
+    try:
+        check_whole_cache("cpu", torch.float32, 4096, (64,), (300, 1500), kv_heads=1, groups=2)
+        check_whole_cache("cpu", torch.float32, 4096, (256,), (700,), kv_heads=1, groups=2)
+        check_whole_cache("cpu", torch.float32, 4096, (512,), (300,), kv_heads=1, groups=2,
+                          pairs=[("q5_0", "q4_1")])
+        check_whole_cache("cpu", torch.bfloat16, 4096, (128,), (700,), kv_heads=1, groups=2,
+                          pairs=[("bf16", "bf16"), ("q4_1", "q5_0")])
+    finally:
+        kernel_module.TARGET_PROGRAMS, kernel_module.FEWER_TILES_BELOW = kept
+
+
+@pytest.mark.skipif(INTERPRETER is not None, reason=str(INTERPRETER))
+def test_whole_cache_launch_matches_the_bucket_interpreted():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, __file__, "whole-cache"], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+                    reason="needs a GPU and triton")
+def test_whole_cache_launch_matches_the_bucket_on_gpu():
+    """At the real sizes: a 32k cache, Gemma 4's 512-wide heads and the 8B's 128-wide ones, the kernel's own
+    program target (the whole-cache launch takes the most splits, a bucket of 512 keys a few)."""
+    check_whole_cache("cuda", torch.bfloat16, 32768, (512,), (300, 700, 2500, 9000, 20000), kv_heads=2, groups=8,
+                      pairs=[("q5_0", "q4_1"), ("q4_1", "q5_0"), ("bf16", "bf16"), ("q8_0", "turbo4")])
+    check_whole_cache("cuda", torch.bfloat16, 32768, (128,), (300, 2500, 20000), kv_heads=8, groups=4)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
                     reason="needs a GPU and triton")
@@ -340,6 +421,8 @@ if __name__ == "__main__":
         check("cpu", torch.float32, 1e-5)
         check_quantized("cpu", torch.float32, 1e-5)
         check_wide_heads("cpu", torch.float32, 1e-5)
+    elif device == "whole-cache":
+        check_whole_cache_interpreted()
     elif device.startswith("engine"):
         check_engine(compiled=device == "engine-compiled")
     else:

@@ -55,6 +55,12 @@ FEWER_TILES_BELOW = 264
 # the K and V tiles and the accumulators take what a 128-wide head's do (at least 16 keys, one tile: tl.dot's minimum)
 WIDE_FROM = 128
 TARGET_PROGRAMS = 264  # about two programs per SM of an H100/H200
+# Given the query tokens' positions, a launch splits the keys as a launch over the context's bucket would: the next
+# power of two, at least MIN_BUCKET, that covers the last position (engine/steps.bucket_for; the kernel does not import
+# the engine). A launch over the whole cache then computes what one over the bucket computes, bit for bit, so one
+# CUDA graph a step serves every context length.
+MIN_BUCKET = 256
+_MIN_BUCKET = tl.constexpr(MIN_BUCKET)
 MERGE_COLUMNS = 128  # a merge program's share of a head: one rotation group (layers/kv_quant.ROTATION_GROUP)
 NUM_WARPS, NUM_STAGES = 4, 2
 # stored row types: 0 float; GGML ids of the block types; 100 + bits for the rotated types
@@ -231,6 +237,31 @@ def _query_planes(q_ptr, signs_ptr, tile, kv, stride_qt, stride_qh, T, G, D: tl.
             _plane_of(q, 2 % K_PLANES, K_TYPE, D, K_PLANES), _plane_of(q, 3 % K_PLANES, K_TYPE, D, K_PLANES))
 
 
+def split_partition(keys: int, block_n: int, max_splits: int) -> tuple[int, int]:
+    """(blocks of keys a split takes, splits) for a launch over `keys` keys: as many splits as blocks up to
+    max_splits, then as many blocks a split as it takes to cover the keys in max_splits splits or fewer."""
+    blocks = triton.cdiv(keys, block_n)
+    per_split = triton.cdiv(blocks, min(blocks, max_splits))
+    return per_split, triton.cdiv(blocks, per_split)
+
+
+@triton.jit
+def _bucket_partition(pos_ptr, T, L, max_splits, BLOCK_N: tl.constexpr):
+    """split_partition of the keys up to the bucket of the last query position (positions at pos_ptr, the last the
+    largest; MIN_BUCKET), at most L: (the keys up to the last position, blocks a split, splits)."""
+    live = tl.load(pos_ptr + T - 1).to(tl.int32) + 1
+    n = tl.maximum(live, _MIN_BUCKET) - 1  # the next power of two >= live, by its bits
+    n = n | (n >> 1)
+    n = n | (n >> 2)
+    n = n | (n >> 4)
+    n = n | (n >> 8)
+    n = n | (n >> 16)
+    blocks = (tl.minimum(n + 1, L) + BLOCK_N - 1) // BLOCK_N
+    splits = tl.minimum(blocks, max_splits)
+    per_split = (blocks + splits - 1) // splits
+    return live, per_split, (blocks + per_split - 1) // per_split
+
+
 @triton.jit
 def _empty_state(BLOCK_M: tl.constexpr, WV: tl.constexpr):
     """A row tile's running state: the V planes' accumulators, the row maxima (finite: a split with every key
@@ -301,10 +332,10 @@ def _store_tile(state, acc_ptr, m_ptr, l_ptr, base, n_rows, tile, T, G, D: tl.co
 # row tile runs _softmax_tile's and _accumulate_tile's code: a plain step (T=1, one tile a program) and a verify
 # step (T=16, TILES tiles a program) compute a row the same way, bit for bit (tests/test_split_attention.py's row
 # invariance on the GPU).
-@triton.jit(do_not_specialize=["stride_mt", "L", "blocks_per_split", "T", "G", "n_rows"])
+@triton.jit(do_not_specialize=["stride_mt", "L", "blocks_per_split", "max_splits", "T", "G", "n_rows"])
 def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, signs_ptr, pos_ptr,
                     stride_qt, stride_qh, stride_kh, stride_vh, stride_mt,
-                    L, blocks_per_split, n_kv, scale, softcap, T, G, n_rows,
+                    L, blocks_per_split, max_splits, n_kv, scale, softcap, T, G, n_rows,
                     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
                     K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, K_ROW: tl.constexpr, V_ROW: tl.constexpr,
                     K_PLANES: tl.constexpr, V_PLANES: tl.constexpr, K_ROTATED: tl.constexpr, TILES: tl.constexpr,
@@ -315,12 +346,18 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, signs_
     orders, the scores are the sum of the planes' products, and each plane of V has its own accumulator, stored to
     its columns at the end. POSITIONS: pos_ptr holds the query tokens' positions (the last the largest), key j is
     position j and no row attends a later key, so the tiles of keys past the last are skipped (a tile masked for
-    every row leaves the state exactly as it was: the same bits either way)."""
+    every row leaves the state exactly as it was: the same bits either way), and the keys are split as over the
+    last position's bucket (_bucket_partition, not blocks_per_split): the programs of splits past its last exit
+    at once, writing nothing (the merge takes the same splits)."""
     # programs of one (KV head, split) are neighbours in the launch order: they read the same keys together, so
     # where a launch keeps one tile a program (short contexts) the extra tiles find them in L2
     wait_for_inputs(PDL)
     kv = tl.program_id(1)
     split = tl.program_id(2)
+    if POSITIONS:
+        live, blocks_per_split, n_splits = _bucket_partition(pos_ptr, T, L, max_splits, BLOCK_N)
+        if split >= n_splits:
+            return
     first = tl.program_id(0) * TILES
     WV: tl.constexpr = D // V_PLANES
     qa = _query_planes(q_ptr, signs_ptr, first, kv, stride_qt, stride_qh, T, G, D, BLOCK_M, K_TYPE, K_PLANES,
@@ -342,7 +379,6 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, signs_
     dtype = qa[0].dtype
     n_blocks = blocks_per_split
     if POSITIONS:
-        live = tl.load(pos_ptr + T - 1).to(tl.int32) + 1
         n_blocks = tl.minimum(n_blocks, (tl.maximum(live - start, 0) + BLOCK_N - 1) // BLOCK_N)
     for i in range(0, n_blocks):
         cols = start + i * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -378,18 +414,22 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, signs_
         _store_tile(sd, acc_ptr, m_ptr, l_ptr, base, n_rows, first + 3, T, G, D, BLOCK_M, V_TYPE, V_PLANES)
 
 
-@triton.jit(do_not_specialize=["stride_ot", "n_splits", "T", "G", "n_rows"])
-def _merge_kernel(acc_ptr, m_ptr, l_ptr, signs_ptr, out_ptr, stride_ot, stride_oh, n_splits, n_kv, T, G, n_rows,
-                  D: tl.constexpr, DC: tl.constexpr, SPLITS: tl.constexpr, ROTATION: tl.constexpr,
-                  PDL: tl.constexpr):
+@triton.jit(do_not_specialize=["stride_ot", "n_splits", "L", "max_splits", "T", "G", "n_rows"])
+def _merge_kernel(acc_ptr, m_ptr, l_ptr, signs_ptr, out_ptr, pos_ptr, stride_ot, stride_oh, n_splits, L, max_splits,
+                  n_kv, T, G, n_rows, D: tl.constexpr, DC: tl.constexpr, SPLITS: tl.constexpr,
+                  ROTATION: tl.constexpr, BLOCK_N: tl.constexpr, POSITIONS: tl.constexpr, PDL: tl.constexpr):
     """Columns [DC * program_id(2), + DC) of one query row (program_id(1)) of one KV head's group (program_id(0)):
     the splits' partial sums merged by their log-sum-exp, every split loaded at once (SPLITS: a power of two, at
     least n_splits). ROTATION > 0: V was stored rotated in groups of that many values (layers/kv_quant.rotate;
-    DC is a multiple of it), so each group of the output is rotated back (x R; R's signs at signs_ptr)."""
+    DC is a multiple of it), so each group of the output is rotated back (x R; R's signs at signs_ptr).
+    POSITIONS: the splits are the last position's bucket's (_bucket_partition, as _partial_kernel took them), not
+    n_splits."""
     wait_for_inputs(PDL)
     start_dependents(PDL)
     kv = tl.program_id(0)
     row = tl.program_id(1)
+    if POSITIONS:
+        live, per_split, n_splits = _bucket_partition(pos_ptr, T, L, max_splits, BLOCK_N)
     s = tl.arange(0, SPLITS)
     s_ok = s < n_splits
     at = (s * n_kv + kv) * n_rows + row
@@ -420,7 +460,9 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale
     of rotation_group(D)): k_rotated, q is taken into the keys' domain; v_rotated, the output is rotated back. positions
     [T] (integers, the last the largest): the query tokens' positions, where key j is position j and the mask hides
     every key after a query's position; no key past the last is then read, so a captured step attends over its
-    context, not its whole bucket. Returns [T, H*D] in q's dtype."""
+    context, not its whole bucket, and the keys are split as for the keys up to the last position's bucket
+    (MIN_BUCKET): handed the whole cache, a launch computes what it computes handed the bucket's rows, bit for bit.
+    Returns [T, H*D] in q's dtype."""
     if q.is_cuda and not triton_matmul_ready(torch.cuda.current_device() if q.device.index is None else q.device.index):
         if k_type or v_type:
             raise ValueError("quantized KV rows need the Triton kernel (an Ampere or newer GPU)")
@@ -435,18 +477,18 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale
         raise ValueError(f"split_attention needs a power-of-two head size >= 16, got {D}")
     mask = mask.contiguous().view(torch.uint8)
     # One tile height for decode (T=1) and verify (T=16) rows, and one-tile splits until L passes BLOCK_N * max_splits
-    # keys (4224 for 8 KV heads; beyond, the split length changes only where the context bucket doubles): a token's
-    # attention then comes out bit for bit the same whether a plain step or a verify step computes it.
+    # keys (4224 for 8 KV heads; beyond, the split length changes only where the context bucket doubles; given the
+    # positions, L is the last position's bucket): a token's attention then comes out bit for bit the same whether a
+    # plain step or a verify step computes it.
     row_tiles = triton.cdiv(G * T, ROW_TILE)
     n_rows = row_tiles * ROW_TILE
     block_n, stages = (STORED_BLOCK_N, STORED_STAGES) if k_type or v_type else (BLOCK_N, NUM_STAGES)
     wide = max(1, D // WIDE_FROM)
     block_n = max(16, block_n // wide)
-    blocks = triton.cdiv(L, block_n)
     max_splits = triton.cdiv(TARGET_PROGRAMS, KV)
-    splits = min(blocks, max_splits)
-    blocks_per_split = triton.cdiv(blocks, splits)
-    splits = triton.cdiv(blocks, blocks_per_split)
+    blocks_per_split, splits = split_partition(L, block_n, max_splits)
+    if positions is not None:  # the kernel splits the keys up to the last position's bucket: room for the most
+        splits = min(triton.cdiv(L, block_n), max_splits)  # splits any bucket up to L takes
     tiles = max(1, min(triton.next_power_of_2(row_tiles),
                        STORED_TILES // wide if k_type or v_type else FLOAT_TILES * 128 // D))
     while tiles > 1 and triton.cdiv(row_tiles, tiles) * KV * splits < FEWER_TILES_BELOW:
@@ -466,7 +508,7 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale
                           rotation_signs(rotation_group(D), q.device) if k_rotated else acc,
                           acc if positions is None else positions,
                           q.stride(0), q.stride(1), keys.stride(0), values.stride(0),
-                          mask.stride(0), L, blocks_per_split, KV,
+                          mask.stride(0), L, blocks_per_split, max_splits, KV,
                           scale, softcap or 1.0, T, G, n_rows, D=D,
                           BLOCK_M=ROW_TILE, BLOCK_N=block_n, SOFTCAP=softcap > 0, K_TYPE=k_type,
                           V_TYPE=v_type, K_ROW=keys.shape[2], V_ROW=values.shape[2],
@@ -477,8 +519,10 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale
     # turn ran a decode step's merges in 179 us against 86 (H200, 8B, 1k keys; docs/perf-history.md, 2026-12-05 H200)
     dc = min(D, MERGE_COLUMNS)
     merge_splits = max(2, triton.next_power_of_2(max_splits))  # one compiled variant for every length
-    _merge_kernel[(KV, G * T, D // dc)](acc, m, lse, v_signs, out, out.stride(0), out.stride(1), splits, KV, T, G,
-                                        n_rows, D=D, DC=dc, SPLITS=merge_splits, ROTATION=group,
+    _merge_kernel[(KV, G * T, D // dc)](acc, m, lse, v_signs, out, acc if positions is None else positions,
+                                        out.stride(0), out.stride(1), splits, L, max_splits, KV, T, G, n_rows, D=D,
+                                        DC=dc, SPLITS=merge_splits, ROTATION=group, BLOCK_N=block_n,
+                                        POSITIONS=positions is not None,
                                         num_warps=8 if merge_splits * dc > 8192 else 4, **pdl.launch(q))
     return out.view(T, H * D)
 
