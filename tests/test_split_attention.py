@@ -171,6 +171,32 @@ def check_engine(compiled: bool = False) -> None:
         assert counters["stats"]["unique_graphs"] >= 3, dict(counters["stats"])  # target widths 1 and 8, the draft
 
 
+def check_engine_whole_cache() -> None:
+    """Steps whose target attends over the whole cache (engine/steps.Steps.whole_cache: one graph for every
+    bucket) commit the bucketed steps' tokens, plain and speculative, through the interpreted split kernel, past
+    the first bucket (256 rows of a 700-row cache)."""
+    from test_engine import random_draft, random_target, run
+
+    from flashdraft.engine.sampling import SamplingParams
+    target = random_target(layers=2, max_len=700)
+    prompt = torch.randint(0, 90, (300,), generator=torch.Generator().manual_seed(5))
+    params = SamplingParams(max_tokens=9)
+    draft = random_draft(target, block_size=8)
+    draft.setup_cache(target.state.max_len)
+    out = {whole: [run(target, prompt, params, static=True, whole_cache=whole),
+                   run(target, prompt, params, draft=draft, block_size=8, static=True, whole_cache=whole)]
+           for whole in (False, True)}
+    assert out[True] == out[False], out
+
+
+@pytest.mark.skipif(INTERPRETER is not None, reason=str(INTERPRETER))
+def test_engine_over_the_whole_cache_matches_bucketed_steps():
+    env = dict(os.environ, TRITON_INTERPRET="1", FLASHDRAFT_ATTENTION="split")
+    proc = subprocess.run([sys.executable, __file__, "engine-whole-cache"], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 @pytest.mark.skipif(INTERPRETER is not None, reason=str(INTERPRETER))
 @pytest.mark.parametrize("mode", ["engine", pytest.param("engine-compiled", marks=pytest.mark.slow)])
 def test_engine_through_interpreted_split_kernel_matches_matmul_attention(mode):
@@ -423,6 +449,8 @@ if __name__ == "__main__":
         check_wide_heads("cpu", torch.float32, 1e-5)
     elif device == "whole-cache":
         check_whole_cache_interpreted()
+    elif device == "engine-whole-cache":
+        check_engine_whole_cache()
     elif device.startswith("engine"):
         check_engine(compiled=device == "engine-compiled")
     else:

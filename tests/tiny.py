@@ -146,15 +146,16 @@ def greedy_continuation(target, state, prompt, n: int, **prefill_kw) -> list[int
 
 
 def decode_tokens(target, state, prompt, params, draft=None, static: bool = False, device: str = "cpu",
-                  **kw) -> list[int]:
+                  whole_cache: bool | None = None, **kw) -> list[int]:
     """Every token the engine's decode loop commits. static: bucketed shapes, as under CUDA graphs (on the CPU
-    the same functions run eagerly; on CUDA the graphs themselves)."""
+    the same functions run eagerly; on CUDA the graphs themselves). whole_cache: override Steps.whole_cache."""
     import itertools
 
     from flashdraft.engine.generate import decode
     from flashdraft.engine.steps import Steps
     steps = Steps(target, state, draft, device)
     steps.static = static or steps.static
+    steps.whole_cache = steps.whole_cache if whole_cache is None else whole_cache
     return list(itertools.chain.from_iterable(decode(steps, prompt, params, speculative=draft is not None, **kw)))
 
 

@@ -12,6 +12,8 @@ import torch
 from torch import Tensor
 
 from flashdraft.engine.graphs import GraphCache
+from flashdraft.layers.attention import reads_by_position
+from flashdraft.layers.kv_cache import KVCache
 from flashdraft.engine.sampling import argmax_rows
 
 MIN_BUCKET = 256
@@ -54,13 +56,14 @@ def plain_step(target, state, token: Tensor, pos: Tensor, slot: int, attn_len: i
 
 
 def speculative_step(target, state, draft, block: Tensor, positions: Tensor, slot: int, attn_len: int,
-                     verify: int | None = None, live: Tensor | None = None):
+                     verify: int | None = None, live: Tensor | None = None, context_rows: int | None = None):
     """Draft one block after its anchor `block[0]`, then verify its first `verify` tokens (default: all).
     The draft always sees the whole block (its first `live` rows, see DFlashDraft.forward), so a narrower verify
-    checks the same proposals. Returns (drafted [verify - 1], logits [verify, V], features [verify, L*H])."""
+    checks the same proposals; it reads `context_rows` of its ring (default attn_len: the rows past the bucket hold
+    no context yet). Returns (drafted [verify - 1], logits [verify, V], features [verify, L*H])."""
     verify = verify or len(block)
     noise = target.token_embedding(block) * draft.cfg.input_embedding_scale
-    hidden = draft(noise, positions, slot, live, attn_len)  # the ring rows past the bucket hold no context yet
+    hidden = draft(noise, positions, slot, live, context_rows or attn_len)
     drafted = argmax_rows(draft.compute_logits(hidden[1:verify], target.logits))
     checked = torch.cat([block[:1], drafted])
     logits, feats = target(checked[None], positions[None, :verify], state, slot,
@@ -71,19 +74,29 @@ def speculative_step(target, state, draft, block: Tensor, positions: Tensor, slo
 class Steps:
     """Runs the decode loop's steps for one target (and draft) over their state; on CUDA each key is captured
     once as a graph and replayed. `static`: steps attend over whole buckets (CUDA graphs); elsewhere over the
-    exact length."""
+    exact length. `whole_cache`: every cache the target attends through the split kernel by position
+    (layers/attention.reads_by_position), which splits the keys by the last position's bucket at run time, so the
+    target's part of a step attends over the whole cache and one graph serves every bucket (the draft's context
+    read stays bounded by the bucket: speculative steps keep a key per bucket)."""
 
     def __init__(self, target, state, draft=None, device: str = "cpu"):
         self.target, self.state, self.draft = target, state, draft
         self.graphs = GraphCache(device)
         self.static = self.graphs.captures
         self.device = device
+        self.whole_cache = self.static and all(reads_by_position(c, True) for c in state.layers
+                                               if isinstance(c, KVCache) and not c.window)
 
     def attended(self, length: int) -> int:
         return bucket_for(length, self.state.max_len) if self.static else length
 
+    def target_length(self, attn_len: int) -> int:
+        """The length the target's attention is launched over for a step of bucket attn_len."""
+        return self.state.max_len if self.whole_cache else attn_len
+
     def plain(self, slot: int, token: Tensor, pos: Tensor, attn_len: int, follow: bool) -> tuple[Tensor, ...]:
         capture = self.draft.cfg.target_layer_ids if follow else None
+        attn_len = self.target_length(attn_len)
 
         def step(t, p):
             return plain_step(self.target, self.state, t, p, slot, attn_len, capture)
@@ -94,7 +107,8 @@ class Steps:
                     width: int, block: int) -> tuple[Tensor, Tensor, Tensor]:
         """A block shorter than the engine's `block` (the context's end) runs eagerly: no graph for that shape."""
         def step(b, p, n):
-            return speculative_step(self.target, self.state, self.draft, b, p, slot, attn_len, width, n)
+            return speculative_step(self.target, self.state, self.draft, b, p, slot, self.target_length(attn_len),
+                                    width, n, context_rows=attn_len)
 
         if len(block_ids) != block:
             return step(block_ids, positions, live)
@@ -115,15 +129,16 @@ class Steps:
         keys: list[PlainKey | SpecKey | ContextKey] = []
         for slot in range(n_slots):
             for b in buckets:
+                plain_bucket = self.target_length(b)  # one for every bucket with whole_cache
                 if self.draft is None:
-                    keys.append(PlainKey(slot, b, False))
+                    keys.append(PlainKey(slot, plain_bucket, False))
                 if self.draft is not None and adaptive:
-                    keys.append(PlainKey(slot, b, True))
+                    keys.append(PlainKey(slot, plain_bucket, True))
                 if self.draft is not None and block > 1 and b >= block:
                     keys.append(SpecKey(slot, b, block, block))
             if self.draft is not None and block > 1:
                 keys += [ContextKey(slot, n) for n in range(1, block + 1)]
-        return keys
+        return list(dict.fromkeys(keys))  # with whole_cache, the buckets' plain keys are one
 
     def run_key(self, key: PlainKey | SpecKey | ContextKey) -> None:
         """Run (on CUDA: capture) one key's step on placeholder inputs."""

@@ -106,9 +106,19 @@ SPLIT_KERNEL_LOADED = _load_split_kernel()
 
 def uses_split_kernel(q: Tensor) -> bool:
     """q: [T, H, D]."""
-    D = q.shape[-1]
-    return (SPLIT_KERNEL_LOADED and KERNEL == "split" and (q.is_cuda or INTERPRETED) and q.shape[0] <= SMALL_QUERY
-            and 16 <= D <= MAX_SPLIT_HEAD and D & (D - 1) == 0)
+    return q.shape[0] <= SMALL_QUERY and split_kernel_takes(q.shape[-1], q.is_cuda)
+
+
+def split_kernel_takes(head_dim: int, cuda: bool) -> bool:
+    return (SPLIT_KERNEL_LOADED and KERNEL == "split" and (cuda or INTERPRETED) and 16 <= head_dim <= MAX_SPLIT_HEAD
+            and head_dim & (head_dim - 1) == 0)
+
+
+def reads_by_position(cache, cuda: bool) -> bool:
+    """Whether a step's attention over this cache (layers.kv_cache.KVCache, not a window ring) takes the split
+    kernel as attend_cache calls it, with the queries' positions: the kernel then splits the keys by the last
+    position's bucket and reads none past it, so one launch over the whole cache serves every length."""
+    return split_kernel_takes(cache.head_dim, cuda) and kernel_reads(cache.codecs[1], cache.head_dim, cuda)
 
 
 def few_query_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float,
