@@ -9,7 +9,7 @@ import torch
 from flashdraft.draft import DFlashDraft, DraftConfig
 from flashdraft.engine.generate import SpecStats, accept_matching_samples
 from tiny import decode_tokens, forward1
-from flashdraft.engine.sampling import SamplingParams, chunked_argmax, filtered_probs, sample
+from flashdraft.engine.sampling import SamplingParams, chunked_argmax, filtered_probs
 from flashdraft.models.llama import LlamaConfig
 from flashdraft.models.llama import Llama
 
@@ -144,6 +144,49 @@ def test_greedy_penalties_follow_each_position_and_stay_lossless(monkeypatch, pa
     assert max(stats.acceptance_lengths) > 2
 
 
+SEEDED_CASES = {"issue_guide": SamplingParams(temperature=0.7, top_k=40, top_p=0.95, min_p=0.05),
+                "temperature": SamplingParams(temperature=1.0),
+                "top_p_min_p": SamplingParams(temperature=0.9, top_p=0.9, min_p=0.02),
+                "penalties_bias": SamplingParams(temperature=0.8, top_k=40, repeat_penalty=1.3, frequency_penalty=0.4,
+                                                 presence_penalty=0.3, repeat_last_n=6, logit_bias={3: 1.5, 7: -2.0})}
+
+
+def seeded_spec_equals_plain(monkeypatch, params: SamplingParams, device: str = "cpu", static: bool = False) -> None:
+    """A seeded sampled answer, speculative (a random draft: the target's token at every verified row; and the
+    plain answer proposed back, corrupted here and there: partial acceptance) equals the seeded plain answer token
+    for token, whatever ran before; another seed gives another answer."""
+    target = random_target(max_len=256).to(device)
+    target.state = target.new_state(1, 256)
+    prompt = torch.randint(0, 90, (20,), generator=torch.Generator().manual_seed(2)).to(device)
+    p = SamplingParams(**{**params.__dict__, "max_tokens": 48})
+    kw = dict(device=device, static=static)
+    plain = run(target, prompt, p, seed=1234, **kw)
+    assert plain != run(target, prompt, p, seed=1235, **kw)
+    draft = random_draft(target, block_size=8).to(device)
+    draft.setup_cache(256)
+    random_draft_stats = SpecStats()
+    assert run(target, prompt, p, draft=draft, seed=1234, stats=random_draft_stats, **kw) == plain
+    oracle_proposals(monkeypatch, draft, plain, len(prompt), 4)
+    stats = SpecStats()
+    assert run(target, prompt, p, draft=draft, seed=1234, stats=stats, **kw) == plain
+    assert len(set(stats.acceptance_lengths)) > 2 and max(stats.acceptance_lengths) > 2  # acceptance varied
+    assert run(target, prompt, p, seed=1234, **kw) == plain  # after other requests: the same answer
+
+
+@pytest.mark.parametrize("name", list(SEEDED_CASES))
+def test_seeded_sampling_speculative_equals_plain(monkeypatch, one_thread, name):
+    seeded_spec_equals_plain(monkeypatch, SEEDED_CASES[name])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("name", list(SEEDED_CASES))
+def test_seeded_sampling_speculative_equals_plain_in_cuda_graphs(monkeypatch, name):
+    """The same on the GPU with every step and the sampler captured as CUDA graphs (the sampler's race in its
+    Triton kernel)."""
+    seeded_spec_equals_plain(monkeypatch, SEEDED_CASES[name], device="cuda", static=True)
+
+
 def test_logprobs_are_the_models_own_and_equal_under_speculation(monkeypatch):
     target = random_target()
     prompt = torch.randint(0, 90, (12,))
@@ -223,14 +266,16 @@ def test_proposals_identical_to_zlab_reference(monkeypatch):
 
 # ---- sampling: lossless in distribution ----
 
-def beellama_rule(drafted, logits, params, generator):
+COINS = torch.Generator().manual_seed(99)
+
+
+def beellama_rule(drafted, logits, params, posterior):
     """The approximate rule the spec warns about: on mismatch it still accepts the draft with prob p(d)."""
     probs = filtered_probs(logits, params)
-    posterior = sample(logits, params, generator)
     for i, d in enumerate(drafted.tolist()):
         if d == int(posterior[i]):
             continue
-        if torch.rand((), generator=generator) < probs[i, d]:
+        if torch.rand((), generator=COINS) < probs[i, d]:
             continue
         return i, int(posterior[i])
     return len(drafted), int(posterior[-1])

@@ -1,6 +1,6 @@
 """The sampling fields clients rely on, over real HTTP: logprobs (OpenAI chat and completions, llama.cpp's n_probs)
-against transformers' own log-softmax, and logit_bias / penalties giving the same greedy answers with and
-without speculative decoding."""
+against transformers' own log-softmax, logit_bias / penalties giving the same greedy answers with and
+without speculative decoding, and seeded sampled answers the same with and without it."""
 import httpx
 import openai
 import pytest
@@ -107,6 +107,24 @@ def test_logit_bias_and_penalties_same_answer_with_speculation(urls, case):
     assert answers[0] == answers[1] and answers[0] != free
     if case == 0:
         assert not set(answers[0]) & {int(t) for t in body["logit_bias"]}
+
+
+SEEDED = [{"temperature": 0.7, "top_k": 40, "top_p": 0.95, "min_p": 0.05},  # issue 44's settings
+          {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0},
+          {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.3,
+           "frequency_penalty": 0.4, "presence_penalty": 0.3, "repeat_last_n": 8, "logit_bias": {"11": 2.0}}]
+
+
+@pytest.mark.parametrize("case", range(len(SEEDED)))
+def test_seeded_sampling_same_answer_with_speculation(urls, case):
+    """A seeded sampled answer is the same token for token with and without speculative decoding (each position's
+    noise is keyed by the seed and the position), and again after other requests; another seed answers otherwise."""
+    plain, spec = urls
+    body = {**SEEDED[case], "seed": 4242}
+    answers = [native(url, n_predict=40, **body)["tokens"] for url in (plain, spec, plain, spec)]
+    assert answers[0] == answers[1] == answers[2] == answers[3]
+    assert native(spec, n_predict=40, **{**body, "seed": 4243})["tokens"] != answers[0]
+    assert native(plain, n_predict=40)["tokens"] != answers[0]  # sampled, not greedy
 
 
 def test_logit_bias_boost_takes_over(urls):

@@ -14,7 +14,7 @@ from flashdraft.layers.compile import preload_compiler
 from flashdraft.engine.generate import SpecStats, decode
 from flashdraft.engine.grammar import Constraint, Grammar
 from flashdraft.engine.lockstep import from_rank0, in_lockstep
-from flashdraft.engine.sampling import SamplingParams
+from flashdraft.engine.sampling import SamplingParams, fresh_seed
 from flashdraft.engine.steps import Steps
 from flashdraft.layers.kv_quant import FLOAT_KV_TYPES
 
@@ -175,7 +175,7 @@ def sampling_seed(p: SamplingParams) -> int | None:
     """The request's seed, a fresh one when it asks for a random seed, None when greedy."""
     if p.greedy:
         return None
-    return p.seed if p.seed is not None and p.seed >= 0 else int(torch.seed() % (2 ** 63))
+    return p.seed if p.seed is not None and p.seed >= 0 else fresh_seed()
 
 
 class StopStrings:
@@ -468,10 +468,6 @@ class Engine:
         from flashdraft.formats.tokenizer import IncrementalDetokenizer
         p = req.params
         draft = self.draft if req.speculative else None
-        gen = None
-        if seed is not None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(seed)
         stats = SpecStats()
         eos = set() if p.ignore_eos else set(self.tokenizer.eos_ids)
         detok = IncrementalDetokenizer(self.tokenizer)
@@ -490,7 +486,7 @@ class Engine:
         reported = 0  # logprobs already handed out in deltas
         stops = StopStrings(p.stop)
         steps = decode(self.steps, prompt, p, slot=slot, speculative=draft is not None,
-                       block_size=req.block_size or self.block_size, stats=stats, max_len=self.ctx_size, generator=gen,
+                       block_size=req.block_size or self.block_size, stats=stats, max_len=self.ctx_size, seed=seed,
                        controller=controller, logprobs=logprobs, cached=cached, constraint=constraint)
         if self.world_size > 1:
             steps = in_lockstep(steps, self.device)

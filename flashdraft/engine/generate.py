@@ -12,8 +12,7 @@ import torch
 from torch import Tensor
 
 from flashdraft.engine.adaptive import WidthController
-from flashdraft.engine.sampling import (SamplingParams, adjust_logits, check_sampled, logit_bias_row, sample,
-                                       token_logprobs)
+from flashdraft.engine.sampling import SamplingParams, check_sampled, fresh_seed, token_logprobs
 from flashdraft.engine.steps import Steps
 
 if TYPE_CHECKING:
@@ -46,16 +45,18 @@ class SpecStats:
             self.accepted_per_position[k] += 1
 
 
-# An acceptance rule maps (drafted tokens [n], target logits [n+1, V]) to (number accepted, next token).
-AcceptRule = Callable[[Tensor, Tensor, SamplingParams, torch.Generator | None], tuple[int, int]]
+# An acceptance rule maps (drafted tokens [n], target logits [n+1, V], the params, the target's own tokens sampled
+# at every row [n+1]) to (number accepted, next token).
+AcceptRule = Callable[[Tensor, Tensor, SamplingParams, Tensor], tuple[int, int]]
 
 
 def accept_matching_samples(drafted: Tensor, logits: Tensor, params: SamplingParams,
-                            generator: torch.Generator | None) -> tuple[int, int]:
-    """Sample the target's own token at every block position and accept drafts while they equal it.
+                            posterior: Tensor) -> tuple[int, int]:
+    """Accept drafts while they equal the target's own token sampled at their block position (`posterior`).
     Each emitted token is then a sample of the target's filtered distribution given the committed
-    prefix, whatever the draft proposed: lossless for greedy and for sampling."""
-    posterior = sample(logits, params, generator)
+    prefix, whatever the draft proposed: lossless for greedy and for sampling. The noise of a position's draw is
+    keyed by (seed, position), so a verify row draws what a plain step at that position would draw: a seeded
+    speculative answer is the seeded plain one, token for token, wherever the logits agree."""
     both = torch.cat([drafted, posterior]).tolist()  # the one host synchronisation of a verify step
     proposed, target_tokens = both[:len(drafted)], both[len(drafted):]
     accepted = next((i for i, (d, t) in enumerate(zip(proposed, target_tokens)) if d != t), len(proposed))
@@ -113,7 +114,7 @@ def decode(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int =
            block_size: int | None = None, stats: SpecStats | None = None, max_len: int | None = None,
            generator: torch.Generator | None = None, accept_rule: AcceptRule = accept_matching_samples,
            controller: WidthController | None = None, logprobs: list | None = None,
-           cached: int = 0, constraint: "Constraint | None" = None) -> Iterator[list[int]]:
+           cached: int = 0, constraint: "Constraint | None" = None, seed: int | None = None) -> Iterator[list[int]]:
     """Yield the committed tokens of each step until `params.max_tokens` are out (the caller stops
     earlier on EOS or stop strings by closing the generator). With a draft (and `speculative`), each step
     drafts a whole block and verifies `controller.width()` of it (default: all); width 1 is a plain step that
@@ -122,7 +123,9 @@ def decode(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int =
     receives one sampling.token_logprobs entry per committed token, before the tokens are yielded. `cached`: the
     slot's cache (and the draft's ring) already hold the first `cached` prompt tokens (a prompt cache hit).
     `constraint` (engine/grammar.py) masks every verified row with the grammar's state after that row's own
-    prefix, so a constrained answer stays lossless too."""
+    prefix, so a constrained answer stays lossless too. A sampled token's noise is keyed by (`seed`, its position,
+    its id) (engine/sampling.race): the same seed gives the same answer, plain or speculative; without a seed, one
+    is drawn from `generator` (a reproducible series of requests), else at random."""
     target, state = steps.target, steps.state
     draft = steps.draft if speculative else None
     device = prompt_ids.device
@@ -138,25 +141,24 @@ def decode(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int =
     if draft is not None:
         draft.reset(slot, keep=cached)
     logits = prefill(target, state, prompt_ids, slot, cached, draft)
-    history = prompt_ids.tolist() if params.penalized else []  # the penalties' window: prompt and output
-    bias = logit_bias_row(params, logits.shape[-1], device)
+    if seed is None and not params.greedy:
+        seed = fresh_seed() if generator is None else int(torch.randint(0, 2 ** 62, (), generator=generator,
+                                                                         device=generator.device))
+    steps.sampler(slot, logits.shape[-1]).begin(params, seed or 0, prompt_ids)
 
-    def choose(rows: Tensor, drafted: Tensor | None = None) -> Tensor:
-        if params.adjusted:
-            rows = adjust_logits(rows, params, bias, history, drafted)
+    def choose(rows: Tensor, positions: Tensor, drafted: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """(rows as the grammar masks them, the token drawn for each: engine/steps.Steps.sample)."""
         if constraint is not None:
             rows = constraint.apply(rows, [] if drafted is None else drafted.tolist())
-        return rows
+        return rows, steps.sample(slot, rows, positions, drafted, commit=drafted is None)
 
     def report(rows: Tensor, tokens: list[int]) -> None:
         if constraint is not None:
             constraint.commit(tokens)
-        if params.penalized:
-            history.extend(tokens)
         if logprobs is not None and params.logprobs is not None:
             logprobs.extend(token_logprobs(rows[:len(tokens)], tokens, params.logprobs))
 
-    token = int(sample(choose(logits), params, generator)[0])
+    token = int(choose(logits, torch.full((1,), n - 1, device=device))[1][0])
     check_sampled([token])
     report(logits, [token])
     yield [token]
@@ -180,7 +182,7 @@ def decode(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int =
                 follow = draft is not None and room > 1  # the draft needs this position's features later
                 positions = torch.tensor([pos], device=device)
                 out = steps.plain(slot, torch.tensor([token], device=device), positions, attn_len, follow)
-                new = [int(sample(choose(out[0]), params, generator)[0])]
+                new = [int(choose(out[0], positions)[1][0])]
                 check_sampled(new)
                 report(out[0], new[:budget - produced])
                 if follow:
@@ -199,7 +201,8 @@ def decode(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int =
                 drafted, logits, feats = steps.speculative(slot, block_ids, positions, live_t, attn_len, width, block)
                 checked = min(width, live)  # rows past `live` hold no wanted token: they neither count nor commit
                 drafted, logits = drafted[:checked - 1], logits[:checked]
-                accepted, bonus = accept_rule(drafted, choose(logits, drafted), params, generator)
+                rows, posterior = choose(logits, positions[:checked], drafted)
+                accepted, bonus = accept_rule(drafted, rows, params, posterior)
                 proposed = drafted.tolist()
                 if stats is not None:
                     stats.record(proposed, accepted)
@@ -209,6 +212,7 @@ def decode(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int =
                 state.commit(slot, pos + n_new)
                 steps.append_context(slot, feats[:n_new], positions[:n_new])
                 new = proposed[:accepted] + [bonus]
+                steps.samplers[slot].commit(new, pos + 1)
                 report(logits, new[:budget - produced])
                 pos += accepted + 1
             new = new[:budget - produced]

@@ -4,7 +4,8 @@ warm-up captures, in one place (so warm-up cannot miss a key that decoding uses)
 A step attends over a fixed number of cache rows (a bucket: the next power of two that covers the needed
 length), so one graph serves every position inside its bucket, and attention never reads rows past the bucket.
 Kinds: a plain step (one token; with `follow` it also captures the draft's features), a speculative step (draft
-a block after its anchor, verify its first `width` tokens), and the draft's context append of n committed rows.
+a block after its anchor, verify its first `width` tokens), the draft's context append of n committed rows, and the
+sampler (engine/sampling.DeviceSampler: a token per row of logits; one graph per SamplerKey).
 """
 from dataclasses import dataclass
 
@@ -14,7 +15,7 @@ from torch import Tensor
 from flashdraft.engine.graphs import GraphCache
 from flashdraft.layers.attention import reads_by_position
 from flashdraft.layers.kv_cache import KVCache
-from flashdraft.engine.sampling import argmax_rows
+from flashdraft.engine.sampling import DeviceSampler, argmax_rows
 
 MIN_BUCKET = 256
 
@@ -86,6 +87,8 @@ class Steps:
         self.device = device
         self.whole_cache = self.static and all(reads_by_position(c, True) for c in state.layers
                                                if isinstance(c, KVCache) and not c.window)
+        self.samplers: dict[int, DeviceSampler] = {}
+        self.sample_inputs: tuple[Tensor, Tensor, Tensor] | None = None  # the sampler graphs' inputs (`sample`)
 
     def attended(self, length: int) -> int:
         return bucket_for(length, self.state.max_len) if self.static else length
@@ -118,6 +121,37 @@ class Steps:
         """Hand the draft the features of newly committed positions (a graph per row count on CUDA)."""
         self.graphs.run(ContextKey(slot, len(positions)),
                         lambda f, p: (self.draft.append_context(f, p, slot),), [features, positions])
+
+    def sampler(self, slot: int, vocab: int) -> DeviceSampler:
+        """The slot's sampler (its state stays on the device, overwritten by each request: DeviceSampler.begin)."""
+        if slot not in self.samplers:
+            self.samplers[slot] = DeviceSampler(vocab, self.state.max_len, self.device)
+        return self.samplers[slot]
+
+    def sample(self, slot: int, logits: Tensor, positions: Tensor, drafted: Tensor | None = None,
+               commit: bool = False) -> Tensor:
+        """A token per row of logits [R, V] by the slot's sampler (row r's token goes to positions[r] + 1; drafted
+        [R - 1]: the tokens rows 1.. follow; commit: a one-row call whose token commits, for the penalties' window).
+        On CUDA one graph replay per call: the inputs go to buffers shared by every slot's graphs (the slots take
+        turns step by step there: server/scheduler.py), and the tokens come back in the graph's own output buffer,
+        which the next call of the same key overwrites."""
+        sampler = self.samplers[slot]
+        rows = logits.shape[0]
+        key = sampler.key(slot, rows, commit)
+        if not self.graphs.captures:
+            return sampler(key, logits, positions, drafted)
+        if self.sample_inputs is None:
+            most = self.draft.cfg.block_size if self.draft is not None else 1
+            self.sample_inputs = (torch.empty(most, logits.shape[-1], device=self.device),
+                                  torch.zeros(most, dtype=torch.long, device=self.device),
+                                  torch.zeros(max(most - 1, 1), dtype=torch.long, device=self.device))
+        all_logits, all_positions, all_drafted = self.sample_inputs
+        all_logits[:rows].copy_(logits)
+        all_positions[:rows].copy_(positions)
+        if key.penalized and rows > 1:
+            all_drafted[:rows - 1].copy_(drafted)
+        x, at, before = all_logits[:rows], all_positions[:rows], all_drafted[:rows - 1]
+        return self.graphs.run(key, lambda: (sampler(key, x, at, before),), [])[0]
 
     def warmup_keys(self, n_slots: int, block: int, adaptive: bool) -> list[PlainKey | SpecKey | ContextKey]:
         """The keys the decode loop uses with this configuration (full-width verify; adaptive widths are captured
