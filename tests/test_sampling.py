@@ -421,8 +421,8 @@ def check_kernel() -> None:
 def test_sampler_on_gpu():
     """On CUDA: the kernel's tokens are the torch reference's (the same operations on the GPU, up to a rare flip
     of a near-tie by the logarithm's rounding), the guide's chi-square, and the sampler's captured graphs (one per
-    key, inputs through shared buffers, as Steps.sample runs them) equal the same calls run eagerly, a committed
-    token counted once."""
+    key, inputs through shared buffers, as Steps.sample runs them, each key replayed on new inputs) equal the same
+    calls run eagerly, the penalties' counts included (a graph's warm-up counts nothing twice)."""
     pytest.importorskip("scipy")
     from types import SimpleNamespace
 
@@ -443,33 +443,35 @@ def test_sampler_on_gpu():
     assert chi_square_pvalue(np.bincount(tokens.cpu().numpy(), minlength=VOCAB), expected) > 1e-3
 
     vocab = 49152
-    gen = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, vocab, (40,), generator=torch.Generator().manual_seed(2)).cuda()
     for extra in ({}, ADJUSTMENTS["bias_and_penalties"], {"repeat_penalty": 1.2, "repeat_last_n": 4}):
         for base in (ISSUE_GUIDE, SamplingParams(temperature=0.9), SamplingParams(temperature=0.9, top_p=0.9),
                      SamplingParams()):
             p = SamplingParams(**{**base.__dict__, **extra})
             runs = []
             for graphs in (False, True):
-                steps = Steps(None, SimpleNamespace(max_len=512), SimpleNamespace(cfg=SimpleNamespace(block_size=16)),
-                              "cuda")
+                state = SimpleNamespace(max_len=512, layers=[])  # no target: only the sampler's part of Steps
+                steps = Steps(None, state, SimpleNamespace(cfg=SimpleNamespace(block_size=16)), "cuda")
                 if not graphs:
                     steps.graphs = GraphCache("cpu")  # the same calls on CUDA tensors, run eagerly
                 sampler = steps.sampler(0, vocab)
-                sampler.begin(p, 11, torch.randint(0, vocab, (40,), generator=gen).cuda())
-                out = []
+                sampler.begin(p, 11, prompt)
+                out, at = [], len(prompt) - 1  # `at`: the last committed token's position
                 g = torch.Generator().manual_seed(5)
-                for step in range(6):
-                    rows = 1 if step % 2 == 0 else 16
+                for step in range(8):  # plain steps and verify blocks (3 tokens committed), as decode takes them
+                    rows = 1 if step % 3 else 16
                     logits = (torch.randn(rows, vocab, generator=g) * 3).cuda()
-                    positions = torch.arange(39 + step * 20, 39 + step * 20 + rows, device="cuda")
+                    positions = torch.arange(at, at + rows, device="cuda")
                     drafted = torch.randint(0, vocab, (rows - 1,), generator=g).cuda() if rows > 1 else None
                     out.append(steps.sample(0, logits, positions, drafted, commit=rows == 1).clone())
+                    if rows > 1:
+                        sampler.commit(out[-1][:3].tolist(), at + 1)
+                    at += 1 if rows == 1 else 3
                 runs.append((out, None if sampler.counts is None else sampler.counts.clone()))
             (eager, eager_counts), (graphed, graph_counts) = runs
             assert all(torch.equal(a, b) for a, b in zip(eager, graphed)), p
             if eager_counts is not None:
                 assert torch.equal(eager_counts, graph_counts), p
-
 
 if __name__ == "__main__":
     import triton

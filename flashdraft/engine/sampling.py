@@ -420,7 +420,7 @@ def race_reference(values: Tensor, ids: Tensor | None, settings: Tensor, seeds: 
                    sorted_: bool, top_p: bool, min_p: bool, position_offset: int = 0, vocab: int | None = None,
                    compact: bool = False) -> Tensor:
     """`race` in torch operations, fixed shapes. vocab: the logits' width (ids are below it; None: the candidates'
-    count). `compact` computes the noise of the kept candidates only where they are few (a data-dependent shape,
+    count without ids, unknown with them). `compact` computes the noise of the kept candidates only where they are few (a data-dependent shape,
     for the CPU, where Philox in int64 operations costs ~0.1 us a token)."""
     rows, c = values.shape
     best = values[:, :1] if sorted_ else values.amax(-1, keepdim=True)  # NaN where a row holds one
@@ -438,13 +438,14 @@ def race_reference(values: Tensor, ids: Tensor | None, settings: Tensor, seeds: 
     # gathered, whichever computes fewer
     live = keep & (values > float("-inf"))
     each = 2 * (int(live.sum()) if compact else live.numel())
-    vocab = vocab or c
-    if compact and each < rows * (vocab // 4 + 1):
+    vocab = vocab or (c if ids is None else None)  # unknown: no whole rows
+    whole = rows * (vocab // 4 + 1) if vocab else float("inf")
+    if compact and each < whole:
         r, k = live.nonzero(as_tuple=True)
         score = torch.full_like(scaled, float("-inf"))
         score[r, k] = scaled[r, k] + gumbel_noise(seeds[r, 0], k if ids is None else ids[r, k], positions[r, 0])
     else:
-        if ids is None or each >= rows * (vocab // 4 + 1):
+        if ids is None or each >= whole:
             noise = gumbel_rows(seeds, positions, vocab)
             noise = noise if ids is None else noise.gather(-1, ids)
         else:
