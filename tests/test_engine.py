@@ -406,3 +406,20 @@ def test_chunked_argmax_is_torch_argmax():
     x[4, -1] = 10.0  # the last column
     assert torch.equal(chunked_argmax(x), x.argmax(-1))
     assert chunked_argmax(x)[1] == 5 and chunked_argmax(x)[2] == 100 and chunked_argmax(x)[3] == 0
+
+
+def test_warmup_also_runs_the_servers_default_sampling(tmp_path):
+    """Warm-up generates greedily and with the command line's default sampling (EngineConfig.warmup_sampling), so
+    the first request finds its sampler's graph captured; a greedy default adds nothing."""
+    from tiny import make_target
+
+    from flashdraft.engine.engine import Engine, EngineConfig
+    folder = make_target(tmp_path / "t", layers=1)
+    for sampling, greedy in ((dict(temperature=0.7, top_k=64, top_p=0.95), [True, False]),
+                             (dict(temperature=0.0), [True])):
+        engine = Engine.load(EngineConfig(model=str(folder), ctx_size=64, warmup_sampling=sampling))
+        seen, generate = [], engine.generate
+        engine.generate = lambda req: seen.append(req.params) or generate(req)
+        engine.warmup(max_tokens=2)
+        assert [p.greedy for p in seen] == greedy, seen
+        assert seen[-1].top_k == (64 if len(greedy) == 2 else 0)

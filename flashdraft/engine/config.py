@@ -33,6 +33,9 @@ class EngineConfig:
     slot_prompt_similarity: float = 0.1  # a request takes the slot sharing this much of its prompt (-sps)
     draft_cache_type_k: str = "auto"  # DRAFT_KV_CACHE_TYPES (--spec-draft-type-k); auto: the draft's dtype
     draft_cache_type_v: str = "auto"
+    # the requests' default sampling (SamplingParams fields: a server's command line), which warm-up also runs so
+    # that the first request finds its sampler graph captured
+    warmup_sampling: dict | None = None
 
 
 def compile_enabled(config: EngineConfig) -> bool:

@@ -392,9 +392,10 @@ class Engine:
                     self.steps.run_key(key)
                     if i == 0 or (i + 1) % 8 == 0 or i + 1 == len(keys):  # the first: compiled layers loaded
                         log.info("captured %d of %d step graphs (%.1f s)", i + 1, len(keys), time.perf_counter() - t)
+            defaults = SamplingParams(max_tokens=max_tokens, **(self.config.warmup_sampling or {}))
             for speculative in ([True] if self.draft is not None else [False]):  # as the server's requests
-                self.generate(Request(prompt_ids=[0, 1, 2, 3], params=SamplingParams(max_tokens=max_tokens),
-                                      speculative=speculative))
+                for params in [SamplingParams(max_tokens=max_tokens)] + ([defaults] if not defaults.greedy else []):
+                    self.generate(Request(prompt_ids=[0, 1, 2, 3], params=params, speculative=speculative))
         self._sync()
         self._release_cached()
         self.startup_s["warmup"] = time.perf_counter() - t

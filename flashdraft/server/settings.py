@@ -67,4 +67,9 @@ class Settings:
                             draft_embed_scale=self.draft_embed_scale, cache_type_k=self.cache_type_k,
                             cache_type_v=self.cache_type_v, draft_cache_type_k=self.draft_cache_type_k,
                             draft_cache_type_v=self.draft_cache_type_v,
-                            weights="dequantized" if self.dequantize else "quantized" if self.quantized else "auto")
+                            weights="dequantized" if self.dequantize else "quantized" if self.quantized else "auto",
+                            warmup_sampling=dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                                                 min_p=self.min_p, repeat_penalty=self.repeat_penalty,
+                                                 repeat_last_n=self.repeat_last_n,
+                                                 presence_penalty=self.presence_penalty,
+                                                 frequency_penalty=self.frequency_penalty))
