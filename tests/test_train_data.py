@@ -9,7 +9,8 @@ from flashdraft.train.code_prompts import code_instructions
 from flashdraft.train.data import main as make_data_main
 from flashdraft.train.prompts import load_prompts, read_json_records
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+TRAINING_FILES = ("gsm8k_train.jsonl", "alpaca_5000.json", "mbpp.jsonl")
+EVALUATION_FILES = ("HumanEval.jsonl.gz", "mt_bench_question.jsonl", "spec_bench_question.jsonl")
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -70,27 +71,31 @@ def test_code_instructions_avoid_the_seed_subjects():
     lowered = " ".join(prompts).lower()
     for subject in ("task store", "key-value", "linked list"):
         assert subject not in lowered
-    if (SHARED_DATA / "HumanEval.jsonl.gz").is_file():
-        import gzip
-        import re
-        with gzip.open(SHARED_DATA / "HumanEval.jsonl.gz", "rt") as f:
-            names = {json.loads(line)["entry_point"] for line in f if line.strip()}
-        text = "\n".join(prompts)
-        assert not [n for n in names if re.search(rf"\b{re.escape(n)}\(", text)]
 
 
-@pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="../shared/data is not here")
+def test_code_instructions_name_no_humaneval_function():
+    import gzip
+    import re
+    from data_files import data_dir
+    with gzip.open(data_dir("HumanEval.jsonl.gz") / "HumanEval.jsonl.gz", "rt") as f:
+        names = {json.loads(line)["entry_point"] for line in f if line.strip()}
+    text = "\n".join(code_instructions())
+    assert not [n for n in names if re.search(rf"\b{re.escape(n)}\(", text)]
+
+
 def test_shared_training_files():
-    files = [str(SHARED_DATA / f) for f in ("gsm8k_train.jsonl", "alpaca_5000.json", "mbpp.jsonl")]
+    from data_files import data_dir
+    folder = data_dir(*TRAINING_FILES, *EVALUATION_FILES)
+    files = [str(folder / f) for f in TRAINING_FILES]
     prompts = load_prompts(files)
     by_source = {}
     for p in prompts:
         by_source[p.source] = by_source.get(p.source, 0) + 1
     assert by_source["gsm8k"] > 7000 and by_source["alpaca"] > 4500
     assert 374 <= by_source["mbpp"] <= 2 * 374  # task ids 601-974, native and stub forms
-    for name in ("HumanEval.jsonl.gz", "mt_bench_question.jsonl", "spec_bench_question.jsonl"):
+    for name in EVALUATION_FILES:
         with pytest.raises(ValueError, match="evaluation"):
-            load_prompts([str(SHARED_DATA / name)])
+            load_prompts([str(folder / name)])
 
 
 # ---------------------------------------------------------------------------------------------------------
