@@ -1,6 +1,7 @@
 """The engine's command-line flags, declared once for generate, serve and bench, and the EngineConfig they give."""
 import argparse
 import os
+import time
 from pathlib import Path
 
 from flashdraft.engine.config import DRAFT_KV_CACHE_TYPES, KV_CACHE_TYPES, EngineConfig
@@ -37,8 +38,9 @@ def add_engine_args(ap: argparse.ArgumentParser, model: bool = True, context: bo
                      help="use the Hugging Face cache only, never the network (as HF_HUB_OFFLINE=1)")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     ap.add_argument("-t", "--threads", type=int, default=None, metavar="N",
-                    help=f"CPU threads for generation (default: the physical cores this process may run on, "
-                         f"{default_threads()} here; on CUDA only host-side work uses them)")
+                    help=f"CPU threads for generation (default: OMP_NUM_THREADS if set, else the physical cores this "
+                         f"process may run on, {default_threads()} here, less those other processes keep busy when "
+                         f"the command starts; on CUDA only host-side work uses them)")
     ap.add_argument("-tb", "--threads-batch", type=int, default=None, metavar="N",
                     help="CPU threads for prompt processing (accepted as llama.cpp's; prompts run with --threads)")
     ap.add_argument("--dtype", default="auto", choices=DTYPES)
@@ -147,23 +149,80 @@ def requested_threads(argv: list[str]) -> int | None:
     return None
 
 
-def thread_env(argv: list[str], env=None) -> None:
-    """Size the OpenMP/BLAS pools (-t, else the physical cores) unless the user set them; call before torch loads."""
+# How long the command looks at what the CPUs are doing before it picks its default thread count.
+LOAD_WINDOW_S = 0.25
+
+
+def _cpu_jiffies(cpus: set[int]) -> tuple[int, int]:
+    """(busy, total) time of these CPUs since boot, in clock ticks (/proc/stat; steal time counts as busy)."""
+    busy = total = 0
+    for line in Path("/proc/stat").read_text().splitlines():
+        name, *fields = line.split()
+        if name[:3] == "cpu" and name[3:].isdigit() and int(name[3:]) in cpus:
+            ticks = [int(x) for x in fields[:8]]  # user nice system idle iowait irq softirq steal
+            total += sum(ticks)
+            busy += sum(ticks) - ticks[3] - ticks[4]
+    return busy, total
+
+
+def busy_cpus(window: float = LOAD_WINDOW_S) -> float | None:
+    """How many of the CPUs this process may run on other processes keep busy now: their busy time over `window`
+    seconds, less this process's own (None where /proc/stat is not there). A snapshot, unlike the load average,
+    which still counts a command that ended a minute ago."""
+    try:
+        cpus = os.sched_getaffinity(0)
+        busy0, total0 = _cpu_jiffies(cpus)
+        own0 = sum(os.times()[:2])
+        time.sleep(window)
+        busy1, total1 = _cpu_jiffies(cpus)
+        own1 = sum(os.times()[:2])
+    except (AttributeError, OSError, ValueError):
+        return None
+    if total1 <= total0:
+        return None
+    return max(0.0, (busy1 - busy0) / (total1 - total0) * len(cpus) - (own1 - own0) / window)
+
+
+def free_threads() -> int:
+    """The default thread count of a command that computes: the physical cores less those other processes keep
+    busy right now (at least 1). On a busy machine a thread that shares its core with another process is a step
+    behind at every parallel region, and the others wait for it: one thread a free core runs faster."""
+    physical = default_threads()
+    busy = busy_cpus()
+    if busy is None:
+        return physical
+    logical = len(os.sched_getaffinity(0))
+    return max(1, min(physical, round((logical - busy) * physical / logical)))
+
+
+def thread_env(argv: list[str], env=None, load_aware: bool = False) -> int:
+    """Size the OpenMP/BLAS pools before torch loads, unless the user set them: -t, else the user's
+    OMP_NUM_THREADS, else the physical cores (load_aware: those other processes leave free now, free_threads).
+    OpenMP threads that wait sleep at once (OMP_WAIT_POLICY=PASSIVE) instead of spinning: a spinning thread takes
+    the core from the thread it waits for when other processes share the cores. Returns the count."""
     env = os.environ if env is None else env
-    n = str(requested_threads(argv) or default_threads())
+    user = env.get("OMP_NUM_THREADS", "")
+    n = requested_threads(argv) or (int(user) if user.isdigit() and int(user) > 0 else None)
+    n = n or (free_threads() if load_aware else default_threads())
     for name in THREAD_VARIABLES:
         if not env.get(name):
-            env[name] = n
+            env[name] = str(n)
+    if not env.get("OMP_WAIT_POLICY") and not env.get("GOMP_SPINCOUNT"):
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    return n
 
 
 def set_threads(threads: int | None, world: int = 1) -> int:
-    """torch's intra-op pool: `threads` (-t), else the physical cores shared by `world` processes of this host;
-    one inter-op thread (the engine runs no independent ops side by side). Returns the count used."""
+    """torch's intra-op pool: `threads` (-t), else OMP_NUM_THREADS (the user's, or what thread_env chose), else the
+    physical cores, shared by `world` processes of this host; one inter-op thread (the engine runs no independent
+    ops side by side). Returns the count used."""
     import torch
     if threads is not None and threads < 1:
         raise ValueError(f"--threads must be at least 1, got {threads}")
     sharing = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # the ranks on this host (torchrun sets it)
-    n = threads or max(1, default_threads() // max(sharing, 1))
+    chosen = os.environ.get("OMP_NUM_THREADS", "")
+    n = threads or max(1, (int(chosen) if chosen.isdigit() and int(chosen) > 0 else default_threads())
+                       // max(sharing, 1))
     torch.set_num_threads(n)
     try:
         torch.set_num_interop_threads(1)

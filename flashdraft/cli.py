@@ -73,7 +73,7 @@ def generate(args: argparse.Namespace, device: str) -> int:
     from flashdraft.models.tp import rank_and_world
 
     rank, world = rank_and_world()
-    set_threads(args.threads, world)
+    threads = set_threads(args.threads, world)
     shown = rank == 0
     prompt_ids = parse_ids(args.prompt_ids) if args.prompt_ids else None
     params = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -83,7 +83,8 @@ def generate(args: argparse.Namespace, device: str) -> int:
     draft = None if args.no_spec else resolve_draft(args.draft)  # a draft only when -md names one
     engine = Engine.load(engine_config(args, draft, device, progress=shown and not args.json))
     if shown and not args.json:
-        print(f"DFlash draft {draft}" if engine.draft is not None else "no draft: plain decoding", file=sys.stderr)
+        print((f"DFlash draft {draft}" if engine.draft is not None else "no draft: plain decoding")
+              + f", {threads} CPU thread{'s' if threads > 1 else ''}", file=sys.stderr)
     if prompt_ids is None:
         prompt_ids = render_prompt(engine.tokenizer, args.prompt, chat=args.chat, system=args.system,
                                    reasoning=args.reasoning)
@@ -228,7 +229,8 @@ ALLOCATOR = "expandable_segments:True"
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOCATOR)
     argv = sys.argv[1:] if argv is None else argv
-    thread_env(argv)  # before torch is imported: the OpenMP/BLAS pools read it when they load
+    # before torch is imported: the OpenMP/BLAS pools read it when they load
+    thread_env(argv, load_aware=bool(argv) and argv[0] in ("generate", "serve", "bench", "train-draft", "make-data"))
     commands = ["generate", "pull", *SUBCOMMANDS]
     if argv and argv[0] in ("-h", "--help"):
         print(usage())

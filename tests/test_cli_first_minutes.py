@@ -4,6 +4,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -88,11 +89,73 @@ def test_default_threads_do_not_oversubscribe():
     n = default_threads()
     assert 1 <= n <= len(os.sched_getaffinity(0))
     env = {}
+    assert thread_env(["serve", "-m", "x"], env) == n and env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == str(n)
+    env = {}
     thread_env(["serve", "-m", "x", "-t", "3"], env)
     assert env["OMP_NUM_THREADS"] == "3" and env["MKL_NUM_THREADS"] == "3"
-    env = {"OMP_NUM_THREADS": "7"}  # the user's own setting stays
-    thread_env(["serve", "-m", "x"], env)
-    assert env["OMP_NUM_THREADS"] == "7" and env["MKL_NUM_THREADS"] == str(n)
+    env = {"OMP_NUM_THREADS": "7"}  # the user's own setting stays, and is the count
+    assert thread_env(["serve", "-m", "x"], env) == 7
+    assert env["OMP_NUM_THREADS"] == "7" and env["MKL_NUM_THREADS"] == "7"
+
+
+def test_waiting_threads_sleep_unless_the_user_says():
+    from flashdraft.args import thread_env
+    env = {}
+    thread_env(["bench"], env)
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE"
+    for own in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "10000"}):
+        env = dict(own)
+        thread_env(["bench"], env)
+        assert env.get("OMP_WAIT_POLICY") == own.get("OMP_WAIT_POLICY")
+
+
+def test_busy_cpus_leaves_out_this_process(monkeypatch):
+    from flashdraft import args as A
+    ticks = iter([(100, 1000), (100 + 45, 1000 + 50)])  # 2 CPUs over 0.25 s = 50 ticks, 45 of them busy
+    own = iter([10.0, 10.0 + 0.25 * 0.8])  # this process used 0.8 of a CPU meanwhile
+    monkeypatch.setattr(A, "_cpu_jiffies", lambda cpus: next(ticks))
+    monkeypatch.setattr(A.os, "times", lambda: (next(own), 0.0))
+    monkeypatch.setattr(A.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(A.time, "sleep", lambda s: None)
+    assert A.busy_cpus() == pytest.approx(45 / 50 * 2 - 0.8)
+
+
+@pytest.mark.parametrize("busy, logical, physical, want", [
+    (0.0, 2, 2, 2), (0.3, 2, 2, 2), (1.0, 2, 2, 1), (2.0, 2, 2, 1), (1.4, 2, 2, 1), (None, 2, 2, 2),
+    (2.0, 8, 4, 3), (0.0, 8, 4, 4), (7.9, 8, 4, 1),
+])
+def test_default_threads_leave_out_busy_cores(monkeypatch, busy, logical, physical, want):
+    from flashdraft import args as A
+    monkeypatch.setattr(A, "busy_cpus", lambda window=A.LOAD_WINDOW_S: busy)
+    monkeypatch.setattr(A, "default_threads", lambda: physical)
+    monkeypatch.setattr(A.os, "sched_getaffinity", lambda pid: set(range(logical)))
+    assert A.free_threads() == want
+    env = {}
+    assert A.thread_env(["bench"], env, load_aware=True) == want and env["OMP_NUM_THREADS"] == str(want)
+    assert A.thread_env(["bench"], {}, load_aware=False) == physical
+
+
+def test_busy_cpus_sees_a_busy_loop():
+    from flashdraft.args import busy_cpus
+    before = busy_cpus(0.5)
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)
+        during = busy_cpus(0.5)
+    finally:
+        hog.kill()
+        hog.wait()
+    assert before is not None and during is not None
+    assert 0 <= before <= len(os.sched_getaffinity(0)) + 0.1
+    assert during >= 0.5, (before, during)  # the loop holds a CPU (or its share of one, beside other work)
+
+
+def test_omp_num_threads_is_the_default_count():
+    out = subprocess.run([sys.executable, "-c", "from flashdraft.args import thread_env, set_threads; "
+                          "thread_env(['generate'], load_aware=True); import torch; print(set_threads(None), "
+                          "torch.get_num_threads())"], capture_output=True, text=True, cwd=REPO, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.stdout.split() == ["1", "1"], out.stderr
 
 
 def test_threads_reach_torch():

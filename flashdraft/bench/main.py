@@ -90,14 +90,15 @@ def engine_setup(args: argparse.Namespace, model: str, draft: str) -> tuple[list
 
     from flashdraft.args import set_threads
 
-    set_threads(args.threads)
+    threads = set_threads(args.threads)
     torch.manual_seed(args.seed if args.seed is not None else 0)
     args.device = default_device(args.device)
     params = SamplingParams(temperature=args.temp, top_k=args.top_k or 0,
                             top_p=args.top_p if args.top_p is not None else 1.0,
                             min_p=args.min_p or 0.0, seed=args.seed, max_tokens=args.max_tokens)
     params.validate()
-    print(f"loading {model} with draft {draft} on {args.device}", file=sys.stderr)
+    print(f"loading {model} with draft {draft} on {args.device}, {threads} CPU thread{'s' if threads > 1 else ''}",
+          file=sys.stderr)
     engine = Engine.load(engine_config(args, draft, args.device, model=model, progress=not args.json))
     warm = dataclasses.replace(params, max_tokens=min(WARMUP_TOKENS, args.max_tokens))
     reasoning = None if args.reasoning == "auto" else args.reasoning
