@@ -147,7 +147,7 @@ def fetch(names, folder: Path | None = None) -> Path:
     return folder
 
 
-_failed: dict[str, str] = {}  # a fetch tried once per session
+_failed: dict[str, str] = {}  # a fetch tried once per test run
 
 
 def data_dir(*names: str) -> Path:

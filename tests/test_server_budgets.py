@@ -3,14 +3,13 @@ second), the work off the event loop (/health answers meanwhile), each grammar c
 matched by an automaton whose cost per token does not grow with their number."""
 import json
 import random
-import shutil
 import threading
 import time
 
 import httpx
 import pytest
 from test_server import load, models, serving, settings  # noqa: F401  (models: a fixture)
-from test_tools import HERMES
+from test_server_constraints import tools_url  # noqa: F401  (a server whose template takes tools)
 
 from flashdraft.engine import grammar as G
 from flashdraft.engine.engine import StopStrings
@@ -205,18 +204,6 @@ def test_stop_automaton_cost_does_not_grow_with_the_stop_list():
             matcher.push("token ")
         return (time.perf_counter() - t) / 2000
     assert per_piece(1000) < 20 * per_piece(1) + 50e-6
-
-
-@pytest.fixture(scope="module")
-def tools_url(models, tmp_path_factory):  # noqa: F811
-    """A server whose template takes tools."""
-    target, draft = models
-    folder = tmp_path_factory.mktemp("hermes-budgets") / "target"
-    shutil.copytree(target, folder)
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=HERMES)))
-    with serving(create_app(load((folder, draft), n_slots=1, slot_ctx=1024), settings())) as url:
-        yield url
 
 
 def tool(name: str, n_properties: int) -> dict:

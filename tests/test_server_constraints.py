@@ -7,7 +7,7 @@ import shutil
 
 import httpx
 import pytest
-from test_server import load, models, serving, settings  # noqa: F401  (models: the session fixture)
+from test_server import load, models, serving, settings  # noqa: F401  (models: a fixture shared by the whole run)
 from test_tools import HERMES
 
 from flashdraft.server.app import create_app

@@ -7,7 +7,7 @@ import time
 
 import httpx
 import pytest
-from test_server import load, models, serving, settings  # noqa: F401  (models: the session fixture)
+from test_server import load, models, serving, settings  # noqa: F401  (models: a fixture shared by the whole run)
 from test_server_budgets import HEALTH_LIMIT, HealthPoller
 
 from flashdraft.server import budgets, routes_generate, structured
