@@ -37,7 +37,7 @@ def as_int8_rows(x: torch.Tensor, block: int = 32) -> torch.Tensor:
 
 def check(device: str, dtype: torch.dtype = torch.float32, tol: float = 1e-5) -> None:
     """dtype, tol: of x and the product (float32 under the interpreter; bf16 on a GPU, as the engine runs)."""
-    from flashdraft.kernels.gguf_gemv import MAX_ROWS, covers, quantize_rows_paired, quantize_rows_tiled, x_group
+    from flashdraft.kernels.gguf_gemv import ROWS, covers, quantize_rows_paired, quantize_rows_tiled, x_group
     from flashdraft.kernels.gguf_matmul import dequantize_gguf, gguf_matmul
     from flashdraft.layers.quantized import stored_blocks
     gen = torch.Generator().manual_seed(0)
@@ -67,14 +67,16 @@ def check(device: str, dtype: torch.dtype = torch.float32, tol: float = 1e-5) ->
             for b in (None, bias):
                 x = x.to(dtype)
                 out = gguf_matmul(x.to(device), qweight, qtype, k, None if b is None else b.to(device)).cpu()
-                xr = as_int8_rows(x, x_group(qtype, k)) if covers(qtype, k) and rows <= MAX_ROWS else x
+                xr = as_int8_rows(x, x_group(qtype, k)) if covers(qtype, k) and rows <= ROWS else x
                 ref = xr.double() @ want.double().T + (0 if b is None else b.double())
                 err = ((out.double() - ref).norm() / ref.norm()).item()
                 assert err < tol, f"{qtype}, {rows} rows, bias {b is not None}: relative error {err}"
-        # a row's result does not depend on how many rows share the call (within each kernel's row counts)
+        # a row's result does not depend on how many rows share the call, up to a verify block's 16, whichever
+        # kernels take them (a decoded row and the same row verified in a block: greedy speculation is lossless)
         x = torch.randn(16, k, generator=gen).to(device, dtype)
-        for few, many in ((1, MAX_ROWS), (MAX_ROWS + 1, 16)):
-            assert torch.equal(gguf_matmul(x[:few], qweight, qtype, k)[0], gguf_matmul(x[:many], qweight, qtype, k)[0])
+        alone = gguf_matmul(x[:1], qweight, qtype, k)[0]
+        for many in (2, 5, 16):
+            assert torch.equal(alone, gguf_matmul(x[:many], qweight, qtype, k)[0]), f"{qtype}: 1 row against {many}"
     # integer kernels whose splits end inside an iteration (2 super-blocks an iteration, 3 in the row): the
     # super-blocks past the end are read again (no masks) and must weigh nothing
     if device == "cpu":
@@ -92,6 +94,21 @@ def check(device: str, dtype: torch.dtype = torch.float32, tol: float = 1e-5) ->
                 assert err < tol, f"{qtype}, a split ending inside an iteration: relative error {err}"
         finally:
             gguf_gemv.INTERPRETED = interpreted
+        # the sums are exact (kernels/split_k.py: fixed point), so a row has the same bits however K is split and
+        # tiled: what lets the int8 mma kernels (other splits, other order) match these on a GPU
+        for i, qtype in enumerate(("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q8_0", "Q4_1")):
+            k = 2048
+            raw = random_blocks(qtype, 8, k, seed=70 + i)
+            qweight = stored_blocks(torch.from_numpy(raw), qtype)
+            x = torch.randn(3, k, generator=gen)
+            outs = []
+            for programs, sb in ((1, 1), (4, 2), (64, 1)):
+                gguf_gemv.INTERPRETED = dict(interpreted, target_programs=programs, SB=sb)
+                try:
+                    outs.append(gguf_matmul(x, qweight, qtype, k))
+                finally:
+                    gguf_gemv.INTERPRETED = interpreted
+            assert all(torch.equal(outs[0], o) for o in outs[1:]), f"{qtype}: the bits depend on K's splits"
         # under torch.compile a layer leaves the split-K sums to the graph (split_k.add_splits): the same bits as the
         # sum launches, for the integer kernels (1 row) and the tensor-core kernel (5 rows), one part and two
         from flashdraft.kernels.gguf_matmul import split_counts
@@ -120,7 +137,7 @@ def check(device: str, dtype: torch.dtype = torch.float32, tol: float = 1e-5) ->
     for rows in (1, 3, 16):
         x = torch.randn(rows, k, generator=gen).to(dtype)
         out = gguf_matmul_parts(x.to(device), parts, ",".join(types), k).cpu()
-        ref = torch.cat([(as_int8_rows(x, x_group(t, k)) if rows <= MAX_ROWS else x).double()
+        ref = torch.cat([(as_int8_rows(x, x_group(t, k)) if rows <= ROWS else x).double()
                          @ reference(r, t).double().T for r, t in zip(raws, types)], -1)
         err = ((out.double() - ref).norm() / ref.norm()).item()
         assert err < tol, f"parts {types}, {rows} rows: relative error {err}"
@@ -176,12 +193,11 @@ def test_compiled_steps_with_pdl_on_gpu(tmp_path):
 
     from flashdraft.engine.engine import Engine, EngineConfig, Request
     from flashdraft.engine.sampling import SamplingParams
-    from flashdraft.kernels import gguf_gemv, pdl
+    from flashdraft.kernels import pdl
     if not pdl.launch(torch.empty(0, device="cuda"))["PDL"] or not pdl.compile_options():
         pytest.skip("programmatic dependent launch for torch.compile's kernels needs a Hopper GPU and torch's option")
     gguf_file, draft = tiny_engine_files(Path(tmp_path))
-    saved = gguf_gemv.MAX_ROWS, pdl.INDUCTOR
-    gguf_gemv.MAX_ROWS = 16  # plain and verify rows on the same kernels (check_engine)
+    saved = pdl.INDUCTOR
     runs = {}
     try:
         for inductor in (False, True):
@@ -195,7 +211,7 @@ def test_compiled_steps_with_pdl_on_gpu(tmp_path):
             assert spec.token_ids == plain and spec.spec.draft_steps, inductor
             runs[inductor] = plain
     finally:
-        gguf_gemv.MAX_ROWS, pdl.INDUCTOR = saved
+        pdl.INDUCTOR = saved
         torch._dynamo.reset()
     assert runs[True] == runs[False]
 
@@ -475,18 +491,10 @@ def check_smollm2_logits() -> None:
 
 def check_engine(folder: str, device: str = "cpu") -> None:
     """The engine over a tiny random GGUF of mixed older types kept quantized (interpreted): greedy speculative
-    decoding token-identical to its own plain decoding for several block sizes."""
+    decoding token-identical to its own plain decoding for several block sizes, on the default kernel routes (a
+    decoded row and a verified block give a row the same bits)."""
     from pathlib import Path
-
-    from flashdraft.kernels import gguf_gemv
-    # Plain and verify steps must take the same kernel for their rows to be the same bits: by default one row
-    # takes the integer kernel (x rounded to 8 bits) and a block of 8 the tensor-core one, which round apart
-    # (and flip this random model's near-tied argmaxes). Here every block size stays on the integer kernels.
-    saved, gguf_gemv.MAX_ROWS = gguf_gemv.MAX_ROWS, 16
-    try:
-        check_engine_blocks(Path(folder), device)
-    finally:
-        gguf_gemv.MAX_ROWS = saved
+    check_engine_blocks(Path(folder), device)
 
 
 def tiny_engine_files(root) -> tuple:

@@ -7,10 +7,12 @@ values). The weight kernels then read each row's bytes as 32-bit words, mask the
 word four at a time, and multiply them with x's bytes by `dp4a` (four int8 products summed into an int32), so a
 weight costs about a quarter of an instruction per row of x instead of an unpack, a conversion and a multiply.
 Where x has one scale a super-block (rounded per 256) a super-block's sub-block products times their integer
-scales are summed exactly in int32 and converted once; the minimum's term (dmin * m * sum(x)) and the 32-weight
-types' scales apply per 32 weights. Each row of x goes through the same instructions whatever the row count (up to
-MAX_ROWS; wider products take kernels/gguf_mma.py or the tensor-core kernel), so a token's result has the same bits
-whichever of these row counts computes it.
+scales are summed exactly in int32 and converted once, with the minimum's term dmin * sum(m * sum(x)) (k_value);
+the 32-weight types' scales apply per 32 weights. Each super-block's (or block's) float32 value is added to int64
+fixed-point sums (kernels/split_k.to_fixed), exactly, so the order does not matter: each row of x goes through the
+same instructions whatever the row count (1-16), and the int8 mma kernels (kernels/gguf_mma.py: 5-16 rows, K tiled
+otherwise) compute the same values, so a token's result has the same bits whichever kernel and row count computes
+it (a decoded row and a verified block: greedy speculation is lossless).
 
 The IQ4 types map each nibble through a 16-entry int8 table (kvalues_iq4nl) by byte permutes (PRMT), eight
 nibbles in six of them (x quantized in the lookup's order), so their words also go to `dp4a`.
@@ -34,15 +36,18 @@ from torch import Tensor
 from flashdraft.kernels import pdl, split_k
 from flashdraft.kernels.iq4 import iq4_nibbles, iq4_table, iq4_table_words
 from flashdraft.kernels.pdl import start_dependents, wait_for_inputs
+from flashdraft.kernels.split_k import from_fixed, to_fixed
 from flashdraft.layers.quantized import FIELD_PLANES
 
 QK8 = 32  # x values per 8-bit block
 GEMV_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
 BLOCK32_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "IQ4_NL": 20}  # GGML type ids
-# Row counts up to this take the integer kernels. Each row of x costs its own dot products and reductions, so
-# for a verify block of 16 the tensor-core kernel is faster (H200, the 8B's four matrices, Q4_K: 0.065 ms for
-# one row, 0.345 ms for 16, against 0.150 and 0.155 for the tensor-core kernel; docs/perf-history.md, 2026-12-03 H200).
+# Row counts up to MAX_ROWS take the integer kernels; 5-16 rows the int8 mma kernels where they cover the type (each
+# row of x costs the integer kernels its own dot products and reductions: H200, the 8B's four matrices, Q4_K: 0.065 ms
+# for one row, 0.345 ms for 16, against 0.150 and 0.155 for a tensor-core kernel; docs/perf-history.md, 2026-12-03
+# H200), else these kernels up to ROWS: a verified row then has the bits of the same row decoded alone.
 MAX_ROWS = 4
+ROWS = 16
 ROW_BUCKETS = (1, 2, 4, 8, 16)  # the kernels are compiled per bucket: rows of x are unrolled
 
 # tile: BLOCK_N output rows x SB super-blocks (the 32-weight types: 8-block groups) per iteration; chosen on an H200
@@ -88,7 +93,7 @@ def _half(bits):
 def _quantize_kernel(x_ptr, q_ptr, d_ptr, s_ptr, K, stride_x, stride_q, stride_qb, stride_d, BLOCKS: tl.constexpr,
                      ORDER: tl.constexpr, STEP: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr):
     """x [M, K] -> q [M, K / 4] int32 (four int8 per word; a row's blocks stride_qb words apart), d [M, K / 32]
-    scales, s [M, K / 32] = d * sum(q) (STEP floats apart: 2 writes them side by side). One scale per GROUP (32 or
+    scales, s [M, K / 32] = sum(q) as float32 (exact; STEP floats apart: 2 writes them side by side). One scale per GROUP (32 or
     256) values: per 256 every block of a group gets the same d.
     ORDER 0: each block's values in order; IQ4_ORDER: word 2t holds values 4t, 16 + 4t, 4t + 1, 17 + 4t and word
     2t + 1 values 4t + 2, 18 + 4t, 4t + 3, 19 + 4t (the order `iq4_nibbles` gives a weight word's values)."""
@@ -115,7 +120,7 @@ def _quantize_kernel(x_ptr, q_ptr, d_ptr, s_ptr, K, stride_x, stride_q, stride_q
     words = tl.sum((q & 0xFF) << (byte * 8)[None, None, :], axis=2)
     tl.store(q_ptr + m * stride_q + b[:, None] * stride_qb + w[None, :], words, mask=ok[:, None])
     tl.store(d_ptr + m * stride_d + b * STEP, d, mask=ok)
-    tl.store(s_ptr + m * stride_d + b * STEP, d * tl.sum(tl.sum(q, axis=2), axis=1).to(tl.float32), mask=ok)
+    tl.store(s_ptr + m * stride_d + b * STEP, tl.sum(tl.sum(q, axis=2), axis=1).to(tl.float32), mask=ok)
 
 
 IQ4_ORDER = 1  # quantize_rows' order for the IQ4 kernels
@@ -135,7 +140,8 @@ def x_group(qtype: str, k: int) -> int:
 
 
 def quantize_rows(x: Tensor, order: int = 0, group: int = QK8) -> tuple[Tensor, Tensor, Tensor]:
-    """x [M, K] -> (q [M, K / 4] int32, d [M, K / 32], s [M, K / 32]) as `_quantize_kernel` writes them."""
+    """x [M, K] -> (q [M, K / 4] int32, d [M, K / 32], s [M, K / 32]: each block's scale and the sum of its
+    values) as `_quantize_kernel` writes them."""
     m, k = x.shape
     d = torch.empty(m, k // QK8, device=x.device, dtype=torch.float32)
     s = torch.empty_like(d)
@@ -144,7 +150,7 @@ def quantize_rows(x: Tensor, order: int = 0, group: int = QK8) -> tuple[Tensor, 
 
 
 def quantize_rows_paired(x: Tensor, group: int = QK8) -> tuple[Tensor, Tensor]:
-    """x [M, K] -> (q [M, K / 4] int32, [M, K / 32] int64: each block's d and s side by side, one 8-byte load)."""
+    """x [M, K] -> (q [M, K / 4] int32, [M, K / 32] int64: each block's d and sum side by side, one 8-byte load)."""
     m, k = x.shape
     pairs = torch.empty(m, k // QK8, 2, device=x.device, dtype=torch.float32)
     q = torch.empty(m, k // 4, device=x.device, dtype=torch.int32)
@@ -194,12 +200,13 @@ def _k_scale_bytes(a, b, c, i):
 @triton.jit
 def _row_tile(N, BLOCK_N: tl.constexpr, BM: tl.constexpr):
     """A program's output rows (axis 0 of the grid; axis 1 is its split of K) and their accumulator:
-    (split, rows, row_ok, w_rows = the weight rows it reads, mi = the rows of x [BM], acc [BM, BLOCK_N]).
+    (split, rows, row_ok, w_rows = the weight rows it reads, mi = the rows of x [BM], acc [BM, BLOCK_N] in int64
+    fixed point, kernels/split_k.to_fixed: each super-block's (or block's) value added exactly, in any order).
     Loads take no row masks (a masked load costs a zeroed register and a predicate): rows past N read row N - 1
     (w_rows), rows of x past M read row M - 1 (`_x_row`), and `_store_rows` leaves both out."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     return (tl.program_id(1), rows, rows < N, tl.minimum(rows, N - 1), tl.arange(0, BM),
-            tl.zeros([BM, BLOCK_N], tl.float32))
+            tl.zeros([BM, BLOCK_N], tl.int64))
 
 
 @triton.jit
@@ -230,8 +237,19 @@ def _add_row(acc, mi, m, contrib):
 
 @triton.jit
 def _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok):
+    """acc as int64 partial sums, or (one split) the product in out's float dtype."""
+    if out_ptr.dtype.element_ty != tl.int64:
+        acc = from_fixed(acc)
     tl.store(out_ptr + split * stride_os + mi[:, None] * stride_om + rows[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=(mi < M)[:, None] & row_ok[None, :])
+
+
+@triton.jit
+def k_value(isum, d, xd, msum, dmin):
+    """A Q4_K/Q5_K super-block's value, the one formula every route takes (kernels/gguf_mma.py too): the exact sums
+    isum = sum(sc * (w . x)) and msum = sum(m * sum(x)) scaled, float32, with one explicit fused multiply-add (an
+    implicit contraction could differ between kernels)."""
+    return tl.fma(isum.to(tl.float32), d * xd, -(msum * (dmin * xd)))
 
 
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
@@ -261,7 +279,7 @@ def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split
         c = tl.load(base + 3)[:, :, None]
         sc_lo, mn_lo = _k_scale_bytes(a, b, c, 2 * g[None, None, :])
         sc_hi, mn_hi = _k_scale_bytes(a, b, c, 2 * g[None, None, :] + 1)
-        m_lo, m_hi = dmin[:, :, None] * mn_lo.to(tl.float32), dmin[:, :, None] * mn_hi.to(tl.float32)  # [N, SB, 4]
+        m_lo, m_hi = mn_lo.to(tl.float32), mn_hi.to(tl.float32)  # [N, SB, 4]
         # [N, SB, 4, 8]: stored word 8p + 2g + j, group g's word 2p + j
         words = tl.load(base[:, :, None, None] + QS + g[None, None, :, None] * 8 + t[None, None, None, :])
         # into group order in registers (no data movement): [N, SB, 4 (group), 8 (its words in order)]
@@ -283,9 +301,9 @@ def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split
                           sc_hi * tl.sum(_dp4a(hi, x_hi[None], EMULATE), axis=3), axis=2)  # [N, SB]
             xd = tl.load(xd_ptr + xm * stride_xd + s * 8)[None, :]  # [1, SB]
             xb = xm * stride_xd + s[:, None] * 8 + 2 * g[None, :]
-            mins = tl.sum(m_lo * tl.load(xs_ptr + xb)[None] + m_hi * tl.load(xs_ptr + xb + 1)[None], axis=2)
-            contrib = tl.sum(d * xd * isum.to(tl.float32) - mins, axis=1)
-            acc = _add_row(acc, mi, m, contrib)
+            # sum(m * sum(x)): small integers, exact in float32 in any order
+            msum = tl.sum(m_lo * tl.load(xs_ptr + xb)[None] + m_hi * tl.load(xs_ptr + xb + 1)[None], axis=2)
+            acc = _add_row(acc, mi, m, tl.sum(to_fixed(k_value(isum, d, xd, msum, dmin)), axis=1))
         start_dependents(PDL)
     wait_for_inputs(PDL)  # (also where a program had no iterations)
     _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
@@ -359,8 +377,8 @@ def _q6_k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_pe
             isum = (sc0 * _dot16(v0, tl.load(xw), EMULATE) + sc1 * _dot16(v1, tl.load(xw + 8), EMULATE) +
                     sc2 * _dot16(v2, tl.load(xw + 16), EMULATE) + sc3 * _dot16(v3, tl.load(xw + 24), EMULATE))
             xd = tl.load(xd_ptr + xm * stride_xd + s * 8)[None, :]  # [1, SB]
-            contrib = tl.sum(d * xd * tl.sum(tl.sum(isum, axis=3), axis=2).to(tl.float32), axis=1)
-            acc = _add_row(acc, mi, m, contrib)
+            value = d * xd * tl.sum(tl.sum(isum, axis=3), axis=2).to(tl.float32)
+            acc = _add_row(acc, mi, m, tl.sum(to_fixed(value), axis=1))
         start_dependents(PDL)
     wait_for_inputs(PDL)  # (also where a program had no iterations)
     _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
@@ -427,22 +445,63 @@ def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, lut_ptr, out_ptr, M,
             xd = tl.load(xd_ptr + xm * stride_xd + b)[None, :]
             dot = tl.sum(_dp4a(lo, x_lo, EMULATE) + _dp4a(hi, x_hi, EMULATE), axis=2).to(tl.float32)
             if TABLE:
-                contrib = tl.sum(d * xd * dot, axis=1)
+                value = d * xd * dot
             else:
                 xs = tl.load(xs_ptr + xm * stride_xd + b)[None, :]
-                contrib = tl.sum(d * xd * dot + dm * xs, axis=1)
-            acc = _add_row(acc, mi, m, contrib)
+                value = d * xd * dot + dm * (xd * xs)
+            acc = _add_row(acc, mi, m, tl.sum(to_fixed(value), axis=1))
         start_dependents(PDL)
     wait_for_inputs(PDL)  # (also where a program had no iterations)
     _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
 
 
+@triton.jit
+def _eighths(v, N: tl.constexpr, SB: tl.constexpr):
+    """[N, SB * 8] -> its eight [N, SB] slices j (element 8s + j), in order."""
+    e, o = tl.split(tl.reshape(v, (N, SB, 4, 2)))
+    ee, eo = tl.split(tl.reshape(e, (N, SB, 2, 2)))
+    oe, oo = tl.split(tl.reshape(o, (N, SB, 2, 2)))
+    v0, v4 = tl.split(ee)
+    v2, v6 = tl.split(eo)
+    v1, v5 = tl.split(oe)
+    v3, v7 = tl.split(oo)
+    return v0, v1, v2, v3, v4, v5, v6, v7
+
+
+@triton.jit
+def q8_0_chain(part, p, d, J: tl.constexpr):
+    """A Q8_0 super-block's sum over its blocks, the order every route takes (kernels/gguf_mma.py too): block 0's
+    product p * d, then a fused multiply-add for each next block."""
+    if J == 0:
+        part = p * d
+    else:
+        part = tl.fma(p, d, part)
+    return part
+
+
+@triton.jit
+def _q8_0_super_blocks(dot, d, N: tl.constexpr, SB: tl.constexpr):
+    """Each super-block's sum of its 8 blocks' dot * d (dot, d: [N, SB * 8]) -> [N, SB], by q8_0_chain."""
+    p0, p1, p2, p3, p4, p5, p6, p7 = _eighths(dot, N, SB)
+    d0, d1, d2, d3, d4, d5, d6, d7 = _eighths(d, N, SB)
+    part = q8_0_chain(p0, p0, d0, 0)
+    part = q8_0_chain(part, p1, d1, 1)
+    part = q8_0_chain(part, p2, d2, 2)
+    part = q8_0_chain(part, p3, d3, 3)
+    part = q8_0_chain(part, p4, d4, 4)
+    part = q8_0_chain(part, p5, d5, 5)
+    part = q8_0_chain(part, p6, d6, 6)
+    return q8_0_chain(part, p7, d7, 7)
+
+
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
 def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd,
-                 stride_wu, stride_os, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
-                 ROW_ALIGN: tl.constexpr, WHOLE: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
+                 stride_wu, stride_os, stride_om, X256: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
+                 SB: tl.constexpr, ROW_ALIGN: tl.constexpr, WHOLE: tl.constexpr, EMULATE: tl.constexpr,
+                 PDL: tl.constexpr):
     """Q8_0 in two planes (layers/quantized.field_planes): w as int32 words, a row's K / 4 words of int8 values,
-    then its K / 32 fp16 scales (w16: the same bytes as int16). SB counts groups of 8 blocks."""
+    then its K / 32 fp16 scales (w16: the same bytes as int16). SB counts groups of 8 blocks. X256: x rounded per
+    256 (one scale for 8 blocks): a super-block's blocks summed as the int8 mma kernel sums them (q8_0_chain)."""
     split, rows, row_ok, w_rows, mi, acc = _row_tile(N, BLOCK_N, BM)
     bi, t = tl.arange(0, SB * 8), tl.arange(0, 8)
     first = split * sb_per_split * 8
@@ -458,10 +517,13 @@ def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_pe
         for m in tl.static_range(BM):
             xm = _x_row(m, M)
             x = tl.load(xq_ptr + xm * stride_xq + b[:, None] * 8 + t[None, :])
-            xd = tl.load(xd_ptr + xm * stride_xd + b)[None, :]
             dot = tl.sum(_dp4a(words, x[None], EMULATE), axis=2).to(tl.float32)
-            contrib = tl.sum(d * xd * dot, axis=1)
-            acc = _add_row(acc, mi, m, contrib)
+            if X256:
+                s = tl.minimum(b0 // 8 + tl.arange(0, SB), last // 8 - 1)  # past the split: d is 0 there
+                value = _q8_0_super_blocks(dot, d, BLOCK_N, SB) * tl.load(xd_ptr + xm * stride_xd + s * 8)[None, :]
+            else:
+                value = d * tl.load(xd_ptr + xm * stride_xd + b)[None, :] * dot
+            acc = _add_row(acc, mi, m, tl.sum(to_fixed(value), axis=1))
         start_dependents(PDL)
     wait_for_inputs(PDL)  # (also where a program had no iterations)
     _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
@@ -503,8 +565,7 @@ def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_
             x_hi = tl.load(xw + 1)[None]
             isum = tl.sum(ls * tl.sum(_dp4a(lo, x_lo, EMULATE) + _dp4a(hi, x_hi, EMULATE), axis=3), axis=2)
             xd = tl.load(xd_ptr + xm * stride_xd + s * 8)[None, :]  # [1, SB]
-            contrib = tl.sum(d * xd * isum.to(tl.float32), axis=1)
-            acc = _add_row(acc, mi, m, contrib)
+            acc = _add_row(acc, mi, m, tl.sum(to_fixed(d * xd * isum.to(tl.float32)), axis=1))
         start_dependents(PDL)
     wait_for_inputs(PDL)  # (also where a program had no iterations)
     _store_rows(out_ptr, acc, split, stride_os, stride_om, mi, M, rows, row_ok)
@@ -582,7 +643,7 @@ def _gemv_into(out: Tensor | None, x: Tensor, xq: Tensor, xd: Tensor, xs: Tensor
     emulate = _emulate()
     cfg = config(qtype)
     splits, per_split = splits_for(n, k, cfg)
-    out, partial = split_k.outputs(x, n, splits, out, summed=out is not None)
+    out, partial = split_k.outputs(x, n, splits, out, summed=out is not None, exact=True)
     if qtype in ("Q4_K", "Q5_K"):
         w = qweight.view(torch.int32)
         kernel, args, extra = _kquant_kernel, (w,), dict(FIVE_BITS=qtype == "Q5_K")
@@ -591,7 +652,7 @@ def _gemv_into(out: Tensor | None, x: Tensor, xq: Tensor, xd: Tensor, xs: Tensor
         kernel, args, extra = _q6_k_kernel, (w, qweight.view(torch.int16)), {}
     elif qtype == "Q8_0":  # two planes: the values first, whole words (layers/quantized.field_planes)
         w = qweight.view(torch.int32)
-        kernel, args, extra = _q8_0_kernel, (w, qweight.view(torch.int16)), {}
+        kernel, args, extra = _q8_0_kernel, (w, qweight.view(torch.int16)), dict(X256=x_group(qtype, k) == 256)
     elif qtype == "IQ4_XS":
         w = qweight.view(torch.int32)
         kernel, args, extra = _iq4_xs_kernel, (w, iq4_table(x.device).view(torch.int32)), {}

@@ -350,11 +350,14 @@ def splits_for(n: int, k: int) -> tuple[int, int]:
 
 def _route(x: Tensor, qtypes: list[str], k: int) -> str:
     """Which kernels take x [M, K] times matrices of these types: "mma" (5-16 rows, gguf_mma), "gemv" (up to
-    gguf_gemv.MAX_ROWS rows, gguf_gemv) or "dot" (the tensor-core kernel below: the other types and row counts).
-    Parts of a fused matrix share the integer or the mma kernels' rounded x only where all of them take them."""
+    gguf_gemv.MAX_ROWS rows, or up to gguf_gemv.ROWS where the mma kernels do not take them) or "dot" (the
+    tensor-core kernel below: the other types and row counts). The integer and the mma kernels give a row the same
+    bits (kernels/split_k.py), so a row verified in a block equals the row decoded alone; the tensor-core kernel
+    keeps the types neither reads (Q2_K, Q3_K) for every row count. Parts of a fused matrix share the integer or the
+    mma kernels' rounded x only where all of them take them."""
     if gguf_mma is not None and all(gguf_mma.covers(q, x.shape[0], x) for q in qtypes):
         return "mma"
-    if x.shape[0] <= gguf_gemv.MAX_ROWS and all(gguf_gemv.covers(q, k) for q in qtypes):
+    if x.shape[0] <= gguf_gemv.ROWS and all(gguf_gemv.covers(q, k) for q in qtypes):
         return "gemv"
     return "dot"
 
@@ -376,9 +379,9 @@ def _dot(x: Tensor, qweight: Tensor, qtype: str, k: int, summed: bool) -> Tensor
 
 @torch.library.custom_op("flashdraft::gguf_matmul", mutates_args=())
 def gguf_matmul(x: Tensor, qweight: Tensor, qtype: str, k: int, bias: Tensor | None = None) -> Tensor:
-    """x [M, K] (M <= 64 in practice) @ dequantize(qweight [N, bytes])^T (+ bias) -> [M, N] in x's dtype. Up to
-    gguf_gemv.MAX_ROWS rows of a type it covers take its integer kernels and 5-16 rows the int8 mma kernels (x
-    rounded to 8 bits per 32 or 256 values, gguf_gemv.x_group); the rest multiply in x's dtype on the tensor cores."""
+    """x [M, K] (M <= 64 in practice) @ dequantize(qweight [N, bytes])^T (+ bias) -> [M, N] in x's dtype. Up to 16
+    rows of a type they cover take the integer or the int8 mma kernels (`_route`; x rounded to 8 bits per 32 or 256
+    values, gguf_gemv.x_group); the rest multiply in x's dtype on the tensor cores."""
     _check(qweight, qtype, k)
     x = x.contiguous()
     route = _route(x, [qtype], k)
@@ -419,8 +422,8 @@ def _(x: Tensor, qweights: list[Tensor], qtypes: str, k: int) -> Tensor:
 
 @torch.library.custom_op("flashdraft::gguf_matmul_partials", mutates_args=())
 def gguf_matmul_partials(x: Tensor, qweights: list[Tensor], qtypes: str, k: int) -> list[Tensor]:
-    """gguf_matmul_parts' products left as each part's partial sums [splits, M, N] over the splits of K (float32; one
-    split: the product in x's dtype), for a torch.compile graph to add (split_k.add_splits) inside the kernel that
+    """gguf_matmul_parts' products left as each part's partial sums [splits, M, N] over the splits of K (int64 fixed
+    point from the integer and mma kernels, float32 from the tensor-core kernel; one split: the product in x's dtype), for a torch.compile graph to add (split_k.add_splits) inside the kernel that
     reads them, in place of sum launches."""
     types = qtypes.split(",")
     for w, q in zip(qweights, types):
@@ -436,7 +439,8 @@ def gguf_matmul_partials(x: Tensor, qweights: list[Tensor], qtypes: str, k: int)
 
 @gguf_matmul_partials.register_fake
 def _(x: Tensor, qweights: list[Tensor], qtypes: str, k: int) -> list[Tensor]:
-    return [x.new_empty(count, x.shape[0], w.shape[0], dtype=split_k.partial_dtype(x, count))
+    exact = _route(x, qtypes.split(","), k) != "dot"
+    return [x.new_empty(count, x.shape[0], w.shape[0], dtype=split_k.partial_dtype(x, count, exact))
             for w, count in zip(qweights, split_counts(x, qweights, qtypes.split(","), k))]
 
 

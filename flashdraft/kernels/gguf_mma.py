@@ -13,8 +13,10 @@ B-fragment or scale load is one or two L1 wavefronts, where rows K apart took ei
 wavefronts, not DRAM). Each product is exact in int32; with one x scale per super-block the sub-blocks' products
 times their integer scales are summed in int32 (and Q4_K/Q5_K's minimum term as an mma of the rows' 6-bit mins
 with x), so a super-block converts to float once: d * xd(token) * sum(sc * (w . x)) minus dmin * xd(token) *
-sum(m * sum(x)) (Q8_0: each block's product times its d, summed in float, times xd). Rows of x are padded to 16
-and K is split by the matrix's shape only, so a token's result does not depend on how many rows share the call.
+sum(m * sum(x)) (Q8_0: each block's product times its d, summed in float, times xd), each value the float32 the
+integer kernels compute for it (gguf_gemv.k_value, q8_0_chain), added to int64 fixed-point sums
+(kernels/split_k.py). So a token's result has the same bits here, with any number of rows, as in the integer
+kernels: a verified row equals the row decoded alone.
 
 Gluon has no interpreter: the CPU tests cannot run these kernels (the GPU test does, against the `gguf` package;
 the CPU tests read their unpacking assembly as PTX and the tiled layout through the interpreter).
@@ -85,9 +87,23 @@ def _x_scale(xds_ptr, x_toks, stride_xds, block, TILED: gl.constexpr):
 
 
 @gluon.jit
-def _scaled(acc, isum, d, xd):
-    """acc + d (per row) * xd (per token) * isum: a super-block's exact int32 sum converted once."""
-    return acc + isum.to(gl.float32) * (d[:, None] * xd[None, :])
+def _to_fixed(v):
+    """kernels/split_k.to_fixed in Gluon: float32 -> int64 fixed point, truncated."""
+    return (v * 4294967296.0).to(gl.int64)
+
+
+@gluon.jit
+def _fma(a, b, c):
+    """a * b + c rounded once (fma.rn.f32, as tl.fma is in the integer kernels)."""
+    return gl.inline_asm_elementwise("fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f", [a, b, c], dtype=gl.float32,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _fixed(isum, d, xd):
+    """A super-block's exact int32 sum isum times d (per row) * xd (per token), float32, as int64 fixed point (the
+    integer kernels' value: (d * xd) * isum)."""
+    return _to_fixed(isum.to(gl.float32) * (d[:, None] * xd[None, :]))
 
 
 @gluon.jit
@@ -110,8 +126,8 @@ def _tile(w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N: g
     layouts: a_row [BLOCK_N, 1] (its weight rows' starts, in the A layout: plus a_col, or a function of it that
     keeps runs of K_WIDTH, for word loads), a_col [1, 32] (k); b_ptr [32, TOKENS] (x's block 0 + k, in the B
     layout: `_x_values` reads block j); s_ptr (the rows' starts as int32 words, for their scales), x_toks (the
-    tokens' rows of x, for their scales: `_x_scale`), rows, row_ok and toks, tok_ok along the product's two axes; a
-    float32 accumulator and an int32 zero for each mma.
+    tokens' rows of x, for their scales: `_x_scale`), rows, row_ok and toks, tok_ok along the product's two axes; an
+    int64 fixed-point accumulator (kernels/split_k.py) and an int32 zero for each mma.
     Loads take no masks: rows past N read row N - 1, tokens past M read row M - 1 of x by rows, or the tiled
     layout's unwritten rows; a product's row and column depend on that row of w and that token of x only, and
     `_store` leaves those out (a masked load costs a register zeroed before it, and a predicate)."""
@@ -139,13 +155,16 @@ def _tile(w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N: g
     first = gl.program_id(1) * sb_per_split
     s_ptr = (w_ptr + gl.minimum(rows, N - 1).to(gl.int64) * stride_wn).to(gl.pointer_type(gl.int32))
     return (first, gl.minimum(first + sb_per_split, K // 256), a_row, a_col, b_ptr, s_ptr, x_toks, rows, rows < N,
-            toks, toks < M, gl.zeros([BLOCK_N, TOKENS], gl.float32, layout=mma),
+            toks, toks < M, gl.zeros([BLOCK_N, TOKENS], gl.int64, layout=mma),
             gl.zeros([BLOCK_N, TOKENS], gl.int32, layout=mma))
 
 
 @gluon.jit
 def _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om):
-    """The program's partial sums into out [splits, M, N] at its split (grid axis 1)."""
+    """The program's partial sums into out [splits, M, N] at its split (grid axis 1): int64, or (one split) the
+    product in out's float dtype (kernels/split_k.from_fixed)."""
+    if out_ptr.dtype.element_ty != gl.int64:
+        acc = acc.to(gl.float32) * (1.0 / 4294967296.0)
     gl.store(out_ptr + gl.program_id(1) * stride_os + toks[None, :] * stride_om + rows[:, None],
              acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & tok_ok[None, :])
 
@@ -216,7 +235,7 @@ def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
     scaled sum (high half); w: Q4_K rows as bytes (144 per super-block: d, dmin, 12 scale bytes, 128 nibble bytes)
     or Q5_K's (176: the same with 32 bytes of fifth bits before the nibbles, bit J of byte l for sub-block J's
     weight l), the nibbles lane_grouped (layers/quantized.py): a row's 128 load at once, two 16-byte loads per
-    thread; out [splits, M, N] float32 partial sums over this program's super-blocks."""
+    thread; out [splits, M, N] int64 fixed-point partial sums over this program's super-blocks."""
     WORDS: gl.constexpr = 44 if FIVE_BITS else 36
     NIBBLES: gl.constexpr = 48 if FIVE_BITS else 16
     first, last, a_row, a_col, b_ptr, s_ptr, x_toks, rows, row_ok, toks, tok_ok, acc, zero = _tile(
@@ -247,8 +266,9 @@ def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
                                                "=r,r", [q], dtype=gl.int8, is_pure=True, pack=4)
             isum, msum = _sub_block(isum, msum, lo, zero, scales, b_ptr, 8 * c, 2 * g, a_l, TILED)
             isum, msum = _sub_block(isum, msum, hi, zero, scales, b_ptr, 8 * c, 2 * g + 1, a_l, TILED)
-        xd = _x_scale(xds_ptr, x_toks, stride_xds, 8 * c, TILED)
-        acc = _scaled(_scaled(acc, isum, d, xd), msum, -dmin, xd)
+        xd = _x_scale(xds_ptr, x_toks, stride_xds, 8 * c, TILED)[None, :]
+        # gguf_gemv.k_value, with its one explicit fused multiply-add
+        acc += _to_fixed(_fma(isum.to(gl.float32), d[:, None] * xd, -(msum.to(gl.float32) * (dmin[:, None] * xd))))
     _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
 
 
@@ -315,7 +335,7 @@ def _q6k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_x
                 sc_b = (sw << (16 - 16 * (q % 2))) >> 24  # scale 2q + 1
                 isum += (mma_v2(gl.where(first_half, v, 0), xb, zero) * sc_a[:, None]
                          + mma_v2(gl.where(first_half, 0, v), xb, zero) * sc_b[:, None])
-        acc = _scaled(acc, isum, d, _x_scale(xds_ptr, x_toks, stride_xds, 8 * c, TILED))
+        acc += _fixed(isum, d, _x_scale(xds_ptr, x_toks, stride_xds, 8 * c, TILED))
     _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
 
 
@@ -354,7 +374,7 @@ def _iq4_xs_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
                                           pack=8)
             scale = ((scales[j % 2] >> (8 * (j // 2))) & 63) - 32
             isum += mma_v2(w, _x_values(b_ptr, 8 * c + j, TILED), zero) * scale[:, None]
-        acc = _scaled(acc, isum, _half(head), _x_scale(xds_ptr, x_toks, stride_xds, 8 * c, TILED))
+        acc += _fixed(isum, _half(head), _x_scale(xds_ptr, x_toks, stride_xds, 8 * c, TILED))
     _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
 
 
@@ -363,21 +383,24 @@ def _q8_0_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_
                  stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, K_WIDTH: gl.constexpr, TILED: gl.constexpr,
                  PDL: gl.constexpr):
     """Q8_0 as layers/quantized.field_planes keeps it (a row's K int8 values, then its K / 32 fp16 scales), K a
-    multiple of 256, x rounded per 256: each block's exact int32 product times d(row), the eight blocks' sum times
-    xd(token)."""
+    multiple of 256, x rounded per 256: each block's exact int32 product times d(row), the eight blocks' sum (in
+    gguf_gemv.q8_0_chain's order) times xd(token)."""
     first, last, a_row, a_col, b_ptr, s_ptr, x_toks, rows, row_ok, toks, tok_ok, acc, zero = _tile(
         w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, K_WIDTH, TILED, PDL)
     a_ptr = (a_row + a_col).to(gl.pointer_type(gl.int8))
     d_ptr = (w_ptr + gl.minimum(rows, N - 1).to(gl.int64) * stride_wn + K).to(gl.pointer_type(gl.int64))
     for c in range(first, last):
         d_words = gl.load(d_ptr + 2 * c), gl.load(d_ptr + 2 * c + 1)  # the 8 blocks' fp16 scales, four a word
-        part = gl.zeros_like(acc)
-        for j in gl.static_range(8):
+        part = gl.zeros([BLOCK_N, TOKENS], gl.float32, layout=zero.type.layout)
+        for j in gl.static_range(8):  # gguf_gemv.q8_0_chain's order
             w = gl.load(a_ptr + 256 * c + 32 * j)
-            prod = mma_v2(w, _x_values(b_ptr, 8 * c + j, TILED), zero)
-            d = _half((d_words[j // 4] >> (16 * (j % 4))).to(gl.int32))
-            part += prod.to(gl.float32) * d[:, None]
-        acc += part * _x_scale(xds_ptr, x_toks, stride_xds, 8 * c, TILED)[None, :]
+            prod = mma_v2(w, _x_values(b_ptr, 8 * c + j, TILED), zero).to(gl.float32)
+            d = _half((d_words[j // 4] >> (16 * (j % 4))).to(gl.int32))[:, None]
+            if j == 0:
+                part = prod * d
+            else:
+                part = _fma(prod, d, part)
+        acc += _to_fixed(part * _x_scale(xds_ptr, x_toks, stride_xds, 8 * c, TILED)[None, :])
     _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om)
 
 
@@ -444,7 +467,7 @@ def _matmul_into(out: Tensor | None, x: Tensor, xq: Tensor, xds: Tensor, stride_
     m, n = x.shape[0], qweight.shape[0]
     kernel, constants = KERNELS[qtype]
     splits, per_split = splits_for(n, k, qtype)
-    out, partial = split_k.outputs(x, n, splits, out, summed=out is not None)
+    out, partial = split_k.outputs(x, n, splits, out, summed=out is not None, exact=True)
     grid = (triton.cdiv(n, BLOCK_N), splits)
     kernel[grid](xq, xds, qweight, partial, M=m, N=n, K=k, sb_per_split=per_split, stride_xq=stride_xq,
                  stride_xds=stride_xds, stride_wn=qweight.stride(0), stride_os=partial.stride(0),
