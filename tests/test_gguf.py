@@ -223,6 +223,63 @@ def test_llama3_rope_scaling_from_rope_freqs(tmp_path):
         assert "rope_freqs.weight" in read_gguf(path).tensors and len(load_gguf_state_dict(path)) == len(sd)
 
 
+# ---------------------------------------------------------------------------------------- the reader
+
+def same_as_gguf_reader(path) -> None:
+    """read_gguf's metadata and tensors against the gguf package's GGUFReader: every key's value and Python type,
+    every tensor's type, shape and mapped bytes."""
+    import gguf
+    ref = gguf.GGUFReader(path)
+    g = read_gguf(path)
+    want = {name: field.contents() for name, field in ref.fields.items()}
+    assert list(g.metadata) == list(want)
+    for key, value in want.items():
+        assert g.metadata[key] == value and type(g.metadata[key]) is type(value), key
+    assert [t.name for t in ref.tensors] == list(g.tensors)
+    for t in ref.tensors:
+        mine = g.tensors[t.name]
+        assert mine.qtype == t.tensor_type and mine.shape == tuple(reversed(t.shape.tolist())), t.name
+        assert mine.data.dtype == t.data.dtype and mine.data.shape == t.data.shape, t.name
+        assert np.array_equal(np.asarray(mine.data).view(np.uint8), np.asarray(t.data).view(np.uint8)), t.name
+
+
+def test_reader_matches_gguf_package_on_every_value_type(tmp_path):
+    import gguf
+    path = tmp_path / "values.gguf"
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_uint8("t.u8", 200)
+    w.add_int8("t.i8", -5)
+    w.add_uint16("t.u16", 60000)
+    w.add_int16("t.i16", -30000)
+    w.add_uint32("t.u32", 4_000_000_000)
+    w.add_int32("t.i32", -2_000_000_000)
+    w.add_float32("t.f32", 0.1)
+    w.add_bool("t.bool", True)
+    w.add_string("t.str", "héllo ⟨tokens⟩")
+    w.add_uint64("t.u64", 2 ** 63 + 5)
+    w.add_int64("t.i64", -2 ** 62)
+    w.add_float64("t.f64", 1e300)
+    w.add_array("t.strings", ["a", "", "ĠĠ", "日本"])
+    w.add_array("t.ints", [1, 2, 3])
+    w.add_array("t.floats", [0.5, -1.25])
+    w.add_array("t.empty", [])
+    w.add_custom_alignment(64)
+    w.add_tensor("f32", np.arange(12, dtype=np.float32).reshape(3, 4))
+    w.add_tensor("f16", np.ones((2, 8), dtype=np.float16))
+    raw = np.arange(2 * 18, dtype=np.uint8).reshape(2, 18)  # two Q4_0 rows of 32 values
+    w.add_tensor("q", raw, raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    same_as_gguf_reader(path)
+    assert read_gguf(path).tensors["q"].shape == (2, 32)
+
+
+def test_reader_matches_gguf_package_on_real_files(smollm2_gguf):
+    same_as_gguf_reader(smollm2_gguf)
+
+
 # ---------------------------------------------------------------------------------------- bad files
 
 def test_truncated_and_foreign_files(tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+import struct
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from flashdraft.layers.kv_quant import IQ4_NL_VALUES
 from flashdraft.models.registry import Family, family_for_gguf
@@ -46,16 +47,95 @@ class GGUFFile:
         return self.metadata.get("general.architecture", "")
 
 
-class _Reader(GGUFReader):
-    # GGUFReader walks string arrays element by element through np.memmap slices; a plain ndarray view of
-    # the same mapping skips memmap's per-slice bookkeeping and reads the vocabulary ~3x faster.
-    @property
-    def data(self) -> np.ndarray:
-        return self._plain_data
+# GGUF value types (gguf.GGUFValueType): numeric scalars and array elements as little-endian numpy types
+_NUMBERS = {0: np.dtype("<u1"), 1: np.dtype("<i1"), 2: np.dtype("<u2"), 3: np.dtype("<i2"), 4: np.dtype("<u4"),
+            5: np.dtype("<i4"), 6: np.dtype("<f4"), 7: np.dtype("?"), 10: np.dtype("<u8"), 11: np.dtype("<i8"),
+            12: np.dtype("<f8")}
+_STRING, _ARRAY = 8, 9
+_TYPED = {GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F32: np.float32,
+          GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
+          GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32, GGMLQuantizationType.I64: np.int64}
 
-    @data.setter
-    def data(self, value: np.ndarray) -> None:
-        self._plain_data = value.view(np.ndarray)
+
+class _Cursor:
+    """Reads a GGUF header's values in order. The gguf package's GGUFReader builds numpy views for every element
+    of a string array (a 262k-token vocabulary took seconds); here strings are sliced from one buffer."""
+
+    def __init__(self, buf: memoryview):
+        self.buf, self.pos = buf, 0
+
+    def number(self, kind: int):
+        dtype = _NUMBERS[kind]
+        value = np.frombuffer(self.buf, dtype, 1, self.pos)[0].item()
+        self.pos += dtype.itemsize
+        return value
+
+    def string(self) -> str:
+        (n,) = struct.unpack_from("<Q", self.buf, self.pos)
+        start = self.pos + 8
+        self.pos = start + n
+        if self.pos > len(self.buf):
+            raise ValueError("a string runs past the end of the file")
+        return str(self.buf[start:self.pos], "utf-8")
+
+    def value(self, kind: int) -> Any:
+        if kind == _STRING:
+            return self.string()
+        if kind != _ARRAY:
+            return self.number(kind)
+        item, count = struct.unpack_from("<IQ", self.buf, self.pos)
+        self.pos += 12
+        if item == _STRING:
+            return [self.string() for _ in range(count)]
+        if item == _ARRAY:  # each element an array with its own type and count
+            return [self.value(_ARRAY) for _ in range(count)]
+        dtype = _NUMBERS[item]
+        values = np.frombuffer(self.buf, dtype, count, self.pos)
+        self.pos += dtype.itemsize * count
+        return values.tolist()
+
+
+def _parse(data: np.ndarray) -> tuple[dict[str, Any], list[tuple[str, GGMLQuantizationType, tuple[int, ...], int]],
+                                      int]:
+    """(metadata, tensors as (name, type, ggml dims, offset from the data section), the data section's start) of
+    a GGUF file of version 2 or 3 mapped as `data` (uint8)."""
+    cur = _Cursor(memoryview(data))
+    magic, version, n_tensors, n_kv = struct.unpack_from("<IIQQ", cur.buf, 0)
+    if version & 0xFFFF == 0:
+        raise ValueError("a big-endian GGUF file")
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version} (2 and 3 are read)")
+    cur.pos = 24
+    metadata: dict[str, Any] = {"GGUF.version": version, "GGUF.tensor_count": n_tensors, "GGUF.kv_count": n_kv}
+    for _ in range(n_kv):
+        key = cur.string()
+        (kind,) = struct.unpack_from("<I", cur.buf, cur.pos)
+        cur.pos += 4
+        metadata[key] = cur.value(kind)
+    tensors = []
+    for _ in range(n_tensors):
+        name = cur.string()
+        (n_dims,) = struct.unpack_from("<I", cur.buf, cur.pos)
+        dims = struct.unpack_from(f"<{n_dims}Q", cur.buf, cur.pos + 4)
+        qtype, offset = struct.unpack_from("<IQ", cur.buf, cur.pos + 4 + 8 * n_dims)
+        cur.pos += 16 + 8 * n_dims
+        tensors.append((name, GGMLQuantizationType(qtype), dims, offset))
+    align = metadata.get("general.alignment", 32)
+    if not isinstance(align, int) or align <= 0 or align & (align - 1):
+        raise ValueError(f"general.alignment {align!r} is not a power of two")
+    return metadata, tensors, -(-cur.pos // align) * align
+
+
+def _tensor_data(data: np.ndarray, start: int, qtype: GGMLQuantizationType, dims: tuple[int, ...]) -> np.ndarray:
+    """A tensor's stored values as a view of the mapping: typed for the float and integer types, else bytes
+    [..., row bytes] (ggml's dims reversed: torch order)."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    shape = tuple(reversed(dims))
+    if qtype in _TYPED:
+        return data[start:start + math.prod(dims) * size].view(_TYPED[qtype]).reshape(shape)
+    if dims[0] % block:
+        raise ValueError(f"{qtype.name} rows of {dims[0]} values are not whole blocks of {block}")
+    return data[start:start + math.prod(dims) // block * size].reshape(*shape[:-1], dims[0] // block * size)
 
 
 def read_gguf(path: str | Path) -> GGUFFile:
@@ -68,17 +148,20 @@ def read_gguf(path: str | Path) -> GGUFFile:
     if magic != b"GGUF":
         raise ValueError(f"{path.name}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
     size = path.stat().st_size
+    data = np.memmap(path, mode="r").view(np.ndarray)  # a plain view: no memmap bookkeeping per slice
     try:
-        reader = _Reader(path)
-        metadata = {name: field.contents() for name, field in reader.fields.items()}
-    except Exception as e:  # the reader fails in many ways on a damaged file; all of them mean the same
+        metadata, table, start = _parse(data)
+    except Exception as e:  # a damaged file fails in many ways; all of them mean the same
         raise ValueError(f"{path.name}: truncated or corrupt GGUF file (its {size:,} bytes do not parse)") from e
     tensors = {}
-    for t in reader.tensors:
-        if t.data_offset + int(t.n_bytes) > size:
-            raise ValueError(f"{path.name}: truncated GGUF file (tensor {t.name} ends past the end of the file)")
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        tensors[t.name] = GGUFTensor(t.name, GGMLQuantizationType(t.tensor_type), shape, t.data)
+    for name, qtype, dims, offset in table:
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        if start + offset + math.prod(dims) // block * type_size > size:
+            raise ValueError(f"{path.name}: truncated GGUF file (tensor {name} ends past the end of the file)")
+        if name in tensors:
+            raise ValueError(f"{path.name}: tensor {name} appears twice")
+        tensors[name] = GGUFTensor(name, qtype, tuple(int(d) for d in reversed(dims)),
+                                   _tensor_data(data, start + offset, qtype, dims))
     return GGUFFile(path, metadata, tensors)
 
 
