@@ -363,3 +363,28 @@ def test_smollm2_state_dict_matches_transformers_model(smollm2_file, smollm2_ggu
     assert cfg["rope_theta"] == model.config.rope_parameters["rope_theta"]
     for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings"):
         assert cfg[key] == getattr(model.config, key), key
+
+
+def test_kept_matrices_are_read_from_their_file_offsets(tmp_path, monkeypatch):
+    """A matrix kept quantized names the file and offset holding its bytes (read there with pread in place of the
+    mapping: layers/quantized.read_file), and read_file gives those bytes, over several pieces and threads; llama's
+    q/k rows, reordered on loading, name none. A file cut short is a clear error."""
+    from flashdraft.formats.gguf import iter_gguf_tensors
+    from flashdraft.layers import quantized
+    from flashdraft.layers.quantized import QuantizedWeight, read_file
+    path = write_tiny_gguf(tmp_path / "m.gguf", "llama", tiny_hf_state("llama"), quantise=[Q.Q4_0, Q.Q8_0])
+    monkeypatch.setattr(quantized, "READ_PIECE", 1000)  # a matrix of a few KB in several pieces
+    kept = {n: w for n, w in iter_gguf_tensors(path, keep_quantized=True)
+            if isinstance(w, QuantizedWeight)}
+    assert any(w.source is None for n, w in kept.items() if "q_proj" in n or "k_proj" in n)
+    read = [w for w in kept.values() if w.source is not None]
+    assert len(read) >= 5 and all(w.source[0] == str(path) for w in read)
+    for w in read:
+        out = torch.empty(w.data.numel(), dtype=torch.uint8)
+        read_file(out, *w.source)
+        assert torch.equal(out, w.data.reshape(-1))
+    size = path.stat().st_size
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:size - 10])
+    with pytest.raises(OSError, match="the file ends at"):
+        read_file(torch.empty(100, dtype=torch.uint8), str(cut), size - 50)

@@ -34,6 +34,7 @@ class GGUFTensor:
     qtype: GGMLQuantizationType
     shape: tuple[int, ...]  # logical shape in torch order (out_features first)
     data: np.ndarray  # the stored bytes, memory-mapped (typed for F32/F16, uint8 otherwise)
+    offset: int = -1  # where they start in the file
 
 
 @dataclass
@@ -161,7 +162,7 @@ def read_gguf(path: str | Path) -> GGUFFile:
         if name in tensors:
             raise ValueError(f"{path.name}: tensor {name} appears twice")
         tensors[name] = GGUFTensor(name, qtype, tuple(int(d) for d in reversed(dims)),
-                                   _tensor_data(data, start + offset, qtype, dims))
+                                   _tensor_data(data, start + offset, qtype, dims), start + offset)
     return GGUFFile(path, metadata, tensors)
 
 
@@ -496,11 +497,13 @@ def keeps_quantized(t: GGUFTensor, kernel_types: tuple[str, ...]) -> bool:
     return t.shape[1] % block == 0
 
 
-def stored_weight(t: GGUFTensor, raw: torch.Tensor):
+def stored_weight(t: GGUFTensor, raw: torch.Tensor, path: Path | None = None):
     """A matrix kept in its block format (keeps_quantized): its file bytes [rows, row bytes], left where they are
-    (GGUFLinear / GGUFEmbedding put them on their device)."""
+    (GGUFLinear / GGUFEmbedding put them on their device). path: the file, where raw is its bytes as they lie
+    there (read from the file in place of the mapping)."""
     from flashdraft.layers.quantized import QuantizedWeight
-    return QuantizedWeight(raw.view(t.shape[0], -1), t.qtype.name, tuple(t.shape))
+    source = (str(path), t.offset) if path is not None and t.offset >= 0 else None
+    return QuantizedWeight(raw.view(t.shape[0], -1), t.qtype.name, tuple(t.shape), source=source)
 
 
 def mapped_bytes(t: GGUFTensor) -> torch.Tensor:
@@ -538,10 +541,11 @@ def iter_gguf_tensors(gguf: GGUFFile | str | Path, dtype: torch.dtype = torch.fl
         kept_here = keeps_quantized(t, kept)
         raw = mapped_bytes(t) if kept_here else tensor_bytes(t)
         part = t.name.split(".")[2] if t.name.startswith("blk.") else ""
-        if part in permute_heads:
+        permuted = part in permute_heads
+        if permuted:
             raw = _unpermute(raw, t.shape[0], permute_heads[part])
         if kept_here:
-            yield name, stored_weight(t, raw)
+            yield name, stored_weight(t, raw, None if permuted else gguf.path)
             continue
         shifted = name.endswith("norm.weight") and norm_shift != 0
         try:

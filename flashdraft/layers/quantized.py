@@ -2,6 +2,8 @@
 kernels/gguf_matmul.py. A model never learns about them: the loader swaps them in for `Linear` / `nn.Embedding`
 where the file holds a quantized matrix (`swap_quantized`)."""
 import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -91,6 +93,8 @@ class QuantizedWeight:
     qtype: str
     shape: tuple[int, int]  # (out_features, in_features)
     stored: Tensor | None = field(default=None, repr=False, compare=False)  # set by stored_on: a tied matrix's, shared
+    # (file, byte offset) where `data`'s bytes lie as they are, read from there in place of the mapping (copied_to)
+    source: tuple[str, int] | None = field(default=None, repr=False, compare=False)
 
 
 def stored_on(parts: list[QuantizedWeight], device: torch.device | str) -> Tensor:
@@ -105,7 +109,7 @@ def stored_on(parts: list[QuantizedWeight], device: torch.device | str) -> Tenso
     out = torch.empty(sum(p.data.shape[0] for p in parts), first.shape[1], dtype=torch.uint8, device=device)
     row = 0
     for p in parts:
-        raw = copied_to(p.data, device)
+        raw = copied_to(p.data, device, p.source)
         out[row:row + len(raw)] = stored_blocks(raw, p.qtype)
         row += len(raw)
     if len(parts) == 1:
@@ -115,13 +119,39 @@ def stored_on(parts: list[QuantizedWeight], device: torch.device | str) -> Tenso
 
 STAGING_BYTES = 64 << 20
 _STAGING: list[tuple[Tensor, "torch.cuda.Event"]] = []  # two pinned buffers, each with the event of its last copy
+READ_THREADS = 8
+READ_PIECE = 8 << 20
+_READERS: ThreadPoolExecutor | None = None
+_FILES: dict[str, int] = {}  # open descriptors by path (a model's few files; kept for the process)
 
 
-def copied_to(host: Tensor, device: torch.device | str) -> Tensor:
+def read_file(out: Tensor, path: str, offset: int) -> None:
+    """out (uint8, contiguous, on the host) = the file's bytes from offset, read by READ_THREADS threads with
+    pread into out itself: where copying from the file's mapping faults every page in first (measured on a
+    2-core CPU from the page cache: 7.3 GB/s with one thread against 4.2 through the mapping with two)."""
+    global _READERS
+    if _READERS is None:
+        _READERS = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="read-weights")
+    fd = _FILES.get(path)
+    if fd is None:
+        fd = _FILES[path] = os.open(path, os.O_RDONLY)
+    view = memoryview(out.numpy())
+
+    def read(start: int) -> None:
+        end = min(start + READ_PIECE, len(view))
+        while start < end:
+            got = os.preadv(fd, [view[start:end]], offset + start)
+            if got <= 0:
+                raise OSError(f"{path}: the file ends at {offset + start:,} bytes, before the weights do")
+            start += got
+    list(_READERS.map(read, range(0, len(view), READ_PIECE)))
+
+
+def copied_to(host: Tensor, device: torch.device | str, source: tuple[str, int] | None = None) -> Tensor:
     """A copy of `host` on `device` (a copy on the host too: a file's mapping is read-only). To a GPU through two
-    pinned buffers in turn: one piece's bytes are copied out of the page cache while the previous piece crosses
-    to the GPU (also across calls: a matrix's copy overlaps the next one's), where a copy from pageable memory
-    stages each piece through the driver's buffer and waits."""
+    pinned buffers in turn: one piece's bytes are read while the previous piece crosses to the GPU (also across
+    calls: a matrix's copy overlaps the next one's), where a copy from pageable memory stages each piece through
+    the driver's buffer and waits. source: (file, offset) holding host's bytes, read from there (read_file)."""
     device = torch.device(device)
     if device.type != "cuda" or host.dtype != torch.uint8:
         return host.to(device, copy=True)
@@ -135,7 +165,10 @@ def copied_to(host: Tensor, device: torch.device | str) -> Tensor:
         buf, done = _STAGING[i % 2]
         n = min(STAGING_BYTES, src.numel() - start)
         done.synchronize()  # the buffer's previous piece has crossed
-        buf[:n].copy_(src[start:start + n])
+        if source is None:
+            buf[:n].copy_(src[start:start + n])
+        else:
+            read_file(buf[:n], source[0], source[1] + start)
         dst[start:start + n].copy_(buf[:n], non_blocking=True)
         done.record()
     return out
