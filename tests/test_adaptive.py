@@ -60,7 +60,7 @@ def test_adaptive_decoding_is_lossless_and_feeds_the_draft_on_plain_steps():
     verify_steps = len(stats.acceptance_lengths)
     assert 0 < verify_steps < 90 - sum(stats.acceptance_lengths)  # plain steps took most tokens
     committed = len(prompt) + len(plain) - 1  # the last token is never fed back
-    rows = set(draft.row_positions[0].tolist())
+    rows = set(draft.state.row_positions[0].tolist())
     assert set(range(committed)) <= rows  # every committed position reached the draft's context
 
 

@@ -78,7 +78,7 @@ def test_prompt_features_reach_the_draft_chunk_by_chunk(monkeypatch, window):
     for chunk in (1024, 7):
         monkeypatch.setattr(generate, "PREFILL_CHUNK", chunk)
         run(target, prompt, SamplingParams(max_tokens=1), draft=draft)
-        rings[chunk] = [(c.k.clone(), c.v.clone()) for c in draft.caches], draft.row_positions.clone()
+        rings[chunk] = [(c.k.clone(), c.v.clone()) for c in draft.caches], draft.state.row_positions.clone()
     assert torch.equal(rings[7][1], rings[1024][1]) and (rings[7][1] >= 0).sum() == min(50, window or 50)
     for (k7, v7), (k, v) in zip(rings[7][0], rings[1024][0]):  # (products over 7 rows or 50: float32 rounding)
         torch.testing.assert_close(k7, k, atol=1e-4, rtol=1e-4)

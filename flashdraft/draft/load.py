@@ -5,14 +5,34 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from flashdraft.draft.config import DRAFT_ARCHITECTURE, DraftConfig
+from flashdraft.draft.interface import LoadOptions
 from flashdraft.draft.model import DFlashDraft
 from flashdraft.formats.safetensors import iter_tensors
 from flashdraft.layers.quantized import QuantizedWeight, swap_quantized
+
+if TYPE_CHECKING:
+    from flashdraft.draft.registry import DraftSource
+    from flashdraft.formats.gguf import GGUFFile
+
+
+def load_dflash(source: DraftSource, target, options: LoadOptions) -> DFlashDraft:
+    """The DFlash drafter of a z-lab folder or a draft GGUF (draft/registry.py), checked against `target`."""
+    cfg = target.cfg
+    if source.gguf is None:
+        draft = load_draft_folder(source.path, options.device, options.dtype)
+    else:
+        draft = load_draft_gguf(source.gguf, options.device, options.dtype, vocab_size=cfg.vocab_size,
+                                num_target_layers=cfg.num_layers, quantized=options.quantized)
+    check_compatible(draft.cfg, cfg.hidden_size, cfg.vocab_size, cfg.num_layers)
+    if options.embed_scale is not None:
+        draft.cfg.input_embedding_scale = options.embed_scale
+    return draft.requires_grad_(False)  # for inference, as the target (training loads the folder itself)
+
 
 def check_compatible(
     cfg: DraftConfig, target_hidden_size: int, target_vocab_size: int, target_num_layers: int
@@ -79,19 +99,20 @@ def load_draft_folder(
     return build_draft(cfg, tensors, folder, device, dtype)
 
 
-def load_draft_gguf(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+def load_draft_gguf(path: str | Path | GGUFFile, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
                     vocab_size: int | None = None, num_target_layers: int | None = None,
                     quantized: bool = False) -> DFlashDraft:
-    """Load a draft GGUF (BeeLlama's dflash-draft or llama.cpp's dflash; formats/gguf_draft.py); block types are
-    dequantized, or with `quantized` kept in their block format where the GPU kernels read them, as a target's.
-    `vocab_size`, `num_target_layers`: the target's, which the files do not always say."""
+    """Load a draft GGUF (BeeLlama's dflash-draft or llama.cpp's dflash; formats/gguf_draft.py), by path or as
+    read_gguf read it; block types are dequantized, or with `quantized` kept in their block format where the GPU
+    kernels read them, as a target's. `vocab_size`, `num_target_layers`: the target's, which the files do not
+    always say."""
     from flashdraft.formats.gguf import read_gguf
     from flashdraft.formats.gguf_draft import draft_hf_config, iter_draft_tensors
-    g = read_gguf(path)
+    g = read_gguf(path) if isinstance(path, (str, Path)) else path
     config = draft_hf_config(g)
     config["vocab_size"] = config["vocab_size"] or vocab_size
     config["num_target_layers"] = num_target_layers or config["num_target_layers"]
-    return build_draft(DraftConfig.from_hf(config), dict(iter_draft_tensors(g, dtype, device, quantized)), Path(path),
+    return build_draft(DraftConfig.from_hf(config), dict(iter_draft_tensors(g, dtype, device, quantized)), g.path,
                        device, dtype)
 
 

@@ -1,8 +1,9 @@
 """DFlash draft: target features fused into one context vector per token, injected as extra K/V into every
 layer of a small Qwen3-style stack that denoises a block [anchor, MASK, ...] in one non-causal pass.
 
-State dict names are z-lab's (`fc.weight`, `layers.{i}.self_attn.q_proj.weight`, ...). Configuration in
-draft/config.py, loading in draft/load.py.
+`DFlashDraft` is the network and the engine's `Drafter` (draft/interface.py); its per-slot context rings are a
+`DraftRings`. State dict names are z-lab's (`fc.weight`, `layers.{i}.self_attn.q_proj.weight`, ...).
+Configuration in draft/config.py, loading in draft/load.py.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from flashdraft.draft.config import DraftConfig
+from flashdraft.engine.sampling import argmax_rows
 from flashdraft.layers.attention import few_query_attention, masked_attention, position_mask, uses_split_kernel
 from flashdraft.layers.compile import compile_layer_forward
 from flashdraft.layers.kv_cache import RingKVCache
@@ -118,7 +120,30 @@ class DraftLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class DraftRings:
+    """The draft's per-slot state: a context K/V ring of `window` rows per slot and layer
+    (`layers.kv_cache.RingKVCache`), after `scratch` rows where each forward writes the block's transient K/V, and
+    the table of the position each ring row holds (-1: none), shared by all layers."""
+
+    def __init__(self, cfg: DraftConfig, window: int, n_slots: int, scratch: int, device: torch.device | str,
+                 k_dtype: torch.dtype, v_dtype: torch.dtype):
+        self.row_positions = torch.full((n_slots, window), -1, device=device, dtype=torch.long)
+        self.caches = [RingKVCache(n_slots, cfg.num_key_value_heads, window, scratch, cfg.head_dim, k_dtype, device,
+                                   self.row_positions, v_dtype) for _ in range(cfg.num_hidden_layers)]
+        self.window, self.scratch = window, scratch
+
+    def reset(self, slot: int = 0, keep: int = 0) -> None:
+        rows = self.row_positions[slot]
+        rows.masked_fill_(rows >= keep, -1)
+
+    @property
+    def bytes(self) -> int:
+        return sum(c.k.numel() * c.k.element_size() + c.v.numel() * c.v.element_size() for c in self.caches)
+
+
 class DFlashDraft(nn.Module):
+    name = "dflash"
+
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.cfg = cfg
@@ -129,10 +154,7 @@ class DFlashDraft(nn.Module):
         self.rotary = Rotary(cfg)
         self.layer_attention = [cfg.layer_attention(i) for i in range(cfg.num_hidden_layers)]
         self.attention_kinds = list(dict.fromkeys(self.layer_attention))  # one mask per distinct kind
-        self.window = 0
-        self.scratch = 0
-        self.caches: list[RingKVCache] = []
-        self.row_positions: torch.Tensor | None = None
+        self.state: DraftRings | None = None
         self.compiled_layer = None
         self.compiled_blocks: set[int] = set()
 
@@ -143,34 +165,41 @@ class DFlashDraft(nn.Module):
         self.compiled_layer = compile_layer_forward(DraftLayer.forward)
         self.compiled_blocks = set(block_sizes or (self.cfg.block_size,))
 
+    @property
+    def block_size(self) -> int:
+        return self.cfg.block_size
+
+    @property
+    def target_layers(self) -> tuple[int, ...]:
+        return tuple(self.cfg.target_layer_ids)
+
+    @property
+    def caches(self) -> list[RingKVCache]:
+        """Each layer's context ring (in `state`)."""
+        return self.state.caches
+
     def setup_cache(
         self,
         window: int,
         n_slots: int = 1,
+        cache_dtypes: tuple[torch.dtype | None, torch.dtype | None] = (None, None),
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         max_block_size: int | None = None,
-        cache_dtypes: tuple[torch.dtype | None, torch.dtype | None] = (None, None),
     ) -> None:
-        """Context K/V ring of `window` rows per slot and layer (`layers.kv_cache.RingKVCache`, one position table
-        shared by all layers), after `max_block_size` scratch rows where each forward writes the block's transient
-        K/V: attention reads one contiguous view, the block's rows and then as much of the ring as holds context
-        (a prefix of it until the ring wraps). `cache_dtypes`: the rings' K and V storage (None: `dtype`)."""
+        """`state`: rings of `window` rows per slot and layer (a `DraftRings`), after `max_block_size` scratch rows
+        (default: the configured block): attention reads one contiguous view, the block's rows and then as much of
+        the ring as holds context (a prefix of it until the ring wraps). `cache_dtypes`: the rings' K and V storage
+        (None: `dtype`, by default the draft's)."""
         device = self.norm.weight.device if device is None else device  # the final norm: dense in every format
         dtype = self.norm.weight.dtype if dtype is None else dtype
         max_block_size = self.cfg.block_size if max_block_size is None else max_block_size
-        cfg = self.cfg
-        self.row_positions = torch.full((n_slots, window), -1, device=device, dtype=torch.long)
         k_dtype, v_dtype = (d or dtype for d in cache_dtypes)
-        self.caches = [RingKVCache(n_slots, cfg.num_key_value_heads, window, max_block_size, cfg.head_dim, k_dtype,
-                                   device, self.row_positions, v_dtype) for _ in range(cfg.num_hidden_layers)]
-        self.window = window
-        self.scratch = max_block_size
+        self.state = DraftRings(self.cfg, window, n_slots, max_block_size, device, k_dtype, v_dtype)
 
     def reset(self, slot: int = 0, keep: int = 0) -> None:
         """Forget the slot's context from position `keep` on (0: all of it)."""
-        rows = self.row_positions[slot]
-        rows.masked_fill_(rows >= keep, -1)
+        self.state.reset(slot, keep)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """Target features [..., L*H] -> context vectors [..., H]."""
@@ -179,13 +208,14 @@ class DFlashDraft(nn.Module):
     def append_context(self, features: torch.Tensor, positions: torch.Tensor, slot: int = 0) -> None:
         """Write the context K/V of committed positions (increasing) into the slot's ring at rows p % window.
         `slot` is a Python int (a fixed index, so the writes stay static for CUDA graphs)."""
-        if features.shape[0] > self.window:  # earlier rows would be overwritten anyway
-            features, positions = features[-self.window :], positions[-self.window :]
+        rings = self.state
+        if features.shape[0] > rings.window:  # earlier rows would be overwritten anyway
+            features, positions = features[-rings.window :], positions[-rings.window :]
         context = self.fuse(features)
         cos_sin = self.rotary(positions, context.dtype)
-        for layer, cache in zip(self.layers, self.caches):
+        for layer, cache in zip(self.layers, rings.caches):
             cache.write(slot, positions, *layer.self_attn.project_kv(context, cos_sin))
-        self.row_positions[slot, positions % self.window] = positions  # the table all layers' rings share
+        rings.row_positions[slot, positions % rings.window] = positions  # the table all layers' rings share
 
     def forward(self, noise_embedding: torch.Tensor, positions: torch.Tensor, slot: int = 0,
                 live: torch.Tensor | None = None, context_rows: int | None = None) -> torch.Tensor:
@@ -195,20 +225,20 @@ class DFlashDraft(nn.Module):
         come out as from a block of that length (where the output budget ends a block early). `context_rows`
         (a static bound, e.g. the target's attention bucket: more than the anchor's position) reads only that
         prefix of the ring while it has not wrapped."""
-        block_len = noise_embedding.shape[0]
-        if block_len > self.scratch:
+        block_len, rings = noise_embedding.shape[0], self.state
+        if block_len > rings.scratch:
             raise ValueError(f"block of {block_len} exceeds the cache's scratch rows; raise setup_cache max_block_size")
-        ring = self.window if context_rows is None else min(context_rows, self.window)
+        ring = rings.window if context_rows is None else min(context_rows, rings.window)
         x = noise_embedding.to(self.norm.weight.dtype)
         cos_sin = self.rotary(positions, x.dtype)
-        row_positions = self.row_positions[slot, :ring]
+        row_positions = rings.row_positions[slot, :ring]
         context_valid = (row_positions >= 0) & (row_positions < positions[:1])
         key_positions = torch.cat([positions, row_positions])
         block_valid = torch.ones_like(positions, dtype=torch.bool) if live is None else \
             torch.arange(block_len, device=positions.device) < live
         key_valid = torch.cat([block_valid, context_valid])
         masks = {kind: position_mask(positions, key_positions, *kind) & key_valid for kind in self.attention_kinds}
-        for i, (layer, cache) in enumerate(zip(self.layers, self.caches)):
+        for i, (layer, cache) in enumerate(zip(self.layers, rings.caches)):
             args = (x, cos_sin, *cache.block_view(slot, block_len, ring), masks[self.layer_attention[i]])
             x = self.compiled_layer(layer, *args) if block_len in self.compiled_blocks else layer(*args)
         return self.norm(x)
@@ -243,3 +273,20 @@ class DFlashDraft(nn.Module):
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
         return logits
+
+    # ---------------------------------------------------------------- the engine's Drafter (draft/interface.py)
+    def observe(self, tokens: torch.Tensor, features: torch.Tensor | None, positions: torch.Tensor,
+                slots: int = 0) -> None:
+        """One row (B = 1, `slots` an int): its features go into the slot's rings (the tokens are in them)."""
+        self.append_context(features[0], positions[0], slots)
+
+    def propose(self, target, anchors: torch.Tensor, positions: torch.Tensor, slots: int, k: int,
+                live: torch.Tensor | None = None, block: int | None = None,
+                context_rows: int | None = None) -> torch.Tensor:
+        """One row (B = 1): the block [anchor, MASK, ...] of `block` rows at the anchor's position on, through the
+        draft in one pass, and the greedy tokens of its rows 1..k, [1, k]."""
+        block = block or self.cfg.block_size
+        ids = torch.cat([anchors[:1], anchors.new_full((block - 1,), self.cfg.mask_token_id)])
+        noise = target.token_embedding(ids) * self.cfg.input_embedding_scale
+        hidden = self(noise, positions[:1] + torch.arange(block, device=positions.device), slots, live, context_rows)
+        return argmax_rows(self.compute_logits(hidden[1:k + 1], target.logits))[None]

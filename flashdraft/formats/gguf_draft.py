@@ -27,9 +27,12 @@ SHARED_WITH_TARGET = {"token_embd", "output"}
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 
 
-def is_draft_gguf(g: GGUFFile) -> bool:
-    arch = g.architecture
+def is_draft_architecture(arch: str) -> bool:
     return arch == "dflash" or arch.endswith("dflash-draft")
+
+
+def is_draft_gguf(g: GGUFFile) -> bool:
+    return is_draft_architecture(g.architecture)
 
 
 def draft_hf_config(g: GGUFFile) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Load a target (HF folder, GGUF file or named model) and a DFlash draft onto a device."""
+"""Load a target (HF folder, GGUF file or named model) and a drafter onto a device."""
 import logging
 from pathlib import Path
 
@@ -83,20 +83,16 @@ def load_target(model: str, device: str = "cpu", dtype: torch.dtype = torch.floa
     return target, tokenizer, path
 
 
-def load_draft(path: str, target, device: str = "cpu", dtype: torch.dtype = torch.float32, quantized: bool = False):
-    """A DFlash draft from a z-lab folder or a draft GGUF (quantized: its matrices kept in their block format, as
-    load_target's; under tensor parallelism too, every rank holding the whole draft), checked against the target."""
-    from flashdraft.draft.load import check_compatible, load_draft_folder, load_draft_gguf
+def load_draft(path: str, target, device: str = "cpu", dtype: torch.dtype = torch.float32, quantized: bool = False,
+               embed_scale: float | None = None):
+    """The drafter (draft/interface.py) of a draft folder or file, of the kind its files name (draft/registry.py),
+    checked against the target. quantized: a GGUF draft's matrices kept in their block format, as load_target's
+    (under tensor parallelism too, every rank holding the whole draft)."""
+    from flashdraft.draft import registry
+    from flashdraft.draft.interface import LoadOptions
     from flashdraft.formats.named import resolve_model
 
     source = Path(resolve_model(path))
-    cfg = target.cfg
-    if source.is_dir():
-        draft = load_draft_folder(source, device=device, dtype=dtype)
-    elif source.is_file():
-        draft = load_draft_gguf(source, device=device, dtype=dtype, vocab_size=cfg.vocab_size,
-                                num_target_layers=cfg.num_layers, quantized=quantized)
-    else:
+    if not source.exists():
         raise FileNotFoundError(f"draft not found: {path} (a z-lab HF folder or a DFlash draft GGUF)")
-    check_compatible(draft.cfg, cfg.hidden_size, cfg.vocab_size, cfg.num_layers)
-    return draft.requires_grad_(False)  # for inference, as the target (training loads the folder itself)
+    return registry.load(source, target, LoadOptions(device, dtype, quantized, embed_scale))
