@@ -38,7 +38,7 @@ def sampler_call(vocab: int, rows: int, p: SamplingParams, graphs: bool, device:
     """A closure making one Steps.sample call as decode does (a one-row call commits its token for the penalties;
     a block passes its drafted tokens), on a Steps whose sampler serves one slot of a 4096-token context."""
     state = SimpleNamespace(max_len=4096, layers=[])  # no target: only the sampler's part of Steps runs
-    steps = Steps(None, state, SimpleNamespace(cfg=SimpleNamespace(block_size=BLOCK)), device)
+    steps = Steps(None, state, SimpleNamespace(block_size=BLOCK, target_layers=()), device)
     if not graphs:
         steps.graphs = GraphCache("cpu")  # the same operations on CUDA tensors, launched eagerly
     prompt = torch.randint(0, vocab, (200,), device=device)

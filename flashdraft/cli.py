@@ -83,7 +83,7 @@ def generate(args: argparse.Namespace, device: str) -> int:
     draft = None if args.no_spec else resolve_draft(args.draft)  # a draft only when -md names one
     engine = Engine.load(engine_config(args, draft, device, progress=shown and not args.json))
     if shown and not args.json:
-        print((f"DFlash draft {draft}" if engine.draft is not None else "no draft: plain decoding")
+        print((f"{engine.draft.name} draft {draft}" if engine.draft is not None else "no draft: plain decoding")
               + f", {threads} CPU thread{'s' if threads > 1 else ''}", file=sys.stderr)
     if prompt_ids is None:
         prompt_ids = render_prompt(engine.tokenizer, args.prompt, chat=args.chat, system=args.system,

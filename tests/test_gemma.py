@@ -128,7 +128,7 @@ def test_draft_input_is_the_stored_embedding_times_its_scale(scale):
     seen = []
     forward = draft.forward
     draft.forward = lambda noise, *a, **k: seen.append(noise) or forward(noise, *a, **k)
-    block = torch.tensor([5, 3, 3, 3])
-    speculative_step(target, target.state, draft, block, torch.arange(10, 14), 0, 14)
+    speculative_step(target, target.state, draft, torch.tensor([5]), torch.arange(10, 14), 0, 14)
+    block = torch.tensor([5] + [draft.cfg.mask_token_id] * 3)  # the anchor and masks
     assert torch.equal(seen[0], hf.model.embed_tokens.weight[block] * scale)
     assert not torch.allclose(target.embed(block), target.token_embedding(block))  # Gemma scales its own input

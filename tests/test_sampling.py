@@ -451,7 +451,7 @@ def test_sampler_on_gpu():
             runs = []
             for graphs in (False, True):
                 state = SimpleNamespace(max_len=512, layers=[])  # no target: only the sampler's part of Steps
-                steps = Steps(None, state, SimpleNamespace(cfg=SimpleNamespace(block_size=16)), "cuda")
+                steps = Steps(None, state, SimpleNamespace(block_size=16, target_layers=()), "cuda")
                 if not graphs:
                     steps.graphs = GraphCache("cpu")  # the same calls on CUDA tensors, run eagerly
                 sampler = steps.sampler(0, vocab)

@@ -40,15 +40,15 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class SlotPool:
     """The free cache slots and the tokens whose K/V each slot holds (llama-server's prompt cache). A request
     takes the free slot whose tokens share the longest prefix with its prompt, when that prefix is at least
-    `similarity` of the prompt (--slot-prompt-similarity), else the free slot used least recently. The draft's
-    context ring is filled by speculative requests only, so each slot also records how many of its tokens the
-    ring holds; a speculative request reuses no more than that."""
+    `similarity` of the prompt (--slot-prompt-similarity), else the free slot used least recently. The drafter
+    observes speculative requests only, so each slot also records how many of its tokens the drafter's state
+    holds; a speculative request reuses no more than that."""
 
     def __init__(self, n_slots: int, similarity: float):
         self.cond = threading.Condition()
         self.free = list(range(n_slots))
         self.tokens: list[list[int]] = [[] for _ in range(n_slots)]
-        self.drafted = [0] * n_slots  # leading tokens of `tokens` whose features the draft's ring holds
+        self.drafted = [0] * n_slots  # leading tokens of `tokens` that the drafter's state holds
         self.similarity = similarity
 
     def count(self) -> int:
@@ -58,7 +58,7 @@ class SlotPool:
     def acquire(self, prompt: list[int], reuse: bool, timeout: float | None = None,
                 speculative: bool = False) -> tuple[int, int]:
         """(slot, how many leading prompt tokens its cache already holds: never the whole prompt, whose last
-        token must run to give the first logits; for a speculative request, also no more than its draft ring
+        token must run to give the first logits; for a speculative request, also no more than the drafter's state
         holds)."""
         with self.cond:
             if not self.cond.wait_for(lambda: self.free, timeout):
@@ -76,7 +76,7 @@ class SlotPool:
 
     def release(self, slot: int, tokens: list[int] | None = None, speculative: bool = False) -> None:
         """Return a slot whose cache now holds `tokens` (None: as at acquire); after a speculative request the
-        draft's ring holds them too."""
+        drafter's state holds them too."""
         with self.cond:
             if tokens is not None:
                 self.tokens[slot] = tokens
@@ -248,7 +248,7 @@ def module_bytes(module: torch.nn.Module) -> int:
     return sum({t.data_ptr(): t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()]}.values())
 
 
-# GPU memory a context must leave for the step graphs, the draft's ring and the CUDA workspaces (what the 31B shape's
+# GPU memory a context must leave for the step graphs, the drafter's state and the CUDA workspaces (what the 31B shape's
 # graphs and workspaces took beside its caches)
 RESERVE_BYTES = 1 << 30
 
@@ -264,6 +264,8 @@ def largest_context(target, config: EngineConfig) -> int:
 
 
 class Engine:
+    """`draft`: a draft.interface.Drafter (None: plain decoding), read through that interface only."""
+
     def __init__(self, target, tokenizer, draft=None, config: EngineConfig | None = None):
         config = config or EngineConfig()
         self.config = config
@@ -273,8 +275,8 @@ class Engine:
         self.draft_window = config.draft_window
         self.model_path, self.draft_path = config.model, config.draft
         block_size, draft_window = config.block_size, config.draft_window
-        if block_size is not None and draft is not None and not 1 <= block_size <= draft.cfg.block_size:
-            raise ValueError(f"--block-size must be between 1 and the draft's block size {draft.cfg.block_size}")
+        if block_size is not None and draft is not None and not 1 <= block_size <= draft.block_size:
+            raise ValueError(f"--block-size must be between 1 and the draft's block size {draft.block_size}")
         if draft_window is not None and draft_window < 1:
             raise ValueError("--draft-window must be at least 1")
         self.rank, self.world_size = target.rank, target.world_size
@@ -315,11 +317,9 @@ class Engine:
         target, tokenizer, model_path = load_target(config.model, config.device, torch_dtype, progress=config.progress,
                                                     quantized=quantized)
         log.info("model read in %.1f s", time.perf_counter() - t)
-        draft_model = (load_draft(config.draft, target, config.device, torch_dtype, quantized=quantized)
-                       if config.draft else None)
-        if draft_model is not None and config.draft_embed_scale is not None:
-            draft_model.cfg.input_embedding_scale = config.draft_embed_scale
-        engine = Engine(target, tokenizer, draft_model, dataclasses.replace(config, model=str(model_path)))
+        drafter = (load_draft(config.draft, target, config.device, torch_dtype, quantized=quantized,
+                              embed_scale=config.draft_embed_scale) if config.draft else None)
+        engine = Engine(target, tokenizer, drafter, dataclasses.replace(config, model=str(model_path)))
         engine.startup_s["load"] = time.perf_counter() - t
         log.info("weights and caches ready in %.1f s", engine.startup_s["load"])
         if compile_enabled(config):  # shapes are static only where graphs bucket them
@@ -327,10 +327,10 @@ class Engine:
             # compiled kernels kept beside the models (not in /tmp): a later start, after a reboot too, reuses them
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
             compiler.join()
-            widths = {1} | ({engine.draft_block} if draft_model is not None else set())
+            widths = {1} | ({engine.draft_block} if drafter is not None else set())
             target.compile_layers(tuple(widths))
-            if draft_model is not None:
-                draft_model.compile_layers((engine.draft_block,))
+            if drafter is not None:
+                drafter.compile_layers((engine.draft_block,))
         if engine.steps.static:
             log.info("capturing the decode steps' CUDA graphs%s (--no-compile: a faster first start)",
                      " over torch.compile'd layers" if compile_enabled(config) else "")
@@ -347,7 +347,7 @@ class Engine:
 
     @property
     def draft_block(self) -> int:
-        return self.block_size or self.draft.cfg.block_size
+        return self.block_size or self.draft.block_size
 
     @property
     def memory(self) -> dict[str, int]:
@@ -355,8 +355,8 @@ class Engine:
         out = dict(weights=module_bytes(self.target), kv_cache=self.state.bytes,
                    kv_per_token=sum(c.bytes_per_token for c in self.state.layers) // max(self.n_slots, 1))
         if self.draft is not None:
-            out["draft_weights"] = module_bytes(self.draft)
-            out["draft_cache"] = sum(2 * c.k.numel() * c.k.element_size() for c in self.draft.caches)
+            out["draft_weights"] = module_bytes(self.draft) if isinstance(self.draft, torch.nn.Module) else 0
+            out["draft_cache"] = self.draft.state.bytes
         if self.device.startswith("cuda"):  # the rest the caching allocator holds: activations, CUDA graph pools
             held = torch.cuda.memory_reserved(self.device)
             out["workspace"] = max(0, held - sum(n for name, n in out.items() if name != "kv_per_token"))

@@ -1,8 +1,8 @@
-"""Plain and DFlash speculative decode loops on one cache slot, over the steps of engine/steps.py.
+"""Plain and speculative decode loops on one cache slot, over the steps of engine/steps.py.
 
 Both loops yield the tokens each step commits. Target K/V beyond the committed length are stale and
-ignored (the cache is indexed by position), so rejected draft tokens roll back by length alone. The draft
-only ever receives features of committed positions, so it never rolls back.
+ignored (the cache is indexed by position), so rejected draft tokens roll back by length alone. The drafter
+(draft/interface.Drafter) only ever observes committed positions, so it never rolls back.
 """
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -66,47 +66,52 @@ def accept_matching_samples(drafted: Tensor, logits: Tensor, params: SamplingPar
 
 def prefill(target, state, prompt_ids: Tensor, slot: int, cached: int = 0, draft=None) -> Tensor:
     """Run the prompt from position `cached` on (the cache holds the K/V before it) through the target in chunks;
-    returns the last logits [1, V]. With a draft, each chunk's features of the draft's target layers go into the
-    draft's context for `slot` as the chunk ends, so a long prompt's features (16k positions x 6 layers of a 31B:
+    returns the last logits [1, V]. With a drafter, it observes each chunk (its tokens, and the features of its
+    target layers) for `slot` as the chunk ends, so a long prompt's features (16k positions x 6 layers of a 31B:
     1 GB) are never held at once."""
-    capture = draft.cfg.target_layer_ids if draft is not None else ()
+    capture = draft.target_layers if draft is not None else ()
     for start in range(cached, len(prompt_ids), PREFILL_CHUNK):
         chunk = prompt_ids[start:start + PREFILL_CHUNK]
         positions = torch.arange(start, start + len(chunk), device=prompt_ids.device)
         logits, feats = target(chunk[None], positions[None], state, slot, capture=capture,
                                attn_len=start + len(chunk), logits_at="last", fresh=start == 0)
         if draft is not None:
-            draft.append_context(feats[0], positions, slot)
+            draft.observe(chunk[None], feats, positions[None], slot)
     return logits[0]
 
 
 class FollowBuffer:
-    """Plain steps' features on their way to the draft's context: a plain step taken while the draft follows
-    (the adaptive width at 1) leaves its row here, and the rows go to the draft `block` at a time, or before the
-    next speculative step or the end, whichever comes first. One append of many rows reads the draft's context
-    weights once (the Gemma 4 31B draft's: ~150 MB) where one append per token read them every step."""
+    """Plain steps on their way to the drafter: a plain step taken while the drafter follows (the adaptive width
+    at 1) leaves its token and features row here, and the rows go to the drafter `block` at a time, or before the
+    next speculative step or the end, whichever comes first. One observation of many rows reads the drafter's
+    context weights once (the Gemma 4 31B DFlash draft's: ~150 MB) where one per token read them every step."""
 
-    def __init__(self, steps: Steps, slot: int, block: int):
-        self.steps, self.slot, self.block = steps, slot, block
+    def __init__(self, steps: Steps, slot: int, block: int, device: torch.device):
+        self.steps, self.slot, self.block, self.device = steps, slot, block, device
         self.rows: Tensor | None = None
-        self.first, self.held = 0, 0  # the rows held are positions first, first + 1, ... (plain steps in a row)
+        self.tokens: list[int] = []
+        self.first = 0  # the rows held are positions first, first + 1, ... (plain steps in a row)
 
-    def add(self, features: Tensor, pos: int) -> None:
-        """features [1, width] of position `pos` (the next after the rows held)."""
-        if self.rows is None:
-            self.rows = features.new_empty(self.block, features.shape[-1])
-        if not self.held:
+    def add(self, token: int, features: Tensor | None, pos: int) -> None:
+        """`token` at position `pos` (the next after the rows held) and its features [1, width] (None: the
+        drafter reads no target layers)."""
+        if not self.tokens:
             self.first = pos
-        self.rows[self.held].copy_(features.reshape(-1))  # the graph's output buffer: overwritten by its next replay
-        self.held += 1
-        if self.held == self.block:
+        if features is not None:
+            if self.rows is None:
+                self.rows = features.new_empty(self.block, features.shape[-1])
+            # the graph's output buffer: overwritten by its next replay
+            self.rows[len(self.tokens)].copy_(features.reshape(-1))
+        self.tokens.append(token)
+        if len(self.tokens) == self.block:
             self.flush()
 
     def flush(self) -> None:
-        if self.held:
-            positions = torch.arange(self.first, self.first + self.held, device=self.rows.device)
-            self.steps.append_context(self.slot, self.rows[:self.held], positions)
-            self.held = 0
+        if held := len(self.tokens):
+            positions = torch.arange(self.first, self.first + held, device=self.device)
+            tokens = torch.tensor(self.tokens, device=self.device)
+            self.steps.observe(self.slot, tokens, None if self.rows is None else self.rows[:held], positions)
+            self.tokens = []
 
 
 @torch.inference_mode()
@@ -116,12 +121,12 @@ def decode(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int =
            controller: WidthController | None = None, logprobs: list | None = None,
            cached: int = 0, constraint: "Constraint | None" = None, seed: int | None = None) -> Iterator[list[int]]:
     """Yield the committed tokens of each step until `params.max_tokens` are out (the caller stops
-    earlier on EOS or stop strings by closing the generator). With a draft (and `speculative`), each step
+    earlier on EOS or stop strings by closing the generator). With a drafter (and `speculative`), each step
     drafts a whole block and verifies `controller.width()` of it (default: all); width 1 is a plain step that
-    still hands its features to the draft. logit_bias and the penalties apply to every verified row with
+    the drafter still observes. logit_bias and the penalties apply to every verified row with
     that row's own prefix, so speculation stays lossless under them. With `params.logprobs` set, `logprobs`
     receives one sampling.token_logprobs entry per committed token, before the tokens are yielded. `cached`: the
-    slot's cache (and the draft's ring) already hold the first `cached` prompt tokens (a prompt cache hit).
+    slot's cache (and the drafter's state) already hold the first `cached` prompt tokens (a prompt cache hit).
     `constraint` (engine/grammar.py) masks every verified row with the grammar's state after that row's own
     prefix, so a constrained answer stays lossless too. A sampled token's noise is keyed by (`seed`, its position,
     its id) (engine/sampling.race): the same seed gives the same answer, plain or speculative; without a seed, one
@@ -163,10 +168,10 @@ def decode(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int =
     report(logits, [token])
     yield [token]
     produced, pos = 1, n  # pos: position of `token`, committed but not yet in the target cache
-    block = (block_size or draft.cfg.block_size) if draft is not None else 1
+    block = (block_size or draft.block_size) if draft is not None else 1
     if stats is not None:
         stats.block_size = block
-    following = FollowBuffer(steps, slot, block)
+    following = FollowBuffer(steps, slot, block, device)
     try:
         while produced < budget:
             # As z-lab's loop, a block covers at most the tokens still wanted plus the anchor (`live`). The draft
@@ -179,28 +184,25 @@ def decode(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int =
                 width = min(width, live)
             attn_len = steps.attended(pos + width)  # static shapes: the whole bucket, masked by position
             if width <= 1:
-                follow = draft is not None and room > 1  # the draft needs this position's features later
+                follow = draft is not None and room > 1  # the drafter observes every committed position
                 positions = torch.tensor([pos], device=device)
                 out = steps.plain(slot, torch.tensor([token], device=device), positions, attn_len, follow)
                 new = [int(choose(out[0], positions)[1][0])]
                 check_sampled(new)
                 report(out[0], new[:budget - produced])
                 if follow:
-                    following.add(out[1], pos)
+                    following.add(token, out[1], pos)
                     if controller is not None:
                         controller.record(1, 0)
                 pos += 1
             else:
                 # As z-lab's loop: the draft block shrinks only where the output budget or the context ends.
-                following.flush()  # the draft drafts from every committed position
-                drafted_len = min(block, room)
-                block_ids = torch.full((drafted_len,), draft.cfg.mask_token_id, dtype=torch.long, device=device)
-                block_ids[0] = token
-                positions = torch.arange(pos, pos + drafted_len, device=device)
-                live_t = torch.full((1,), live, device=device)  # a fill on the device, no copy from host
-                drafted, logits, feats = steps.speculative(slot, block_ids, positions, live_t, attn_len, width, block)
+                following.flush()  # the drafter proposes from every committed position
+                positions = torch.arange(pos, pos + min(block, room), device=device)
+                anchor, live_t = (torch.full((1,), n, device=device) for n in (token, live))  # fills, no copies
+                ids, logits, feats = steps.speculative(slot, anchor, positions, live_t, attn_len, width, block)
                 checked = min(width, live)  # rows past `live` hold no wanted token: they neither count nor commit
-                drafted, logits = drafted[:checked - 1], logits[:checked]
+                drafted, logits = ids[1:checked], logits[:checked]
                 rows, posterior = choose(logits, positions[:checked], drafted)
                 accepted, bonus = accept_rule(drafted, rows, params, posterior)
                 proposed = drafted.tolist()
@@ -210,7 +212,7 @@ def decode(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int =
                     controller.record(width, accepted)
                 n_new = accepted + 1
                 state.commit(slot, pos + n_new)
-                steps.append_context(slot, feats[:n_new], positions[:n_new])
+                steps.observe(slot, ids[:n_new], None if feats is None else feats[:n_new], positions[:n_new])
                 new = proposed[:accepted] + [bonus]
                 steps.samplers[slot].commit(new, pos + 1)
                 report(logits, new[:budget - produced])
@@ -220,4 +222,4 @@ def decode(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int =
             token = new[-1]
             yield new
     finally:
-        following.flush()  # the draft's ring holds every committed position, as the slot's prompt cache records
+        following.flush()  # the drafter holds every committed position, as the slot's prompt cache records

@@ -3,9 +3,10 @@ warm-up captures, in one place (so warm-up cannot miss a key that decoding uses)
 
 A step attends over a fixed number of cache rows (a bucket: the next power of two that covers the needed
 length), so one graph serves every position inside its bucket, and attention never reads rows past the bucket.
-Kinds: a plain step (one token; with `follow` it also captures the draft's features), a speculative step (draft
-a block after its anchor, verify its first `width` tokens), the draft's context append of n committed rows, and the
-sampler (engine/sampling.DeviceSampler: a token per row of logits; one graph per SamplerKey).
+Kinds: a plain step (one token; with `follow` it also captures the drafter's features), a speculative step (the
+drafter proposes after its anchor, the target verifies the first `width` tokens), the drafter's observation of n
+committed rows, and the sampler (engine/sampling.DeviceSampler: a token per row of logits; one graph per
+SamplerKey). The drafter is read through draft/interface.Drafter only.
 """
 from dataclasses import dataclass
 
@@ -15,7 +16,7 @@ from torch import Tensor
 from flashdraft.engine.graphs import GraphCache
 from flashdraft.layers.attention import reads_by_position
 from flashdraft.layers.kv_cache import KVCache
-from flashdraft.engine.sampling import DeviceSampler, argmax_rows
+from flashdraft.engine.sampling import DeviceSampler
 
 MIN_BUCKET = 256
 
@@ -49,27 +50,27 @@ class ContextKey:
 
 
 def plain_step(target, state, token: Tensor, pos: Tensor, slot: int, attn_len: int,
-               capture: list[int] | None = None) -> tuple[Tensor, ...]:
-    """One token [1] through the target: (logits [1, V],), or (logits, features [1, L*H]) when `capture` names
-    layers (a plain step taken while a draft follows along, which needs the features of every committed position)."""
+               capture: tuple[int, ...] | None = None) -> tuple[Tensor | None, ...]:
+    """One token [1] through the target: (logits [1, V],), or (logits, features [1, L*H] or None) when a drafter
+    follows along (`capture`: its target layers), which needs every committed position."""
     logits, feats = target(token[None], pos[None], state, slot, attn_len=attn_len, capture=capture or ())
-    return (logits[0],) if capture is None else (logits[0], feats[0])
+    return (logits[0],) if capture is None else (logits[0], None if feats is None else feats[0])
 
 
-def speculative_step(target, state, draft, block: Tensor, positions: Tensor, slot: int, attn_len: int,
+def speculative_step(target, state, draft, anchor: Tensor, positions: Tensor, slot: int, attn_len: int,
                      verify: int | None = None, live: Tensor | None = None, context_rows: int | None = None):
-    """Draft one block after its anchor `block[0]`, then verify its first `verify` tokens (default: all).
-    The draft always sees the whole block (its first `live` rows, see DFlashDraft.forward), so a narrower verify
-    checks the same proposals; it reads `context_rows` of its ring (default attn_len: the rows past the bucket hold
-    no context yet). Returns (drafted [verify - 1], logits [verify, V], features [verify, L*H])."""
-    verify = verify or len(block)
-    noise = target.token_embedding(block) * draft.cfg.input_embedding_scale
-    hidden = draft(noise, positions, slot, live, context_rows or attn_len)
-    drafted = argmax_rows(draft.compute_logits(hidden[1:verify], target.logits))
-    checked = torch.cat([block[:1], drafted])
-    logits, feats = target(checked[None], positions[None, :verify], state, slot,
-                           capture=draft.cfg.target_layer_ids, attn_len=attn_len)
-    return drafted, logits[0], feats[0]
+    """The drafter proposes after `anchor` [1] for the block of `positions` (the anchor's first), then the target
+    verifies the anchor and the first `verify` - 1 proposals (default: the whole block). A block drafter fills
+    the whole block whatever `verify` (its first `live` rows), so a narrower verify checks the same proposals;
+    it reads `context_rows` of its context (default attn_len: the rows past the bucket hold none yet). Returns
+    (checked [verify]: the anchor and the proposals, logits [verify, V], features [verify, L*H] or None)."""
+    verify = verify or len(positions)
+    drafted = draft.propose(target, anchor, positions[:1], slot, verify - 1, live, len(positions),
+                            context_rows or attn_len)
+    checked = torch.cat([anchor, drafted[0]])
+    logits, feats = target(checked[None], positions[None, :verify], state, slot, capture=draft.target_layers,
+                           attn_len=attn_len)
+    return checked, logits[0], None if feats is None else feats[0]
 
 
 class Steps:
@@ -82,6 +83,7 @@ class Steps:
 
     def __init__(self, target, state, draft=None, device: str = "cpu"):
         self.target, self.state, self.draft = target, state, draft
+        self.capture = tuple(draft.target_layers) if draft is not None else ()  # read once
         self.graphs = GraphCache(device)
         self.static = self.graphs.captures
         self.device = device
@@ -97,8 +99,8 @@ class Steps:
         """The length the target's attention is launched over for a step of bucket attn_len."""
         return self.state.max_len if self.whole_cache else attn_len
 
-    def plain(self, slot: int, token: Tensor, pos: Tensor, attn_len: int, follow: bool) -> tuple[Tensor, ...]:
-        capture = self.draft.cfg.target_layer_ids if follow else None
+    def plain(self, slot: int, token: Tensor, pos: Tensor, attn_len: int, follow: bool) -> tuple[Tensor | None, ...]:
+        capture = self.capture if follow else None
         attn_len = self.target_length(attn_len)
 
         def step(t, p):
@@ -106,21 +108,26 @@ class Steps:
 
         return self.graphs.run(PlainKey(slot, attn_len, follow), step, [token, pos])
 
-    def speculative(self, slot: int, block_ids: Tensor, positions: Tensor, live: Tensor, attn_len: int,
-                    width: int, block: int) -> tuple[Tensor, Tensor, Tensor]:
-        """A block shorter than the engine's `block` (the context's end) runs eagerly: no graph for that shape."""
-        def step(b, p, n):
-            return speculative_step(self.target, self.state, self.draft, b, p, slot, self.target_length(attn_len),
+    def speculative(self, slot: int, anchor: Tensor, positions: Tensor, live: Tensor, attn_len: int,
+                    width: int, block: int) -> tuple[Tensor, Tensor, Tensor | None]:
+        """positions: the block's. A block shorter than the engine's `block` (the context's end) runs eagerly: no
+        graph for that shape."""
+        def step(a, p, n):
+            return speculative_step(self.target, self.state, self.draft, a, p, slot, self.target_length(attn_len),
                                     width, n, context_rows=attn_len)
 
-        if len(block_ids) != block:
-            return step(block_ids, positions, live)
-        return self.graphs.run(SpecKey(slot, attn_len, block, width), step, [block_ids, positions, live])
+        if len(positions) != block:
+            return step(anchor, positions, live)
+        return self.graphs.run(SpecKey(slot, attn_len, block, width), step, [anchor, positions, live])
 
-    def append_context(self, slot: int, features: Tensor, positions: Tensor) -> None:
-        """Hand the draft the features of newly committed positions (a graph per row count on CUDA)."""
-        self.graphs.run(ContextKey(slot, len(positions)),
-                        lambda f, p: (self.draft.append_context(f, p, slot),), [features, positions])
+    def observe(self, slot: int, tokens: Tensor, features: Tensor | None, positions: Tensor) -> None:
+        """Hand the drafter the tokens [n] (and features [n, L*H]) of newly committed positions [n] (a graph per
+        row count on CUDA)."""
+        def step(t, p, *f):
+            return (self.draft.observe(t[None], f[0][None] if f else None, p[None], slot),)
+
+        self.graphs.run(ContextKey(slot, len(positions)), step,
+                        [tokens, positions] + ([] if features is None else [features]))
 
     def sampler(self, slot: int, vocab: int) -> DeviceSampler:
         """The slot's sampler (its state stays on the device, overwritten by each request: DeviceSampler.begin)."""
@@ -141,7 +148,7 @@ class Steps:
         if not self.graphs.captures:
             return sampler(key, logits, positions, drafted)
         if self.sample_inputs is None:
-            most = self.draft.cfg.block_size if self.draft is not None else 1
+            most = self.draft.block_size if self.draft is not None else 1
             self.sample_inputs = (torch.empty(most, logits.shape[-1], device=self.device),
                                   torch.zeros(most, dtype=torch.long, device=self.device),
                                   torch.zeros(max(most - 1, 1), dtype=torch.long, device=self.device))
@@ -182,9 +189,11 @@ class Steps:
             self.plain(key.slot, zero, zero.clone(), key.bucket, key.follow)
         elif isinstance(key, SpecKey):
             pos = max(0, min(64, key.bucket - key.block))
-            self.speculative(key.slot, torch.zeros(key.block, dtype=torch.long, device=dev),
+            self.speculative(key.slot, torch.zeros(1, dtype=torch.long, device=dev),
                              torch.arange(pos, pos + key.block, device=dev),
                              torch.tensor([key.block], device=dev), key.bucket, key.width, key.block)
         else:
-            feats = torch.zeros(key.rows, self.draft.cfg.context_width, dtype=self.target.dtype, device=dev)
-            self.append_context(key.slot, feats, torch.arange(key.rows, device=dev))
+            width = len(self.capture) * self.target.cfg.hidden_size
+            feats = torch.zeros(key.rows, width, dtype=self.target.dtype, device=dev) if self.capture else None
+            self.observe(key.slot, torch.zeros(key.rows, dtype=torch.long, device=dev), feats,
+                         torch.arange(key.rows, device=dev))

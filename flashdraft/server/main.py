@@ -223,7 +223,7 @@ def load_engine(s: Settings):
         engine.tokenizer.chat_template = Path(s.chat_template_file).read_text()
     spec = ""
     if engine.draft is not None:
-        spec = f", DFlash block size {engine.draft_block}"
+        spec = f", {engine.draft.name} draft, block size {engine.draft_block}"
         if engine.adaptive:
             costs = ", ".join(f"{w}: {c:.2f}" for w, c in (engine.width_costs or {}).items())
             spec += ", adaptive verify width" + (f" (step cost by width: {costs})" if costs else "")

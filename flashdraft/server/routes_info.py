@@ -48,7 +48,7 @@ async def props(request: Request) -> dict:
         "model_path": engine.model_path,
         "model_alias": state.model_name,
         "draft_model_path": engine.draft_path,
-        "speculative": {"type": "dflash" if spec else "none",
+        "speculative": {"type": engine.draft.name if spec else "none",
                         "block_size": engine.draft_block if spec else None,
                         "draft_window": engine.draft_window if spec else None},
         "reasoning": s.reasoning,
