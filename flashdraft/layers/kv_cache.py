@@ -7,6 +7,8 @@ another shape, a sliding ring or a quantized store is a new kind here, not a new
 - `window_cache`: a sliding-window layer's ring of window + step rows (row p % rows).
 - `RingKVCache`: a window ring (row p % window) after scratch rows that a step's own block K/V go into, with
   the position each ring row holds (the DFlash draft's context).
+- `RecurrentCache`: a recurrent layer's state and its convolution's last inputs per slot (Gated DeltaNet). It
+  holds the whole prefix in one value, so it cannot go back to an earlier length by position.
 The target's caches store K and V through codecs (f32/f16/bf16, or llama.cpp's block types: layers/kv_quant.py).
 A quantized K store may hold its keys minus a fixed `key_shift` per KV head (the model's mean key): every score of
 a query then moves by the same q . shift, which softmax ignores, while the blocks no longer spend their scale on
@@ -94,6 +96,8 @@ class KVSlots:
 class KVCache:
     """Rows by position, or (`window`) a sliding-window layer's ring of `rows` = window + step rows."""
 
+    by_position = True  # row p holds position p (a ring: p % rows): a shorter length needs no work
+
     def __init__(self, n_slots: int, kv_heads: int, rows: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device | str, codecs: tuple[KVCodec, KVCodec] | None = None, window: int = 0):
         self.codecs = codecs or kv_codecs(None, dtype)
@@ -120,6 +124,10 @@ class KVCache:
     def read(self, slots: Slots, length: int, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         """The first `length` rows of the slots: [B, KV, length, D] (views for an int or a slice)."""
         return self.view(slots).read(length, dtype)
+
+    @property
+    def bytes(self) -> int:
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
 
 def window_cache(n_slots: int, kv_heads: int, window: int, extra: int, head_dim: int, dtype: torch.dtype,
@@ -165,16 +173,75 @@ class RingKVCache:
         return self.k[slot, :, rows], self.v[slot, :, rows]
 
 
-class KVState:
-    """A target's state for all its slots: one cache per layer. Rollback after a verify is by position, so
-    `commit` has nothing to do for these caches (a recurrent layer's state would copy its accepted step here)."""
+class RecurrentSlots:
+    """One recurrent layer's state as one forward sees it: views of its slots' rows, made outside compiled layers
+    (as KVSlots), read at the start of a forward and overwritten in place at its end."""
 
-    def __init__(self, layers: list[KVCache], max_len: int):
-        self.layers, self.max_len = layers, max_len
+    def __init__(self, cache: "RecurrentCache", slots: Slots):
+        if isinstance(slots, int):
+            slots = slice(slots, slots + 1)
+        self.index = slots if isinstance(slots, Tensor) else None
+        self.state, self.conv = (cache.state, cache.conv) if self.index is not None else \
+            (cache.state[slots], cache.conv[slots])
 
-    def commit(self, slot: int, length: int) -> None:
-        pass
+    def read(self) -> tuple[Tensor, Tensor]:
+        """(state [B, heads, key dim, value dim] float32, conv [B, channels, kernel - 1])."""
+        if self.index is None:
+            return self.state, self.conv
+        return self.state[self.index], self.conv[self.index]
+
+    def write(self, state: Tensor, conv: Tensor) -> None:
+        if self.index is None:
+            self.state.copy_(state)
+            self.conv.copy_(conv.to(self.conv.dtype))
+        else:
+            self.state[self.index] = state
+            self.conv[self.index] = conv.to(self.conv.dtype)
+
+
+class RecurrentCache:
+    """A recurrent layer's per-slot state: a float32 matrix [key dim, value dim] per head, and the last
+    `kernel - 1` inputs of its causal convolution. A forward from position 0 (`fresh`) starts from zeros; any
+    other continues from what the slot holds, which is the state after every token run through it so far."""
+
+    by_position = False
+    bytes_per_token = 0
+
+    def __init__(self, n_slots: int, heads: int, key_dim: int, value_dim: int, channels: int, kernel: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        self.state = torch.zeros((n_slots, heads, key_dim, value_dim), device=device, dtype=torch.float32)
+        self.conv = torch.zeros((n_slots, channels, kernel - 1), device=device, dtype=dtype)
 
     @property
     def bytes(self) -> int:
-        return sum(c.k.numel() * c.k.element_size() + c.v.numel() * c.v.element_size() for c in self.layers)
+        return self.state.numel() * self.state.element_size() + self.conv.numel() * self.conv.element_size()
+
+    def view(self, slots: Slots) -> RecurrentSlots:
+        return RecurrentSlots(self, slots)
+
+
+class KVState:
+    """A target's state for all its slots: one cache per layer. Where every cache is indexed by position
+    (`by_position`), rollback after a verify is by position, so `commit` has nothing to do; a recurrent layer's
+    state (RecurrentCache) cannot roll back yet, so a target with one runs without speculation."""
+
+    def __init__(self, layers: list, max_len: int):
+        self.layers, self.max_len = layers, max_len
+
+    @property
+    def by_position(self) -> bool:
+        return all(c.by_position for c in self.layers)
+
+    def reusable(self, held: int, shared: int) -> int:
+        """A slot's caches hold `held` tokens, the first `shared` of which start a new prompt: how many of them
+        the prompt can keep. Position-indexed caches keep any prefix; a recurrent state is the state after all
+        `held` tokens, so it serves only a prompt that continues them all."""
+        return shared if self.by_position or shared == held else 0
+
+    def commit(self, slot: int, length: int) -> None:
+        if not self.by_position:
+            raise RuntimeError("a recurrent layer's state cannot roll back to an accepted length yet")
+
+    @property
+    def bytes(self) -> int:
+        return sum(c.bytes for c in self.layers)

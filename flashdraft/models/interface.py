@@ -16,6 +16,17 @@ class ModelState(Protocol):
     """Everything a model keeps between steps for its slots (one cache object per layer)."""
     max_len: int
 
+    @property
+    def by_position(self) -> bool:
+        """Every cache is indexed by position, so a slot goes back to any shorter length by that length alone.
+        A recurrent layer's state (Gated DeltaNet) is not: a target with one runs without speculation for now."""
+        ...
+
+    def reusable(self, held: int, shared: int) -> int:
+        """A slot's caches hold `held` tokens whose first `shared` start a new prompt: how many the prompt keeps
+        (all `shared` by position; a recurrent state only the whole `held`, else none)."""
+        ...
+
     def commit(self, slot: int, length: int) -> None:
         """After a verify step: the slot's first `length` positions are kept. Position-indexed caches need
         nothing (stale rows are masked by position); recurrent state would copy the accepted step's state here."""
