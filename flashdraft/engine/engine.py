@@ -42,9 +42,11 @@ class SlotPool:
     takes the free slot whose tokens share the longest prefix with its prompt, when that prefix is at least
     `similarity` of the prompt (--slot-prompt-similarity), else the free slot used least recently. The drafter
     observes speculative requests only, so each slot also records how many of its tokens the drafter's state
-    holds; a speculative request reuses no more than that."""
+    holds; a speculative request reuses no more than that. `reusable(held, n)`: how many of the first n of its
+    `held` tokens a slot's caches can keep (models.interface.ModelState.reusable; default: all n)."""
 
-    def __init__(self, n_slots: int, similarity: float):
+    def __init__(self, n_slots: int, similarity: float, reusable=None):
+        self.reusable = reusable or (lambda held, n: n)
         self.cond = threading.Condition()
         self.free = list(range(n_slots))
         self.tokens: list[list[int]] = [[] for _ in range(n_slots)]
@@ -70,6 +72,7 @@ class SlotPool:
             cached = max(0, min(shared[slot], len(prompt) - 1)) if reuse else 0
             if speculative:
                 cached = min(cached, self.drafted[slot])
+            cached = self.reusable(len(self.tokens[slot]), cached)
             self.tokens[slot] = prompt[:cached]  # what stays valid while the request overwrites the rest
             self.drafted[slot] = min(self.drafted[slot], shared[slot])
             return slot, cached
@@ -287,6 +290,9 @@ class Engine:
             raise ValueError("tensor parallelism runs one request at a time: use one slot")
         try:
             self.state = target.new_state(config.n_slots, config.ctx_size, (config.cache_type_k, config.cache_type_v))
+            if draft is not None and not self.state.by_position:
+                raise ValueError("speculative decoding is not supported for this target yet: its recurrent layers "
+                                 "cannot roll back rejected draft tokens (run it without a draft)")
             if draft is not None:
                 draft.setup_cache(min(draft_window or config.ctx_size, config.ctx_size), config.n_slots,
                                   cache_dtypes=(FLOAT_KV_TYPES.get(config.draft_cache_type_k),
@@ -305,7 +311,7 @@ class Engine:
                              "q4_1, ...)") from None
         self.steps = Steps(target, self.state, draft, config.device)
         self.startup_s = {}
-        self.slots = SlotPool(config.n_slots, config.slot_prompt_similarity)
+        self.slots = SlotPool(config.n_slots, config.slot_prompt_similarity, self.state.reusable)
 
     @staticmethod
     def load(config: EngineConfig) -> "Engine":
