@@ -1,4 +1,5 @@
-"""RMSNorm in the variants the families use: weight w (llama, Qwen, Gemma 4), 1 + w (Gemma 3), or none."""
+"""RMSNorm in the variants the families use: weight w (llama, Qwen, Gemma 4), 1 + w (Gemma 3, Qwen3.5), or none;
+and the gated form of a Gated DeltaNet's output."""
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
@@ -25,3 +26,17 @@ class RMSNorm(nn.Module):
         if self.fp32_weight:
             return (normed * (self.weight.float() + self.offset)).to(x.dtype)
         return self.weight * normed.to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """rms_norm(x) * w * silu(gate) over the last axis (a Gated DeltaNet's output per head), in HF's order: the
+    normed x back in its dtype times w, then times silu(gate) in float32."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor, gate: Tensor) -> Tensor:
+        normed = self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return (normed * F.silu(gate.float())).to(x.dtype)

@@ -1,0 +1,154 @@
+"""Gated DeltaNet, the linear-attention layer of Qwen3.5 (HF `Qwen3_5GatedDeltaNet`), in plain PyTorch: the CPU
+path and the reference that faster kernels are checked against.
+
+Per token t and value head h, in float32:
+    S <- exp(g_t) S;    u_t = beta_t (v_t - S^T k_t);    S <- S + k_t u_t^T;    o_t = S^T q_t
+where q, k, v come out of a causal depthwise convolution (then SiLU) over the projected input, q and k are
+L2-normed and q is scaled by key_dim^-0.5, beta = sigmoid(b) and g = -exp(A_log) softplus(a + dt_bias). The
+output is RMSNorm(o) * silu(z) per head, projected back. There are fewer key heads than value heads: each key
+head serves value_heads / key_heads of them, grouped as HF orders them (value head h reads key head h // ratio)
+or tiled as llama.cpp's GGUF files order them (h % key_heads).
+
+The recurrence in two forms: `recurrent_delta_rule`, a token at a time (decode steps), and `chunked_delta_rule`,
+chunks of tokens in a few matrix products (prefill). The state a slot keeps between forwards (S per head and the
+convolution's last inputs) lives in layers.kv_cache.RecurrentCache."""
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from flashdraft.layers.kv_cache import RecurrentSlots
+from flashdraft.layers.linear import Linear, fuse_linears_on_load
+from flashdraft.layers.norm import GatedRMSNorm
+
+CHUNK = 64  # tokens per chunk of the chunked form
+RECURRENT_TOKENS = 16  # forwards of up to this many tokens take the recurrent form
+
+
+@dataclass(frozen=True)
+class DeltaNetShape:
+    hidden_size: int
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
+    eps: float = 1e-6
+    tiled: bool = False  # value heads in llama.cpp's tiled order (h reads key head h % key_heads)
+
+    @property
+    def channels(self) -> int:
+        """The convolution's channels: q, k and v."""
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+
+def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def recurrent_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                         state: Tensor) -> tuple[Tensor, Tensor]:
+    """q, k [B, H, T, Dk], v [B, H, T, Dv], g, beta [B, H, T], state [B, H, Dk, Dv] (float32) ->
+    (o [B, H, T, Dv], the state after the T tokens)."""
+    out = []
+    for t in range(q.shape[2]):
+        state = state * g[:, :, t, None, None].exp()
+        k_t = k[:, :, t]
+        u = (v[:, :, t] - torch.einsum("bhk,bhkv->bhv", k_t, state)) * beta[:, :, t, None]
+        state = state + k_t[..., None] * u[..., None, :]
+        out.append(torch.einsum("bhk,bhkv->bhv", q[:, :, t], state))
+    return torch.stack(out, 2), state
+
+
+def chunked_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+                       chunk: int = CHUNK) -> tuple[Tensor, Tensor]:
+    """The same as recurrent_delta_rule, a chunk of tokens at a time. Within a chunk, with G_i the summed log decay
+    from the chunk's start through token i and S the state before the chunk, the updates satisfy
+        u_i + sum_{j<i} beta_i e^(G_i - G_j) (k_i . k_j) u_j = beta_i (v_i - e^(G_i) S^T k_i)
+    (a unit lower-triangular system), the outputs are o_i = e^(G_i) S^T q_i + sum_{j<=i} e^(G_i - G_j) (q_i . k_j) u_j,
+    and the state after it e^(G_last) S + sum_j e^(G_last - G_j) k_j u_j^T."""
+    B, H, T, _ = k.shape
+    pad = -T % chunk
+    if pad:  # padded tokens: no decay (g = 0), no update (beta = 0)
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    n = (T + pad) // chunk
+    q, k, v = (x.reshape(B, H, n, chunk, x.shape[-1]) for x in (q, k, v))
+    g, beta = (x.reshape(B, H, n, chunk) for x in (g, beta))
+    logs = g.cumsum(-1)
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (logs[..., :, None] - logs[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # token j to i
+    k_beta = k * beta[..., None]
+    system = (k_beta @ k.transpose(-1, -2)) * decay  # its diagonal is taken as ones
+
+    def solve(rhs: Tensor) -> Tensor:
+        return torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+
+    u_values, u_state = solve(v * beta[..., None]), solve(k_beta * logs.exp()[..., None])  # u = u_values - u_state S
+    scores = (q @ k.transpose(-1, -2)) * decay
+    q_decayed = q * logs.exp()[..., None]
+    k_to_end = k * (logs[..., -1:] - logs).exp()[..., None]
+    chunk_decay = logs[..., -1].exp()[..., None, None]
+    out = torch.empty_like(u_values)
+    for i in range(n):
+        u = u_values[:, :, i] - u_state[:, :, i] @ state
+        out[:, :, i] = q_decayed[:, :, i] @ state + scores[:, :, i] @ u
+        state = state * chunk_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ u
+    return out.reshape(B, H, n * chunk, -1)[:, :, :T], state
+
+
+class GatedDeltaNet(nn.Module):
+    """Module names as HF's: `in_proj_qkv` and `in_proj_z` load into one matrix, `in_proj_b` and `in_proj_a`
+    into another."""
+
+    def __init__(self, shape: DeltaNetShape):
+        super().__init__()
+        self.shape = s = shape
+        value_size = s.value_heads * s.value_dim
+        self.in_proj_qkvz = Linear(s.hidden_size, s.channels + value_size, bias=False)
+        fuse_linears_on_load(self, "in_proj_qkvz", ["in_proj_qkv", "in_proj_z"], [s.channels, value_size])
+        self.in_proj_ba = Linear(s.hidden_size, 2 * s.value_heads, bias=False)
+        fuse_linears_on_load(self, "in_proj_ba", ["in_proj_b", "in_proj_a"])
+        self.conv1d = nn.Conv1d(s.channels, s.channels, s.conv_kernel, groups=s.channels, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(s.value_heads))
+        self.A_log = nn.Parameter(torch.zeros(s.value_heads))
+        self.norm = GatedRMSNorm(s.value_dim, s.eps)
+        self.out_proj = Linear(value_size, s.hidden_size, bias=False)
+
+    def forward(self, x: Tensor, cache: RecurrentSlots | None, positions: Tensor, fresh: bool) -> Tensor:
+        """x [B, T, hidden]. fresh: the tokens start at position 0 (the state starts from zeros); else they
+        continue the state the cache holds. The cache (if any) is left holding the state after them."""
+        s = self.shape
+        B, T, _ = x.shape
+        C, K, HV, Dk, Dv = s.channels, s.conv_kernel, s.value_heads, s.key_dim, s.value_dim
+        qkvz = self.in_proj_qkvz(x)
+        b, a = self.in_proj_ba(x).chunk(2, dim=-1)
+        if cache is None or fresh:
+            state = x.new_zeros(B, HV, Dk, Dv, dtype=torch.float32)
+            conv = x.new_zeros(B, C, K - 1)
+        else:
+            state, conv = cache.read()
+        inputs = torch.cat([conv.to(x.dtype), qkvz[..., :C].transpose(1, 2)], dim=-1)  # [B, C, K - 1 + T]
+        mixed = F.silu(F.conv1d(inputs, self.conv1d.weight, groups=C)).transpose(1, 2)  # [B, T, C]
+        key_size = s.key_heads * Dk
+        q = self._per_value_head(l2norm(mixed[..., :key_size].float().unflatten(-1, (s.key_heads, Dk))))
+        k = self._per_value_head(l2norm(mixed[..., key_size:2 * key_size].float().unflatten(-1, (s.key_heads, Dk))))
+        v = mixed[..., 2 * key_size:].float().unflatten(-1, (HV, Dv))
+        beta = b.sigmoid().float()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        q, k, v = (t.transpose(1, 2) for t in (q * Dk ** -0.5, k, v))  # [B, H, T, D]
+        rule = recurrent_delta_rule if T <= RECURRENT_TOKENS else chunked_delta_rule
+        out, state = rule(q, k, v, g.transpose(1, 2), beta.transpose(1, 2), state)
+        if cache is not None:
+            cache.write(state, inputs[..., inputs.shape[-1] - (K - 1):])
+        out = self.norm(out.transpose(1, 2).to(x.dtype), qkvz[..., C:].unflatten(-1, (HV, Dv)))
+        return self.out_proj(out.flatten(-2))
+
+    def _per_value_head(self, x: Tensor) -> Tensor:
+        """[B, T, key heads, D] -> [B, T, value heads, D]: each value head's key head."""
+        s = self.shape
+        ratio = s.value_heads // s.key_heads
+        if ratio == 1:
+            return x
+        return x.repeat(1, 1, ratio, 1) if s.tiled else x.repeat_interleave(ratio, dim=2)
