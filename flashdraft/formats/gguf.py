@@ -469,7 +469,8 @@ def tensor_values(t: GGUFTensor) -> np.ndarray:
 # ------------------------------------------------------------------------------------- tensor names
 
 IGNORED = {"rope_freqs.weight"}  # folded into the config's rope_scaling
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)(?:\.(weight|bias))?")
+_LAYER = re.compile(r"blk\.(\d+)\.")
 
 
 def hf_name(gguf_name: str, family: Family) -> str | None:
@@ -478,9 +479,12 @@ def hf_name(gguf_name: str, family: Family) -> str | None:
         return None
     if m := _LAYER_TENSOR.fullmatch(gguf_name):
         layer, part, kind = m.groups()
-        if f"{part}.{kind}" in family.gguf_layer_names:  # a bare parameter (no .weight in HF's name)
+        if kind is None:  # a bare parameter in the file too (qwen35's ssm_a)
+            if part in family.gguf_layer_names:
+                return f"model.layers.{layer}.{family.gguf_layer_names[part]}"
+        elif f"{part}.{kind}" in family.gguf_layer_names:  # a bare parameter (no .weight in HF's name)
             return f"model.layers.{layer}.{family.gguf_layer_names[f'{part}.{kind}']}"
-        if part in family.gguf_layer_names:
+        elif part in family.gguf_layer_names:
             return f"model.layers.{layer}.{family.gguf_layer_names[part]}.{kind}"
     else:
         base, _, kind = gguf_name.rpartition(".")
@@ -535,10 +539,13 @@ def iter_gguf_tensors(gguf: GGUFFile | str | Path, dtype: torch.dtype = torch.fl
         from tqdm import tqdm
         items = tqdm(items, desc=f"loading {gguf.path.name}", unit="tensor")
     for t in items:
+        if (m := _LAYER.match(t.name)) and int(m[1]) >= config["num_hidden_layers"]:
+            continue  # the file's MTP (nextn) layers, after the model's
         name = hf_name(t.name, family)
         if name is None:
             continue
-        kept_here = keeps_quantized(t, kept)
+        convert = family.gguf_values(name) if family.gguf_values is not None else None
+        kept_here = convert is None and keeps_quantized(t, kept)
         raw = mapped_bytes(t) if kept_here else tensor_bytes(t)
         part = t.name.split(".")[2] if t.name.startswith("blk.") else ""
         permuted = part in permute_heads
@@ -548,11 +555,16 @@ def iter_gguf_tensors(gguf: GGUFFile | str | Path, dtype: torch.dtype = torch.fl
             yield name, stored_weight(t, raw, None if permuted else gguf.path)
             continue
         shifted = name.endswith("norm.weight") and norm_shift != 0
+        in_float32 = shifted or convert is not None
         try:
-            tensor = dequantize(raw, t.qtype, t.shape, torch.float32 if shifted else dtype, device)
+            tensor = dequantize(raw, t.qtype, t.shape, torch.float32 if in_float32 else dtype, device)
         except ValueError as e:
             raise ValueError(f"tensor {t.name}: {e}") from None
-        yield name, (tensor - norm_shift).to(dtype) if shifted else tensor
+        if shifted:
+            tensor = tensor - norm_shift
+        if convert is not None:
+            tensor = convert(tensor)
+        yield name, tensor.to(dtype) if in_float32 else tensor
 
 
 def _unpermute(raw: torch.Tensor, rows: int, n_heads: int) -> torch.Tensor:

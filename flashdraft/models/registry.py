@@ -2,8 +2,12 @@
 names and tensor-parallel rules. A new family is its own file plus an entry here; nothing else changes."""
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from flashdraft.models import gemma, llama
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 @dataclass(frozen=True)
@@ -20,6 +24,10 @@ class Family:
     tp_column_split: tuple[str, ...] = ()              # modules split by input features (summed by all-reduce)
     gguf_config: Callable[[dict, dict, dict], dict] | None = None  # (metadata, tensors, shared keys) -> HF config
     gguf_norm_shift: dict[str, float] = field(default_factory=dict)  # GGUF arch -> subtracted from norm weights
+    # HF name -> None, or how a tensor's float32 values as llama.cpp's converter wrote them become the model's
+    # (changes that a table of names cannot say; such a tensor is always dequantised)
+    gguf_values: Callable[[str], Callable[["Tensor"], "Tensor"] | None] | None = None
+    refused: dict[str, str] = field(default_factory=dict)  # model_type or GGUF architecture -> why it does not load
 
     @property
     def model_types(self) -> tuple[str, ...]:
@@ -75,10 +83,17 @@ def model_types() -> list[str]:
     return [t for f in FAMILIES for t in f.model_types]
 
 
+def _refuse(name: str) -> None:
+    for f in FAMILIES:
+        if name in f.refused:
+            raise ValueError(f.refused[name])
+
+
 def family_for(model_type: str) -> Family:
     for f in FAMILIES:
         if model_type in f.hf_classes:
             return f
+    _refuse(model_type)
     raise ValueError(f"unsupported architecture {model_type!r} (supported: {', '.join(model_types())})")
 
 
@@ -86,6 +101,7 @@ def family_for_gguf(architecture: str) -> Family:
     for f in FAMILIES:
         if architecture in f.gguf_architectures:
             return f
+    _refuse(architecture)
     supported = [a for f in FAMILIES for a in f.gguf_architectures]
     raise ValueError(f"unsupported GGUF architecture {architecture!r} (supported: {', '.join(supported)})")
 
