@@ -4,7 +4,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from flashdraft.models import gemma, llama
+from flashdraft.models import gemma, llama, qwen3_5
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -72,7 +72,20 @@ GEMMA = Family(
     gguf_norm_shift={"gemma3": 1.0},  # llama.cpp bakes Gemma 3's (1 + w) into the file; HF stores w
 )
 
-FAMILIES: list[Family] = [LLAMA, GEMMA]
+QWEN3_5 = Family(
+    name="qwen3_5",
+    model_class=qwen3_5.Qwen35,
+    read_config=qwen3_5.Qwen35Config.from_hf,
+    hf_classes=qwen3_5.HF_CLASSES,
+    gguf_architectures={"qwen35": "qwen3_5_text"},
+    gguf_global_names=GLOBAL_NAMES,
+    gguf_layer_names={**DECODER_LAYER_NAMES, **qwen3_5.GGUF_LAYER_NAMES},
+    gguf_config=qwen3_5.gguf_config,
+    gguf_values=qwen3_5.gguf_values,
+    refused=qwen3_5.REFUSED,
+)
+
+FAMILIES: list[Family] = [LLAMA, GEMMA, QWEN3_5]
 
 
 def register(family: Family) -> None:

@@ -1,0 +1,265 @@
+"""Qwen3.5 dense targets (Gated DeltaNet and gated attention layers) against transformers' own `qwen3_5` on random
+small configs: logits of a whole sequence and of the same sequence through the caches in pieces, the two forms of
+the delta rule, prefill in chunks against token by token, greedy generation through the engine (its prompt cache
+keeping a recurrent state only for a prompt that continues it), an HF Qwen3_5ForConditionalGeneration checkpoint,
+and GGUF files written by llama.cpp's own convert_hf_to_gguf.py (sdist fixture of test_gemma_gguf.py). A draft
+for such a target and the MoE variants are refused with their reason."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_gemma_gguf import converter  # noqa: F401  (the llama.cpp converter fixture)
+from tiny import decode_tokens, forward1, write_tokenizer
+
+from flashdraft.engine import generate
+from flashdraft.engine.config import EngineConfig
+from flashdraft.engine.engine import Engine, Request
+from flashdraft.engine.sampling import SamplingParams
+from flashdraft.formats.gguf import gguf_to_hf_config, read_gguf
+from flashdraft.formats.loader import load_target
+from flashdraft.layers.gated_deltanet import chunked_delta_rule, recurrent_delta_rule
+from flashdraft.layers.kv_cache import RecurrentCache
+from flashdraft.models.qwen3_5 import Qwen35, Qwen35Config
+from flashdraft.models.registry import read_config
+
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "Qwen3_5ForCausalLM"):
+    pytest.skip("this transformers has no qwen3_5", allow_module_level=True)
+
+VOCAB = 320
+BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, max_position_embeddings=1024, rms_norm_eps=1e-6, eos_token_id=2)
+CONFIGS = {
+    # value heads twice the key heads: HF's grouped order here, llama.cpp's tiled one in its GGUF files
+    "grouped": dict(num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                    linear_value_head_dim=8),
+    "tied-bias": dict(num_hidden_layers=5, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
+                      linear_value_head_dim=16, linear_conv_kernel_dim=3, tie_word_embeddings=True,
+                      attention_bias=True, rope_parameters=dict(rope_type="default", rope_theta=1e6,
+                                                                partial_rotary_factor=0.5),
+                      layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention",
+                                   "linear_attention"]),
+}
+
+
+def hf_model(name: str, std: float = 0.3):
+    hf_cfg = transformers.AutoConfig.for_model("qwen3_5_text", **BASE, **CONFIGS[name])
+    hf_cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(hf_cfg).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, std)
+    model.generation_config.eos_token_id = None  # greedy references run their whole length
+    return model, hf_cfg.to_dict()
+
+
+def ours_from(hf, cfg: dict, max_len: int = 512) -> Qwen35:
+    model = Qwen35(Qwen35Config.from_hf(cfg)).float()
+    missing, unexpected = model.load_state_dict(hf.state_dict(), strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    model.state = model.new_state(1, max_len)
+    return model.eval()
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])  # the mask given: from pad_token_id, generate would mask the prompt's zeros
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got - ref).abs().max() / ref.abs().max())
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_logits_match_transformers_whole_and_through_the_cache(name):
+    hf, cfg = hf_model(name)
+    ours = ours_from(hf, cfg)
+    n = 150  # past a chunk of the chunked form, and not a multiple of it
+    ids = torch.randint(0, VOCAB, (n,))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+        whole, _ = forward1(ours, ours.state, ids, torch.arange(n), fresh=True)
+        stateless, _ = forward1(ours, None, ids, torch.arange(n), fresh=True)
+        pieces = [forward1(ours, ours.state, ids[:40], torch.arange(40), fresh=True)[0],  # chunked, from zeros
+                  forward1(ours, ours.state, ids[40:45], torch.arange(40, 45))[0]]  # recurrent, from the cache
+        pieces += [forward1(ours, ours.state, ids[p:p + 1], torch.tensor([p]))[0] for p in range(45, 60)]
+        pieces.append(forward1(ours, ours.state, ids[60:], torch.arange(60, n))[0])  # chunked, from the cache
+    assert relative_error(whole, ref) < 1e-4
+    assert relative_error(stateless, ref) < 1e-4
+    assert relative_error(torch.cat(pieces), ref) < 1e-4
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 64, 150])
+def test_chunked_and_recurrent_delta_rule_agree(tokens):
+    g = torch.Generator().manual_seed(tokens)
+    B, H, Dk, Dv = 2, 3, 8, 5
+    q, k = (torch.nn.functional.normalize(torch.randn(B, H, tokens, Dk, generator=g), dim=-1) for _ in range(2))
+    v = torch.randn(B, H, tokens, Dv, generator=g)
+    decay = -torch.rand(B, H, tokens, generator=g) * 3  # down to e^-3 a token: whole chunks decay to nothing
+    beta = torch.rand(B, H, tokens, generator=g)
+    state = torch.randn(B, H, Dk, Dv, generator=g)
+    out, last = recurrent_delta_rule(q, k, v, decay, beta, state)
+    for chunk in (64, 16):
+        chunked, chunked_last = chunked_delta_rule(q, k, v, decay, beta, state, chunk)
+        assert torch.allclose(chunked, out, atol=1e-5) and torch.allclose(chunked_last, last, atol=1e-5)
+
+
+def test_prefill_in_chunks_and_token_by_token_agree():
+    hf, cfg = hf_model("grouped")
+    ours = ours_from(hf, cfg)
+    n = 100
+    ids = torch.randint(0, VOCAB, (n,))
+    by_token = ours.new_state(1, 128)
+    with torch.no_grad():
+        whole, _ = forward1(ours, ours.state, ids, torch.arange(n), fresh=True, logits_at="last")
+        steps = [forward1(ours, by_token, ids[:1], torch.arange(1), fresh=True)[0]]
+        steps += [forward1(ours, by_token, ids[p:p + 1], torch.tensor([p]))[0] for p in range(1, n)]
+    assert relative_error(steps[-1], whole) < 1e-5
+    recurrent = [(a, b) for a, b in zip(ours.state.layers, by_token.layers) if isinstance(a, RecurrentCache)]
+    assert len(recurrent) == 3
+    for a, b in recurrent:  # every layer's state and convolution rows: the same after both
+        assert torch.allclose(a.state, b.state, atol=1e-5) and torch.allclose(a.conv, b.conv, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    """A random HF qwen3_5 folder as a released checkpoint has it: a tokenizer, and an MTP head (mtp.*, one layer)
+    beside the model, which loading leaves out."""
+    from safetensors.torch import load_file, save_file
+    folder = tmp_path_factory.mktemp("qwen3_5") / "hf"
+    folder.mkdir()
+    write_tokenizer(folder, VOCAB)
+    hf, _ = hf_model("grouped", std=0.2)
+    hf.save_pretrained(folder)
+    tensors = load_file(folder / "model.safetensors")
+    H = BASE["hidden_size"]
+    g = torch.Generator().manual_seed(1)
+    mtp = {f"mtp.{name}.weight": torch.randn(H, generator=g)
+           for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
+    mtp["mtp.fc.weight"] = torch.randn(H, 2 * H, generator=g)
+    mtp.update({"mtp.layers.0." + k.removeprefix("model.layers.3."): v.clone()
+                for k, v in tensors.items() if k.startswith("model.layers.3.")})  # a gated attention layer
+    save_file(tensors | mtp, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"mtp_num_hidden_layers": 1}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hf_reference(folder):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    return hf
+
+
+def test_greedy_through_the_engine_matches_transformers(folder, hf_reference, monkeypatch):
+    monkeypatch.setattr(generate, "PREFILL_CHUNK", 16)  # the prompt prefills in chunks, each from the last state
+    engine = Engine.load(EngineConfig(model=str(folder), ctx_size=512))
+    prompt = torch.randint(0, VOCAB, (40,)).tolist()
+    done = engine.generate(Request(prompt, SamplingParams(max_tokens=48, ignore_eos=True)))
+    assert done.token_ids == hf_greedy(hf_reference, prompt, 48)
+    # bucketed step shapes, as CUDA graphs capture them (run eagerly here)
+    tokens = decode_tokens(engine.target, engine.state, torch.tensor(prompt), SamplingParams(max_tokens=48),
+                           static=True)
+    assert tokens == done.token_ids
+    assert engine.memory["kv_cache"] == engine.state.bytes > 0
+
+
+def test_prompt_cache_keeps_a_recurrent_state_only_for_a_prompt_that_continues_it(folder, hf_reference):
+    engine = Engine.load(EngineConfig(model=str(folder), ctx_size=512))
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompt = torch.randint(0, VOCAB, (30,)).tolist()
+    first = engine.generate(Request(prompt, params))
+    held = prompt + first.token_ids[:-1]  # what the slot's caches hold after it
+    follow_up = held + [7, 8, 9]
+    second = engine.generate(Request(follow_up, params))
+    assert second.timings.cache_n == len(held)
+    assert second.token_ids == hf_greedy(hf_reference, follow_up, 12)
+    # a prompt sharing only part of what the slot holds: the recurrent state is past it, so nothing is reused
+    branch = prompt[:20] + [5, 6]
+    third = engine.generate(Request(branch, params))
+    assert third.timings.cache_n == 0
+    assert third.token_ids == hf_greedy(hf_reference, branch, 12)
+    # the same prompt again: its last token must run, which a recurrent state cannot take back
+    again = engine.generate(Request(branch, params))
+    assert again.timings.cache_n == 0 and again.token_ids == third.token_ids
+
+
+def test_a_draft_for_a_recurrent_target_is_refused(folder):
+    target, tokenizer, _ = load_target(str(folder))
+    drafter = SimpleNamespace(block_size=8, target_layers=(1,))
+    with pytest.raises(ValueError, match="recurrent layers cannot roll back rejected draft tokens"):
+        Engine(target, tokenizer, drafter, EngineConfig(ctx_size=256))
+
+
+def test_conditional_generation_checkpoint_loads_its_language_model(folder, hf_reference, tmp_path):
+    """Qwen3_5ForConditionalGeneration names: model.language_model.*, a vision tower (model.visual.*) and mtp.*."""
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(folder / "model.safetensors")
+    renamed = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v
+               for k, v in tensors.items()}
+    renamed["model.visual.patch_embed.proj.weight"] = torch.zeros(8, 3, 2, 2)
+    save_file(renamed, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    text = json.loads((folder / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(dict(model_type="qwen3_5", tie_word_embeddings=False,
+                                                          architectures=["Qwen3_5ForConditionalGeneration"],
+                                                          text_config=text, vision_config={})))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_text((folder / name).read_text())
+    target, _, _ = load_target(str(tmp_path))
+    ids = torch.randint(0, VOCAB, (1, 30))
+    with torch.no_grad():
+        ref = hf_reference(ids).logits[0]
+        got, _ = target(ids, torch.arange(30)[None], target.new_state(1, 64), 0, fresh=True)
+    assert relative_error(got[0], ref) < 1e-4
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_moe", "qwen3_5_moe_text"])
+def test_moe_variants_are_not_supported_yet(model_type):
+    with pytest.raises(ValueError, match=f"mixture-of-experts models \\({model_type}\\) are not supported yet"):
+        read_config(dict(model_type=model_type))
+
+
+def convert(root: Path, folder: Path, outtype: str = "f32") -> Path:
+    """llama.cpp's convert_hf_to_gguf.py on `folder`. The tiny test vocabulary is no model's that the converter
+    knows by its pre-tokenizer hash, so that check answers `qwen35` (what it writes for Qwen3.5's own)."""
+    out = folder.with_suffix(".gguf")
+    run = ("import runpy, sys; root = sys.argv[1]; sys.path[:0] = [root, root + '/gguf-py']; "
+           "import conversion.base as base; base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'qwen35'; "
+           "sys.argv = [root + '/convert_hf_to_gguf.py'] + sys.argv[2:]; "
+           "runpy.run_path(sys.argv[0], run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", run, str(root), str(folder), "--outfile", str(out), "--outtype",
+                        outtype], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+def test_gguf_from_llama_cpp_converter(converter, folder, hf_reference):  # noqa: F811
+    gguf = convert(converter, folder)
+    g = read_gguf(gguf)
+    assert g.architecture == "qwen35" and g.metadata["qwen35.nextn_predict_layers"] == 1
+    assert "blk.4.nextn.eh_proj.weight" in g.tensors  # the MTP layer after the model's four, left out
+    target, _, _ = load_target(str(gguf))
+    assert target.cfg.tiled_value_heads and target.cfg.num_layers == 4
+    ids = torch.randint(0, VOCAB, (1, 100))
+    with torch.no_grad():
+        ref = hf_reference(ids).logits[0]
+        got, _ = target(ids, torch.arange(100)[None], target.new_state(1, 128), 0, fresh=True)
+    assert relative_error(got[0], ref) < 1e-4  # -exp(A_log), the baked-in (1 + w) and the tiled heads undone
+    engine = Engine.load(EngineConfig(model=str(gguf), ctx_size=256))
+    prompt = torch.randint(0, VOCAB, (25,)).tolist()
+    done = engine.generate(Request(prompt, SamplingParams(max_tokens=32, ignore_eos=True)))
+    assert done.token_ids == hf_greedy(hf_reference, prompt, 32)
+
+
+def test_moe_gguf_is_not_supported_yet(converter, folder):  # noqa: F811
+    g = read_gguf(convert(converter, folder))
+    metadata = {k.replace("qwen35.", "qwen35moe."): v for k, v in g.metadata.items()}
+    with pytest.raises(ValueError, match=r"\(qwen35moe\) are not supported yet"):
+        gguf_to_hf_config({**metadata, "general.architecture": "qwen35moe"}, g.tensors)
