@@ -13,6 +13,8 @@ from flashdraft.engine.sampling import SamplingParams
 from flashdraft.server.app import create_app
 from test_server import DEVICE, models, serving, settings  # noqa: F401  (models: a fixture shared by the whole run)
 
+DTYPE = "float32"  # a GPU's bf16 verify rows may round apart from its one-token steps; greedy equality needs float32
+
 
 class TokensByPosition:
     def __init__(self, n_slots: int, window: int, device: str):
@@ -83,7 +85,8 @@ def check_proposals(prompt: list[int], completion) -> None:
 
 def test_a_drafter_added_through_the_registry_alone_runs_in_the_engine(models, lookup_folder):
     target, _ = models
-    engine = Engine.load(EngineConfig(model=str(target), draft=str(lookup_folder), device=DEVICE, ctx_size=256))
+    engine = Engine.load(EngineConfig(model=str(target), draft=str(lookup_folder), device=DEVICE, dtype=DTYPE,
+                                      ctx_size=256))
     assert type(engine.draft) is LookupDrafter
     params = SamplingParams(max_tokens=48, ignore_eos=True)
     prompt = [40, 41, 42, 43, 40, 41, 42, 43, 40]
@@ -104,8 +107,8 @@ def test_a_drafter_added_through_the_registry_alone_runs_in_the_engine(models, l
 
 def test_a_drafter_added_through_the_registry_alone_serves(models, lookup_folder):
     target, _ = models
-    engine = Engine.load(EngineConfig(model=str(target), draft=str(lookup_folder), device=DEVICE, ctx_size=256,
-                                      n_slots=2))
+    engine = Engine.load(EngineConfig(model=str(target), draft=str(lookup_folder), device=DEVICE, dtype=DTYPE,
+                                      ctx_size=256, n_slots=2))
     prompt = [40, 41, 42, 43, 40, 41, 42, 43, 40]
     plain = engine.generate(Request(prompt, SamplingParams(max_tokens=32), speculative=False))
     with serving(create_app(engine, settings())) as url:
