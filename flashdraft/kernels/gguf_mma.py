@@ -387,11 +387,12 @@ def _q8_0_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_
     gguf_gemv.q8_0_chain's order) times xd(token)."""
     first, last, a_row, a_col, b_ptr, s_ptr, x_toks, rows, row_ok, toks, tok_ok, acc, zero = _tile(
         w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, K_WIDTH, TILED, PDL)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     a_ptr = (a_row + a_col).to(gl.pointer_type(gl.int8))
     d_ptr = (w_ptr + gl.minimum(rows, N - 1).to(gl.int64) * stride_wn + K).to(gl.pointer_type(gl.int64))
     for c in range(first, last):
         d_words = gl.load(d_ptr + 2 * c), gl.load(d_ptr + 2 * c + 1)  # the 8 blocks' fp16 scales, four a word
-        part = gl.zeros([BLOCK_N, TOKENS], gl.float32, layout=zero.type.layout)
+        part = gl.zeros([BLOCK_N, TOKENS], gl.float32, layout=mma)
         for j in gl.static_range(8):  # gguf_gemv.q8_0_chain's order
             w = gl.load(a_ptr + 256 * c + 32 * j)
             prod = mma_v2(w, _x_values(b_ptr, 8 * c + j, TILED), zero).to(gl.float32)
