@@ -423,3 +423,29 @@ def test_warmup_also_runs_the_servers_default_sampling(tmp_path):
         engine.warmup(max_tokens=2)
         assert [p.greedy for p in seen] == greedy, seen
         assert seen[-1].top_k == (64 if len(greedy) == 2 else 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_graph_outputs_survive_replays_of_other_pools():
+    """engine/graphs.GraphCache: a step graph's outputs, captured after a sampler-like graph whose freed
+    intermediates it could reuse in a shared pool, keep their values when that graph replays in its own pool (the
+    decode loop reads a step's outputs after sampling: drafted tokens and features came back overwritten)."""
+    from flashdraft.engine.graphs import GraphCache
+    graphs = GraphCache("cuda")
+    x = torch.randn(1 << 20, device="cuda")
+
+    def sampler_like(v):
+        wide = torch.cat([v * 2, v + 1])  # freed at the end of the capture: pool memory for later graphs
+        return (wide.sum(),)
+
+    def step(v):
+        return (v * 3, v - 1)
+
+    graphs.run("sample", sampler_like, [x], pool="sampler")
+    outputs = graphs.run("step", step, [x])
+    want = [o.clone() for o in outputs]
+    for _ in range(3):
+        graphs.run("sample", sampler_like, [torch.randn_like(x)], pool="sampler")
+    torch.cuda.synchronize()
+    assert all(torch.equal(o, w) for o, w in zip(outputs, want))

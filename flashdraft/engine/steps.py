@@ -127,7 +127,7 @@ class Steps:
             return (self.draft.observe(t[None], f[0][None] if f else None, p[None], slot),)
 
         self.graphs.run(ContextKey(slot, len(positions)), step,
-                        [tokens, positions] + ([] if features is None else [features]))
+                        [tokens, positions] + ([] if features is None else [features]), pool="observe")
 
     def sampler(self, slot: int, vocab: int) -> DeviceSampler:
         """The slot's sampler (its state stays on the device, overwritten by each request: DeviceSampler.begin)."""
@@ -158,7 +158,7 @@ class Steps:
         if key.penalized and rows > 1:
             all_drafted[:rows - 1].copy_(drafted)
         x, at, before = all_logits[:rows], all_positions[:rows], all_drafted[:rows - 1]
-        return self.graphs.run(key, lambda: (sampler(key, x, at, before),), [])[0]
+        return self.graphs.run(key, lambda: (sampler(key, x, at, before),), [], pool="sampler")[0]
 
     def warmup_keys(self, n_slots: int, block: int, adaptive: bool) -> list[PlainKey | SpecKey | ContextKey]:
         """The keys the decode loop uses with this configuration (full-width verify; adaptive widths are captured
