@@ -9,8 +9,8 @@ row's anchor (the last committed token, whose own features come with the next `o
 the anchor and them."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -31,6 +31,7 @@ class LoadOptions:
     dtype: torch.dtype = torch.float32
     quantized: bool = False  # GGUF matrices stay in their block format (engine.keep_quantized)
     embed_scale: float | None = None  # token embedding rows times this (--spec-draft-embed-scale; None: the draft's)
+    params: dict[str, Any] = field(default_factory=dict)  # a kind's own settings (--spec-ngram-mod-n-max: n_max)
 
 
 class Drafter(Protocol):

@@ -1,6 +1,8 @@
 """Drafter kinds by what a draft's files say they are (a folder's config.json `architectures`, a GGUF's
-`general.architecture`), and how each loads into a `Drafter` (draft/interface.py). A new drafter is its own file
-plus an entry here; the engine and the server stay as they are."""
+`general.architecture`) or by the `--spec-type` name that chooses them (llama.cpp's names), and how each loads
+into a `Drafter` (draft/interface.py): from its files, or, for a kind that needs none (the n-gram lookup), from
+its settings alone. A new drafter is its own file plus an entry here; the engine and the server stay as they
+are."""
 from __future__ import annotations
 
 import json
@@ -11,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from flashdraft.draft.config import DRAFT_ARCHITECTURE
 from flashdraft.draft.interface import Drafter, LoadOptions
+from flashdraft.draft import ngram
 from flashdraft.draft.load import load_dflash
 from flashdraft.formats.gguf_draft import is_draft_architecture
 
@@ -38,19 +41,63 @@ def _no_gguf(architecture: str) -> bool:
 @dataclass(frozen=True)
 class DrafterKind:
     name: str
-    load: Callable[[DraftSource, Any, LoadOptions], Drafter]  # (source, target, options), checked against the target
+    # (source, target, options), checked against the target; None: a kind without files
+    load: Callable[[DraftSource, Any, LoadOptions], Drafter] | None = None
     hf_architectures: tuple[str, ...] = ()  # a folder's config.json "architectures" this kind reads
     gguf_architecture: Callable[[str], bool] = field(default=_no_gguf)  # a GGUF general.architecture it reads
+    spec_types: tuple[str, ...] = ()  # the --spec-type names that choose this kind
+    # (spec type, target, options) -> the drafter of a kind that needs no files (None: it loads from files)
+    create: Callable[[str, Any, LoadOptions], Drafter] | None = None
 
 
 DFLASH = DrafterKind(name="dflash", load=load_dflash, hf_architectures=(DRAFT_ARCHITECTURE,),
-                     gguf_architecture=is_draft_architecture)
+                     gguf_architecture=is_draft_architecture, spec_types=("dflash", "draft-dflash"))
+NGRAM = DrafterKind(name="ngram", spec_types=("ngram-mod", "ngram-simple"), create=ngram.create)
 
-KINDS: list[DrafterKind] = [DFLASH]
+KINDS: list[DrafterKind] = [DFLASH, NGRAM]
+
+# llama.cpp's other --spec-type names, and why flashdraft does not take them
+NOT_BUILT = {
+    "draft-simple": "a separate small draft model; flashdraft's model drafters are DFlash drafts (-md)",
+    "draft-eagle3": "EAGLE-3 drafts are not read yet",
+    "draft-mtp": "MTP heads are not read yet",
+    "draft-dspark": "DSpark drafts are not read yet",
+    "ngram-map-k": "its n-gram map with hit counts is not built; ngram-mod and ngram-simple look up the prompt and "
+                   "output",
+    "ngram-map-k4v": "its n-gram map with hit counts is not built; ngram-mod and ngram-simple look up the prompt and "
+                     "output",
+    "ngram-cache": "lookup cache files are not read; ngram-mod and ngram-simple look up the prompt and output",
+}
 
 
 def register(kind: DrafterKind) -> None:
     KINDS.append(kind)
+
+
+def spec_types() -> list[str]:
+    return ["none", *(name for kind in KINDS for name in kind.spec_types)]
+
+
+def kind_named(spec_type: str) -> DrafterKind | None:
+    """The kind that `--spec-type spec_type` chooses (None for "none"). ValueError, in one line, for a name that no
+    kind takes."""
+    if spec_type == "none":
+        return None
+    if "," in spec_type:
+        raise ValueError(f"--spec-type {spec_type}: chains of speculators are not supported yet, give one type")
+    for kind in KINDS:
+        if spec_type in kind.spec_types:
+            return kind
+    why = f"not supported: {NOT_BUILT[spec_type]}" if spec_type in NOT_BUILT else "unknown type"
+    raise ValueError(f"--spec-type {spec_type}: {why} (types: {', '.join(spec_types())})")
+
+
+def create(spec_type: str, target, options: LoadOptions) -> Drafter:
+    """The drafter of a kind that needs no files, chosen by its --spec-type name."""
+    kind = kind_named(spec_type)
+    if kind is None or kind.create is None:
+        raise ValueError(f"--spec-type {spec_type} needs a draft model (--spec-draft-model)")
+    return kind.create(spec_type, target, options)
 
 
 def read_source(path: Path) -> DraftSource:
@@ -70,7 +117,7 @@ def kind_for(source: DraftSource) -> DrafterKind:
         if source.config is not None and set(kind.hf_architectures) & set(source.architectures):
             return kind
     raise ValueError(f"{source.path}: architecture {', '.join(source.architectures) or 'unnamed'} is no draft that "
-                     f"flashdraft reads (drafters: {', '.join(k.name for k in KINDS)})")
+                     f"flashdraft reads (drafters: {', '.join(k.name for k in KINDS if k.load)})")
 
 
 def load(path: Path, target, options: LoadOptions) -> Drafter:
