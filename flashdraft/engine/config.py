@@ -36,6 +36,10 @@ class EngineConfig:
     # the requests' default sampling (SamplingParams fields: a server's command line), which warm-up also runs so
     # that the first request finds its sampler graph captured
     warmup_sampling: dict | None = None
+    # a drafter kind that needs no files, by its --spec-type name (ngram-mod), used when `draft` is None, and its
+    # own settings by name (draft/registry.py)
+    spec_type: str | None = None
+    draft_params: dict | None = None
 
 
 def compile_enabled(config: EngineConfig) -> bool:

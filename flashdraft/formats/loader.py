@@ -96,3 +96,13 @@ def load_draft(path: str, target, device: str = "cpu", dtype: torch.dtype = torc
     if not source.exists():
         raise FileNotFoundError(f"draft not found: {path} (a z-lab HF folder or a DFlash draft GGUF)")
     return registry.load(source, target, LoadOptions(device, dtype, quantized, embed_scale))
+
+
+def create_drafter(spec_type: str, target, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                   params: dict | None = None):
+    """The drafter of a kind that needs no files (draft/registry.py), chosen by its --spec-type name: the n-gram
+    lookup. `params`: the kind's own settings by name."""
+    from flashdraft.draft import registry
+    from flashdraft.draft.interface import LoadOptions
+
+    return registry.create(spec_type, target, LoadOptions(device, dtype, params=dict(params or {})))
