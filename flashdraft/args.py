@@ -76,6 +76,67 @@ def add_engine_args(ap: argparse.ArgumentParser, model: bool = True, context: bo
                          "down to plain decoding when drafting does not pay (default on; off: always the full block)")
 
 
+# the n-gram drafter's flags (llama.cpp's): (flag, the --spec-type it is for, its setting's name, the least value)
+NGRAM_FLAGS = [
+    ("--spec-ngram-mod-n-match", "ngram-mod", "n_match", 1),
+    ("--spec-ngram-mod-n-max", "ngram-mod", "n_max", 1),
+    ("--spec-ngram-mod-n-min", "ngram-mod", "n_min", 0),
+    ("--spec-ngram-simple-size-n", "ngram-simple", "size_n", 1),
+    ("--spec-ngram-simple-size-m", "ngram-simple", "size_m", 1),
+    ("--spec-ngram-simple-min-hits", "ngram-simple", "min_hits", 1),
+]
+
+
+def add_speculation_args(ap: argparse.ArgumentParser) -> None:
+    """--spec-type (llama.cpp's names) and the n-gram drafter's flags, for generate and serve."""
+    ap.add_argument("--spec-type", default=None, metavar="TYPE",
+                    help="none (plain decoding, a draft is not loaded), dflash or draft-dflash (a DFlash draft, "
+                         "-md; implied by one), ngram-mod or ngram-simple (n-gram lookup over the request's prompt "
+                         "and output: no draft model)")
+    ngram = ap.add_argument_group("n-gram lookup (--spec-type ngram-mod / ngram-simple, as llama.cpp's)")
+    ngram.add_argument("--spec-ngram-mod-n-match", type=int, default=None, metavar="N",
+                       help="ngram-mod lookup length: the tokens matched, the last committed one included "
+                            "(default 24)")
+    ngram.add_argument("--spec-ngram-mod-n-max", type=int, default=None, metavar="N",
+                       help="the most tokens ngram-mod proposes: a verify block of N + 1 (default 64)")
+    ngram.add_argument("--spec-ngram-mod-n-min", type=int, default=None, metavar="N",
+                       help="fewer tokens found in a row propose nothing (default 48)")
+    ngram.add_argument("--spec-ngram-simple-size-n", type=int, default=None, metavar="N",
+                       help="ngram-simple lookup length, also the fewest tokens it proposes (default 12)")
+    ngram.add_argument("--spec-ngram-simple-size-m", type=int, default=None, metavar="N",
+                       help="the most tokens ngram-simple proposes (default 48)")
+    ngram.add_argument("--spec-ngram-simple-min-hits", type=int, default=None, metavar="N",
+                       help="accepted; llama.cpp's ngram-simple does not use it either")
+
+
+def speculation(args: argparse.Namespace, draft: str | None) -> tuple[str | None, dict]:
+    """The drafter kind without files that --spec-type names (None: a draft's kind, or plain decoding) and its
+    settings by name. ValueError, in one line, for a type or a value that no drafter takes, or flags that do not
+    fit together (the command exits 1, as llama.cpp's does)."""
+    from flashdraft.draft import ngram, registry
+
+    given = [(flag, kind, name, least, value) for flag, kind, name, least in NGRAM_FLAGS
+             if (value := getattr(args, flag[2:].replace("-", "_"))) is not None]
+    spec_type = args.spec_type
+    kind = registry.kind_named(spec_type) if spec_type is not None else None
+    for flag, for_type, _, _, _ in given:
+        if spec_type != for_type:
+            raise ValueError(f"{flag} is for --spec-type {for_type}" + (f", not {spec_type}" if spec_type else ""))
+    if kind is None:
+        return None, {}
+    if kind.create is None:
+        if not draft:
+            raise ValueError(f"--spec-type {spec_type} needs a draft model (-md / --spec-draft-model)")
+        return None, {}
+    if draft:
+        raise ValueError(f"--spec-type {spec_type} takes no draft model: drop -md (an n-gram lookup chained before "
+                         "a draft model is not supported yet)")
+    for flag, _, _, least, value in given:
+        if not least <= value <= ngram.LIMIT:
+            raise ValueError(f"{flag} {value}: must be between {least} and {ngram.LIMIT}")
+    return spec_type, {name: value for _, _, name, _, value in given if name != "min_hits"}
+
+
 # llama.cpp's spellings; the flashdraft command resolves them into -m/-md before a subcommand parses its arguments
 # (flashdraft.cli.hub_argv), so the parsers declare them for --help only
 HUB_OPTIONS = {

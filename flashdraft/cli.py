@@ -5,13 +5,15 @@ import json
 import os
 import sys
 
-from flashdraft.args import add_engine_args, default_device, engine_config, thread_env
+from flashdraft.args import (add_engine_args, add_speculation_args, default_device, engine_config, speculation,
+                             thread_env)
 
 VERSION = "0.1.0"
 
 # one line each in `flashdraft --help`
 HELP = {
-    "generate": "generate text from a prompt (plain decoding, or DFlash with -md DRAFT)",
+    "generate": "generate text from a prompt (plain decoding, DFlash with -md DRAFT, n-gram lookup with --spec-type "
+                "ngram-mod)",
     "serve": "OpenAI- and llama.cpp-compatible HTTP server (a drop-in for llama-server)",
     "bench": "compare plain decoding with DFlash: speed, acceptance, same text",
     "pull": "fetch a named model, or one of the Hugging Face Hub (-hf), into its cache; --list: the names",
@@ -36,9 +38,11 @@ def parse_ids(text: str) -> list[int]:
 
 def generate_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="flashdraft generate", allow_abbrev=False,
-                                 description="Generate text from a prompt: plain decoding, or DFlash speculative "
-                                             "decoding when -md names a draft.")
+                                 description="Generate text from a prompt: plain decoding, DFlash speculative "
+                                             "decoding when -md names a draft, or n-gram lookup with --spec-type "
+                                             "ngram-mod.")
     add_engine_args(ap)
+    add_speculation_args(ap)
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
     src.add_argument("--prompt-ids", help="comma-separated token ids (skips tokenizer and template)")
@@ -50,7 +54,7 @@ def generate_parser() -> argparse.ArgumentParser:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--min-p", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--no-spec", action="store_true", help="plain decoding even with a draft")
+    ap.add_argument("--no-spec", action="store_true", help="plain decoding even with a draft (as --spec-type none)")
     ap.add_argument("--reasoning", choices=["on", "off"], default=None, help="enable_thinking in the template")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--tp", type=int, default=1, metavar="N",
@@ -60,6 +64,7 @@ def generate_parser() -> argparse.ArgumentParser:
 
 def generate_main(argv: list[str]) -> int:
     args = generate_parser().parse_args(argv)
+    speculation(args, args.draft)  # a mistake in the drafter flags is one line before anything loads
     from flashdraft.launch import run_tensor_parallel
     return run_tensor_parallel(functools.partial(generate, args), args.tp, default_device(args.device))
 
@@ -80,10 +85,14 @@ def generate(args: argparse.Namespace, device: str) -> int:
                             seed=args.seed, max_tokens=args.max_tokens)
     params.validate()
     from flashdraft.formats.named import resolve_draft
-    draft = None if args.no_spec else resolve_draft(args.draft)  # a draft only when -md names one
-    engine = Engine.load(engine_config(args, draft, device, progress=shown and not args.json))
+    spec_type, draft_params = speculation(args, args.draft)
+    plain = args.no_spec or args.spec_type == "none"
+    draft = None if plain else resolve_draft(args.draft)  # a draft only when -md names one
+    engine = Engine.load(engine_config(args, draft, device, progress=shown and not args.json,
+                                       spec_type=None if plain else spec_type, draft_params=draft_params))
     if shown and not args.json:
-        print((f"{engine.draft.name} draft {draft}" if engine.draft is not None else "no draft: plain decoding")
+        print((f"{engine.draft.name} draft {draft}" if draft else f"{engine.draft.name} drafter, no draft file"
+               if engine.draft is not None else "no draft: plain decoding")
               + f", {threads} CPU thread{'s' if threads > 1 else ''}", file=sys.stderr)
     if prompt_ids is None:
         prompt_ids = render_prompt(engine.tokenizer, args.prompt, chat=args.chat, system=args.system,
@@ -91,7 +100,7 @@ def generate(args: argparse.Namespace, device: str) -> int:
     bad = [t for t in prompt_ids if not 0 <= t < engine.target.cfg.vocab_size]
     if bad:
         raise ValueError(f"token ids out of the vocabulary (size {engine.target.cfg.vocab_size}): {bad[:5]}")
-    req = Request(prompt_ids=prompt_ids, params=params, speculative=not args.no_spec)
+    req = Request(prompt_ids=prompt_ids, params=params, speculative=not plain)
     result = None
     for event in engine.stream(req):
         if hasattr(event, "finish_reason"):

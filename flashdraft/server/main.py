@@ -10,7 +10,7 @@ import threading
 import time
 from pathlib import Path
 
-from flashdraft.args import add_engine_args
+from flashdraft.args import add_engine_args, add_speculation_args, speculation
 from flashdraft.server.settings import Settings
 
 log = logging.getLogger("flashdraft.server")
@@ -46,9 +46,9 @@ def build_parser() -> Parser:
     ap.add_argument("-m", "--model", required=True, help="target: GGUF file, HF folder, or a named model")
     ap.add_argument("-md", "--spec-draft-model", "--model-draft", "--draft", dest="draft", metavar="PATH",
                     help="DFlash draft (z-lab HF folder, draft GGUF, or a named draft such as smollm2-135m: "
-                         "flashdraft pull --list); turns on DFlash speculative decoding. Without it, plain decoding")
-    ap.add_argument("--spec-type", choices=["dflash", "draft-dflash", "none"], default=None,
-                    help="dflash (implied by a draft) or none (plain decoding, the draft is not loaded)")
+                         "flashdraft pull --list); turns on DFlash speculative decoding. Without it (or --spec-type "
+                         "ngram-mod), plain decoding")
+    add_speculation_args(ap)
     ap.add_argument("--spec-dflash-cross-ctx", "--draft-window", dest="draft_window", type=int, default=None,
                     metavar="N",
                     help="the draft sees the last N positions of context (default: all)")
@@ -124,7 +124,8 @@ def typed_name(argv: list[str], names: tuple[str, ...]) -> str:
 
 
 def parse_settings(argv: list[str]) -> tuple[Settings, list[str]]:
-    """Settings, and notes about flags accepted but ignored. Exits (code 2) on a bad command line."""
+    """Settings, and notes about flags accepted but ignored. Exits (code 2) on a bad command line; ValueError for
+    drafter flags that no drafter takes (the command exits 1, as llama.cpp's)."""
     ap = build_parser()
     args = ap.parse_args(argv)
     for name, value, ok in (("-np", args.n_slots, args.n_slots >= 1), ("--ctx-size", args.ctx_size, args.ctx_size >= 0),
@@ -145,8 +146,10 @@ def parse_settings(argv: list[str]) -> tuple[Settings, list[str]]:
             shown = name if value is True else f"{name} {value}"
             notes.append(f"ignoring {shown}: {why}")
     api_key = args.api_key or next((os.environ[v] for v in API_KEY_VARIABLES if os.environ.get(v)), None)
+    spec_type, draft_params = speculation(args, args.draft)
     settings = Settings(
         model=args.model, draft=args.draft, speculative=args.spec_type != "none",
+        spec_type=spec_type, draft_params=draft_params,
         draft_window=args.draft_window, block_size=args.block_size, host=args.host, port=args.port,
         n_slots=args.n_slots, slot_prompt_similarity=args.slot_prompt_similarity, ctx_size=args.ctx_size,
         device=args.device, dtype=args.dtype, compile=args.compile, adaptive=args.adaptive,
@@ -165,8 +168,6 @@ def parse_settings(argv: list[str]) -> tuple[Settings, list[str]]:
     for name in ("timeout", "timeout_headers", "timeout_idle"):
         if not getattr(args, name) > 0:
             ap.error(f"--{name.replace('_', '-')} must be a positive number of seconds")
-    if args.spec_type in ("dflash", "draft-dflash") and not args.draft:
-        ap.error(f"--spec-type {args.spec_type} needs a draft model (--spec-draft-model)")
     if args.spec_type == "none" and args.draft:
         notes.append("--spec-type none: the draft is not loaded, decoding is plain")
     for name, value in (("--threads", args.threads), ("--threads-batch", args.threads_batch)):
@@ -212,7 +213,8 @@ def load_engine(s: Settings):
     draft = resolve_draft(s.draft) if s.speculative else None  # a draft only when the command names one
     t0 = time.perf_counter()
     log.info("loading model %s on %s (%s), %s", s.model, device, s.dtype,
-             f"DFlash draft {draft}" if draft else "no draft: plain decoding")
+             f"DFlash draft {draft}" if draft else f"{s.spec_type} drafter, no draft file" if s.spec_type
+             else "no draft: plain decoding")
     # -c 0: the trained context, known only once the model is read, so the caches are set up twice
     ctx = s.slot_ctx if s.ctx_size > 0 else 2
     engine = Engine.load(s.engine_config(draft, device, ctx, progress=rank_and_world()[0] == 0))

@@ -9,6 +9,8 @@ class Settings:
     model: str = ""
     draft: str | None = None
     speculative: bool = True
+    spec_type: str | None = None  # a drafter kind without files, by its --spec-type name (ngram-mod)
+    draft_params: dict | None = None  # its settings by name (--spec-ngram-mod-n-max: n_max)
     draft_window: int | None = None
     block_size: int | None = None
     host: str = "127.0.0.1"
@@ -68,6 +70,7 @@ class Settings:
                             cache_type_v=self.cache_type_v, draft_cache_type_k=self.draft_cache_type_k,
                             draft_cache_type_v=self.draft_cache_type_v,
                             weights="dequantized" if self.dequantize else "quantized" if self.quantized else "auto",
+                            spec_type=self.spec_type if self.speculative else None, draft_params=self.draft_params,
                             warmup_sampling=dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                                                  min_p=self.min_p, repeat_penalty=self.repeat_penalty,
                                                  repeat_last_n=self.repeat_last_n,
