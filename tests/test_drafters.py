@@ -1,17 +1,25 @@
 """A drafter added through draft/registry.py alone (a class and an entry, as the toy model family of
 test_layers.py) runs in the engine and behind the server with no other change: a lookup drafter with no model
-and no target layers, which proposes what followed the anchor's latest earlier occurrence."""
+and no target layers, which proposes what followed the anchor's latest earlier occurrence. Then the n-gram lookup
+drafter that flashdraft ships (draft/ngram.py, `--spec-type ngram-mod`, no draft file): its proposals against a
+lookup written here in plain Python, greedy speculative decoding equal to plain, the server and the command line."""
 import json
+import random
+import subprocess
+import sys
 
 import httpx
 import pytest
 import torch
 
+from flashdraft import cli
 from flashdraft.draft import registry
+from flashdraft.draft.ngram import NGramConfig, NGramDrafter
 from flashdraft.engine.engine import Engine, EngineConfig, Request
 from flashdraft.engine.sampling import SamplingParams
 from flashdraft.server.app import create_app
-from test_server import DEVICE, models, serving, settings  # noqa: F401  (models: a fixture shared by the whole run)
+from flashdraft.server.main import load_engine, parse_settings
+from test_server import REPO, DEVICE, models, serving, settings  # noqa: F401  (models: a fixture shared by the run)
 
 DTYPE = "float32"  # a GPU's bf16 verify rows may round apart from its one-token steps; greedy equality needs float32
 
@@ -118,3 +126,169 @@ def test_a_drafter_added_through_the_registry_alone_serves(models, lookup_folder
                                                   "return_tokens": True}, timeout=60).json()
     assert r["tokens"] == plain.token_ids
     assert r["speculative"]["draft_n"] > 0 and r["speculative"]["draft_n_accepted"] > 0
+
+
+# ---- the n-gram lookup drafter (draft/ngram.py)
+
+def ngram_lookup(history: list[int], anchor: int, n: int, n_max: int, n_min: int, k: int,
+                 chain: bool = True) -> list[int]:
+    """llama.cpp's ngram-mod lookup over the committed tokens before the anchor, without its hash table: each n
+    tokens map to the position that followed their latest occurrence, and the last n tokens (the anchor, then each
+    proposed token, at the end) are looked up again for every token (chain), or the tokens after the first match
+    are copied (ngram-simple). A run shorter than n_min proposes nothing; the anchor fills the k tokens after it."""
+    follower = {}
+    for f in range(n, len(history)):
+        follower[tuple(history[f - n:f])] = f
+    tail, run, f = history + [anchor], [], None
+    for i in range(n_max):
+        if chain or i == 0:
+            f = follower.get(tuple(tail[-n:])) if len(tail) >= n else None
+        else:
+            f = f + 1 if f + 1 < len(history) else None
+        if f is None:
+            break
+        run.append(history[f])
+        tail.append(history[f])
+    if len(run) < min(n_min, n_max):
+        run = []
+    return (run + [anchor] * k)[:k]
+
+
+def test_ngram_proposals_equal_the_plain_lookup():
+    """Random histories over small vocabularies (many repeats), observed in chunks as the engine does, some of
+    them cut back by a prompt-cache reset and continued otherwise, in either of two slots."""
+    rng = random.Random(0)
+    for trial in range(300):
+        cfg = NGramConfig(n_match=rng.choice([1, 2, 3, 4]), n_max=rng.choice([1, 3, 6, 10]),
+                          n_min=rng.choice([0, 1, 2, 5]), chain=rng.random() < 0.7)
+        drafter = NGramDrafter(cfg)
+        drafter.setup_cache(rng.choice([64, 200]), n_slots=2)
+        slot, vocab = rng.randrange(2), rng.choice([3, 5, 20])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randint(1, 60))]
+        anchor_at = rng.randrange(len(tokens))
+        if trial % 3 == 0:  # an earlier request in the slot: its tokens past the shared prefix are dropped
+            earlier = tokens[:anchor_at // 2] + [rng.randrange(vocab) for _ in range(40)]
+            drafter.observe(torch.tensor([earlier]), None, torch.arange(len(earlier))[None], slot)
+            drafter.reset(slot, keep=anchor_at // 2)
+            at = anchor_at // 2
+        else:
+            drafter.reset(slot)
+            at = 0
+        while at < anchor_at:
+            chunk = tokens[at:min(anchor_at, at + rng.randint(1, 7))]
+            drafter.observe(torch.tensor([chunk]), None, torch.arange(at, at + len(chunk))[None], slot)
+            at += len(chunk)
+        k = rng.randint(1, cfg.n_max)
+        proposed = drafter.propose(None, torch.tensor([tokens[anchor_at]]), torch.tensor([anchor_at]), slot, k)
+        assert proposed.shape == (1, k) and proposed.dtype == torch.long
+        want = ngram_lookup(tokens[:anchor_at], tokens[anchor_at], cfg.n_match, cfg.n_max, cfg.n_min, k, cfg.chain)
+        assert proposed[0].tolist() == want, (cfg, tokens, anchor_at, k)
+
+
+@pytest.mark.parametrize("chain", [True, False])
+def test_ngram_steps_read_nothing_on_the_host(chain):
+    """observe and propose run inside CUDA graphs: on meta tensors, where reading a value (.item(), a
+    zero-dimensional index) raises, they still run."""
+    drafter = NGramDrafter(NGramConfig(n_match=3, n_max=6, n_min=2, chain=chain), device="meta")
+    drafter.setup_cache(64, n_slots=2)
+    ids = torch.zeros(1, 5, dtype=torch.long, device="meta")
+    drafter.observe(ids, None, ids, 1)
+    proposed = drafter.propose(None, ids[0, :1], ids[0, :1], 1, 4, block=7)
+    assert proposed.shape == (1, 4) and proposed.dtype == torch.long
+
+
+NGRAM = dict(n_match=2, n_max=6, n_min=0)
+
+
+def check_ngram_proposals(prompt: list[int], completion, n_match: int, n_max: int, n_min: int) -> None:
+    """Each verify step proposed the lookup over exactly the tokens committed before its anchor."""
+    tokens, pos = prompt + completion.token_ids, len(prompt)
+    for proposed, accepted in zip(completion.spec.draft_steps, completion.spec.acceptance_lengths):
+        assert proposed == ngram_lookup(tokens[:pos], tokens[pos], n_match, n_max, n_min, len(proposed))
+        pos += accepted
+
+
+@pytest.mark.parametrize("params", [NGRAM, dict(n_match=3, n_max=8, n_min=3)])
+def test_ngram_drafter_decodes_as_plain(models, params):
+    """The n-gram drafter by its --spec-type name, with no draft file: greedy speculative decoding equals plain
+    token for token on a prompt that repeats itself (proposals accepted) and on one that does not, the second
+    request of a slot reusing the first one's prompt cache and the drafter's state of it."""
+    target, _ = models
+    engine = Engine.load(EngineConfig(model=str(target), spec_type="ngram-mod", draft_params=params, device=DEVICE,
+                                      dtype=DTYPE, ctx_size=256))
+    assert engine.draft.name == "ngram-mod" and engine.draft.block_size == params["n_max"] + 1
+    assert engine.draft.target_layers == ()
+    sampling = SamplingParams(max_tokens=40, ignore_eos=True)
+    repeating = [40, 41, 42, 43, 44, 45, 40, 41, 42, 43, 44, 45, 40, 41]
+    for prompt in (repeating, [7, 100, 33, 250, 12, 90, 8, 61], repeating + [9, 40, 41]):
+        plain = engine.generate(Request(prompt, sampling, speculative=False))
+        spec = engine.generate(Request(prompt, sampling))
+        assert spec.token_ids == plain.token_ids
+        assert spec.spec.draft_steps
+        check_ngram_proposals(prompt, spec, params["n_match"], params["n_max"], params["n_min"])
+        if prompt is repeating:
+            assert spec.spec.draft_n_accepted > 0
+
+
+def test_ngram_drafter_serves_as_plain(models):
+    """`flashdraft serve --spec-type ngram-mod` with no draft file (its flags through the server's parser and
+    loader) answers over HTTP with the plain answer's text and tokens."""
+    target, _ = models
+    flags = ["--spec-ngram-mod-n-match", "2", "--spec-ngram-mod-n-max", "6", "--spec-ngram-mod-n-min", "0"]
+    s, notes = parse_settings(["-m", str(target), "--spec-type", "ngram-mod", *flags, "--device", DEVICE,
+                               "--dtype", DTYPE, "-c", "256", "--no-spec-dm-adaptive", "--temp", "0", "-a", "tiny"])
+    assert (s.spec_type, s.draft_params, s.draft) == ("ngram-mod", NGRAM, None) and not notes
+    engine = load_engine(s)
+    prompt = [40, 41, 42, 43, 44, 45, 40, 41, 42, 43, 44, 45, 40, 41]
+    plain = engine.generate(Request(prompt, SamplingParams(max_tokens=32), speculative=False))
+    with serving(create_app(engine, s)) as url:
+        props = httpx.get(url + "/props", timeout=30).json()
+        assert props["speculative"] == {"type": "ngram-mod", "block_size": 7, "draft_window": None}
+        r = httpx.post(url + "/completion", json={"prompt": prompt, "n_predict": 32, "temperature": 0,
+                                                  "return_tokens": True}, timeout=60).json()
+    assert r["tokens"] == plain.token_ids and r["content"] == plain.text
+    assert r["speculative"]["draft_n"] > 0 and r["speculative"]["draft_n_accepted"] > 0
+
+
+def test_ngram_drafter_generates_from_the_command_line(models, capsys):
+    target, _ = models
+    common = ["generate", "-m", str(target), "--prompt-ids", "40,41,42,43,40,41,42,43,40", "-n", "24", "--json",
+              "--device", DEVICE, "--dtype", DTYPE]
+    runs = {}
+    for name, extra in (("plain", []), ("mod", ["--spec-type", "ngram-mod", "--spec-ngram-mod-n-match", "2",
+                                                "--spec-ngram-mod-n-min", "1"]),
+                        ("simple", ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "2"])):
+        assert cli.main(common + extra) == 0
+        runs[name] = json.loads(capsys.readouterr().out)
+    assert runs["mod"]["token_ids"] == runs["simple"]["token_ids"] == runs["plain"]["token_ids"]
+    assert runs["plain"]["speculative"] is None
+    assert runs["mod"]["speculative"]["block_size"] == 65 and runs["simple"]["speculative"]["block_size"] == 49
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--spec-type", "ngram-bogus"], ["--spec-type ngram-bogus: unknown type", "ngram-mod"]),
+    (["--spec-type", "ngram-cache"], ["--spec-type ngram-cache: not supported"]),
+    (["--spec-type", "ngram-mod,draft-dflash"], ["chains of speculators"]),
+    (["--spec-type", "ngram-mod", "--spec-ngram-mod-n-match", "0"], ["--spec-ngram-mod-n-match 0", "1 and 1024"]),
+    (["--spec-type", "ngram-mod", "--spec-ngram-mod-n-max", "1025"], ["--spec-ngram-mod-n-max 1025"]),
+    (["--spec-type", "ngram-simple", "--spec-ngram-mod-n-min", "4"], ["--spec-ngram-mod-n-min is for --spec-type "
+                                                                      "ngram-mod, not ngram-simple"]),
+    (["--spec-type", "ngram-mod", "-md", "draft"], ["takes no draft model"]),
+])
+def test_ngram_flag_mistakes_are_one_line(models, capsys, flags, words):
+    target, _ = models
+    for command in ("generate", "serve"):
+        rest = ["--prompt", "hi"] if command == "generate" else []
+        assert cli.main([command, "-m", str(target), *rest, *flags]) == 1
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"flashdraft {command}: error: "), lines
+        assert all(w in lines[0] for w in words), lines[0]
+
+
+def test_an_unknown_spec_type_exits_1(models):
+    target, _ = models
+    out = subprocess.run([sys.executable, "-m", "flashdraft.cli", "serve", "-m", str(target), "--spec-type",
+                          "ngram-nope"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 1 and out.stderr.strip().splitlines() == [
+        "flashdraft serve: error: --spec-type ngram-nope: unknown type (types: none, dflash, draft-dflash, ngram-mod, "
+        "ngram-simple)"]
