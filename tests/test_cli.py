@@ -117,3 +117,26 @@ def test_compile_is_the_default_on_cuda_only():
     assert compile_enabled(EngineConfig(device="cuda")) and compile_enabled(EngineConfig(device="cuda:1"))
     assert not compile_enabled(EngineConfig(device="cuda", compile=False))
     assert not compile_enabled(EngineConfig(device="cpu")) and not compile_enabled(EngineConfig(device="cpu", compile=True))
+
+
+def test_fit_flags_and_the_fitted_context(caplog, capsys):
+    """llama.cpp's --fit / --fit-ctx: with -c 0 the trained context where the free GPU memory holds it, else the
+    most it holds (logged), never under --fit-ctx; --fit-target is accepted and noted; bad values are one line."""
+    from flashdraft.server.main import fitted_context, parse_settings
+    s, notes = parse_settings(["-m", "x", "-c", "0", "--fit", "off", "-fitc", "8192", "-fitt", "512"])
+    assert (s.ctx_size, s.fit, s.fit_min_ctx) == (0, False, 8192)
+    assert any("--fit-target" in n or "-fitt" in n for n in notes), notes
+    assert parse_settings(["-m", "x", "-fit", "on"])[0].fit and parse_settings(["-m", "x"])[0].fit
+    for bad in (["--fit", "maybe"], ["--fit-ctx", "1"]):
+        with pytest.raises(SystemExit) as e:
+            parse_settings(["-m", "x", *bad])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and ("maybe" in err or "--fit-ctx 1" in err), err
+    assert fitted_context(131072, 1, None, 4096) == 131072  # nothing fitted (the CPU, --fit off)
+    assert fitted_context(131072, 2, 70000, 4096) == 131072  # fits
+    with caplog.at_level("WARNING", logger="flashdraft.server"):
+        assert fitted_context(131072, 2, 40960, 4096) == 81920
+    assert "131072" in caplog.text and "81920" in caplog.text
+    with pytest.raises(ValueError, match="--fit-ctx 32768"):
+        fitted_context(131072, 1, 16384, 32768)

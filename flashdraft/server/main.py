@@ -31,7 +31,15 @@ IGNORED_FLAGS = [
     (("--no-host",), False, "there are no host-side weight buffers to place"),
     (("-kvu", "--kv-unified"), False, "each slot has its own KV cache of ctx-size / parallel tokens"),
     (("-cram", "--cache-ram"), True, "there is no host-RAM prompt cache"),
+    (("-fitt", "--fit-target"), True, "--fit leaves 1 GiB of GPU memory beside the caches (llama.cpp's default)"),
 ]
+ON, OFF = ("on", "enabled", "true", "1"), ("off", "disabled", "false", "0")  # llama.cpp's is_truthy / is_falsey
+
+
+def on_off(value: str) -> bool:
+    if value.lower() in ON + OFF:
+        return value.lower() in ON
+    raise argparse.ArgumentTypeError(f"unknown value {value!r}: on or off")
 
 
 class Parser(argparse.ArgumentParser):
@@ -62,7 +70,13 @@ def build_parser() -> Parser:
                     help="number of slots: requests served at once, the rest wait in a queue (default 1)")
     ap.add_argument("-c", "--ctx-size", type=int, default=d.ctx_size, metavar="N",
                     help=f"total context over all slots; each slot gets ctx-size / parallel tokens, as in "
-                         f"llama-server (default {d.ctx_size}; 0 = the model's trained context)")
+                         f"llama-server (default {d.ctx_size}; 0 = the model's trained context, fitted to the free "
+                         f"GPU memory under --fit on)")
+    ap.add_argument("-fit", "--fit", type=on_off, default=d.fit, metavar="on|off",
+                    help="with -c 0, run the largest context the free GPU memory holds where the trained one does not "
+                         "fit, down to --fit-ctx (default on, as llama.cpp's; a context given with -c is never changed)")
+    ap.add_argument("-fitc", "--fit-ctx", dest="fit_min_ctx", type=int, default=d.fit_min_ctx, metavar="N",
+                    help=f"the least context --fit may leave (default {d.fit_min_ctx})")
     ap.add_argument("-n", "--n-predict", "--predict", dest="n_predict", type=int, default=d.n_predict, metavar="N",
                     help="default tokens to generate per request (-1 = up to the end of the context)")
     ap.add_argument("--temp", dest="temperature", type=float, default=d.temperature, metavar="T",
@@ -129,6 +143,7 @@ def parse_settings(argv: list[str]) -> tuple[Settings, list[str]]:
     ap = build_parser()
     args = ap.parse_args(argv)
     for name, value, ok in (("-np", args.n_slots, args.n_slots >= 1), ("--ctx-size", args.ctx_size, args.ctx_size >= 0),
+                            ("--fit-ctx", args.fit_min_ctx, args.fit_min_ctx >= 2),
                             ("--port", args.port, 0 <= args.port < 65536), ("--tp", args.tp, args.tp >= 1),
                             ("--repeat-penalty", args.repeat_penalty, args.repeat_penalty > 0),
                             ("--repeat-last-n", args.repeat_last_n, args.repeat_last_n >= -1)):
@@ -152,7 +167,7 @@ def parse_settings(argv: list[str]) -> tuple[Settings, list[str]]:
         spec_type=spec_type, draft_params=draft_params,
         draft_window=args.draft_window, block_size=args.block_size, host=args.host, port=args.port,
         n_slots=args.n_slots, slot_prompt_similarity=args.slot_prompt_similarity, ctx_size=args.ctx_size,
-        device=args.device, dtype=args.dtype, compile=args.compile, adaptive=args.adaptive,
+        fit=args.fit, fit_min_ctx=args.fit_min_ctx, device=args.device, dtype=args.dtype, compile=args.compile, adaptive=args.adaptive,
         draft_embed_scale=args.draft_embed_scale, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
         draft_cache_type_k=args.draft_cache_type_k, draft_cache_type_v=args.draft_cache_type_v,
         dequantize=args.dequantize, quantized=args.quantized,
@@ -204,6 +219,22 @@ def setup_logging(timestamps: bool, prefix: bool) -> None:
     root.setLevel(logging.INFO)
 
 
+def fitted_context(trained: int, n_slots: int, fits: int | None, least: int) -> int:
+    """-c 0: the total context to run, the trained one where it fits (fits: the most tokens a slot's caches may
+    hold in the free GPU memory, None where nothing is fitted), else the most that fits, logged; never under
+    `least` (--fit-ctx: then the command stops, as llama.cpp's)."""
+    if fits is None or fits * n_slots >= trained:
+        return trained
+    total = fits * n_slots
+    if total < least:
+        raise ValueError(f"-c 0: the model's trained context of {trained} tokens does not fit the free GPU memory, "
+                         f"and {total} would (at most {fits} a slot), under --fit-ctx {least}: lower --fit-ctx or "
+                         "-np, or take a smaller --cache-type-k/--cache-type-v")
+    log.warning("-c 0: the model's trained context of %d tokens does not fit the free GPU memory: running %d "
+                "(%d a slot; --fit off to refuse instead)", trained, total, fits)
+    return total
+
+
 def load_engine(s: Settings):
     from flashdraft.args import default_device
     from flashdraft.engine.engine import Engine
@@ -219,7 +250,12 @@ def load_engine(s: Settings):
     ctx = s.slot_ctx if s.ctx_size > 0 else 2
     engine = Engine.load(s.engine_config(draft, device, ctx, progress=rank_and_world()[0] == 0))
     if s.ctx_size <= 0:
-        s.ctx_size = engine.target.cfg.max_position_embeddings
+        trained = engine.target.cfg.max_position_embeddings
+        fits = None
+        if s.fit and device.startswith("cuda"):
+            from flashdraft.engine.engine import largest_context
+            fits = largest_context(engine.target, s.engine_config(draft, device, trained // s.n_slots))
+        s.ctx_size = fitted_context(trained, s.n_slots, fits, s.fit_min_ctx)
         engine = engine.resized(s.slot_ctx)
     if s.chat_template_file:
         engine.tokenizer.chat_template = Path(s.chat_template_file).read_text()

@@ -18,6 +18,8 @@ class Settings:
     n_slots: int = 1
     slot_prompt_similarity: float = 0.1  # -sps
     ctx_size: int = 4096  # total over all slots, as llama-server's -c; each slot gets ctx_size // n_slots
+    fit: bool = True  # --fit: -c 0 shrinks to the largest context the free GPU memory holds
+    fit_min_ctx: int = 4096  # --fit-ctx: the least context --fit may leave
     device: str | None = None
     dtype: str = "auto"
     compile: bool | None = None  # None: on with CUDA (engine.config.compile_enabled)
