@@ -11,7 +11,7 @@ or tiled as llama.cpp's GGUF files order them (h % key_heads).
 
 The recurrence in two forms: `recurrent_delta_rule`, a token at a time (decode steps), and `chunked_delta_rule`,
 chunks of tokens in a few matrix products (prefill). The state a slot keeps between forwards (S per head and the
-convolution's last inputs) lives in layers.kv_cache.RecurrentCache."""
+convolution's last inputs) lives in layers.kv_cache.RecurrentCache, after each token of a verify block."""
 from dataclasses import dataclass
 
 import torch
@@ -47,18 +47,19 @@ def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def recurrent_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-                         state: Tensor) -> tuple[Tensor, Tensor]:
+def recurrent_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+                         every: bool = False) -> tuple[Tensor, Tensor]:
     """q, k [B, H, T, Dk], v [B, H, T, Dv], g, beta [B, H, T], state [B, H, Dk, Dv] (float32) ->
-    (o [B, H, T, Dv], the state after the T tokens)."""
-    out = []
+    (o [B, H, T, Dv], the state after the T tokens; with `every`, the state after each [B, T, H, Dk, Dv])."""
+    out, states = [], []
     for t in range(q.shape[2]):
         state = state * g[:, :, t, None, None].exp()
         k_t = k[:, :, t]
         u = (v[:, :, t] - torch.einsum("bhk,bhkv->bhv", k_t, state)) * beta[:, :, t, None]
         state = state + k_t[..., None] * u[..., None, :]
         out.append(torch.einsum("bhk,bhkv->bhv", q[:, :, t], state))
-    return torch.stack(out, 2), state
+        states.append(state)
+    return torch.stack(out, 2), torch.stack(states, 1) if every else state
 
 
 def chunked_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
@@ -117,8 +118,10 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = Linear(value_size, s.hidden_size, bias=False)
 
     def forward(self, x: Tensor, cache: RecurrentSlots | None, positions: Tensor, fresh: bool) -> Tensor:
-        """x [B, T, hidden]. fresh: the tokens start at position 0 (the state starts from zeros); else they
-        continue the state the cache holds. The cache (if any) is left holding the state after them."""
+        """x [B, T, hidden] at positions [B, T]. fresh: the tokens start at position 0 (the state starts from
+        zeros); else they continue the state the cache holds after the tokens before them. The cache (if any)
+        receives the state after each of them where its ring has a row for each (a verify block: the next step
+        may start after any of its tokens), else after the last."""
         s = self.shape
         B, T, _ = x.shape
         C, K, HV, Dk, Dv = s.channels, s.conv_kernel, s.value_heads, s.key_dim, s.value_dim
@@ -128,7 +131,7 @@ class GatedDeltaNet(nn.Module):
             state = x.new_zeros(B, HV, Dk, Dv, dtype=torch.float32)
             conv = x.new_zeros(B, C, K - 1)
         else:
-            state, conv = cache.read()
+            state, conv = cache.read(positions[:, 0])
         inputs = torch.cat([conv.to(x.dtype), qkvz[..., :C].transpose(1, 2)], dim=-1)  # [B, C, K - 1 + T]
         mixed = F.silu(F.conv1d(inputs, self.conv1d.weight, groups=C)).transpose(1, 2)  # [B, T, C]
         key_size = s.key_heads * Dk
@@ -138,10 +141,15 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid().float()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         q, k, v = (t.transpose(1, 2) for t in (q * Dk ** -0.5, k, v))  # [B, H, T, D]
-        rule = recurrent_delta_rule if T <= RECURRENT_TOKENS else chunked_delta_rule
-        out, state = rule(q, k, v, g.transpose(1, 2), beta.transpose(1, 2), state)
-        if cache is not None:
-            cache.write(state, inputs[..., inputs.shape[-1] - (K - 1):])
+        every = cache is not None and T < cache.rows
+        if every or T <= RECURRENT_TOKENS:
+            out, state = recurrent_delta_rule(q, k, v, g.transpose(1, 2), beta.transpose(1, 2), state, every)
+        else:
+            out, state = chunked_delta_rule(q, k, v, g.transpose(1, 2), beta.transpose(1, 2), state)
+        if every:  # the convolution's last K - 1 inputs after each token, and the lengths they belong to
+            cache.write(positions + 1, state, inputs.unfold(-1, K - 1, 1)[:, :, 1:].transpose(1, 2))
+        elif cache is not None:
+            cache.write(positions[:, -1:] + 1, state[:, None], inputs[:, None, :, T:])
         out = self.norm(out.transpose(1, 2).to(x.dtype), qkvz[..., C:].unflatten(-1, (HV, Dv)))
         return self.out_proj(out.flatten(-2))
 

@@ -7,8 +7,9 @@ another shape, a sliding ring or a quantized store is a new kind here, not a new
 - `window_cache`: a sliding-window layer's ring of window + step rows (row p % rows).
 - `RingKVCache`: a window ring (row p % window) after scratch rows that a step's own block K/V go into, with
   the position each ring row holds (the DFlash draft's context).
-- `RecurrentCache`: a recurrent layer's state and its convolution's last inputs per slot (Gated DeltaNet). It
-  holds the whole prefix in one value, so it cannot go back to an earlier length by position.
+- `RecurrentCache`: a recurrent layer's state and its convolution's last inputs per slot (Gated DeltaNet), one
+  value for the whole prefix, kept for the last few lengths in a ring of rows (row n % rows: the state after n
+  tokens), so a step may start at any length within the verify block before it (the accepted prefix).
 The target's caches store K and V through codecs (f32/f16/bf16, or llama.cpp's block types: layers/kv_quant.py).
 A quantized K store may hold its keys minus a fixed `key_shift` per KV head (the model's mean key): every score of
 a query then moves by the same q . shift, which softmax ignores, while the blocks no longer spend their scale on
@@ -174,8 +175,9 @@ class RingKVCache:
 
 
 class RecurrentSlots:
-    """One recurrent layer's state as one forward sees it: views of its slots' rows, made outside compiled layers
-    (as KVSlots), read at the start of a forward and overwritten in place at its end."""
+    """One recurrent layer's rings as one forward sees them: views of its slots' rows, made outside compiled layers
+    (as KVSlots). A forward reads the row of its first position (the state after the tokens before it) and writes
+    the rows of the lengths it reaches; rows are picked by tensors, so one CUDA graph serves every position."""
 
     def __init__(self, cache: "RecurrentCache", slots: Slots):
         if isinstance(slots, int):
@@ -183,34 +185,65 @@ class RecurrentSlots:
         self.index = slots if isinstance(slots, Tensor) else None
         self.state, self.conv = (cache.state, cache.conv) if self.index is not None else \
             (cache.state[slots], cache.conv[slots])
+        self.rows = cache.rows
 
-    def read(self) -> tuple[Tensor, Tensor]:
-        """(state [B, heads, key dim, value dim] float32, conv [B, channels, kernel - 1])."""
-        if self.index is None:
-            return self.state, self.conv
-        return self.state[self.index], self.conv[self.index]
+    def _at(self, lengths: Tensor) -> tuple[Tensor, ...]:
+        """Index of the rows holding lengths [B, n]: (slot rows [B, 1], ring rows [B, n])."""
+        slots = self.index if self.index is not None else torch.arange(self.state.shape[0], device=lengths.device)
+        return slots[:, None], lengths % self.rows
 
-    def write(self, state: Tensor, conv: Tensor) -> None:
-        if self.index is None:
-            self.state.copy_(state)
-            self.conv.copy_(conv.to(self.conv.dtype))
-        else:
-            self.state[self.index] = state
-            self.conv[self.index] = conv.to(self.conv.dtype)
+    def read(self, start: Tensor) -> tuple[Tensor, Tensor]:
+        """The state after the first start [B] tokens of each slot: (state [B, heads, key dim, value dim] float32,
+        conv [B, channels, kernel - 1])."""
+        if self.rows == 1:  # no ring: the slot's only row, as a view
+            if self.index is None:
+                return self.state[:, 0], self.conv[:, 0]
+            return self.state[self.index, 0], self.conv[self.index, 0]
+        slots, rows = self._at(start[:, None])
+        return self.state[slots, rows][:, 0], self.conv[slots, rows][:, 0]
+
+    def write(self, lengths: Tensor, state: Tensor, conv: Tensor) -> None:
+        """The states after the first lengths [B, n] tokens (n distinct lengths, at most `rows`): state
+        [B, n, heads, key dim, value dim], conv [B, n, channels, kernel - 1]."""
+        slots, rows = self._at(lengths)
+        self.state[slots, rows] = state  # through the view: into the cache
+        self.conv[slots, rows] = conv.to(self.conv.dtype)
 
 
 class RecurrentCache:
     """A recurrent layer's per-slot state: a float32 matrix [key dim, value dim] per head, and the last
     `kernel - 1` inputs of its causal convolution. A forward from position 0 (`fresh`) starts from zeros; any
-    other continues from what the slot holds, which is the state after every token run through it so far."""
+    other continues from the state after the tokens before its first position.
+
+    Each slot keeps `rows` of them in a ring: row n % rows holds the state after n tokens. A forward of up to
+    rows - 1 tokens writes the state after each of its tokens (a longer one, the last only), so after a verify
+    block every length from its start to its end can be continued from, and rolling back to the accepted prefix
+    is starting the next step there, as with position-indexed K/V: nothing to copy. One row (no rollback) until
+    `allow_rollback` asks for more."""
 
     by_position = False
     bytes_per_token = 0
 
     def __init__(self, n_slots: int, heads: int, key_dim: int, value_dim: int, channels: int, kernel: int,
                  dtype: torch.dtype, device: torch.device | str):
-        self.state = torch.zeros((n_slots, heads, key_dim, value_dim), device=device, dtype=torch.float32)
-        self.conv = torch.zeros((n_slots, channels, kernel - 1), device=device, dtype=dtype)
+        self.state = torch.zeros((n_slots, 1, heads, key_dim, value_dim), device=device, dtype=torch.float32)
+        self.conv = torch.zeros((n_slots, 1, channels, kernel - 1), device=device, dtype=dtype)
+
+    @property
+    def rows(self) -> int:
+        return self.state.shape[1]
+
+    def allow_rollback(self, width: int) -> None:
+        """Keep a state for each token of forwards of up to `width` tokens (before any slot holds one: the ring is
+        made anew)."""
+        if width + 1 > self.rows:
+            shape = self.state.shape
+            self.state = self.state.new_zeros((shape[0], width + 1, *shape[2:]))
+            self.conv = self.conv.new_zeros((shape[0], width + 1, *self.conv.shape[2:]))
+
+    def at(self, slot: int, length: int) -> tuple[Tensor, Tensor]:
+        """The state and convolution rows after the slot's first `length` tokens (views)."""
+        return self.state[slot, length % self.rows], self.conv[slot, length % self.rows]
 
     @property
     def bytes(self) -> int:
@@ -222,8 +255,8 @@ class RecurrentCache:
 
 class KVState:
     """A target's state for all its slots: one cache per layer. Where every cache is indexed by position
-    (`by_position`), rollback after a verify is by position, so `commit` has nothing to do; a recurrent layer's
-    state (RecurrentCache) cannot roll back yet, so a target with one runs without speculation."""
+    (`by_position`), a slot goes back to any shorter length; a recurrent layer's state (RecurrentCache) goes back
+    only within the last step, which is what a verify step needs (`allow_rollback`), not prompt reuse."""
 
     def __init__(self, layers: list, max_len: int):
         self.layers, self.max_len = layers, max_len
@@ -232,6 +265,13 @@ class KVState:
     def by_position(self) -> bool:
         return all(c.by_position for c in self.layers)
 
+    def allow_rollback(self, width: int) -> None:
+        """Steps of up to `width` tokens (verify blocks) may be followed by a step that starts at any length within
+        them. Position-indexed caches need nothing; a recurrent cache keeps a state per token of such a step."""
+        for cache in self.layers:
+            if not cache.by_position:
+                cache.allow_rollback(width)
+
     def reusable(self, held: int, shared: int) -> int:
         """A slot's caches hold `held` tokens, the first `shared` of which start a new prompt: how many of them
         the prompt can keep. Position-indexed caches keep any prefix; a recurrent state is the state after all
@@ -239,8 +279,10 @@ class KVState:
         return shared if self.by_position or shared == held else 0
 
     def commit(self, slot: int, length: int) -> None:
-        if not self.by_position:
-            raise RuntimeError("a recurrent layer's state cannot roll back to an accepted length yet")
+        """After a verify step the slot keeps its first `length` positions. No cache kind has work here: K/V rows
+        past it are masked by position, and a recurrent cache holds the state after every length of the step,
+        so the next step, starting at `length`, reads the right one. (A recurrent kind that kept the step's inputs
+        instead of its states would rebuild the accepted state here.)"""
 
     @property
     def bytes(self) -> int:

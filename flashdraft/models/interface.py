@@ -19,7 +19,12 @@ class ModelState(Protocol):
     @property
     def by_position(self) -> bool:
         """Every cache is indexed by position, so a slot goes back to any shorter length by that length alone.
-        A recurrent layer's state (Gated DeltaNet) is not: a target with one runs without speculation for now."""
+        A recurrent layer's state (Gated DeltaNet) goes back only within the last step (`allow_rollback`)."""
+        ...
+
+    def allow_rollback(self, width: int) -> None:
+        """Steps of up to `width` tokens (verify blocks) may be followed by a step that starts at any length within
+        them (the accepted prefix): a recurrent layer then keeps its state after each of their tokens."""
         ...
 
     def reusable(self, held: int, shared: int) -> int:
@@ -28,8 +33,9 @@ class ModelState(Protocol):
         ...
 
     def commit(self, slot: int, length: int) -> None:
-        """After a verify step: the slot's first `length` positions are kept. Position-indexed caches need
-        nothing (stale rows are masked by position); recurrent state would copy the accepted step's state here."""
+        """After a verify step: the slot's first `length` positions are kept, and the next step starts there.
+        Position-indexed caches need nothing (stale rows are masked by position), nor does a recurrent state kept
+        after each token of the step (`allow_rollback`)."""
         ...
 
     @property
