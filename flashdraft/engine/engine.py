@@ -370,8 +370,16 @@ class Engine:
             out["workspace"] = max(0, held - sum(n for name, n in out.items() if name != "kv_per_token"))
         return out
 
-    def measure_width_costs(self, slot: int = 0) -> dict[int, float]:
-        """Time one step of every candidate verify width (once per engine; the adaptive controller's costs)."""
+    def measure_width_costs(self, slot: int | None = None) -> dict[int, float]:
+        """Time one step of every candidate verify width (once per engine; the adaptive controller's costs) on
+        `slot`, or on a free slot that is then left holding nothing to reuse: the timed steps overwrite its
+        caches (a recurrent state whatever the positions)."""
+        if slot is None:
+            slot, _ = self.slots.acquire([], reuse=False)
+            try:
+                return self.measure_width_costs(slot)
+            finally:
+                self.slots.release(slot, [])
         from flashdraft.engine.adaptive import candidate_widths, measure_costs
         from flashdraft.engine.steps import PlainKey, SpecKey
         block = self.draft_block
@@ -454,6 +462,8 @@ class Engine:
 
     def _stream_in_slot(self, req: Request, seed: int | None) -> Iterator[Delta | Completion]:
         speculative = req.speculative and self.draft is not None
+        if speculative and self.adaptive and self.width_costs is None:
+            self.measure_width_costs()  # before a slot's cache is taken for the prompt
         slot, cached = self.slots.acquire(req.prompt_ids, req.cache_prompt, speculative=speculative)
         held: list[int] = list(req.prompt_ids[:cached])  # the tokens the slot's cache holds (grows as it runs)
         try:
