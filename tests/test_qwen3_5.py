@@ -1,9 +1,11 @@
 """Qwen3.5 dense targets (Gated DeltaNet and gated attention layers) against transformers' own `qwen3_5` on random
 small configs: logits of a whole sequence and of the same sequence through the caches in pieces, the two forms of
 the delta rule, prefill in chunks against token by token, greedy generation through the engine (its prompt cache
-keeping a recurrent state only for a prompt that continues it), an HF Qwen3_5ForConditionalGeneration checkpoint,
-and GGUF files written by llama.cpp's own convert_hf_to_gguf.py (sdist fixture of test_gemma_gguf.py). A draft
-for such a target and the MoE variants are refused with their reason."""
+keeping a recurrent state only for a prompt that continues it), speculative decoding (a verify block rolled back to
+its accepted prefix in every layer; greedy answers equal to plain ones with a DFlash draft and with a drafter
+without a model, over the adaptive width and the static step shapes), an HF Qwen3_5ForConditionalGeneration
+checkpoint, and GGUF files written by llama.cpp's own convert_hf_to_gguf.py (sdist fixture of test_gemma_gguf.py).
+The MoE variants are refused with their reason."""
 import json
 import subprocess
 import sys
@@ -13,11 +15,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 from test_gemma_gguf import converter  # noqa: F401  (the llama.cpp converter fixture)
-from tiny import decode_tokens, forward1, write_tokenizer
+from test_engine import oracle_proposals
+from tiny import decode_tokens, forward1, make_draft, write_tokenizer
 
 from flashdraft.engine import generate
+from flashdraft.engine.adaptive import WidthController
 from flashdraft.engine.config import EngineConfig
 from flashdraft.engine.engine import Engine, Request
+from flashdraft.engine.generate import SpecStats
 from flashdraft.engine.sampling import SamplingParams
 from flashdraft.formats.gguf import gguf_to_hf_config, read_gguf
 from flashdraft.formats.loader import load_target
@@ -191,11 +196,176 @@ def test_prompt_cache_keeps_a_recurrent_state_only_for_a_prompt_that_continues_i
     assert again.timings.cache_n == 0 and again.token_ids == third.token_ids
 
 
-def test_a_draft_for_a_recurrent_target_is_refused(folder):
+def layer_states(state, slot: int, length: int) -> list[torch.Tensor]:
+    """What every layer holds for a slot's first `length` tokens: a recurrent layer's state and convolution rows,
+    an attention layer's K and V rows."""
+    out = []
+    for cache in state.layers:
+        if isinstance(cache, RecurrentCache):
+            out += [t.clone() for t in cache.at(slot, length)]
+        else:
+            out += [cache.k[slot, :, :length].clone(), cache.v[slot, :, :length].clone()]
+    return out
+
+
+def saved(state):
+    """Every tensor of a state, and a function that puts them back."""
+    held = [t for c in state.layers for t in ((c.state, c.conv) if isinstance(c, RecurrentCache) else (c.k, c.v))]
+    copies = [t.clone() for t in held]
+    return lambda: [t.copy_(c) for t, c in zip(held, copies)]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_a_verify_block_rolls_back_to_its_accepted_prefix(name):
+    """After a verify of w tokens with the first a of them accepted, every layer holds for the slot's first
+    start + a tokens what a forward of the accepted tokens alone leaves (through a state that keeps no step, so
+    none of the per-token rows): exactly for a = 0 and a = w, and to float32 rounding between, where it is exactly
+    the same whatever the w - a rejected tokens were. (Not bit for bit at every a: the CPU's matrix products and
+    vectorised functions round a row by the row count of the forward it is in.)"""
+    hf, cfg = hf_model(name)
+    model = ours_from(hf, cfg)
+    state, alone = model.new_state(1, 64), model.new_state(1, 64)
+    state.allow_rollback(8)
+    g = torch.Generator().manual_seed(0)
+    start = 20
+    prompt = torch.randint(0, VOCAB, (start,), generator=g)
+    with torch.no_grad():
+        for s in (state, alone):
+            forward1(model, s, prompt, torch.arange(start), fresh=True)
+        restore, restore_alone = saved(state), saved(alone)
+
+        def verify(ids: torch.Tensor, accepted: int) -> list[torch.Tensor]:
+            restore()
+            forward1(model, state, ids, torch.arange(start, start + len(ids)))
+            state.commit(0, start + accepted)
+            return layer_states(state, 0, start + accepted)
+
+        for w in (2, 5, 8):
+            block = torch.randint(0, VOCAB, (w,), generator=g)
+            for a in range(w + 1):
+                got = verify(block, a)
+                restore_alone()
+                if a:
+                    forward1(model, alone, block[:a], torch.arange(start, start + a))
+                want = layer_states(alone, 0, start + a)
+                if a in (0, w):
+                    assert all(map(torch.equal, got, want)), (w, a)
+                for x, y in zip(got, want):
+                    assert relative_error(x, y) < 1e-5, (w, a)
+                rejected_otherwise = torch.cat([block[:a], (block[a:] + 1) % VOCAB])
+                assert all(map(torch.equal, got, verify(rejected_otherwise, a))), (w, a)
+
+
+class ReplayDrafter:
+    """A drafter with no model and no target layers (the pattern of test_drafters.LookupDrafter) that proposes the
+    plain answer's next tokens, one in `corrupt_every` of them changed, so verify steps accept varying numbers."""
+    name, target_layers, state = "replay", (), None
+
+    def __init__(self, answer: list[int], start: int, corrupt_every: int, block_size: int = 6):
+        self.answer, self.start, self.block_size = torch.tensor(answer + [0] * block_size), start, block_size
+        self.corrupt = torch.rand(len(self.answer), generator=torch.Generator().manual_seed(corrupt_every)) < \
+            1 / corrupt_every
+
+    def setup_cache(self, window, n_slots=1, cache_dtypes=(None, None)):
+        self.state = SimpleNamespace(bytes=0)
+
+    def reset(self, slot=0, keep=0):
+        pass
+
+    def observe(self, tokens, features, positions, slots=0):
+        assert features is None
+
+    def propose(self, target, anchors, positions, slots, k, live=None, block=None, context_rows=None):
+        i = (positions[0] + 1 + torch.arange(k) - self.start).clamp(0, len(self.answer) - 1)  # answer[i]: start + i
+        return torch.where(self.corrupt[i], (self.answer[i] + 1) % VOCAB, self.answer[i])[None]
+
+    def compile_layers(self, block_sizes=None):
+        pass
+
+
+@pytest.fixture(scope="module")
+def draft_folder(folder, tmp_path_factory) -> Path:
+    return make_draft(tmp_path_factory.mktemp("qwen3_5_draft") / "dflash", folder, block_size=8)
+
+
+def test_greedy_speculative_with_a_dflash_draft_equals_plain(folder, draft_folder, monkeypatch):
+    """A DFlash draft made for the hybrid target: speculative answers equal plain ones, with the draft as it is and
+    with its proposals replaced by the plain answer corrupted at some positions (every acceptance length)."""
+    engine = Engine.load(EngineConfig(model=str(folder), draft=str(draft_folder), ctx_size=512))
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    prompt = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(3)).tolist()
+    plain = engine.generate(Request(prompt, params, speculative=False))
+    spec = engine.generate(Request(prompt, params))
+    assert spec.token_ids == plain.token_ids and spec.spec.draft_steps
+    oracle_proposals(monkeypatch, engine.draft, plain.token_ids, len(prompt), corrupt_every=5)
+    stats = SpecStats()
+    tokens = decode_tokens(engine.target, engine.state, torch.tensor(prompt), params, draft=engine.draft, stats=stats)
+    assert tokens == plain.token_ids
+    assert len(set(stats.acceptance_lengths)) > 2, stats.acceptance_lengths
+
+
+def test_greedy_speculative_with_a_lookup_drafter_equals_plain(folder, hf_reference):
+    """A drafter without a model or target layers on the hybrid target: answers equal plain ones, at every
+    acceptance length, and the prompt cache then continues from the state after exactly the tokens a slot holds."""
     target, tokenizer, _ = load_target(str(folder))
-    drafter = SimpleNamespace(block_size=8, target_layers=(1,))
-    with pytest.raises(ValueError, match="recurrent layers cannot roll back rejected draft tokens"):
-        Engine(target, tokenizer, drafter, EngineConfig(ctx_size=256))
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    prompt = torch.randint(0, VOCAB, (25,), generator=torch.Generator().manual_seed(4)).tolist()
+    plain = Engine(target, tokenizer, None, EngineConfig(ctx_size=256)).generate(Request(prompt, params))
+    for corrupt_every in (3, 5, 11):
+        engine = Engine(target, tokenizer, ReplayDrafter(plain.token_ids, len(prompt), corrupt_every),
+                        EngineConfig(ctx_size=256))
+        spec = engine.generate(Request(prompt, params))
+        assert spec.token_ids == plain.token_ids
+        assert len(set(spec.spec.acceptance_lengths)) > 2, spec.spec.acceptance_lengths
+    # the last step was cut at max_tokens (its bonus token dropped): the slot holds the prompt and every output token
+    # but the last, which the step ran
+    assert 1 + sum(spec.spec.acceptance_lengths) > len(spec.token_ids)
+    held = prompt + spec.token_ids[:-1]
+    follow_up = held + [7, 8, 9]
+    engine.draft.answer[:12] = torch.tensor(hf_greedy(hf_reference, follow_up, 12))
+    engine.draft.start = len(follow_up)
+    again = engine.generate(Request(follow_up, SamplingParams(max_tokens=12, ignore_eos=True)))
+    assert again.timings.cache_n == len(held) and again.spec.draft_n_accepted > 0
+    assert again.token_ids == hf_greedy(hf_reference, follow_up, 12)
+
+
+def test_adaptive_width_on_a_hybrid_target(folder, hf_reference):
+    """The adaptive verify width (plain steps the drafter follows between verify steps) keeps answers plain, and the
+    steps that time the widths, which overwrite a slot's recurrent state, run before a request takes its slot
+    (the first speculative request, of a fixed width here), so a request continuing it reuses a state it can."""
+    target, tokenizer, _ = load_target(str(folder))
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompt = torch.randint(0, VOCAB, (25,), generator=torch.Generator().manual_seed(5)).tolist()
+    answer = hf_greedy(hf_reference, prompt, 64)
+    engine = Engine(target, tokenizer, ReplayDrafter(answer, len(prompt), 3), EngineConfig(ctx_size=256,
+                                                                                        adaptive=True))
+    fixed = engine.generate(Request(prompt, params, block_size=4))
+    assert fixed.token_ids == answer[:12]
+    held = prompt + fixed.token_ids[:-1]
+    again = engine.generate(Request(held + [7, 8], params))
+    assert engine.width_costs is not None and again.timings.cache_n == len(held)
+    assert again.token_ids == hf_greedy(hf_reference, held + [7, 8], 12)
+    # proposals right, then wrong (the width falls to plain steps), then right again (a probe from plain steps)
+    engine.draft.corrupt = (torch.arange(len(answer) + 6) >= 12) & (torch.arange(len(answer) + 6) < 36)
+    stats = SpecStats()
+    tokens = decode_tokens(engine.target, engine.state, torch.tensor(prompt), SamplingParams(max_tokens=64),
+                           draft=engine.draft, stats=stats,
+                           controller=WidthController({1: 1.0, 2: 1.15, 4: 1.4, 6: 1.7}))
+    assert tokens == answer
+    assert sum(stats.acceptance_lengths) < 63 and stats.acceptance_lengths[-1] > 1
+
+
+def test_static_shape_path_matches_eager_on_a_hybrid_target(folder, draft_folder):
+    """Bucketed step shapes, as CUDA graphs capture them (run eagerly here), across a bucket boundary."""
+    engine = Engine.load(EngineConfig(model=str(folder), draft=str(draft_folder), ctx_size=600))
+    prompt = torch.randint(0, VOCAB, (240,), generator=torch.Generator().manual_seed(6))
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+
+    def run(**kw):
+        return decode_tokens(engine.target, engine.state, prompt, params, **kw)
+
+    eager = run(draft=engine.draft)
+    assert eager == run(draft=engine.draft, static=True) == run(static=True) == run()
 
 
 def test_conditional_generation_checkpoint_loads_its_language_model(folder, hf_reference, tmp_path):

@@ -290,9 +290,6 @@ class Engine:
             raise ValueError("tensor parallelism runs one request at a time: use one slot")
         try:
             self.state = target.new_state(config.n_slots, config.ctx_size, (config.cache_type_k, config.cache_type_v))
-            if draft is not None and not self.state.by_position:
-                raise ValueError("speculative decoding is not supported for this target yet: its recurrent layers "
-                                 "cannot roll back rejected draft tokens (run it without a draft)")
             if draft is not None:
                 draft.setup_cache(min(draft_window or config.ctx_size, config.ctx_size), config.n_slots,
                                   cache_dtypes=(FLOAT_KV_TYPES.get(config.draft_cache_type_k),

@@ -1,7 +1,8 @@
 """Plain and speculative decode loops on one cache slot, over the steps of engine/steps.py.
 
 Both loops yield the tokens each step commits. Target K/V beyond the committed length are stale and
-ignored (the cache is indexed by position), so rejected draft tokens roll back by length alone. The drafter
+ignored (the cache is indexed by position), and a recurrent layer keeps its state after each token of a verify
+block (layers/kv_cache.RecurrentCache), so rejected draft tokens roll back by length alone. The drafter
 (draft/interface.Drafter) only ever observes committed positions, so it never rolls back.
 """
 from collections.abc import Callable, Iterator

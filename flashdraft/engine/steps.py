@@ -84,6 +84,8 @@ class Steps:
     def __init__(self, target, state, draft=None, device: str = "cpu"):
         self.target, self.state, self.draft = target, state, draft
         self.capture = tuple(draft.target_layers) if draft is not None else ()  # read once
+        if draft is not None:  # a verify step may be cut back to any of its lengths
+            state.allow_rollback(draft.block_size)
         self.graphs = GraphCache(device)
         self.static = self.graphs.captures
         self.device = device
