@@ -1,5 +1,6 @@
-"""Speculative decoding is lossless: greedy token-identical, sampling identical in distribution,
-and the draft's proposals are exactly z-lab's reference loop's."""
+"""Speculative decoding is lossless: greedy token-identical, sampling identical in distribution (on a dense
+target and on a hybrid one, whose recurrent layers roll back), and the draft's proposals are exactly z-lab's
+reference loop's."""
 import itertools
 import time
 
@@ -12,6 +13,7 @@ from tiny import decode_tokens, forward1
 from flashdraft.engine.sampling import SamplingParams, chunked_argmax, filtered_probs
 from flashdraft.models.llama import LlamaConfig
 from flashdraft.models.llama import Llama
+from flashdraft.models.qwen3_5 import Qwen35, Qwen35Config
 
 
 def random_target(vocab=96, layers=4, hidden=64, seed=0, std=0.2, max_len=512) -> Llama:
@@ -22,6 +24,23 @@ def random_target(vocab=96, layers=4, hidden=64, seed=0, std=0.2, max_len=512) -
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else torch.randn_like(p) * std)
+    model.state = model.new_state(1, max_len)
+    return model.eval()
+
+
+def random_hybrid_target(vocab=96, layers=3, hidden=16, seed=0, std=0.2, max_len=512) -> Qwen35:
+    """A Qwen3.5-shaped target: Gated DeltaNet layers around a gated attention layer (their recurrent state rolls
+    back to a verify block's accepted prefix)."""
+    cfg = Qwen35Config.from_hf(dict(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, linear_num_key_heads=1, linear_num_value_heads=2,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=3,
+        layer_types=["linear_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]))
+    torch.manual_seed(seed)
+    model = Qwen35(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * std)
     model.state = model.new_state(1, max_len)
     return model.eval()
 
@@ -296,12 +315,13 @@ def llama_cpp_penalties(logits: torch.Tensor, ids: list[int], p: SamplingParams)
 
 
 def exact_first_tokens(target, prompt, params, n) -> dict[tuple, float]:
-    """Exact probability of every n-token continuation without speculation."""
+    """Exact probability of every n-token continuation without speculation (each a fresh forward from position 0:
+    a recurrent layer's state does not continue the last one)."""
     out = {}
     for seq in itertools.product(range(target.cfg.vocab_size), repeat=n):
         ids = torch.cat([prompt, torch.tensor(seq[:-1], dtype=torch.long)])
         with torch.no_grad():
-            logits, _ = forward1(target, target.state, ids, torch.arange(len(ids)))
+            logits, _ = forward1(target, target.state, ids, torch.arange(len(ids)), fresh=True)
         rows = logits[len(prompt) - 1:]
         rows = torch.stack([llama_cpp_penalties(r, ids[:len(prompt) + i].tolist(), params) for i, r in enumerate(rows)])
         probs = filtered_probs(rows, params)
@@ -328,11 +348,12 @@ def sample_first_tokens(target, draft, prompt, params, n, samples, rule) -> dict
     return counts
 
 
-@pytest.fixture(scope="module")
-def small_vocab_pair():
+@pytest.fixture(scope="module", params=["llama", "qwen3_5"])
+def small_vocab_pair(request):
     pytest.importorskip("scipy")
     torch.set_num_threads(1)  # tiny tensors: threads only add overhead
-    target = random_target(vocab=3, layers=3, hidden=16, seed=3, std=0.4, max_len=16)
+    make = random_target if request.param == "llama" else random_hybrid_target
+    target = make(vocab=3, layers=3, hidden=16, seed=3, std=0.4, max_len=16)
     draft = random_draft(target, block_size=4, seed=4, std=0.6)
     draft.setup_cache(target.state.max_len)
     return target, draft
