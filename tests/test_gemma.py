@@ -4,7 +4,7 @@ over the sliding layers' window rings), greedy continuations, and speculative = 
 import pytest
 import torch
 from test_engine import oracle_proposals, random_draft
-from tiny import decode_tokens, forward1, greedy_continuation
+from tiny import decode_tokens, forward1, greedy_continuation, loaded_from_hf
 
 from flashdraft.engine.generate import SpecStats
 from flashdraft.engine.sampling import SamplingParams
@@ -41,11 +41,7 @@ def hf_model(name: str, std: float = 0.3):
 
 
 def ours_from(hf, cfg: dict, max_len: int = 512) -> Gemma:
-    model = Gemma(GemmaConfig.from_hf(cfg)).float()
-    missing, unexpected = model.load_state_dict(hf.state_dict(), strict=False)
-    assert not missing and not unexpected, (missing, unexpected)
-    model.state = model.new_state(1, max_len)
-    return model.eval()
+    return loaded_from_hf(Gemma, GemmaConfig, hf, cfg, max_len)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flashdraft.models.llama import LlamaConfig
-from tiny import decode_tokens, forward1, greedy_continuation
+from tiny import decode_tokens, forward1, greedy_continuation, loaded_from_hf
 from flashdraft.layers.rope import rope_inv_freq
 from flashdraft.models.llama import Llama
 
@@ -43,12 +43,8 @@ def hf_model(name: str):
     return model, hf_cfg.to_dict()
 
 
-def ours_from(hf, cfg_dict, max_len=256) -> Llama:
-    model = Llama(LlamaConfig.from_hf(cfg_dict)).float()
-    missing, unexpected = model.load_state_dict(hf.state_dict(), strict=False)
-    assert not missing and not [k for k in unexpected if "rotary" not in k], (missing, unexpected)
-    model.state = model.new_state(1, max_len)
-    return model.eval()
+def ours_from(hf, cfg_dict: dict, max_len: int = 256) -> Llama:
+    return loaded_from_hf(Llama, LlamaConfig, hf, cfg_dict, max_len, "rotary")
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -16,7 +16,7 @@ import pytest
 import torch
 from test_gemma_gguf import converter  # noqa: F401  (the llama.cpp converter fixture)
 from test_engine import oracle_proposals
-from tiny import decode_tokens, forward1, make_draft, write_tokenizer
+from tiny import decode_tokens, forward1, loaded_from_hf, make_draft, write_tokenizer
 
 from flashdraft.engine import generate
 from flashdraft.engine.adaptive import WidthController
@@ -64,11 +64,7 @@ def hf_model(name: str, std: float = 0.3):
 
 
 def ours_from(hf, cfg: dict, max_len: int = 512) -> Qwen35:
-    model = Qwen35(Qwen35Config.from_hf(cfg)).float()
-    missing, unexpected = model.load_state_dict(hf.state_dict(), strict=False)
-    assert not missing and not unexpected, (missing, unexpected)
-    model.state = model.new_state(1, max_len)
-    return model.eval()
+    return loaded_from_hf(Qwen35, Qwen35Config, hf, cfg, max_len)
 
 
 def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:

@@ -127,6 +127,17 @@ def interrupt(proc, timeout: float = 60) -> str:
     return log
 
 
+def loaded_from_hf(model_cls, config_cls, hf, cfg: dict, max_len: int, unexpected_ok: str | None = None):
+    """Our model of a family, built from an HF config dict and holding the HF model's weights, with a state of one
+    slot of max_len positions (unexpected_ok: a part of the names the HF state dict may hold beyond ours)."""
+    model = model_cls(config_cls.from_hf(cfg)).float()
+    missing, unexpected = model.load_state_dict(hf.state_dict(), strict=False)
+    unexpected = [k for k in unexpected if unexpected_ok is None or unexpected_ok not in k]
+    assert not missing and not unexpected, (missing, unexpected)
+    model.state = model.new_state(1, max_len)
+    return model.eval()
+
+
 def forward1(target, state, ids, positions, **kw):
     """One row through a target: ids, positions [T] -> (logits [T or 1, V] or None, features [T, L*H] or None)."""
     logits, feats = target(ids[None], positions[None], state, **kw)
