@@ -5,7 +5,7 @@ import httpx
 import openai
 import pytest
 import torch
-from test_server import load, models, serving, settings  # noqa: F401  (models: the session fixture)
+from test_server import load, models, serving, settings  # noqa: F401  (models: the fixture every test shares)
 
 from flashdraft.server.app import create_app
 
