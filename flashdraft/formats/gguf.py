@@ -101,7 +101,7 @@ def _parse(data: np.ndarray) -> tuple[dict[str, Any], list[tuple[str, GGMLQuanti
     """(metadata, tensors as (name, type, ggml dims, offset from the data section), the data section's start) of
     a GGUF file of version 2 or 3 mapped as `data` (uint8)."""
     cur = _Cursor(memoryview(data))
-    magic, version, n_tensors, n_kv = struct.unpack_from("<IIQQ", cur.buf, 0)
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", cur.buf, 4)  # after the magic, read_gguf's check
     if version & 0xFFFF == 0:
         raise ValueError("a big-endian GGUF file")
     if version not in (2, 3):

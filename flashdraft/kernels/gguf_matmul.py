@@ -423,8 +423,9 @@ def _(x: Tensor, qweights: list[Tensor], qtypes: str, k: int) -> Tensor:
 @torch.library.custom_op("flashdraft::gguf_matmul_partials", mutates_args=())
 def gguf_matmul_partials(x: Tensor, qweights: list[Tensor], qtypes: str, k: int) -> list[Tensor]:
     """gguf_matmul_parts' products left as each part's partial sums [splits, M, N] over the splits of K (int64 fixed
-    point from the integer and mma kernels, float32 from the tensor-core kernel; one split: the product in x's dtype), for a torch.compile graph to add (split_k.add_splits) inside the kernel that
-    reads them, in place of sum launches."""
+    point from the integer and mma kernels, float32 from the tensor-core kernel; one split: the product in x's
+    dtype), for a torch.compile graph to add (split_k.add_splits) inside the kernel that reads them, in place of
+    sum launches."""
     types = qtypes.split(",")
     for w, q in zip(qweights, types):
         _check(w, q, k)

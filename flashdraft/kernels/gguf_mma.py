@@ -49,6 +49,7 @@ TARGET_PROGRAMS = {"Q4_K": 264, "Q5_K": 264, "Q6_K": 264, "IQ4_XS": 264, "Q8_0":
 
 
 TOKENS = gl.constexpr(16)  # the mma's N: rows of x, padded
+FIXED_ONE = gl.constexpr(split_k.FIXED_ONE)  # kernels/split_k.py's fixed-point scale
 
 
 @gluon.jit
@@ -89,7 +90,7 @@ def _x_scale(xds_ptr, x_toks, stride_xds, block, TILED: gl.constexpr):
 @gluon.jit
 def _to_fixed(v):
     """kernels/split_k.to_fixed in Gluon: float32 -> int64 fixed point, truncated."""
-    return (v * 4294967296.0).to(gl.int64)
+    return (v * FIXED_ONE).to(gl.int64)
 
 
 @gluon.jit
@@ -164,7 +165,7 @@ def _store(out_ptr, acc, rows, row_ok, toks, tok_ok, stride_os, stride_om):
     """The program's partial sums into out [splits, M, N] at its split (grid axis 1): int64, or (one split) the
     product in out's float dtype (kernels/split_k.from_fixed)."""
     if out_ptr.dtype.element_ty != gl.int64:
-        acc = acc.to(gl.float32) * (1.0 / 4294967296.0)
+        acc = acc.to(gl.float32) * (1.0 / FIXED_ONE)
     gl.store(out_ptr + gl.program_id(1) * stride_os + toks[None, :] * stride_om + rows[:, None],
              acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & tok_ok[None, :])
 

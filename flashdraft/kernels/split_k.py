@@ -26,18 +26,19 @@ from flashdraft.kernels.pdl import start_dependents, wait_for_inputs
 
 FIXED_BITS = 32
 FIXED_ONE = float(2 ** FIXED_BITS)
+_ONE = tl.constexpr(FIXED_ONE)  # the scale inside kernels (gguf_mma keeps its own for Gluon)
 
 
 @triton.jit
 def to_fixed(v):
     """float32 values -> int64 fixed point (FIXED_BITS fractional bits, truncated: the same on every route)."""
-    return (v * 4294967296.0).to(tl.int64)
+    return (v * _ONE).to(tl.int64)
 
 
 @triton.jit
 def from_fixed(acc):
     """int64 fixed point -> float32 (rounded to nearest once, then scaled exactly)."""
-    return acc.to(tl.float32) * (1.0 / 4294967296.0)
+    return acc.to(tl.float32) * (1.0 / _ONE)
 
 
 @triton.jit
