@@ -140,3 +140,17 @@ def test_fit_flags_and_the_fitted_context(caplog, capsys):
     assert "131072" in caplog.text and "81920" in caplog.text
     with pytest.raises(ValueError, match="--fit-ctx 32768"):
         fitted_context(131072, 1, 16384, 32768)
+
+
+def test_warmup_samples_as_a_request_with_the_defaults_does():
+    """serve's warm-up sampling takes the command line's defaults as a request with no sampling fields does
+    (llama.cpp's top-k -1 off, top-p 0 the most likely token), so it validates and captures the request's sampler."""
+    from flashdraft.engine.sampling import SamplingParams
+    from flashdraft.server.main import parse_settings
+    from flashdraft.server.protocol import sampling_params
+    for argv in (["--top-k", "-1"], ["--top-p", "0"], ["--top-k", "20", "--top-p", "0.9"]):
+        s = parse_settings(["-m", "x", *argv])[0]
+        warm = SamplingParams(**s.engine_config(None, "cpu", 64).warmup_sampling)
+        warm.validate()
+        request = sampling_params({}, s, ("n_predict",), None, 32)
+        assert (warm.top_k, warm.top_p) == (request.top_k, request.top_p), argv

@@ -456,6 +456,12 @@ def race_reference(values: Tensor, ids: Tensor | None, settings: Tensor, seeds: 
     return torch.where(best[:, 0].isfinite() & ~values.isnan().any(-1), token, -1)
 
 
+def llama_top(top_k: int, top_p: float) -> tuple[int, float]:
+    """llama.cpp's top-k and top-p as SamplingParams holds them: top_k <= 0 is off (vLLM clients send -1), and
+    top_p 0 keeps only the most likely token."""
+    return (max(top_k, 0), top_p) if top_p > 0 else (1, 1.0)
+
+
 def fresh_seed() -> int:
     """A random seed for a request that asks for none (seeds are 63-bit: Philox's key, in an int64 tensor)."""
     return secrets.randbits(63)

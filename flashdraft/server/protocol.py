@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 from flashdraft.engine.engine import Completion, Timings, TokenLogprob
-from flashdraft.engine.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from flashdraft.engine.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, llama_top
 from flashdraft.formats.tokenizer import IncrementalDetokenizer, TooManyTokens
 from flashdraft.server.scheduler import Job
 from flashdraft.server.settings import Settings
@@ -131,16 +131,15 @@ def sampling_params(body: dict, settings: Settings, token_limit_names: tuple[str
     its own logprobs field (see chat_logprobs_count, text_logprobs_count, native_probs_count)."""
     if get_int(body, "n", 1) != 1:
         raise ApiError(400, "only n=1 is supported")
-    top_k = get_int(body, "top_k", settings.top_k)
-    top_p = get_number(body, "top_p", settings.top_p, 0.0, 1.0)
+    top_k, top_p = llama_top(get_int(body, "top_k", settings.top_k),
+                             get_number(body, "top_p", settings.top_p, 0.0, 1.0))
     seed = get_int(body, "seed", settings.seed)
     if seed is not None and not -1 <= seed < 2 ** 32:  # llama.cpp's seed is a uint32; -1: random
         raise ApiError(400, f"'seed' must be between -1 and {2 ** 32 - 1}, got {_short(seed)}")
     params = SamplingParams(
         temperature=get_number(body, "temperature", settings.temperature, lo=0.0),
-        # top_k <= 0 disables it (llama.cpp; vLLM clients send -1)
-        top_k=max(top_k, 0),
-        top_p=top_p if top_p > 0 else 1.0,
+        top_k=top_k,
+        top_p=top_p,
         min_p=get_number(body, "min_p", settings.min_p, 0.0, 1.0),
         seed=seed if seed is not None and seed >= 0 else None,
         max_tokens=max_tokens(body, token_limit_names, settings),
@@ -153,8 +152,6 @@ def sampling_params(body: dict, settings: Settings, token_limit_names: tuple[str
         repeat_last_n=get_int(body, "repeat_last_n", settings.repeat_last_n),
         logprobs=top_logprobs,
     )
-    if top_p == 0:  # only the most likely token survives
-        params.top_k = 1
     return params
 
 

@@ -2,6 +2,7 @@
 from dataclasses import dataclass
 
 from flashdraft.engine.config import EngineConfig
+from flashdraft.engine.sampling import llama_top
 
 
 @dataclass
@@ -64,6 +65,7 @@ class Settings:
         return self.ctx_size // max(self.n_slots, 1)
 
     def engine_config(self, draft: str | None, device: str, slot_ctx: int, progress: bool = False) -> EngineConfig:
+        top_k, top_p = llama_top(self.top_k, self.top_p)  # as a request with the defaults takes them
         return EngineConfig(model=self.model, draft=draft, device=device, dtype=self.dtype, ctx_size=slot_ctx,
                             n_slots=self.n_slots, slot_prompt_similarity=self.slot_prompt_similarity,
                             draft_window=self.draft_window, block_size=self.block_size,
@@ -73,7 +75,7 @@ class Settings:
                             draft_cache_type_v=self.draft_cache_type_v,
                             weights="dequantized" if self.dequantize else "quantized" if self.quantized else "auto",
                             spec_type=self.spec_type if self.speculative else None, draft_params=self.draft_params,
-                            warmup_sampling=dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                            warmup_sampling=dict(temperature=self.temperature, top_k=top_k, top_p=top_p,
                                                  min_p=self.min_p, repeat_penalty=self.repeat_penalty,
                                                  repeat_last_n=self.repeat_last_n,
                                                  presence_penalty=self.presence_penalty,
