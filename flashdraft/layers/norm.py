@@ -28,15 +28,9 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-class GatedRMSNorm(nn.Module):
+class GatedRMSNorm(RMSNorm):
     """rms_norm(x) * w * silu(gate) over the last axis (a Gated DeltaNet's output per head), in HF's order: the
-    normed x back in its dtype times w, then times silu(gate) in float32."""
-
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+    normed x back in its dtype times w (RMSNorm's), then times silu(gate) in float32."""
 
     def forward(self, x: Tensor, gate: Tensor) -> Tensor:
-        normed = self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-        return (normed * F.silu(gate.float())).to(x.dtype)
+        return (super().forward(x) * F.silu(gate.float())).to(x.dtype)
