@@ -429,6 +429,7 @@ def test_sampler_on_gpu():
     from flashdraft.engine import sampling as S
     from flashdraft.engine.graphs import GraphCache
     from flashdraft.engine.steps import Steps
+    from flashdraft.layers.kv_cache import KVState
     cases = {**CASES, "issue_guide": ISSUE_GUIDE, "temperature": SamplingParams(temperature=1.0)}
     for name, p in cases.items():
         logits, positions = (t.cuda() for t in random_setup(512))
@@ -450,7 +451,7 @@ def test_sampler_on_gpu():
             p = SamplingParams(**{**base.__dict__, **extra})
             runs = []
             for graphs in (False, True):
-                state = SimpleNamespace(max_len=512, layers=[])  # no target: only the sampler's part of Steps
+                state = KVState([], max_len=512)  # no target: only the sampler's part of Steps
                 steps = Steps(None, state, SimpleNamespace(block_size=16, target_layers=()), "cuda")
                 if not graphs:
                     steps.graphs = GraphCache("cpu")  # the same calls on CUDA tensors, run eagerly
