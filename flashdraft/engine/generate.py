@@ -85,34 +85,56 @@ class FollowBuffer:
     """Plain steps on their way to the drafter: a plain step taken while the drafter follows (the adaptive width
     at 1) leaves its token and features row here, and the rows go to the drafter `block` at a time, or before the
     next speculative step or the end, whichever comes first. One observation of many rows reads the drafter's
-    context weights once (the Gemma 4 31B DFlash draft's: ~150 MB) where one per token read them every step."""
+    context weights once (the Gemma 4 31B DFlash draft's: ~150 MB) where one per token read them every step.
+    Tokens and rows stay on the device: adding one never waits for the GPU."""
 
     def __init__(self, steps: Steps, slot: int, block: int, device: torch.device):
         self.steps, self.slot, self.block, self.device = steps, slot, block, device
         self.rows: Tensor | None = None
-        self.tokens: list[int] = []
+        self.ids = torch.zeros(block, dtype=torch.long, device=device)
+        self.held = 0
         self.first = 0  # the rows held are positions first, first + 1, ... (plain steps in a row)
 
-    def add(self, token: int, features: Tensor | None, pos: int) -> None:
-        """`token` at position `pos` (the next after the rows held) and its features [1, width] (None: the
+    def add(self, token: Tensor, features: Tensor | None, pos: int) -> None:
+        """`token` [1] at position `pos` (the next after the rows held) and its features [1, width] (None: the
         drafter reads no target layers)."""
-        if not self.tokens:
+        if not self.held:
             self.first = pos
         if features is not None:
             if self.rows is None:
                 self.rows = features.new_empty(self.block, features.shape[-1])
             # the graph's output buffer: overwritten by its next replay
-            self.rows[len(self.tokens)].copy_(features.reshape(-1))
-        self.tokens.append(token)
-        if len(self.tokens) == self.block:
+            self.rows[self.held].copy_(features.reshape(-1))
+        self.ids[self.held:self.held + 1].copy_(token)
+        self.held += 1
+        if self.held == self.block:
             self.flush()
 
     def flush(self) -> None:
-        if held := len(self.tokens):
-            positions = torch.arange(self.first, self.first + held, device=self.device)
-            tokens = torch.tensor(self.tokens, device=self.device)
-            self.steps.observe(self.slot, tokens, None if self.rows is None else self.rows[:held], positions)
-            self.tokens = []
+        if held := self.held:
+            positions = self.steps.positions(self.first, held)
+            self.steps.observe(self.slot, self.ids[:held], None if self.rows is None else self.rows[:held], positions)
+            self.held = 0
+
+
+class PendingToken:
+    """A plain step's sampled token [1] on its way to the host: copied into `landing` (pinned memory, [1]) behind an
+    event, so reading it waits for its own step only, not for the step queued after it. On the CPU it is there
+    already."""
+
+    def __init__(self, token: Tensor, landing: Tensor):
+        self.host, self.event = landing, None
+        if token.is_cuda:
+            landing.copy_(token, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            landing.copy_(token)
+
+    def read(self) -> int:
+        if self.event is not None:
+            self.event.synchronize()
+        return int(self.host[0])
 
 
 @torch.inference_mode()
@@ -164,7 +186,9 @@ def decode(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int =
         if logprobs is not None and params.logprobs is not None:
             logprobs.extend(token_logprobs(rows[:len(tokens)], tokens, params.logprobs))
 
-    token = int(choose(logits, torch.full((1,), n - 1, device=device))[1][0])
+    first = choose(logits, torch.full((1,), n - 1, device=device))[1]
+    token_t = first.clone()  # the last committed token on the device: the sampler's buffer is reused
+    token = int(first[0])  # ... and on the host, once read
     check_sampled([token])
     report(logits, [token])
     yield [token]
@@ -173,29 +197,59 @@ def decode(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int =
     if stats is not None:
         stats.block_size = block
     following = FollowBuffer(steps, slot, block, device)
+    # A plain step's token is read after the next step is queued (the host's work on it overlaps the GPU's), unless
+    # the host must see each token or its rows first: a grammar masks the next rows by it, logprobs read the rows.
+    overlap = constraint is None and logprobs is None
+    pending: PendingToken | None = None  # token_t on its way to the host (not yet counted in `produced`)
+    # two landing places: one being read while the next step's token is copied to the other
+    landings = torch.empty(2, dtype=torch.long, pin_memory=token_t.is_cuda)
+
+    def taken(new: list[int]) -> list[int]:
+        nonlocal produced, token
+        new = new[:budget - produced]
+        produced += len(new)
+        token = new[-1]
+        return new
+
     try:
         while produced < budget:
+            queued = pending is not None
             # As z-lab's loop, a block covers at most the tokens still wanted plus the anchor (`live`). The draft
             # still runs the full block, with the rows past `live` hidden, so the same CUDA graph serves the last
             # steps; only the context's end shrinks the block itself.
             room = max_len - pos
-            live = min(block, budget - produced + 1, room)
+            live = min(block, budget - produced - queued + 1, room)
             width = min(controller.width() if controller is not None else block, room)
             if not steps.static:  # no captured shape to keep: verify no row past the wanted tokens
                 width = min(width, live)
+            if queued and (width > 1 or produced + 1 >= budget):  # a verify block anchors on the host's token
+                new = [pending.read()]
+                check_sampled(new)
+                pending = None
+                yield taken(new)
+                continue
             attn_len = steps.attended(pos + width)  # static shapes: the whole bucket, masked by position
             if width <= 1:
                 follow = draft is not None and room > 1  # the drafter observes every committed position
-                positions = torch.tensor([pos], device=device)
-                out = steps.plain(slot, torch.tensor([token], device=device), positions, attn_len, follow)
-                new = [int(choose(out[0], positions)[1][0])]
-                check_sampled(new)
-                report(out[0], new[:budget - produced])
+                positions = steps.positions(pos)
+                out = steps.plain(slot, token_t, positions, attn_len, follow)
+                sampled = choose(out[0], positions)[1]
                 if follow:
-                    following.add(token, out[1], pos)
+                    following.add(token_t, out[1], pos)
                     if controller is not None:
                         controller.record(1, 0)
                 pos += 1
+                token_t = sampled.clone()
+                if overlap:
+                    ahead, pending = pending, PendingToken(sampled, landings[pos % 2:pos % 2 + 1])
+                    if ahead is not None:
+                        new = [ahead.read()]
+                        check_sampled(new)
+                        yield taken(new)
+                    continue
+                new = [int(sampled[0])]
+                check_sampled(new)
+                report(out[0], new[:budget - produced])
             else:
                 # As z-lab's loop: the draft block shrinks only where the output budget or the context ends.
                 following.flush()  # the drafter proposes from every committed position
@@ -218,9 +272,7 @@ def decode(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int =
                 steps.samplers[slot].commit(new, pos + 1)
                 report(logits, new[:budget - produced])
                 pos += accepted + 1
-            new = new[:budget - produced]
-            produced += len(new)
-            token = new[-1]
-            yield new
+                token_t = torch.full((1,), new[-1], device=device)
+            yield taken(new)
     finally:
         following.flush()  # the drafter holds every committed position, as the slot's prompt cache records

@@ -52,8 +52,10 @@ class ContextKey:
 def plain_step(target, state, token: Tensor, pos: Tensor, slot: int, attn_len: int,
                capture: tuple[int, ...] | None = None) -> tuple[Tensor | None, ...]:
     """One token [1] through the target: (logits [1, V],), or (logits, features [1, L*H] or None) when a drafter
-    follows along (`capture`: its target layers), which needs every committed position."""
-    logits, feats = target(token[None], pos[None], state, slot, attn_len=attn_len, capture=capture or ())
+    follows along (`capture`: its target layers), which needs every committed position. The token may be a sampler's
+    failure flag (-1), queued before the host reads it (engine/generate.PendingToken): it runs as token 0, and the
+    step's output is never used."""
+    logits, feats = target(token.clamp(min=0)[None], pos[None], state, slot, attn_len=attn_len, capture=capture or ())
     return (logits[0],) if capture is None else (logits[0], None if feats is None else feats[0])
 
 
@@ -92,7 +94,15 @@ class Steps:
         self.whole_cache = self.static and all(reads_by_position(c, True) for c in state.layers
                                                if isinstance(c, KVCache) and not c.window)
         self.samplers: dict[int, DeviceSampler] = {}
+        self.position_table: Tensor | None = None
         self.sample_inputs: tuple[Tensor, Tensor, Tensor] | None = None  # the sampler graphs' inputs (`sample`)
+
+    def positions(self, start: int, n: int = 1) -> Tensor:
+        """Positions start, ..., start + n - 1 [n] on the device as a view of one table: no host-to-device copy,
+        which would wait for every step queued before it."""
+        if self.position_table is None:
+            self.position_table = torch.arange(self.state.max_len, device=self.device)
+        return self.position_table[start:start + n]
 
     def attended(self, length: int) -> int:
         return bucket_for(length, self.state.max_len) if self.static else length
