@@ -9,6 +9,13 @@ from flashdraft.engine.config import DRAFT_KV_CACHE_TYPES, KV_CACHE_TYPES, Engin
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
 
 
+def comma_floats(text: str) -> list[float]:
+    try:
+        return [float(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+
+
 def add_engine_args(ap: argparse.ArgumentParser, model: bool = True, context: bool = True) -> None:
     """model: -m/-md (the bench declares its own, optional, ones); context: --ctx-size, --block-size,
     --draft-window (the server declares llama-server's spellings and meanings: -c is the total over all slots,
@@ -71,6 +78,12 @@ def add_engine_args(ap: argparse.ArgumentParser, model: bool = True, context: bo
                     help="scale of the draft's input token embeddings (default: the draft's input_embedding_scale, "
                          "1.0 when its config has none; Gemma drafts trained on the target's scaled embedding "
                          "want sqrt(hidden size))")
+    ap.add_argument("--spec-synth-len", dest="synth_len", type=float, default=None, metavar="L",
+                    help="target mean synthetic acceptance length, including the target token (benchmarking only: "
+                         "drafted tokens are accepted at random, the output is not valid; llama.cpp's)")
+    ap.add_argument("--spec-synth-rates", dest="synth_rates", type=comma_floats, default=None,
+                    metavar="P0,P1,...", help="comma-separated unconditional per-position synthetic acceptance "
+                                              "probabilities, one per drafted token (benchmarking only)")
     ap.add_argument("--spec-dm-adaptive", dest="adaptive", action=argparse.BooleanOptionalAction, default=True,
                     help="choose each verify step's width from the draft's recent acceptance and measured step costs, "
                          "down to plain decoding when drafting does not pay (default on; off: always the full block)")
@@ -114,10 +127,16 @@ def speculation(args: argparse.Namespace, draft: str | None) -> tuple[str | None
     settings by name. ValueError, in one line, for a type or a value that no drafter takes, or flags that do not
     fit together (the command exits 1, as llama.cpp's does)."""
     from flashdraft.draft import ngram, registry
+    from flashdraft.engine import synthetic
 
     given = [(flag, kind, name, least, value) for flag, kind, name, least in NGRAM_FLAGS
              if (value := getattr(args, flag[2:].replace("-", "_"))) is not None]
     spec_type = args.spec_type
+    synth = args.synth_len is not None or bool(args.synth_rates)
+    if synth and (spec_type == "none" or getattr(args, "no_spec", False) or not (draft or spec_type)):
+        raise ValueError("--spec-synth-len / --spec-synth-rates need speculative decoding: a draft (-md) or "
+                         "--spec-type ngram-mod")
+    synthetic.check_flags(args.synth_len, args.synth_rates)
     kind = registry.kind_named(spec_type) if spec_type is not None else None
     for flag, for_type, _, _, _ in given:
         if spec_type != for_type:
@@ -304,5 +323,6 @@ def engine_config(args: argparse.Namespace, draft: str | None, device: str, **ov
                   adaptive=args.adaptive, draft_embed_scale=args.draft_embed_scale,
                   cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
                   draft_cache_type_k=args.draft_cache_type_k, draft_cache_type_v=args.draft_cache_type_v,
+                  synth_len=args.synth_len, synth_rates=args.synth_rates,
                   weights="dequantized" if args.dequantize else "quantized" if args.quantized else "auto")
     return EngineConfig(**(fields | overrides))

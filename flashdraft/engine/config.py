@@ -40,6 +40,9 @@ class EngineConfig:
     # own settings by name (draft/registry.py)
     spec_type: str | None = None
     draft_params: dict | None = None
+    # synthetic acceptance for benchmarking (--spec-synth-len / --spec-synth-rates: engine/synthetic.py)
+    synth_len: float | None = None
+    synth_rates: list[float] | None = None
 
 
 def compile_enabled(config: EngineConfig) -> bool:

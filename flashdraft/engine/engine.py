@@ -11,7 +11,8 @@ import torch
 
 from flashdraft.engine.config import EngineConfig, compile_enabled
 from flashdraft.layers.compile import preload_compiler
-from flashdraft.engine.generate import SpecStats, decode
+from flashdraft.engine import synthetic
+from flashdraft.engine.generate import SpecStats, accept_matching_samples, decode
 from flashdraft.engine.grammar import Constraint, Grammar
 from flashdraft.engine.lockstep import from_rank0, in_lockstep
 from flashdraft.engine.sampling import SamplingParams, fresh_seed
@@ -98,6 +99,7 @@ class Timings:
     cache_n: int = 0
     draft_n: int = 0
     draft_n_accepted: int = 0
+    synthetic: bool = False  # drafts accepted at random (engine/synthetic.py): the text is not the model's output
 
     def to_dict(self) -> dict:
         d = dict(cache_n=self.cache_n, prompt_n=self.prompt_n, prompt_ms=self.prompt_ms,
@@ -108,6 +110,8 @@ class Timings:
                  predicted_per_second=1e3 * self.predicted_n / self.predicted_ms if self.predicted_ms > 0 else 0.0)
         if self.draft_n > 0:
             d.update(draft_n=self.draft_n, draft_n_accepted=self.draft_n_accepted)
+        if self.synthetic:
+            d.update(synthetic_acceptance=True)
         return d
 
 
@@ -307,8 +311,23 @@ class Engine:
                              f"{hint} or --parallel, or take a smaller --cache-type-k/--cache-type-v (q8_0, q5_0, "
                              "q4_1, ...)") from None
         self.steps = Steps(target, self.state, draft, config.device)
+        self.synth_rates = self._synthetic_rates(config)
         self.startup_s = {}
         self.slots = SlotPool(config.n_slots, config.slot_prompt_similarity, self.state.reusable)
+
+    def _synthetic_rates(self, config: EngineConfig) -> list[float]:
+        """The synthetic acceptance rates the command line asks for ([]: real acceptance), resolved for this
+        engine's drafts; logged with llama.cpp's warning."""
+        if config.synth_len is None and not config.synth_rates:
+            return []
+        if self.draft is None:
+            raise ValueError("--spec-synth-len / --spec-synth-rates need speculative decoding: a draft (-md) or "
+                             "--spec-type ngram-mod")
+        rates = synthetic.resolve_rates(config.synth_len, config.synth_rates, self.draft_block - 1)
+        log.warning(synthetic.WARNING)
+        log.info("synthetic acceptance: n_max = %d, mean length = %.6f, rates = [%s]", len(rates),
+                 synthetic.mean_length(rates), ", ".join(f"{r:.6g}" for r in rates))
+        return rates
 
     @staticmethod
     def load(config: EngineConfig) -> "Engine":
@@ -501,9 +520,14 @@ class Engine:
                                                                  self.target.cfg.vocab_size)
         reported = 0  # logprobs already handed out in deltas
         stops = StopStrings(p.stop)
+        synthetic_run = draft is not None and bool(self.synth_rates)
+        rule = (synthetic.SyntheticAcceptance(synthetic.conditional(self.synth_rates), set(self.tokenizer.eos_ids),
+                                              p.seed if p.seed is not None and p.seed >= 0 else None)
+                if synthetic_run else accept_matching_samples)
         steps = decode(self.steps, prompt, p, slot=slot, speculative=draft is not None,
                        block_size=req.block_size or self.block_size, stats=stats, max_len=self.ctx_size, seed=seed,
-                       controller=controller, logprobs=logprobs, cached=cached, constraint=constraint)
+                       controller=controller, logprobs=logprobs, cached=cached, constraint=constraint,
+                       accept_rule=rule)
         if self.world_size > 1:
             steps = in_lockstep(steps, self.device)
         try:
@@ -541,7 +565,7 @@ class Engine:
         timings = Timings(prompt_n=len(req.prompt_ids) - cached, cache_n=cached, prompt_ms=1e3 * (t_first - t0),
                           predicted_n=len(tokens),
                           predicted_ms=1e3 * (t_end - t_first), draft_n=stats.draft_n,
-                          draft_n_accepted=stats.draft_n_accepted)
+                          draft_n_accepted=stats.draft_n_accepted, synthetic=synthetic_run)
         if logprobs is not None:
             del logprobs[len(tokens):]  # a cancelled step may have reported tokens it never handed out
         if emitted < len(text) or logprobs and reported < len(logprobs):

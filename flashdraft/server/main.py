@@ -168,6 +168,7 @@ def parse_settings(argv: list[str]) -> tuple[Settings, list[str]]:
         draft_window=args.draft_window, block_size=args.block_size, host=args.host, port=args.port,
         n_slots=args.n_slots, slot_prompt_similarity=args.slot_prompt_similarity, ctx_size=args.ctx_size,
         fit=args.fit, fit_min_ctx=args.fit_min_ctx, device=args.device, dtype=args.dtype, compile=args.compile, adaptive=args.adaptive,
+        synth_len=args.synth_len, synth_rates=args.synth_rates,
         draft_embed_scale=args.draft_embed_scale, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
         draft_cache_type_k=args.draft_cache_type_k, draft_cache_type_v=args.draft_cache_type_v,
         dequantize=args.dequantize, quantized=args.quantized,

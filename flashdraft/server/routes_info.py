@@ -4,6 +4,7 @@ import asyncio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from flashdraft.engine import synthetic
 from flashdraft.server import protocol as P
 from flashdraft.server.protocol import ApiError
 from flashdraft.server.state import BUILD_INFO, read_json, server_state
@@ -50,7 +51,11 @@ async def props(request: Request) -> dict:
         "draft_model_path": engine.draft_path,
         "speculative": {"type": engine.draft.name if spec else "none",
                         "block_size": engine.draft_block if spec else None,
-                        "draft_window": engine.draft_window if spec else None},
+                        "draft_window": engine.draft_window if spec else None,
+                        # drafts accepted at random for benchmarking: answers are not the model's output
+                        "synthetic_acceptance": ({"rates": engine.synth_rates,
+                                                  "mean_length": synthetic.mean_length(engine.synth_rates)}
+                                                 if spec and engine.synth_rates else None)},
         "reasoning": s.reasoning,
         "chat_template": engine.tokenizer.chat_template,
         "chat_template_caps": {"supports_tools": tool_format(engine.tokenizer.chat_template) is not None,

@@ -27,6 +27,8 @@ class Settings:
     dequantize: bool = False  # --dequantize: GGUF weights expanded to --dtype
     quantized: bool = False  # --quantized: GGUF matrices kept in their block format (the default on CUDA)
     adaptive: bool = True  # adaptive verify width (--spec-dm-adaptive)
+    synth_len: float | None = None  # --spec-synth-len / --spec-synth-rates (benchmarking: engine/synthetic.py)
+    synth_rates: list[float] | None = None
     draft_embed_scale: float | None = None  # --spec-draft-embed-scale
     cache_type_k: str = "auto"  # -ctk / -ctv
     cache_type_v: str = "auto"
@@ -75,6 +77,7 @@ class Settings:
                             draft_cache_type_v=self.draft_cache_type_v,
                             weights="dequantized" if self.dequantize else "quantized" if self.quantized else "auto",
                             spec_type=self.spec_type if self.speculative else None, draft_params=self.draft_params,
+                            synth_len=self.synth_len, synth_rates=self.synth_rates,
                             warmup_sampling=dict(temperature=self.temperature, top_k=top_k, top_p=top_p,
                                                  min_p=self.min_p, repeat_penalty=self.repeat_penalty,
                                                  repeat_last_n=self.repeat_last_n,
