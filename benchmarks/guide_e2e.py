@@ -97,12 +97,23 @@ def guide_lines() -> dict[str, str]:
             for t in node.targets if isinstance(t, ast.Name) and t.id in ("LINE_1", "LINE_2")}
 
 
+# llama.cpp's --spec-synth-len: drafts accepted at random with this mean acceptance length, the same on both engines
+# (BeeLlama's Gemma 4 31B draft measured ~6.7)
+SYNTH_LENGTHS = ("3", "5", "6.5")
+
+
 def configs() -> dict[str, tuple[str, bool]]:
-    """name: (command line with {target} {draft} {port}, uses the draft)."""
+    """name: (command line with {target} {draft} {port}, uses the draft). cmd2-synthL: command 2 with synthetic
+    acceptance of mean length L (issue 50: the engines compared at the same acceptance); cmd2-q51-synthL the same
+    with command 1's q5_0/q4_1 KV."""
     lines = guide_lines()
     assert Q51_KV in lines["LINE_1"]
-    return {"cmd1": (lines["LINE_1"], False), "cmd1-f16": (lines["LINE_1"].replace(Q51_KV, F16_KV), False),
-            "cmd2": (lines["LINE_2"], True)}
+    out = {"cmd1": (lines["LINE_1"], False), "cmd1-f16": (lines["LINE_1"].replace(Q51_KV, F16_KV), False),
+           "cmd2": (lines["LINE_2"], True)}
+    for length in SYNTH_LENGTHS:
+        out[f"cmd2-synth{length}"] = (f"{lines['LINE_2']} --spec-synth-len {length}", True)
+        out[f"cmd2-q51-synth{length}"] = (f"{lines['LINE_2']} {Q51_KV} --spec-synth-len {length}", True)
+    return out
 
 
 @dataclass
