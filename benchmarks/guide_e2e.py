@@ -100,6 +100,7 @@ def guide_lines() -> dict[str, str]:
 # llama.cpp's --spec-synth-len: drafts accepted at random with this mean acceptance length, the same on both engines
 # (BeeLlama's Gemma 4 31B draft measured ~6.7)
 SYNTH_LENGTHS = ("3", "5", "6.5")
+SYNTH_N_MAX = 15  # the whole block of z-lab's Gemma 4 31B draft (16) less the anchor
 
 
 def configs() -> dict[str, tuple[str, bool]]:
@@ -110,9 +111,10 @@ def configs() -> dict[str, tuple[str, bool]]:
     assert Q51_KV in lines["LINE_1"]
     out = {"cmd1": (lines["LINE_1"], False), "cmd1-f16": (lines["LINE_1"].replace(Q51_KV, F16_KV), False),
            "cmd2": (lines["LINE_2"], True)}
-    for length in SYNTH_LENGTHS:
-        out[f"cmd2-synth{length}"] = (f"{lines['LINE_2']} --spec-synth-len {length}", True)
-        out[f"cmd2-q51-synth{length}"] = (f"{lines['LINE_2']} {Q51_KV} --spec-synth-len {length}", True)
+    for length in SYNTH_LENGTHS:  # llama.cpp drafts 3 tokens unless told (its --spec-draft-n-max default)
+        synth = f"--spec-draft-n-max {SYNTH_N_MAX} --spec-synth-len {length}"
+        out[f"cmd2-synth{length}"] = (f"{lines['LINE_2']} {synth}", True)
+        out[f"cmd2-q51-synth{length}"] = (f"{lines['LINE_2']} {Q51_KV} {synth}", True)
     return out
 
 

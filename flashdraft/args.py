@@ -78,6 +78,10 @@ def add_engine_args(ap: argparse.ArgumentParser, model: bool = True, context: bo
                     help="scale of the draft's input token embeddings (default: the draft's input_embedding_scale, "
                          "1.0 when its config has none; Gemma drafts trained on the target's scaled embedding "
                          "want sqrt(hidden size))")
+    ap.add_argument("--spec-draft-n-max", dest="draft_n_max", type=int, default=None, metavar="N",
+                    help="the most tokens a draft model drafts a step (llama.cpp's; its default is 3): a verify block of "
+                         "N + 1, clamped to the draft's trained block (default: the whole block; the adaptive width "
+                         "then verifies what pays)")
     ap.add_argument("--spec-synth-len", dest="synth_len", type=float, default=None, metavar="L",
                     help="target mean synthetic acceptance length, including the target token (benchmarking only: "
                          "drafted tokens are accepted at random, the output is not valid; llama.cpp's)")
@@ -137,6 +141,11 @@ def speculation(args: argparse.Namespace, draft: str | None) -> tuple[str | None
         raise ValueError("--spec-synth-len / --spec-synth-rates need speculative decoding: a draft (-md) or "
                          "--spec-type ngram-mod")
     synthetic.check_flags(args.synth_len, args.synth_rates)
+    if args.draft_n_max is not None:
+        if args.draft_n_max < 0:
+            raise ValueError(f"--spec-draft-n-max {args.draft_n_max}: invalid value")
+        if getattr(args, "block_size", None) is not None:
+            raise ValueError("--spec-draft-n-max and --block-size both set the verify block: give one")
     kind = registry.kind_named(spec_type) if spec_type is not None else None
     for flag, for_type, _, _, _ in given:
         if spec_type != for_type:
@@ -319,7 +328,8 @@ def default_device(device: str | None) -> str:
 def engine_config(args: argparse.Namespace, draft: str | None, device: str, **overrides) -> EngineConfig:
     """The EngineConfig of parsed engine flags (the draft is resolved by the caller: named models bring one)."""
     fields = dict(model=args.model, draft=draft, device=device, dtype=args.dtype, ctx_size=args.ctx_size,
-                  draft_window=args.draft_window, block_size=args.block_size, compile=args.compile,
+                  draft_window=args.draft_window, block_size=args.block_size, draft_n_max=args.draft_n_max,
+                  compile=args.compile,
                   adaptive=args.adaptive, draft_embed_scale=args.draft_embed_scale,
                   cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
                   draft_cache_type_k=args.draft_cache_type_k, draft_cache_type_v=args.draft_cache_type_v,

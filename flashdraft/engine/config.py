@@ -18,6 +18,7 @@ class EngineConfig:
     n_slots: int = 1
     draft_window: int | None = None
     block_size: int | None = None
+    draft_n_max: int | None = None  # llama.cpp's --spec-draft-n-max: a draft model's block is this + 1 (clamped)
     compile: bool | None = None  # torch.compile'd layers in the step graphs (None: on with CUDA; compile_enabled)
     adaptive: bool = False  # adaptive verify width (--spec-dm-adaptive)
     progress: bool = False

@@ -279,9 +279,14 @@ class Engine:
         self.target, self.tokenizer, self.draft = target, tokenizer, draft
         self.device, self.ctx_size, self.n_slots = config.device, config.ctx_size, config.n_slots
         self.block_size = config.block_size
+        if config.draft_n_max is not None and draft is not None and config.draft:
+            self.block_size = min(config.draft_n_max, draft.block_size - 1) + 1
+            if config.draft_n_max >= draft.block_size:  # as llama.cpp's DFlash
+                log.warning("requested draft size (n_max=%d) exceeds the trained block size %d -- clamping to %d",
+                            config.draft_n_max, draft.block_size, draft.block_size - 1)
         self.draft_window = config.draft_window
         self.model_path, self.draft_path = config.model, config.draft
-        block_size, draft_window = config.block_size, config.draft_window
+        block_size, draft_window = self.block_size, config.draft_window
         if block_size is not None and draft is not None and not 1 <= block_size <= draft.block_size:
             raise ValueError(f"--block-size must be between 1 and the draft's block size {draft.block_size}")
         if draft_window is not None and draft_window < 1:

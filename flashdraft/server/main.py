@@ -31,6 +31,7 @@ IGNORED_FLAGS = [
     (("--no-host",), False, "there are no host-side weight buffers to place"),
     (("-kvu", "--kv-unified"), False, "each slot has its own KV cache of ctx-size / parallel tokens"),
     (("-cram", "--cache-ram"), True, "there is no host-RAM prompt cache"),
+    (("--spec-draft-n-min",), True, "the adaptive verify width (--spec-dm-adaptive) decides when drafting pays"),
     (("-fitt", "--fit-target"), True, "--fit leaves 1 GiB of GPU memory beside the caches (llama.cpp's default)"),
 ]
 ON, OFF = ("on", "enabled", "true", "1"), ("off", "disabled", "false", "0")  # llama.cpp's is_truthy / is_falsey
@@ -165,7 +166,8 @@ def parse_settings(argv: list[str]) -> tuple[Settings, list[str]]:
     settings = Settings(
         model=args.model, draft=args.draft, speculative=args.spec_type != "none",
         spec_type=spec_type, draft_params=draft_params,
-        draft_window=args.draft_window, block_size=args.block_size, host=args.host, port=args.port,
+        draft_window=args.draft_window, block_size=args.block_size, draft_n_max=args.draft_n_max,
+        host=args.host, port=args.port,
         n_slots=args.n_slots, slot_prompt_similarity=args.slot_prompt_similarity, ctx_size=args.ctx_size,
         fit=args.fit, fit_min_ctx=args.fit_min_ctx, device=args.device, dtype=args.dtype, compile=args.compile, adaptive=args.adaptive,
         synth_len=args.synth_len, synth_rates=args.synth_rates,

@@ -14,6 +14,7 @@ class Settings:
     draft_params: dict | None = None  # its settings by name (--spec-ngram-mod-n-max: n_max)
     draft_window: int | None = None
     block_size: int | None = None
+    draft_n_max: int | None = None  # --spec-draft-n-max
     host: str = "127.0.0.1"
     port: int = 8080
     n_slots: int = 1
@@ -71,6 +72,7 @@ class Settings:
         return EngineConfig(model=self.model, draft=draft, device=device, dtype=self.dtype, ctx_size=slot_ctx,
                             n_slots=self.n_slots, slot_prompt_similarity=self.slot_prompt_similarity,
                             draft_window=self.draft_window, block_size=self.block_size,
+                            draft_n_max=self.draft_n_max,
                             compile=self.compile, adaptive=self.adaptive, progress=progress,
                             draft_embed_scale=self.draft_embed_scale, cache_type_k=self.cache_type_k,
                             cache_type_v=self.cache_type_v, draft_cache_type_k=self.draft_cache_type_k,
