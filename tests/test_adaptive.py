@@ -26,8 +26,12 @@ def test_controller_narrows_on_rejections_probes_and_widens_on_acceptance():
     assert c.width() == 1
     for _ in range(256):
         c.record(1, 0)
-    c.record(c.width(), 1)  # a probe that accepts a token: probes come every probe_every steps again
-    assert c.current == 1 and c.probe_interval == 16
+    c.record(c.width(), 1)  # a probe whose 2 tokens do not pay for its cost (2.0): the wait stays long
+    assert c.current == 1 and c.probe_interval == 256
+    for _ in range(256):
+        c.record(1, 0)
+    c.record(c.width(), 2)  # 3 tokens for the cost of 2 plain steps: probes come every probe_every steps again
+    assert c.probe_interval == 16  # (and the estimates it updated may already move the width off plain)
     for _ in range(300):
         c.record(c.width(), c.width() - 1)  # everything accepted
     assert c.width() == 8 and c.expected_tokens(8) > 7

@@ -7,10 +7,10 @@ that checked it. Each candidate width has a cost relative to a plain one-token s
 only when another width beats it by a margin. Estimates start optimistic (every position accepted), so a
 request starts at full width. A narrower width learns nothing of the positions it does not check, so every
 `explore_every` steps one step goes a candidate wider; width 1 is plain decoding, and from there a full-width
-step every `probe_every` steps keeps the estimates fresh: that interval doubles after each probe that has no draft
-token accepted (up to `probe_most`, so a draft that never fits, a random one, costs next to nothing) and falls
-back to `probe_every` once a probe accepts one. Decisions depend on acceptance alone, never on the
-clock during a request, so a seeded request repeats exactly.
+step every `probe_every` steps keeps the estimates fresh: that interval doubles after each probe whose tokens did
+not pay for its cost (up to `probe_most`, so a draft that never fits, a random one, or one whose verify steps cost
+more than it brings, costs next to nothing) and falls back to `probe_every` once a probe pays. Decisions depend on
+acceptance alone, never on the clock during a request, so a seeded request repeats exactly.
 """
 from __future__ import annotations
 
@@ -55,9 +55,9 @@ class WidthController:
         """After a step of `width` whose first `accepted` drafted tokens were accepted."""
         if width != self.current:  # a probe or an exploration step
             self.steps_at_current = 0
-            if self.current == 1:
-                self.probe_interval = (min(2 * self.probe_interval, self.probe_most) if accepted == 0
-                                       else self.probe_every)
+            if self.current == 1:  # a probe pays where its tokens beat the plain steps its cost would buy
+                self.probe_interval = (min(2 * self.probe_interval, self.probe_most)
+                                       if accepted + 1 <= self.costs[width] else self.probe_every)
         else:
             self.steps_at_current += 1
         if width == 1:
