@@ -9,11 +9,26 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 from torch.nn import functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 SMALL_QUERY = 64  # up to this many query tokens a step takes the few-query path instead of SDPA
 MAX_SPLIT_HEAD = 512  # Gemma's widest (its full layers); the kernel takes fewer keys per tile for heads past 128
 KERNEL = os.environ.get("FLASHDRAFT_ATTENTION", "split")  # "split" or "matmul"; benchmarks switch it
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter runs the kernel on CPU tensors (tests)
+
+
+# SDPA's kernels for prompts, cuDNN's left out: it builds and compiles a plan for every new sequence length (hundreds
+# of ms each). A first start on an H100 ran each new prompt length at 34-152 tok/s and a repeated one at 600-1400
+# (2026-12-06, docs/PERF.md, lease 5)
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa(q: Tensor, k: Tensor, v: Tensor, **kw) -> Tensor:
+    """F.scaled_dot_product_attention over SDPA_BACKENDS (inside a compiled graph, as the compiler picks)."""
+    if torch.compiler.is_compiling():
+        return F.scaled_dot_product_attention(q, k, v, **kw)
+    with sdpa_kernel(SDPA_BACKENDS):
+        return F.scaled_dot_product_attention(q, k, v, **kw)
 
 
 @dataclass(frozen=True)
@@ -78,7 +93,7 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale
     if mask is not None:
         mask = mask.unsqueeze(-3).expand(*mask.shape[:-2], groups, q_len, k_len).flatten(-3, -2).unsqueeze(-3)
     if softcap is None:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        out = sdpa(q, k, v, attn_mask=mask, scale=scale)
     else:
         scores = _softcap((q @ k.transpose(-1, -2)).float() * scale, softcap)
         if mask is not None:
@@ -165,8 +180,7 @@ def attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, spec: A
     if mask is not None and T <= SMALL_QUERY and B == 1:
         return few_query_attention(q[0], keys[0], values[0], mask[0], spec.scale, spec.softcap)[None]
     if mask is None and spec.softcap is None:
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, is_causal=True, scale=spec.scale,
-                                             enable_gqa=H != keys.shape[1])
+        out = sdpa(q.transpose(1, 2), keys, values, is_causal=True, scale=spec.scale, enable_gqa=H != keys.shape[1])
         return out.transpose(1, 2).reshape(B, T, -1)
     if mask is None:
         positions = torch.arange(T, device=q.device)
