@@ -135,21 +135,3 @@ def test_flag_mistakes_are_one_line(models, capsys, flags, words, before_loading
         if before_loading:  # the last line, and no line of loading (argparse's usage lines may come before)
             assert all(w in lines[-1] for w in words) and not any("load" in line for line in lines), lines
 
-
-def test_spec_draft_n_max_sets_the_block_as_llama_cpp(models, caplog):
-    """--spec-draft-n-max N: a draft model drafts N tokens a step (a verify block of N + 1), clamped with
-    llama.cpp's warning to the draft's trained block; synthetic lengths resolve against it."""
-    target, draft = models
-    s, notes = parse_settings(["-m", str(target), "-md", str(draft), "--device", DEVICE, "-c", "512",
-                               "--spec-draft-n-max", "3", "--spec-synth-len", "4", "--spec-draft-n-min", "2"])
-    assert s.draft_n_max == 3 and notes == ["ignoring --spec-draft-n-min 2: the adaptive verify width "
-                                            "(--spec-dm-adaptive) decides when drafting pays"]
-    engine = load_engine(s)
-    assert engine.draft_block == 4 and engine.synth_rates == [1.0, 1.0, 1.0]
-    done = engine.generate(Request(list(range(3, 20)), SamplingParams(max_tokens=40, ignore_eos=True)))
-    assert max(len(d) for d in done.spec.draft_steps) == 3
-    clamped = Engine.load(EngineConfig(str(target), str(draft), device=DEVICE, ctx_size=512, draft_n_max=99))
-    assert clamped.draft_block == clamped.draft.block_size
-    assert "exceeds the trained block size" in caplog.text
-    with pytest.raises(ValueError, match="both set the verify block"):
-        parse_settings(["-m", str(target), "-md", str(draft), "--spec-draft-n-max", "3", "--block-size", "4"])

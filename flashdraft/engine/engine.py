@@ -31,6 +31,9 @@ class Request:
     cache_prompt: bool = True  # reuse the K/V of a slot's previous tokens that start this prompt (llama-server's)
     grammar: Grammar | None = None  # constrain the output (engine/grammar.py)
     cancel: threading.Event = field(default_factory=threading.Event)
+    # the most drafted tokens a verify step checks (llama.cpp's per-request speculative.n_max): a fixed width of
+    # n + 1 in place of the adaptive one (None: the engine's)
+    draft_n_max: int | None = None
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -473,13 +476,14 @@ class Engine:
         """Rank 0's request and seed on every rank (None: rank 0 has no more)."""
         fields = None if req is None else (req.prompt_ids, req.params, req.speculative, req.block_size,
                                            req.cache_prompt, req.grammar)
-        shared = from_rank0(None if fields is None else (fields, seed))
+        extra = None if req is None else dict(draft_n_max=req.draft_n_max)
+        shared = from_rank0(None if fields is None else (fields, extra, seed))
         if shared is None:
             return None
         if self.rank == 0:
             return req, seed
-        fields, seed = shared
-        return Request(*fields), seed
+        fields, extra, seed = shared
+        return Request(*fields, **extra), seed
 
     def _stream_in_slot(self, req: Request, seed: int | None) -> Iterator[Delta | Completion]:
         speculative = req.speculative and self.draft is not None
@@ -517,7 +521,7 @@ class Engine:
         t0 = time.perf_counter()
         t_first = None
         controller = None
-        if draft is not None and self.adaptive and not req.block_size:
+        if draft is not None and self.adaptive and not req.block_size and req.draft_n_max is None:
             from flashdraft.engine.adaptive import WidthController
             controller = WidthController(self.width_costs or self.measure_width_costs(slot))
         logprobs: list[TokenLogprob] | None = [] if p.logprobs is not None else None
@@ -532,7 +536,7 @@ class Engine:
         steps = decode(self.steps, prompt, p, slot=slot, speculative=draft is not None,
                        block_size=req.block_size or self.block_size, stats=stats, max_len=self.ctx_size, seed=seed,
                        controller=controller, logprobs=logprobs, cached=cached, constraint=constraint,
-                       accept_rule=rule)
+                       accept_rule=rule, max_width=None if req.draft_n_max is None else req.draft_n_max + 1)
         if self.world_size > 1:
             steps = in_lockstep(steps, self.device)
         try:

@@ -142,7 +142,8 @@ def decode(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int =
            block_size: int | None = None, stats: SpecStats | None = None, max_len: int | None = None,
            generator: torch.Generator | None = None, accept_rule: AcceptRule = accept_matching_samples,
            controller: WidthController | None = None, logprobs: list | None = None,
-           cached: int = 0, constraint: "Constraint | None" = None, seed: int | None = None) -> Iterator[list[int]]:
+           cached: int = 0, constraint: "Constraint | None" = None, seed: int | None = None,
+           max_width: int | None = None) -> Iterator[list[int]]:
     """Yield the committed tokens of each step until `params.max_tokens` are out (the caller stops
     earlier on EOS or stop strings by closing the generator). With a drafter (and `speculative`), each step
     drafts a whole block and verifies `controller.width()` of it (default: all); width 1 is a plain step that
@@ -153,7 +154,8 @@ def decode(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int =
     `constraint` (engine/grammar.py) masks every verified row with the grammar's state after that row's own
     prefix, so a constrained answer stays lossless too. A sampled token's noise is keyed by (`seed`, its position,
     its id) (engine/sampling.race): the same seed gives the same answer, plain or speculative; without a seed, one
-    is drawn from `generator` (a reproducible series of requests), else at random."""
+    is drawn from `generator` (a reproducible series of requests), else at random. `max_width`: no verify step
+    checks more rows than this (the anchor included)."""
     target, state = steps.target, steps.state
     draft = steps.draft if speculative else None
     device = prompt_ids.device
@@ -219,7 +221,7 @@ def decode(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int =
             # steps; only the context's end shrinks the block itself.
             room = max_len - pos
             live = min(block, budget - produced - queued + 1, room)
-            width = min(controller.width() if controller is not None else block, room)
+            width = min(controller.width() if controller is not None else block, max_width or block, room)
             if not steps.static:  # no captured shape to keep: verify no row past the wanted tokens
                 width = min(width, live)
             if queued and (width > 1 or produced + 1 >= budget):  # a verify block anchors on the host's token

@@ -155,6 +155,17 @@ def sampling_params(body: dict, settings: Settings, token_limit_names: tuple[str
     return params
 
 
+def draft_n_max(body: dict, most: int | None) -> int | None:
+    """llama.cpp's per-request `speculative.n_max` (the most tokens a step drafts; 0: no speculation for this
+    request), clamped to the draft's block less its anchor (`most`; None: no draft, nothing to clamp), and
+    `speculative.n_min`, checked and accepted (the draft always fills its block)."""
+    n_max = get_int(body, "speculative.n_max", None, 0, 2 ** 31 - 1)
+    n_min = get_int(body, "speculative.n_min", None, 0, 2 ** 31 - 1)
+    if n_min is not None and n_max is not None and n_min > n_max:
+        raise ApiError(400, f"'speculative.n_min' ({n_min}) must not exceed 'speculative.n_max' ({n_max})")
+    return n_max if n_max is None or most is None else min(n_max, most)
+
+
 def logit_bias(body: dict, tokenizer, vocab_size: int) -> dict[int, float]:
     """OpenAI's `{"token id": bias}` or llama.cpp's `[[token id or text, bias], ...]`; a bias of `false` bans the
     token (-inf), a text biases each of its tokens."""

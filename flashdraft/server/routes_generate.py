@@ -92,8 +92,9 @@ def engine_request(state: ServerState, ids: list[int], body: dict, limit_names: 
     except ValueError as e:
         raise ApiError(400, str(e)) from None
     P.check_fits(ids, engine.ctx_size)
-    return EngineRequest(prompt_ids=ids, params=params, speculative=state.settings.speculative,
-                         cache_prompt=P.get_bool(body, "cache_prompt", True), grammar=grammar)
+    n_max = P.draft_n_max(body, engine.draft_block - 1 if engine.draft is not None else None)
+    return EngineRequest(prompt_ids=ids, params=params, speculative=state.settings.speculative and n_max != 0,
+                         cache_prompt=P.get_bool(body, "cache_prompt", True), grammar=grammar, draft_n_max=n_max)
 
 async def generate(request: Request, req: EngineRequest) -> tuple[Job, Completion] | None:
     async def run() -> tuple[Job, Completion]:
