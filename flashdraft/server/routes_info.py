@@ -53,9 +53,9 @@ async def props(request: Request) -> dict:
                         "block_size": engine.draft_block if spec else None,
                         "draft_window": engine.draft_window if spec else None,
                         # drafts accepted at random for benchmarking: answers are not the model's output
-                        "synthetic_acceptance": ({"rates": engine.synth_rates,
-                                                  "mean_length": synthetic.mean_length(engine.synth_rates)}
-                                                 if spec and engine.synth_rates else None)},
+                        **({"synthetic_acceptance": {"rates": engine.synth_rates,
+                                                     "mean_length": synthetic.mean_length(engine.synth_rates)}}
+                           if spec and engine.synth_rates else {})},
         "reasoning": s.reasoning,
         "chat_template": engine.tokenizer.chat_template,
         "chat_template_caps": {"supports_tools": tool_format(engine.tokenizer.chat_template) is not None,
