@@ -63,6 +63,7 @@ def test_adaptive_decoding_is_lossless_and_feeds_the_draft_on_plain_steps():
     assert run(target, prompt, params, draft=draft, stats=stats, controller=controller) == plain
     verify_steps = len(stats.acceptance_lengths)
     assert 0 < verify_steps < 90 - sum(stats.acceptance_lengths)  # plain steps took most tokens
+    assert stats.plain_steps + sum(stats.acceptance_lengths) == len(plain) - 1  # every token after the first
     committed = len(prompt) + len(plain) - 1  # the last token is never fed back
     rows = set(draft.state.row_positions[0].tolist())
     assert set(range(committed)) <= rows  # every committed position reached the draft's context

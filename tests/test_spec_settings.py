@@ -48,6 +48,7 @@ def test_speculative_n_max_per_request(models):
             assert r["tokens"] == plain.token_ids
             assert spec["verify_steps"] > 0 and spec["draft_n"] <= most * spec["verify_steps"]
             assert len(spec["per_position_acceptance"]) == most  # the widest step drafted `most` tokens
+            assert max(map(int, spec["verify_widths"])) == most + 1 and "1" not in spec["verify_widths"]
         off = complete(**{"speculative.n_max": 0}).json()
         assert off["tokens"] == plain.token_ids and "draft_n" not in off["timings"]
         for bad, words in (({"speculative.n_max": -1}, "'speculative.n_max' must be >= 0"),

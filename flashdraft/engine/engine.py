@@ -1,4 +1,5 @@
 """Engine: the one interface the CLI, the server and the bench use."""
+import collections
 import dataclasses
 import logging
 import os
@@ -153,6 +154,9 @@ class Completion:
             acceptance_rate=s.draft_n_accepted / s.draft_n if s.draft_n else 0.0,
             acceptance_histogram=histogram,
             per_position_acceptance=[c / steps for c in s.accepted_per_position] if steps else [],
+            # the widths the steps took (the anchor and the drafted tokens checked), plain steps as width 1
+            verify_widths={str(w): n for w, n in sorted(collections.Counter(
+                [len(d) + 1 for d in s.draft_steps] + [1] * s.plain_steps).items())},
         )
 
 

@@ -28,6 +28,7 @@ class SpecStats:
     acceptance_lengths: list[int] = field(default_factory=list)  # a + 1 per verify step (bonus included)
     draft_steps: list[list[int]] = field(default_factory=list)  # tokens proposed at each verify step
     accepted_per_position: list[int] = field(default_factory=list)  # [k] = steps whose draft token k+1 was accepted
+    plain_steps: int = 0  # steps of one token the adaptive width took in between (the drafter following)
 
     @property
     def draft_n(self) -> int:
@@ -240,6 +241,8 @@ def decode(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int =
                     following.add(token_t, out[1], pos)
                     if controller is not None:
                         controller.record(1, 0)
+                    if stats is not None:
+                        stats.plain_steps += 1
                 pos += 1
                 token_t = sampled.clone()
                 if overlap:
