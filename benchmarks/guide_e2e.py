@@ -17,8 +17,12 @@ writes its own under --out (default $OUT, else WORK/out):
               temperature 0.7 and 0; at 0, flashdraft's DFlash text against its own plain text
   report      one table from every result found (--results DIR,... ; default WORK/results)
 
-Configurations (--configs): cmd1 = tests/test_server.py's LINE_1 as typed (q5_0/q4_1 KV, 32k), cmd1-f16 = the
-same with f16 KV, cmd2 = LINE_2 (DFlash). llama-server of this sdist knows neither `--spec-type dflash` nor
+Configurations (--configs; default the first three): cmd1 = tests/test_server.py's LINE_1 as typed (q5_0/q4_1 KV,
+32k), cmd1-f16 = the same with f16 KV, cmd2 = LINE_2 (DFlash); issue 50's engine-against-engine rows: cmd2-synthL
+(L = 3, 5, 6.5) = LINE_2 with both engines drafting 15 tokens at llama.cpp's synthetic acceptance length L,
+cmd2-q51-synthL the same with q5_0/q4_1 KV, cmd2-falling = per-position rates 0.9, 0.8, ... (the adaptive width;
+fixed widths as flashdraft requests with --body '{"speculative.n_max": N}' --label wN+1). --depth 16384 pads each
+prompt to about that many tokens (a 16k context). llama-server of this sdist knows neither `--spec-type dflash` nor
 `--spec-dflash-cross-ctx` nor `--no-mmap`/`--mlock`: its cmd2 takes `--spec-type draft-dflash` and drops the rest
 (recorded as `adapted` in the result). A server is started, waited for (/health 200; --health-timeout), sent the
 guide's three prompts one at a time (/completion, raw text, n_predict 1200, ignore_eos, cache_prompt false, the
@@ -55,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import collections
 import hashlib
 import json
 import os
@@ -101,6 +106,9 @@ def guide_lines() -> dict[str, str]:
 # (BeeLlama's Gemma 4 31B draft measured ~6.7)
 SYNTH_LENGTHS = ("3", "5", "6.5")
 SYNTH_N_MAX = 15  # the whole block of z-lab's Gemma 4 31B draft (16) less the anchor
+# per-position rates that fall off (issue 50): the adaptive width against fixed ones (--body '{"speculative.n_max": N}')
+FALLING_RATES = [max(0.0, round(0.9 - 0.1 * i, 1)) for i in range(SYNTH_N_MAX)]
+DEFAULT_CONFIGS = ("cmd1", "cmd1-f16", "cmd2")  # the others run when --configs names them
 
 
 def configs() -> dict[str, tuple[str, bool]]:
@@ -115,6 +123,8 @@ def configs() -> dict[str, tuple[str, bool]]:
         synth = f"--spec-draft-n-max {SYNTH_N_MAX} --spec-synth-len {length}"
         out[f"cmd2-synth{length}"] = (f"{lines['LINE_2']} {synth}", True)
         out[f"cmd2-q51-synth{length}"] = (f"{lines['LINE_2']} {Q51_KV} {synth}", True)
+    rates = ",".join(f"{r:g}" for r in FALLING_RATES)
+    out["cmd2-falling"] = (f"{lines['LINE_2']} --spec-draft-n-max {SYNTH_N_MAX} --spec-synth-rates {rates}", True)
     return out
 
 
@@ -133,11 +143,13 @@ class Run:
     engine: str
     label: str
     start: int
+    depth: int = 0  # the prompts padded to about this many tokens (0: as they are)
 
     @property
     def key(self) -> str:
         label = [re.sub(r"[^A-Za-z0-9.=]+", "-", self.label).strip("-")] if self.label else []
-        return "-".join([self.model, self.config, self.engine, *label, f"s{self.start}"])
+        depth = [f"d{self.depth}"] if self.depth else []
+        return "-".join([self.model, self.config, *depth, self.engine, *label, f"s{self.start}"])
 
 
 # ---- the work folder
@@ -497,7 +509,17 @@ def server_argv(args, run: Run, files: Files, port: int) -> tuple[list[str], lis
     return [sys.executable, "-m", "flashdraft.cli", "serve", *line.split(), *args.extra_flags.split()], adapted
 
 
-def request(url: str, chat: bool, prompt: str, n_predict: int, temperature: float | None, timeout: float) -> dict:
+def padded(prompt: str, depth: int) -> str:
+    """The prompt after filler text of about depth - len(prompt) characters (a token each under the random models'
+    byte-level vocabulary): a context of `depth` for the decode that follows."""
+    if depth <= len(prompt):
+        return prompt
+    filler = ("Notes from the previous session, kept for reference. " * (depth // 50 + 1))[:depth - len(prompt)]
+    return filler + "\n\n" + prompt
+
+
+def request(url: str, chat: bool, prompt: str, n_predict: int, temperature: float | None, timeout: float,
+            extra: dict | None = None) -> dict:
     if chat:
         body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": n_predict,
                 "temperature": temperature}
@@ -505,6 +527,7 @@ def request(url: str, chat: bool, prompt: str, n_predict: int, temperature: floa
     else:
         body = {"prompt": prompt, "n_predict": n_predict, "ignore_eos": True, "cache_prompt": False}
         path = "/completion"
+    body.update(extra or {})
     t = time.perf_counter()
     try:
         status, r = http(url + path, body, timeout)
@@ -557,7 +580,8 @@ def serve_and_measure(args, run: Run, files: Files, chat: bool, temperatures: li
                 if left < 5:
                     result["error"] = "the call's budget ran out during the prompts"
                     return result
-                r = request(url, chat, prompt, args.n_predict, temperature, min(args.request_timeout, left))
+                r = request(url, chat, padded(prompt, run.depth), args.n_predict, temperature,
+                            min(args.request_timeout, left), json.loads(args.body) if args.body else None)
                 result["requests"].append(dict(r, prompt=name, temperature=temperature))
                 if "error" in r:
                     log(f"{run.key} {name}: {r['error'][:300]}")
@@ -593,7 +617,7 @@ def run_engine_phase(args, engines: list[str], model: str, chat: bool, temperatu
         return 1
     if "llama" in engines and not wait_build(args, deadline - 60):
         engines = [e for e in engines if e != "llama"]
-    wanted = args.configs.split(",") if args.configs else list(configs())
+    wanted = args.configs.split(",") if args.configs else list(DEFAULT_CONFIGS)
     left, failed = [], 0
     for config in wanted:
         for engine in engines:
@@ -602,7 +626,7 @@ def run_engine_phase(args, engines: list[str], model: str, chat: bool, temperatu
                 log(f"{model} {config} on {engine}: no draft for it, skipped")
                 continue
             for start in range(1, 3 if args.restart else 2):
-                run = Run(model, config, engine, args.label if engine == "flashdraft" else "", start)
+                run = Run(model, config, engine, args.label if engine == "flashdraft" else "", start, args.depth)
                 if done(args, run):
                     log(f"{run.key}: done before (--redo runs it again)")
                     continue
@@ -634,6 +658,8 @@ def summary(result: dict, temperature) -> dict:
             "n": len(reqs), "process_MiB": mem.get("process_MiB"), "gpu_used_MiB": mem.get("gpu_used_MiB"),
             "acceptance": mean([s.get("mean_acceptance_length") for s in spec]),
             "drafted": [sum(r["timings"].get(k) or 0 for r in reqs) for k in ("draft_n_accepted", "draft_n")],
+            "widths": dict(sum((collections.Counter({int(w): n for w, n in sp.get("verify_widths", {}).items()})
+                                for sp in spec), collections.Counter())),
             "texts": {r["prompt"]: r["text"] for r in reqs}}
 
 
@@ -663,15 +689,16 @@ def report(args) -> int:
             rows.append(dict(r, T=t, s=summary(r, t)))
     order = {"31b": 0, "8b": 1, "smollm2": 2}
     cfg_order = {c: i for i, c in enumerate(configs())}
-    rows.sort(key=lambda x: (order.get(x["model"], 9), -1 if x["T"] is None else -x["T"],
+    rows.sort(key=lambda x: (order.get(x["model"], 9), -1 if x["T"] is None else -x["T"], x.get("depth", 0),
                              cfg_order.get(x["config"], 9), x["engine"] != "llama", x["label"], x["start"]))
 
     def base(x: dict) -> tuple[float | None, str]:
-        """llama-server's decode tok/s for the same model, configuration and temperature, else its cmd1-f16."""
+        """llama-server's decode tok/s for the same model, configuration, depth and temperature, else its
+        cmd1-f16."""
         for config in (x["config"], "cmd1-f16"):
             for y in rows:
-                if (y["engine"], y["model"], y["config"], y["T"]) == ("llama", x["model"], config, x["T"]) \
-                        and y["s"]["decode"]:
+                if (y["engine"], y["model"], y["config"], y.get("depth", 0), y["T"]) == \
+                        ("llama", x["model"], config, x.get("depth", 0), x["T"]) and y["s"]["decode"]:
                     return y["s"]["decode"], "" if config == x["config"] else f" (vs {config})"
         return None, ""
 
@@ -697,11 +724,14 @@ def report(args) -> int:
             notes.append(f"acceptance length {s['acceptance']:.2f}")
         if s["drafted"][1]:
             notes.append("drafts accepted {}/{}".format(*s["drafted"]))
+        if s["widths"]:
+            notes.append("widths " + ", ".join(f"{w}: {n}" for w, n in sorted(s["widths"].items())))
         if x.get("build_running"):
             notes.append("llama.cpp build running meanwhile")
         if s["n"] < len(SEED_PROMPTS):
             notes.append(f"{s['n']} of {len(SEED_PROMPTS)} prompts")
-        lines.append(f"| {x['model']} | {x['config']} | {'-' if x['T'] is None else x['T']} | {engine} | "
+        config = x["config"] + (f" @{x['depth']}" if x.get("depth") else "")
+        lines.append(f"| {x['model']} | {config} | {'-' if x['T'] is None else x['T']} | {engine} | "
                      f"{x['start']} | {fmt(s['decode'])} | {fmt(s['wall'])} | {fmt(s['prefill'], 0)} | {s['tokens']} | "
                      f"{mem} | {fmt(x.get('startup_s'))} | {ratio_s} | {'; '.join(notes)} |")
     # greedy DFlash == plain (same KV type: cmd2 against cmd1-f16), flashdraft, per label
@@ -746,6 +776,10 @@ def main() -> int:
     ap.add_argument("--extra-flags", default="", help="appended to flashdraft's command line (write it with '=')")
     ap.add_argument("--label", default=None, help="flashdraft's name in the results (default: the extra flags)")
     ap.add_argument("--restart", action="store_true", help="start each server twice (the second: a warm start)")
+    ap.add_argument("--depth", type=int, default=0,
+                    help="pad each prompt with filler to about this many tokens (a context of that depth)")
+    ap.add_argument("--body", default="", help="JSON fields added to every request (e.g. '{\"speculative.n_max\": 7}'"
+                                               ": a fixed width; name it with --label)")
     ap.add_argument("--redo", action="store_true", help="run configurations whose results are there already")
     ap.add_argument("--n-predict", type=int, default=1200)
     ap.add_argument("--health-timeout", type=float, default=600, help="seconds for /health to answer 200")
