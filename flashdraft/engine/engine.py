@@ -13,7 +13,7 @@ import torch
 from flashdraft.engine.config import EngineConfig, compile_enabled
 from flashdraft.layers.compile import preload_compiler
 from flashdraft.engine import synthetic
-from flashdraft.engine.generate import SpecStats, accept_matching_samples, decode
+from flashdraft.engine.generate import SpecStats, decode
 from flashdraft.engine.grammar import Constraint, Grammar
 from flashdraft.engine.lockstep import from_rank0, in_lockstep
 from flashdraft.engine.sampling import SamplingParams, fresh_seed
@@ -534,13 +534,13 @@ class Engine:
         reported = 0  # logprobs already handed out in deltas
         stops = StopStrings(p.stop)
         synthetic_run = draft is not None and bool(self.synth_rates)
-        rule = (synthetic.SyntheticAcceptance(synthetic.conditional(self.synth_rates), set(self.tokenizer.eos_ids),
-                                              p.seed if p.seed is not None and p.seed >= 0 else None)
-                if synthetic_run else accept_matching_samples)
+        rule = {} if not synthetic_run else dict(accept_rule=synthetic.SyntheticAcceptance(
+            synthetic.conditional(self.synth_rates), set(self.tokenizer.eos_ids),
+            p.seed if p.seed is not None and p.seed >= 0 else None))
         steps = decode(self.steps, prompt, p, slot=slot, speculative=draft is not None,
                        block_size=req.block_size or self.block_size, stats=stats, max_len=self.ctx_size, seed=seed,
                        controller=controller, logprobs=logprobs, cached=cached, constraint=constraint,
-                       accept_rule=rule, max_width=None if req.draft_n_max is None else req.draft_n_max + 1)
+                       max_width=None if req.draft_n_max is None else req.draft_n_max + 1, **rule)
         if self.world_size > 1:
             steps = in_lockstep(steps, self.device)
         try:
