@@ -527,7 +527,7 @@ class Engine:
         controller = None
         if draft is not None and self.adaptive and not req.block_size and req.draft_n_max is None:
             from flashdraft.engine.adaptive import WidthController
-            controller = WidthController(self.width_costs or self.measure_width_costs(slot))
+            controller = WidthController(self.width_costs)  # measured before the slot was taken (_stream_in_slot)
         logprobs: list[TokenLogprob] | None = [] if p.logprobs is not None else None
         constraint = None if req.grammar is None else Constraint(self.tokenizer, req.grammar,
                                                                  self.target.cfg.vocab_size)
