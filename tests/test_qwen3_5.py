@@ -182,7 +182,8 @@ def test_prompt_cache_keeps_a_recurrent_state_only_for_a_prompt_that_continues_i
     second = engine.generate(Request(follow_up, params))
     assert second.timings.cache_n == len(held)
     assert second.token_ids == hf_greedy(hf_reference, follow_up, 12)
-    # a prompt sharing only part of what the slot holds: the recurrent state is past it, so nothing is reused
+    # a prompt sharing only part of what the slot holds, short of the last prompt's end: the recurrent state is
+    # past it and the saved one (after the last prompt) too, so nothing is reused
     branch = prompt[:20] + [5, 6]
     third = engine.generate(Request(branch, params))
     assert third.timings.cache_n == 0
@@ -190,6 +191,26 @@ def test_prompt_cache_keeps_a_recurrent_state_only_for_a_prompt_that_continues_i
     # the same prompt again: its last token must run, which a recurrent state cannot take back
     again = engine.generate(Request(branch, params))
     assert again.timings.cache_n == 0 and again.token_ids == third.token_ids
+
+
+def test_a_conversation_reuses_the_state_saved_after_each_prompt(folder, hf_reference):
+    """Three turns where each next prompt keeps the previous prompt but not the answer as generated (a template
+    that leaves the reasoning out): the slot's state after each prompt is saved, so the next turn prefills only
+    what follows it, and the answers are the ones without a prompt cache."""
+    engine, fresh = (Engine.load(EngineConfig(model=str(folder), ctx_size=512)) for _ in range(2))
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    prompt = torch.randint(0, VOCAB, (24,)).tolist()
+    for turn in range(3):
+        done = engine.generate(Request(prompt, params))
+        assert done.timings.cache_n == (0 if turn == 0 else previous)
+        assert done.token_ids == hf_greedy(hf_reference, prompt, 10)
+        alone = fresh.generate(Request(prompt, params, cache_prompt=False))
+        assert alone.timings.cache_n == 0 and alone.token_ids == done.token_ids
+        held = len(prompt) + 9  # every state after the turn is the one of a run without the prompt cache
+        for ours, theirs in zip(layer_states(engine.state, 0, held), layer_states(fresh.state, 0, held)):
+            torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+        previous = len(prompt)
+        prompt = prompt + [9, 10] + done.token_ids[2:6] + [11, 12, 13]  # the answer's start left out
 
 
 def layer_states(state, slot: int, length: int) -> list[torch.Tensor]:

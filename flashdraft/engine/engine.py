@@ -47,11 +47,11 @@ class SlotPool:
     takes the free slot whose tokens share the longest prefix with its prompt, when that prefix is at least
     `similarity` of the prompt (--slot-prompt-similarity), else the free slot used least recently. The drafter
     observes speculative requests only, so each slot also records how many of its tokens the drafter's state
-    holds; a speculative request reuses no more than that. `reusable(held, n)`: how many of the first n of its
-    `held` tokens a slot's caches can keep (models.interface.ModelState.reusable; default: all n)."""
+    holds; a speculative request reuses no more than that. `reusable(slot, held, n)`: how many of the first n of
+    its `held` tokens a slot's caches can keep (models.interface.ModelState.reusable; default: all n)."""
 
     def __init__(self, n_slots: int, similarity: float, reusable=None):
-        self.reusable = reusable or (lambda held, n: n)
+        self.reusable = reusable or (lambda slot, held, n: n)
         self.cond = threading.Condition()
         self.free = list(range(n_slots))
         self.tokens: list[list[int]] = [[] for _ in range(n_slots)]
@@ -77,7 +77,7 @@ class SlotPool:
             cached = max(0, min(shared[slot], len(prompt) - 1)) if reuse else 0
             if speculative:
                 cached = min(cached, self.drafted[slot])
-            cached = self.reusable(len(self.tokens[slot]), cached)
+            cached = self.reusable(slot, len(self.tokens[slot]), cached)
             self.tokens[slot] = prompt[:cached]  # what stays valid while the request overwrites the rest
             self.drafted[slot] = min(self.drafted[slot], shared[slot])
             return slot, cached

@@ -171,7 +171,9 @@ def decode(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int =
         raise ValueError(f"cached {cached} of a {n}-token prompt: the last prompt token must run")
     if draft is not None:
         draft.reset(slot, keep=cached)
+    state.resume(slot, cached)
     logits = prefill(target, state, prompt_ids, slot, cached, draft)
+    state.checkpoint(slot, n)  # a recurrent state after the prompt, for a next turn that shares only the prompt
     if seed is None and not params.greedy:
         seed = fresh_seed() if generator is None else int(torch.randint(0, 2 ** 62, (), generator=generator,
                                                                          device=generator.device))

@@ -228,6 +228,9 @@ class RecurrentCache:
                  dtype: torch.dtype, device: torch.device | str):
         self.state = torch.zeros((n_slots, 1, heads, key_dim, value_dim), device=device, dtype=torch.float32)
         self.conv = torch.zeros((n_slots, 1, channels, kernel - 1), device=device, dtype=dtype)
+        # one saved state per slot (KVState.checkpoint: after a prompt), for a later prompt that shares it
+        self.saved_state = torch.zeros_like(self.state[:, 0])
+        self.saved_conv = torch.zeros_like(self.conv[:, 0])
 
     @property
     def rows(self) -> int:
@@ -245,9 +248,21 @@ class RecurrentCache:
         """The state and convolution rows after the slot's first `length` tokens (views)."""
         return self.state[slot, length % self.rows], self.conv[slot, length % self.rows]
 
+    def save(self, slot: int, length: int) -> None:
+        """Keep the state after the slot's first `length` tokens aside."""
+        state, conv = self.at(slot, length)
+        self.saved_state[slot].copy_(state)
+        self.saved_conv[slot].copy_(conv)
+
+    def restore(self, slot: int, length: int) -> None:
+        """Make the saved state (taken after `length` tokens) the one a step from `length` continues."""
+        state, conv = self.at(slot, length)
+        state.copy_(self.saved_state[slot])
+        conv.copy_(self.saved_conv[slot])
+
     @property
     def bytes(self) -> int:
-        return self.state.numel() * self.state.element_size() + self.conv.numel() * self.conv.element_size()
+        return sum(t.numel() * t.element_size() for t in (self.state, self.conv, self.saved_state, self.saved_conv))
 
     def view(self, slots: Slots) -> RecurrentSlots:
         return RecurrentSlots(self, slots)
@@ -256,10 +271,13 @@ class RecurrentCache:
 class KVState:
     """A target's state for all its slots: one cache per layer. Where every cache is indexed by position
     (`by_position`), a slot goes back to any shorter length; a recurrent layer's state (RecurrentCache) goes back
-    only within the last step, which is what a verify step needs (`allow_rollback`), not prompt reuse."""
+    only within the last step, which is what a verify step needs (`allow_rollback`), and to the one length per
+    slot whose state was saved (`checkpoint`: a prompt's end), which is what the next turn of a conversation
+    needs when it does not repeat the last answer verbatim (reasoning left out by the template)."""
 
     def __init__(self, layers: list, max_len: int):
         self.layers, self.max_len = layers, max_len
+        self.saved: dict[int, int] = {}  # slot -> the length whose recurrent states are saved
 
     @property
     def by_position(self) -> bool:
@@ -272,11 +290,31 @@ class KVState:
             if not cache.by_position:
                 cache.allow_rollback(width)
 
-    def reusable(self, held: int, shared: int) -> int:
+    def reusable(self, slot: int, held: int, shared: int) -> int:
         """A slot's caches hold `held` tokens, the first `shared` of which start a new prompt: how many of them
         the prompt can keep. Position-indexed caches keep any prefix; a recurrent state is the state after all
-        `held` tokens, so it serves only a prompt that continues them all."""
-        return shared if self.by_position or shared == held else 0
+        `held` tokens, so it serves a prompt that continues them all, else the saved state where the prompt
+        shares that much."""
+        if self.by_position or shared == held:
+            return shared
+        saved = self.saved.get(slot, 0)
+        return saved if saved <= shared else 0
+
+    def checkpoint(self, slot: int, length: int) -> None:
+        """Save the recurrent states after the slot's first `length` tokens (nothing to do by position)."""
+        if not self.by_position:
+            for cache in self.layers:
+                if not cache.by_position:
+                    cache.save(slot, length)
+            self.saved[slot] = length
+
+    def resume(self, slot: int, length: int) -> None:
+        """A step from `length` comes next: where that is the saved length, the saved states are the ones it
+        continues (the live ones may be past it)."""
+        if length and self.saved.get(slot) == length:
+            for cache in self.layers:
+                if not cache.by_position:
+                    cache.restore(slot, length)
 
     def commit(self, slot: int, length: int) -> None:
         """After a verify step the slot keeps its first `length` positions. No cache kind has work here: K/V rows

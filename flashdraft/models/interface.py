@@ -27,9 +27,17 @@ class ModelState(Protocol):
         them (the accepted prefix): a recurrent layer then keeps its state after each of their tokens."""
         ...
 
-    def reusable(self, held: int, shared: int) -> int:
+    def reusable(self, slot: int, held: int, shared: int) -> int:
         """A slot's caches hold `held` tokens whose first `shared` start a new prompt: how many the prompt keeps
-        (all `shared` by position; a recurrent state only the whole `held`, else none)."""
+        (all `shared` by position; a recurrent state the whole `held`, else its checkpoint's length, else none)."""
+        ...
+
+    def checkpoint(self, slot: int, length: int) -> None:
+        """Keep the slot's state after its first `length` tokens for a later prompt that shares them."""
+        ...
+
+    def resume(self, slot: int, length: int) -> None:
+        """The slot's next step starts at `length` (a prompt that reuses that many tokens)."""
         ...
 
     def commit(self, slot: int, length: int) -> None:
