@@ -146,3 +146,33 @@ def test_a_cached_prefix_gives_the_fresh_answer_with_a_quantized_cache(wide_head
         prefill(engine.target, engine.state, ids[:37], 0)
         continued = prefill(engine.target, engine.state, ids, 0, cached=37)
     assert (whole - continued).abs().max() < 1e-4, (types, (whole - continued).abs().max())
+
+
+def test_responses_and_slots_name_the_slot_that_holds_the_prompt(models):
+    """The slot a response names (id_slot) and /slots shows is the engine's cache slot holding its prompt: a
+    request that continues the conversation held in slot 1 runs there (and reuses it) while slot 0 is free."""
+    import threading
+
+    import httpx
+    engine = load(models, n_slots=2, slot_ctx=512)
+    with serving(create_app(engine, settings())) as url:
+        def complete(prompt: list[int], n: int = 8) -> dict:
+            body = {"prompt": prompt, "n_predict": n, "ignore_eos": True, "temperature": 0, "return_tokens": True}
+            return httpx.post(url + "/completion", json=body, timeout=60).json()
+
+        first = [5, 17, 42, 99, 7, 63, 12, 88]
+        other = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+        a = complete(first)
+        b = complete(other)  # the least recently used free slot: the other one
+        assert (a["id_slot"], b["id_slot"]) == (0, 1)
+        c = complete(other + b["tokens"] + [7, 11])  # continues slot 1's conversation; slot 0 is free too
+        assert c["id_slot"] == 1 and c["timings"]["cache_n"] == len(other) + len(b["tokens"]) - 1
+        assert all(not s["is_processing"] for s in httpx.get(url + "/slots", timeout=30).json())
+        # while a request runs, /slots shows it in its engine slot (here slot 0, which holds its conversation)
+        runner = threading.Thread(target=complete, args=(first + a["tokens"] + [9] * 40,), kwargs={"n": 400})
+        runner.start()
+        seen = set()
+        while runner.is_alive():
+            seen |= {s["id"] for s in httpx.get(url + "/slots", timeout=30).json() if s["is_processing"]}
+        runner.join()
+        assert seen == {0}

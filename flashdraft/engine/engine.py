@@ -35,6 +35,7 @@ class Request:
     # the most drafted tokens a verify step checks (llama.cpp's per-request speculative.n_max): a fixed width of
     # n + 1 in place of the adaptive one (None: the engine's)
     draft_n_max: int | None = None
+    slot: int | None = None  # set by the engine: the cache slot that holds the request's prompt
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -494,6 +495,7 @@ class Engine:
         if speculative and self.adaptive and self.width_costs is None:
             self.measure_width_costs()  # before a slot's cache is taken for the prompt
         slot, cached = self.slots.acquire(req.prompt_ids, req.cache_prompt, speculative=speculative)
+        req.slot = slot
         held: list[int] = list(req.prompt_ids[:cached])  # the tokens the slot's cache holds (grows as it runs)
         try:
             yield from self._run(req, slot, seed, cached, held)

@@ -25,12 +25,16 @@ _END = object()
 class Job:
     """One generation in a slot."""
     request: Request
-    slot: int
     task: int
     n_decoded: int = 0
     has_new_line: bool = False
     started_at: float = field(default_factory=time.perf_counter)
     first_delta_at: float | None = None
+
+    @property
+    def slot(self) -> int | None:
+        """The engine's cache slot holding the prompt (None until the engine has taken one)."""
+        return self.request.slot
 
 
 class TurnLock:
@@ -60,7 +64,7 @@ class Scheduler:
     def __post_init__(self) -> None:
         self.closing = False  # set by close(): running generations end, new ones are refused
         self._threads: set[threading.Thread] = set()
-        self.slots: list[Job | None] = [None] * self.engine.n_slots
+        self.jobs: list[Job] = []  # running, in no particular order (each knows its engine slot)
         self._free = asyncio.Semaphore(self.engine.n_slots)
         self._task_ids = itertools.count()
         if self.take_turns is None:
@@ -69,7 +73,16 @@ class Scheduler:
 
     @property
     def free_slots(self) -> int:
-        return self.slots.count(None)
+        return self.engine.n_slots - len(self.jobs)
+
+    @property
+    def slots(self) -> list[Job | None]:
+        """The job in each engine slot (None: free), numbered as the engine's cache slots."""
+        out: list[Job | None] = [None] * self.engine.n_slots
+        for job in self.jobs:
+            if job.slot is not None:
+                out[job.slot] = job
+        return out
 
     async def run(self, req: Request) -> AsyncIterator[tuple[Job, Delta | Completion]]:
         """Yield (job, event) for each engine event. Use under `contextlib.aclosing` so that a client
@@ -82,8 +95,8 @@ class Scheduler:
         if self.closing:  # also while waiting for a slot: the cancelled generations free theirs at once
             self._free.release()
             raise ShuttingDown()
-        job = Job(req, self.slots.index(None), next(self._task_ids))
-        self.slots[job.slot] = job
+        job = Job(req, next(self._task_ids))
+        self.jobs.append(job)
         self.metrics.requests_processing += 1
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
@@ -116,7 +129,7 @@ class Scheduler:
                     pass
                 post(_END)
 
-        thread = threading.Thread(target=work, name=f"slot-{job.slot}", daemon=True)
+        thread = threading.Thread(target=work, name=f"task-{job.task}", daemon=True)
         self._threads = {t for t in self._threads if t.is_alive()} | {thread}  # on the event loop only
         thread.start()
         try:
@@ -137,9 +150,8 @@ class Scheduler:
         """Shut down: every running generation is cancelled (it ends within a step) and no new one starts.
         Safe from a signal handler."""
         self.closing = True
-        for job in list(self.slots):
-            if job is not None:
-                job.request.cancel.set()
+        for job in list(self.jobs):
+            job.request.cancel.set()
 
     def join(self, timeout: float) -> bool:
         """Wait for the slot threads to return their engine slots; False if some are still running."""
@@ -149,6 +161,6 @@ class Scheduler:
         return not any(t.is_alive() for t in self._threads)
 
     def _release(self, job: Job) -> None:
-        self.slots[job.slot] = None
+        self.jobs.remove(job)
         self.metrics.requests_processing -= 1
         self._free.release()
