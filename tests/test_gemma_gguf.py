@@ -230,6 +230,7 @@ def test_guide_command_lines_with_gemma4_files(guide_files, line):
         body = {"model": "gemma", "messages": [{"role": "user", "content": "Write a quicksort in Python."}],
                 "max_tokens": 40, "stream": False, "ignore_eos": True}
         r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120).json()
+        assert "usage" in r, r
         assert r["usage"]["completion_tokens"] == 40 and r["timings"]["predicted_per_second"] > 0
         if speculative:
             assert r["timings"]["draft_n"] > 0 and r["speculative"]["block_size"] == 8
