@@ -119,18 +119,15 @@ class FollowBuffer:
 
 
 class PendingToken:
-    """A plain step's sampled token [1] on its way to the host: copied into `landing` (pinned memory, [1]) behind an
-    event, so reading it waits for its own step only, not for the step queued after it. On the CPU it is there
-    already."""
+    """A plain step's sampled token [1] on its way to the host: copied into `landing` (pinned memory, [1]) behind
+    `event`, so reading it waits for its own step only, not for the step queued after it. On the CPU (no event) it
+    is there already."""
 
-    def __init__(self, token: Tensor, landing: Tensor):
-        self.host, self.event = landing, None
-        if token.is_cuda:
-            landing.copy_(token, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-        else:
-            landing.copy_(token)
+    def __init__(self, token: Tensor, landing: Tensor, event: "torch.cuda.Event | None"):
+        self.host, self.event = landing, event
+        landing.copy_(token, non_blocking=event is not None)
+        if event is not None:
+            event.record()
 
     def read(self) -> int:
         if self.event is not None:
@@ -206,8 +203,9 @@ def decode(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int =
     # the host must see each token or its rows first: a grammar masks the next rows by it, logprobs read the rows.
     overlap = constraint is None and logprobs is None
     pending: PendingToken | None = None  # token_t on its way to the host (not yet counted in `produced`)
-    # two landing places: one being read while the next step's token is copied to the other
-    landings = torch.empty(2, dtype=torch.long, pin_memory=token_t.is_cuda)
+    # two landing places (and their events): one being read while the next step's token is copied to the other
+    landings = [(torch.empty(1, dtype=torch.long, pin_memory=token_t.is_cuda),
+                 torch.cuda.Event() if token_t.is_cuda else None) for _ in range(2)]
 
     def taken(new: list[int]) -> list[int]:
         nonlocal produced, token
@@ -248,7 +246,7 @@ def decode(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int =
                 pos += 1
                 token_t = sampled.clone()
                 if overlap:
-                    ahead, pending = pending, PendingToken(sampled, landings[pos % 2:pos % 2 + 1])
+                    ahead, pending = pending, PendingToken(sampled, *landings[pos % 2])
                     if ahead is not None:
                         new = [ahead.read()]
                         check_sampled(new)
