@@ -514,7 +514,7 @@ def padded(prompt: str, depth: int) -> str:
     byte-level vocabulary): a context of `depth` for the decode that follows."""
     if depth <= len(prompt):
         return prompt
-    filler = ("Notes from the previous session, kept for reference. " * (depth // 50 + 1))[:depth - len(prompt)]
+    filler = ("Notes kept for reference beside the task at hand. " * (depth // 50 + 1))[:depth - len(prompt)]
     return filler + "\n\n" + prompt
 
 
