@@ -63,12 +63,14 @@ def more_bits(i: int, n: int) -> bool:
 
 # llama-quantize's file types: (their matrices' default type, general.file_type)
 FILE_TYPES = {"Q4_K_M": ("Q4_K", 15), "Q4_K_S": ("Q4_K", 14), "Q5_K_M": ("Q5_K", 17), "Q6_K": ("Q6_K", 18),
-              "Q8_0": ("Q8_0", 7), "IQ4_XS": ("IQ4_XS", 30)}
+              "Q8_0": ("Q8_0", 7), "IQ4_XS": ("IQ4_XS", 30), "Q4_1": ("Q4_1", 3)}
 
 
 def tensor_type(name: str, n_layers: int, file_type: str, gqa: int) -> str:
     """The type llama-quantize (llama_tensor_get_type, no imatrix) gives a llama-architecture matrix."""
     base = FILE_TYPES[file_type][0]
+    if base == "Q4_1" and name in ("output.weight", "token_embd.weight"):  # as SmolLM2-135M-Instruct.Q4_1.gguf
+        return "Q8_0"
     if name == "output.weight":
         return "Q8_0" if base == "Q8_0" else "Q6_K"
     layer, part = (int(name.split(".")[1]), name.split(".")[2]) if name.startswith("blk.") else (-1, "")
@@ -259,7 +261,8 @@ def make(args) -> int:
     H, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     add("token_embd.weight", cfg.vocab_size, H)
     add("output_norm.weight", H, norm=True)
-    add("output.weight", cfg.vocab_size, H)
+    if not cfg.tie_word_embeddings:
+        add("output.weight", cfg.vocab_size, H)
     for i in range(cfg.num_layers):
         p = f"blk.{i}."
         add(p + "attn_norm.weight", H, norm=True)

@@ -36,6 +36,10 @@ SHAPES = {
     "qwen3-8b": LlamaConfig(arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                             num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
                             rope_theta=1e6, qk_norm=True, max_position_embeddings=40960),
+    # SmolLM2-135M-Instruct's shape: its rows of 576 values are not whole 256-blocks (gguf_gpu make: Q4_1, Q8_0)
+    "smollm2-135m": LlamaConfig(arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
+                                rope_theta=100000.0, tie_word_embeddings=True, max_position_embeddings=8192),
 }
 TINY = {
     "llama-3.1-8b": LlamaConfig(arch="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=6,

@@ -23,6 +23,10 @@ def main() -> int:
     print({k: f"{v / 2**20:.0f} MiB" for k, v in engine.memory.items() if k != "kv_per_token"})
     print(f"allocated {torch.cuda.memory_allocated() / 2**20:.0f} MiB, reserved {torch.cuda.memory_reserved() / 2**20:.0f}"
           f" MiB, peak allocated {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB")
+    free, total = torch.cuda.mem_get_info()
+    used = (total - free) / 2**20
+    print(f"device memory in use {used:.0f} MiB, of which outside PyTorch's allocator (CUDA context, loaded kernels, "
+          f"library handles) {used - torch.cuda.memory_reserved() / 2**20:.0f} MiB (when no other process holds any)")
     snapshot = torch.cuda.memory._snapshot()
     by_line: dict[str, int] = collections.Counter()
     pools: dict[str, int] = collections.Counter()

@@ -403,6 +403,24 @@ def run_ptx(asm: str, inputs: list[int], outputs: int) -> list[int]:
     return [regs[f"${i}"] for i in range(outputs)]
 
 
+def test_integer_kernel_tiles_fit_the_row_length():
+    """gguf_gemv.fit_tile: a K whose blocks the type's tile covers with little padding keeps the tile; Gemma 4's K of
+    5376 (21 super-blocks) and SmolLM2's 576 and 1536 (18 and 48 blocks of 32) take fewer super-blocks an iteration,
+    so that an iteration re-reads few blocks past the row's end (the bits do not change: the test above)."""
+    from flashdraft.kernels.gguf_gemv import CONFIG, fit_tile
+    sb = lambda k, block32=False: fit_tile(CONFIG, k, block32)["SB"]  # noqa: E731
+    assert CONFIG["SB"] == 16
+    assert sb(4096) == sb(14336) == sb(8192) == sb(21504) == 16  # 16, 56, 32, 84 super-blocks
+    assert sb(5376) == 8  # 21: 24 an 8-wide iteration pads 3
+    assert sb(576, True) == 1 and sb(1536, True) == 2  # 18 blocks: 3 iterations of 8; 48: 3 of 16
+    assert sb(4096, True) == 16
+    for k in (576, 1536, 5376, 21504, 4096):
+        for block32 in (False, True):
+            units = k // 32 if block32 else -(-k // 256)
+            step = sb(k, block32) * (8 if block32 else 1)
+            assert -(-units // step) * step - units <= 0.25 * units or step == (8 if block32 else 1)
+
+
 def test_iq4_byte_permute_lookups_give_the_table():
     """iq4.IQ4_EIGHT (the int8 mma kernel's) and IQ4_PAIRS (the integer kernels') read as PTX: every nibble of
     random words comes out as its kvalues_iq4nl level, in the documented order (byte b's low nibble, then its high),

@@ -50,7 +50,8 @@ def main() -> int:
     if args.gemv_sweep:
         gemv_configs = list(itertools.product((2, 4, 8), (4, 8, 16), (4,), (2112,)))
     if args.gemv_sweep or args.gemv_configs:
-        G.TYPE_CONFIGS.clear()  # every type takes the swept tile
+        G.TYPE_CONFIGS.clear()  # every type and K takes the swept tile
+        G.FIT_TILE = False
     if args.gemv_configs:
         gemv_configs = [tuple(int(v) for v in c.split(",")) for c in args.gemv_configs.split(";")]
     if len(gemv_configs) > 1:  # sweep the integer kernels with the tensor-core kernel's default tile

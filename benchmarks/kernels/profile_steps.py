@@ -2,8 +2,8 @@
 by kernel, for the random-weight shapes of benchmarks/gpu.py. Prints one table per step and a summary of
 matrix-product time against everything else.
 
-Usage: python benchmarks/kernels/profile_steps.py [--model llama-3.1-8b] [--ctx 1024] [--compile] [--cache-types K/V]
-           [--out FILE.json]
+Usage: python benchmarks/kernels/profile_steps.py [--model llama-3.1-8b | --file FILE.gguf [--draft FOLDER]] [--ctx 1024]
+           [--compile] [--cache-types K/V] [--out FILE.json]
 """
 import argparse
 import collections
@@ -44,6 +44,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--file", help="a GGUF file (matrices kept quantized) instead of a random --model")
+    ap.add_argument("--draft", help="a DFlash draft folder (e.g. flashdraft/drafts/smollm2-135m) instead of a random one")
     ap.add_argument("--cache-types", default="auto/auto", help="the target's KV cache types, K/V")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -61,6 +62,9 @@ def main() -> int:
         else:
             cfg = (TINY if args.tiny else SHAPES)[args.model]
             target, draft = random_target(cfg, dev, dtype), draft_for(cfg, dev, dtype, args.tiny)
+        if args.draft:
+            from flashdraft.draft.load import load_draft_folder
+            draft = load_draft_folder(args.draft, dev, dtype).eval()
         max_len = ctx + 256
         state = target.new_state(1, max_len, tuple(args.cache_types.split("/")))
         draft.setup_cache(min(ctx, 1024))

@@ -611,9 +611,29 @@ def _rounding(qtype: str, k: int) -> tuple[int, int]:
     return IQ4_ORDER if qtype in IQ4_TYPES else 0, x_group(qtype, k)
 
 
-def config(qtype: str) -> dict:
-    """This type's tile (TYPE_CONFIGS), or the interpreter's."""
-    return INTERPRETED if _emulate() else TYPE_CONFIGS.get(qtype, CONFIG)
+def config(qtype: str, k: int) -> dict:
+    """This type's tile (TYPE_CONFIGS) fitted to K (`fit_tile`), or the interpreter's."""
+    if _emulate():
+        return INTERPRETED
+    cfg = TYPE_CONFIGS.get(qtype, CONFIG)
+    return fit_tile(cfg, k, qtype in BLOCK32_IDS) if FIT_TILE else cfg
+
+
+FIT_TILE = True  # off: every K takes the type's tile as swept (benchmarks/kernels/gguf_kernels.py --gemv-configs)
+MOST_PADDING = 0.25  # of a row's blocks: an iteration past the last block re-reads it and multiplies zeros
+
+
+def fit_tile(cfg: dict, k: int, block32: bool) -> dict:
+    """cfg with SB halved while the iterations over one row of K pad more than MOST_PADDING of its blocks (Gemma's
+    K of 5376 is 21 super-blocks: two iterations of 16 are 34% padding; SmolLM2's 576 is 18 blocks of 32, one
+    iteration of 16 x 8 is 86%). The tile changes no bits: every block's value is summed exactly
+    (kernels/split_k.py), in any grouping."""
+    units = k // 32 if block32 else triton.cdiv(k, 256)
+    per_unit = 8 if block32 else 1  # the 32-weight types count SB in groups of 8 blocks
+    sb = cfg["SB"]
+    while sb > 1 and triton.cdiv(units, sb * per_unit) * sb * per_unit - units > MOST_PADDING * units:
+        sb //= 2
+    return cfg if sb == cfg["SB"] else dict(cfg, SB=sb)
 
 
 def parts_product(x: Tensor, qweights: list[Tensor], qtypes: list[str], k: int, rounding, round_x,
@@ -641,7 +661,7 @@ def _gemv_into(out: Tensor | None, x: Tensor, xq: Tensor, xd: Tensor, xs: Tensor
     m, n = x.shape[0], qweight.shape[0]
     bm = next(b for b in ROW_BUCKETS if b >= m)
     emulate = _emulate()
-    cfg = config(qtype)
+    cfg = config(qtype, k)
     splits, per_split = splits_for(n, k, cfg)
     out, partial = split_k.outputs(x, n, splits, out, summed=out is not None, exact=True)
     if qtype in ("Q4_K", "Q5_K"):
