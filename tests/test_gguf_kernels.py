@@ -405,20 +405,25 @@ def run_ptx(asm: str, inputs: list[int], outputs: int) -> list[int]:
 
 def test_integer_kernel_tiles_fit_the_row_length():
     """gguf_gemv.fit_tile: a K whose blocks the type's tile covers with little padding keeps the tile; Gemma 4's K of
-    5376 (21 super-blocks) and SmolLM2's 576 and 1536 (18 and 48 blocks of 32) take fewer super-blocks an iteration,
-    so that an iteration re-reads few blocks past the row's end (the bits do not change: the test above)."""
-    from flashdraft.kernels.gguf_gemv import CONFIG, fit_tile
-    sb = lambda k, block32=False: fit_tile(CONFIG, k, block32)["SB"]  # noqa: E731
-    assert CONFIG["SB"] == 16
-    assert sb(4096) == sb(14336) == sb(8192) == sb(21504) == 16  # 16, 56, 32, 84 super-blocks
-    assert sb(5376) == 8  # 21: 24 an 8-wide iteration pads 3
-    assert sb(576, True) == 1 and sb(1536, True) == 2  # 18 blocks: 3 iterations of 8; 48: 3 of 16
-    assert sb(4096, True) == 16
-    for k in (576, 1536, 5376, 21504, 4096):
+    5376 (21 super-blocks) and SmolLM2's 576 and 1536 (18 and 48 blocks of 32) take fewer super-blocks an iteration
+    and more output rows, so that an iteration re-reads few blocks past the row's end (the bits do not change: the
+    test above); Q6_K and IQ4_XS keep the tiles swept for them."""
+    from flashdraft.kernels import gguf_gemv
+    from flashdraft.kernels.gguf_gemv import CONFIG, TYPE_CONFIGS, fit_tile
+    tile = lambda k, block32=False: (fit_tile(CONFIG, k, block32)["BLOCK_N"], fit_tile(CONFIG, k, block32)["SB"])  # noqa: E731
+    assert (CONFIG["BLOCK_N"], CONFIG["SB"]) == (4, 16)
+    assert tile(4096) == tile(8192) == tile(14336) == tile(21504) == (4, 16)  # 16, 32, 56, 84 super-blocks
+    assert tile(5376) == (8, 8)  # 21: an 8-wide iteration pads 3
+    assert tile(576, True) == (16, 1) and tile(1536, True) == (16, 2)  # 18 blocks: 3 iterations of 8; 48: 3 of 16
+    assert tile(4096, True) == (4, 16)
+    for k in (576, 1536, 5376, 21504, 4096, 14336):
         for block32 in (False, True):
             units = k // 32 if block32 else -(-k // 256)
-            step = sb(k, block32) * (8 if block32 else 1)
+            step = tile(k, block32)[1] * (8 if block32 else 1)
             assert -(-units // step) * step - units <= 0.25 * units or step == (8 if block32 else 1)
+    if not gguf_gemv._emulate():
+        assert gguf_gemv.config("Q6_K", 5376) == TYPE_CONFIGS["Q6_K"]
+        assert gguf_gemv.config("Q4_K", 5376) == fit_tile(CONFIG, 5376, False)
 
 
 def test_iq4_byte_permute_lookups_give_the_table():

@@ -45,7 +45,8 @@ BLOCK32_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "IQ4_NL": 20}  # GGML
 # Row counts up to MAX_ROWS take the integer kernels; 5-16 rows the int8 mma kernels where they cover the type (each
 # row of x costs the integer kernels its own dot products and reductions: H200, the 8B's four matrices, Q4_K: 0.065 ms
 # for one row, 0.345 ms for 16, against 0.150 and 0.155 for a tensor-core kernel; docs/perf-history.md, 2026-12-03
-# H200), else these kernels up to ROWS: a verified row then has the bits of the same row decoded alone.
+# H200), else these kernels up to ROWS, in groups of MAX_ROWS rows on the grid's third axis: a verified row then has
+# the bits of the same row decoded alone.
 MAX_ROWS = 4
 ROWS = 16
 ROW_BUCKETS = (1, 2, 4, 8, 16)  # the kernels are compiled per bucket: rows of x are unrolled
@@ -210,6 +211,21 @@ def _row_tile(N, BLOCK_N: tl.constexpr, BM: tl.constexpr):
 
 
 @triton.jit
+def _row_group(xq_ptr, xd_ptr, xs_ptr, out_ptr, M, stride_xq, stride_xd, stride_om, BM: tl.constexpr,
+               GROUPS: tl.constexpr):
+    """GROUPS: rows of x in groups of BM on the grid's third axis (a verify block's rows in parallel programs, not
+    unrolled in one): this group's x, scales, sums and output rows, and how many rows it has left."""
+    if GROUPS:
+        g = tl.program_id(2) * BM
+        xq_ptr += tl.multiple_of(g * stride_xq, 8)  # K / 4 words a row, K a multiple of 32
+        xd_ptr += g * stride_xd
+        xs_ptr += g * stride_xd
+        out_ptr += g * stride_om
+        M -= g
+    return xq_ptr, xd_ptr, xs_ptr, out_ptr, M
+
+
+@triton.jit
 def _x_row(m: tl.constexpr, M):
     """The row of x that unrolled row m reads: m, or M - 1 past the rows there are (row 0 is always there: a
     constant keeps its loads' alignment known, so they stay 16-byte loads)."""
@@ -256,13 +272,15 @@ def k_value(isum, d, xd, msum, dmin):
 def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd, stride_wu,
                    stride_os, stride_om, FIVE_BITS: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
                    SB: tl.constexpr, ROW_ALIGN: tl.constexpr, WHOLE: tl.constexpr, EMULATE: tl.constexpr,
-                   PDL: tl.constexpr):
+                   GROUPS: tl.constexpr, PDL: tl.constexpr):
     """Q4_K (144-byte super-blocks: d, dmin, 12 scale bytes, 128 nibble bytes) or Q5_K (176: the same with 32 bytes
     of fifth bits before the nibbles). w as int32 words; group g's 32 bytes hold sub-block 2g in their low nibbles
     and 2g + 1 in their high ones, stored as layers/quantized.lane_grouped keeps them: word 8p + 2g + j of the 32
     is group g's word 2p + j."""
     WORDS: tl.constexpr = 44 if FIVE_BITS else 36
     QS: tl.constexpr = 12 if FIVE_BITS else 4
+    xq_ptr, xd_ptr, xs_ptr, out_ptr, M = _row_group(xq_ptr, xd_ptr, xs_ptr, out_ptr, M, stride_xq, stride_xd, stride_om, BM,
+                                                    GROUPS)
     split, rows, row_ok, w_rows, mi, acc = _row_tile(N, BLOCK_N, BM)
     sbi, g, t = tl.arange(0, SB), tl.arange(0, 4), tl.arange(0, 8)
     first = split * sb_per_split
@@ -334,12 +352,15 @@ def _dot16(v, x, EMULATE: tl.constexpr):
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
 def _q6_k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd,
                  stride_wu, stride_os, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
-                 ROW_ALIGN: tl.constexpr, WHOLE: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
+                 ROW_ALIGN: tl.constexpr, WHOLE: tl.constexpr, EMULATE: tl.constexpr, GROUPS: tl.constexpr,
+                 PDL: tl.constexpr):
     """Q6_K: 210-byte super-blocks (ql 128 bytes, qh 64, 16 int8 scales, d) kept padded to 212 bytes (53 words;
     layers/quantized.py), read as int32 words (w_ptr) and, for the scales and d, as int16 halves (w16_ptr).
     Half h's weight 128h + 32k + l (k = 0..3, l = 0..31) is ql[64h + l + 32 (k & 1)]'s low (k < 2) or high
     nibble with bits 2k..2k+1 of qh[32h + l] above it, minus 32; scale index 8h + 2k + l // 16. Words are
     indexed [h, u, v] with l = 16u + 4v."""
+    xq_ptr, xd_ptr, xs_ptr, out_ptr, M = _row_group(xq_ptr, xd_ptr, xs_ptr, out_ptr, M, stride_xq, stride_xd, stride_om, BM,
+                                                    GROUPS)
     split, rows, row_ok, w_rows, mi, acc = _row_tile(N, BLOCK_N, BM)
     sbi = tl.arange(0, SB)
     h = tl.arange(0, 2)[None, None, :, None, None]
@@ -394,7 +415,8 @@ def _spread_bits(nib):
 def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, lut_ptr, out_ptr, M, N, K, sb_per_split, stride_xq,
                     stride_xd, stride_wu, stride_os, stride_om, QTYPE: tl.constexpr, BM: tl.constexpr,
                     BLOCK_N: tl.constexpr, SB: tl.constexpr, ROW_ALIGN: tl.constexpr, WHOLE: tl.constexpr,
-                    EMULATE: tl.constexpr, PDL: tl.constexpr):
+                    EMULATE: tl.constexpr, GROUPS: tl.constexpr,
+                    PDL: tl.constexpr):
     """The 32-weight nibble block types as layers/quantized.field_planes keeps them, w as int32 words (w16: the
     same bytes as int16): a row's blocks' 16 nibble bytes (4 words each), then (Q5_0, Q5_1) their 32 fifth bits (a
     word each), then their fp16 d (and m). Q4_0, Q4_1 (d, m), Q5_0, Q5_1 (d, m), IQ4_NL (each nibble an index into
@@ -406,6 +428,8 @@ def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, lut_ptr, out_ptr, M,
     FIVE: tl.constexpr = QTYPE == 6 or QTYPE == 7
     OFFSET: tl.constexpr = 0.0 if HAS_MIN or TABLE else (16.0 if FIVE else 8.0)
     t0, t1, t2, t3 = iq4_table_words(lut_ptr)
+    xq_ptr, xd_ptr, xs_ptr, out_ptr, M = _row_group(xq_ptr, xd_ptr, xs_ptr, out_ptr, M, stride_xq, stride_xd, stride_om, BM,
+                                                    GROUPS)
     split, rows, row_ok, w_rows, mi, acc = _row_tile(N, BLOCK_N, BM)
     bi, t = tl.arange(0, SB * 8), tl.arange(0, 4)
     blocks = K // 32
@@ -498,10 +522,13 @@ def _q8_0_super_blocks(dot, d, N: tl.constexpr, SB: tl.constexpr):
 def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd,
                  stride_wu, stride_os, stride_om, X256: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
                  SB: tl.constexpr, ROW_ALIGN: tl.constexpr, WHOLE: tl.constexpr, EMULATE: tl.constexpr,
+                 GROUPS: tl.constexpr,
                  PDL: tl.constexpr):
     """Q8_0 in two planes (layers/quantized.field_planes): w as int32 words, a row's K / 4 words of int8 values,
     then its K / 32 fp16 scales (w16: the same bytes as int16). SB counts groups of 8 blocks. X256: x rounded per
     256 (one scale for 8 blocks): a super-block's blocks summed as the int8 mma kernel sums them (q8_0_chain)."""
+    xq_ptr, xd_ptr, xs_ptr, out_ptr, M = _row_group(xq_ptr, xd_ptr, xs_ptr, out_ptr, M, stride_xq, stride_xd, stride_om, BM,
+                                                    GROUPS)
     split, rows, row_ok, w_rows, mi, acc = _row_tile(N, BLOCK_N, BM)
     bi, t = tl.arange(0, SB * 8), tl.arange(0, 8)
     first = split * sb_per_split * 8
@@ -532,13 +559,16 @@ def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_pe
 @triton.jit(do_not_specialize=["M", "stride_xq", "stride_xd", "stride_om"])
 def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xd,
                    stride_wu, stride_os, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
-                   ROW_ALIGN: tl.constexpr, WHOLE: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
+                   ROW_ALIGN: tl.constexpr, WHOLE: tl.constexpr, EMULATE: tl.constexpr, GROUPS: tl.constexpr,
+                   PDL: tl.constexpr):
     """IQ4_XS in two planes (layers/quantized.field_planes), w as int32 words: a row's super-blocks' 128 nibble
     bytes (32 words each, by lane: sub-block j's word t at 8t + j, layers/quantized.by_lane), then their 8-byte
     headers (d and scales_h, scales_l: two words each). Sub-block j (32 weights) has 6-bit scale ls = nibble j of
     scales_l | bits 2j..2j+1 of scales_h << 4, weight d * (ls - 32) * iq4.IQ4_VALUES[q]; its 16 bytes hold weights
     0..15 in their low nibbles, 16..31 in the high."""
     t0, t1, t2, t3 = iq4_table_words(lut_ptr)
+    xq_ptr, xd_ptr, xs_ptr, out_ptr, M = _row_group(xq_ptr, xd_ptr, xs_ptr, out_ptr, M, stride_xq, stride_xd, stride_om, BM,
+                                                    GROUPS)
     split, rows, row_ok, w_rows, mi, acc = _row_tile(N, BLOCK_N, BM)
     sbi, j, t = tl.arange(0, SB), tl.arange(0, 8), tl.arange(0, 4)
     first = split * sb_per_split
@@ -612,11 +642,13 @@ def _rounding(qtype: str, k: int) -> tuple[int, int]:
 
 
 def config(qtype: str, k: int) -> dict:
-    """This type's tile (TYPE_CONFIGS) fitted to K (`fit_tile`), or the interpreter's."""
+    """This type's tile fitted to K (`fit_tile`; a tile swept for its own type, Q6_K's and IQ4_XS's, as swept), or the
+    interpreter's."""
     if _emulate():
         return INTERPRETED
     cfg = TYPE_CONFIGS.get(qtype, CONFIG)
-    return fit_tile(cfg, k, qtype in BLOCK32_IDS) if FIT_TILE else cfg
+    fits = FIT_TILE and cfg["SB"] == CONFIG["SB"] and cfg["BLOCK_N"] == CONFIG["BLOCK_N"]
+    return fit_tile(cfg, k, qtype in BLOCK32_IDS or qtype == "Q8_0") if fits else cfg
 
 
 FIT_TILE = True  # off: every K takes the type's tile as swept (benchmarks/kernels/gguf_kernels.py --gemv-configs)
@@ -624,16 +656,18 @@ MOST_PADDING = 0.25  # of a row's blocks: an iteration past the last block re-re
 
 
 def fit_tile(cfg: dict, k: int, block32: bool) -> dict:
-    """cfg with SB halved while the iterations over one row of K pad more than MOST_PADDING of its blocks (Gemma's
-    K of 5376 is 21 super-blocks: two iterations of 16 are 34% padding; SmolLM2's 576 is 18 blocks of 32, one
-    iteration of 16 x 8 is 86%). The tile changes no bits: every block's value is summed exactly
-    (kernels/split_k.py), in any grouping."""
+    """cfg with the largest SB (cfg's, halved) whose iterations over one row of K pad at most MOST_PADDING of its
+    blocks, else the one that pads least, and BLOCK_N doubled for each halving up to 4x (a tile of the same size:
+    H100, Q4_K at Gemma 4's K of 5376 (21 super-blocks, two iterations of 16 pad 34%), one row: 4 x 16 0.095 ms,
+    8 x 8 0.083, 16 x 4 0.087, 8 x 4 0.141, 16 x 8 0.096; the 8B's matrices 0.055 / 0.053 / 0.057 / 0.083 /
+    0.061). The tile changes no bits: every block's value is summed exactly (kernels/split_k.py), in any grouping."""
     units = k // 32 if block32 else triton.cdiv(k, 256)
     per_unit = 8 if block32 else 1  # the 32-weight types count SB in groups of 8 blocks
-    sb = cfg["SB"]
-    while sb > 1 and triton.cdiv(units, sb * per_unit) * sb * per_unit - units > MOST_PADDING * units:
-        sb //= 2
-    return cfg if sb == cfg["SB"] else dict(cfg, SB=sb)
+    sizes = [cfg["SB"] >> i for i in range(cfg["SB"].bit_length())]  # SB, SB / 2, ..., 1
+    padding = {sb: triton.cdiv(units, sb * per_unit) * sb * per_unit - units for sb in sizes}
+    sb = next((sb for sb in sizes if padding[sb] <= MOST_PADDING * units), min(sizes, key=lambda sb: padding[sb]))
+    block_n = cfg["BLOCK_N"] * min(4, cfg["SB"] // sb)
+    return cfg if sb == cfg["SB"] else dict(cfg, SB=sb, BLOCK_N=block_n)
 
 
 def parts_product(x: Tensor, qweights: list[Tensor], qtypes: list[str], k: int, rounding, round_x,
@@ -659,7 +693,9 @@ def _gemv_into(out: Tensor | None, x: Tensor, xq: Tensor, xd: Tensor, xs: Tensor
                k: int) -> Tensor:
     """The product into out (columns of a wider output), or None: its partial sums, returned unsummed."""
     m, n = x.shape[0], qweight.shape[0]
-    bm = next(b for b in ROW_BUCKETS if b >= m)
+    groups = m > MAX_ROWS  # more rows: groups of MAX_ROWS in parallel programs (one row's work unrolled 16 times
+    # ran 6.8 times a row's time and spilled: H100, SmolLM2's Q4_1 matrices, 2026-12-07)
+    bm = MAX_ROWS if groups else next(b for b in ROW_BUCKETS if b >= m)
     emulate = _emulate()
     cfg = config(qtype, k)
     splits, per_split = splits_for(n, k, cfg)
@@ -681,11 +717,11 @@ def _gemv_into(out: Tensor | None, x: Tensor, xq: Tensor, xd: Tensor, xs: Tensor
         table = iq4_table(x.device).view(torch.int32)
         kernel, args, extra = _block32_kernel, (w, qweight.view(torch.int16), table), dict(QTYPE=BLOCK32_IDS[qtype])
     align = row_align(w)
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), splits)
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), splits, triton.cdiv(m, bm))
     kernel[grid](xq, xd, xs, *args, partial, M=m, N=n, K=k, sb_per_split=per_split, stride_xq=xq.stride(0),
                  stride_xd=xd.stride(0), stride_wu=w.stride(0) // align, stride_os=partial.stride(0),
                  stride_om=partial.stride(1), BM=bm, BLOCK_N=cfg["BLOCK_N"], SB=cfg["SB"], ROW_ALIGN=align,
-                 WHOLE=k % 256 == 0 and k // 256 % cfg["SB"] == 0, EMULATE=emulate,
+                 WHOLE=k % 256 == 0 and k // 256 % cfg["SB"] == 0, EMULATE=emulate, GROUPS=groups,
                  num_warps=cfg["num_warps"], maxnreg=cfg.get("maxnreg"), **extra, **pdl.launch(x))
     split_k.finish(partial, out)
     return partial

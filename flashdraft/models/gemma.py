@@ -233,7 +233,7 @@ class Gemma(DecoderLM):
         for kind, spec in self.cfg.rope.items():
             table = self.ropes.get(kind)
             if table is None or table.shape[0] < max_len or table.device != self.device:
-                self.ropes[kind] = rope_table(spec, max_len).to(self.device)
+                self.ropes[kind] = rope_table(spec, max_len).to(self.device, self.dtype)  # apply_rope rounds to it
 
     def layer_cache(self, i: int, n_slots: int, max_len: int, codecs) -> KVCache:
         cfg = self.cfg

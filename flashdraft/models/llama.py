@@ -153,7 +153,7 @@ class Llama(DecoderLM):
 
     def prepare(self, max_len: int) -> None:
         if self.rope.shape[0] < max_len or self.rope.device != self.device:
-            self.rope = rope_table(self.cfg, max_len).to(self.device)
+            self.rope = rope_table(self.cfg, max_len).to(self.device, self.dtype)  # apply_rope rounds to it
 
     def layer_cache(self, i: int, n_slots: int, max_len: int, codecs) -> KVCache:
         cfg = self.cfg

@@ -192,7 +192,7 @@ class Qwen35(DecoderLM):
 
     def prepare(self, max_len: int) -> None:
         if self.rope.shape[0] < max_len or self.rope.device != self.device:
-            self.rope = rope_table(self.cfg, max_len).to(self.device)
+            self.rope = rope_table(self.cfg, max_len).to(self.device, self.dtype)  # apply_rope rounds to it
 
     def layer_cache(self, i: int, n_slots: int, max_len: int, codecs) -> KVCache | RecurrentCache:
         cfg = self.cfg
