@@ -412,8 +412,9 @@ def test_integer_kernel_tiles_fit_the_row_length():
     from flashdraft.kernels.gguf_gemv import CONFIG, TYPE_CONFIGS, fit_tile
     tile = lambda k, block32=False: (fit_tile(CONFIG, k, block32)["BLOCK_N"], fit_tile(CONFIG, k, block32)["SB"])  # noqa: E731
     assert (CONFIG["BLOCK_N"], CONFIG["SB"]) == (4, 16)
-    assert tile(4096) == tile(8192) == tile(14336) == tile(21504) == (4, 16)  # 16, 32, 56, 84 super-blocks
-    assert tile(5376) == (8, 8)  # 21: an 8-wide iteration pads 3
+    assert tile(4096) == tile(8192) == (4, 16)  # 16, 32 super-blocks: whole iterations
+    assert tile(5376) == (8, 8)  # 21: an 8-wide iteration pads 3 (16: 11)
+    assert tile(14336) == (8, 8) and tile(21504) == (16, 4)  # 56, 84: no padding
     assert tile(576, True) == (16, 1) and tile(1536, True) == (16, 2)  # 18 blocks: 3 iterations of 8; 48: 3 of 16
     assert tile(4096, True) == (4, 16)
     for k in (576, 1536, 5376, 21504, 4096, 14336):

@@ -656,16 +656,19 @@ MOST_PADDING = 0.25  # of a row's blocks: an iteration past the last block re-re
 
 
 def fit_tile(cfg: dict, k: int, block32: bool) -> dict:
-    """cfg with the largest SB (cfg's, halved) whose iterations over one row of K pad at most MOST_PADDING of its
-    blocks, else the one that pads least, and BLOCK_N doubled for each halving up to 4x (a tile of the same size:
-    H100, Q4_K at Gemma 4's K of 5376 (21 super-blocks, two iterations of 16 pad 34%), one row: 4 x 16 0.095 ms,
-    8 x 8 0.083, 16 x 4 0.087, 8 x 4 0.141, 16 x 8 0.096; the 8B's matrices 0.055 / 0.053 / 0.057 / 0.083 /
-    0.061). The tile changes no bits: every block's value is summed exactly (kernels/split_k.py), in any grouping."""
+    """cfg's tile reshaped for K: of SB, SB / 2 and SB / 4 super-blocks an iteration, with 1, 2 or 4 times BLOCK_N
+    output rows (a tile of the same size), the one whose iterations over a row pad it least (the larger on a
+    tie); where that still pads more than MOST_PADDING of the row (K of a few blocks), smaller SB down to 1. H100,
+    Q4_K, one row: Gemma 4's K of 5376 (21 super-blocks) 4 x 16 0.095 ms, 8 x 8 0.083, 16 x 4 0.087, 8 x 4 0.141,
+    16 x 8 0.096; its 21504 (84) 0.041 / 0.038 / 0.037; the 8B's four matrices 0.055 / 0.053 / 0.057. The tile
+    changes no bits: every block's value is summed exactly (kernels/split_k.py), in any grouping."""
     units = k // 32 if block32 else triton.cdiv(k, 256)
     per_unit = 8 if block32 else 1  # the 32-weight types count SB in groups of 8 blocks
     sizes = [cfg["SB"] >> i for i in range(cfg["SB"].bit_length())]  # SB, SB / 2, ..., 1
     padding = {sb: triton.cdiv(units, sb * per_unit) * sb * per_unit - units for sb in sizes}
-    sb = next((sb for sb in sizes if padding[sb] <= MOST_PADDING * units), min(sizes, key=lambda sb: padding[sb]))
+    sb = min(sizes[:3], key=lambda sb: padding[sb])  # min() keeps the first, larger, of equals
+    if padding[sb] > MOST_PADDING * units:
+        sb = min(sizes, key=lambda sb: padding[sb])
     block_n = cfg["BLOCK_N"] * min(4, cfg["SB"] // sb)
     return cfg if sb == cfg["SB"] else dict(cfg, SB=sb, BLOCK_N=block_n)
 
