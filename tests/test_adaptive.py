@@ -43,6 +43,20 @@ def test_controller_narrows_on_rejections_probes_and_widens_on_acceptance():
     assert 4 in widths[-20:]  # and a wider step now and then keeps checking
 
 
+def test_a_narrowed_probe_costs_as_the_next_measured_width():
+    """A probe narrowed to a width that was not measured (the output budget's or the context's end) is judged at the
+    cost of the next wider measured width, the graph it runs."""
+    c = WidthController({1: 1.0, 16: 1.6})
+    for _ in range(40):
+        c.record(c.width(), 0)
+    assert c.current == 1 and c.probe_interval == 2 * c.probe_every
+    assert c.cost(15) == c.cost(16) == c.cost(3) == 1.6 and c.cost(1) == 1.0
+    c.record(5, 0)  # 1 token for a step that cost 1.6 plain steps: the wait doubles
+    assert c.probe_interval == 4 * c.probe_every
+    c.record(5, 1)  # 2 tokens: it pays
+    assert c.probe_interval == c.probe_every
+
+
 def test_candidate_widths_and_measured_costs():
     assert candidate_widths(16, graphs=True) == [1, 16]
     assert candidate_widths(16, graphs=False) == [1, 2, 4, 8, 16]

@@ -234,8 +234,10 @@ def test_guide_command_lines_with_gemma4_files(guide_files, line):
         assert r["usage"]["completion_tokens"] == 40 and r["timings"]["predicted_per_second"] > 0
         if speculative:
             assert r["timings"]["draft_n"] > 0 and r["speculative"]["block_size"] == 8
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n--- the server's log ---\n{interrupt(proc, 30)[-4000:]}") from e
     finally:
-        log = interrupt(proc, 30)
+        log = interrupt(proc, 30) if proc.poll() is None else ""
     assert "Traceback" not in log, log[-3000:]
 
 

@@ -44,6 +44,11 @@ class WidthController:
     def score(self, width: int) -> float:
         return self.expected_tokens(width) / self.costs[width]
 
+    def cost(self, width: int) -> float:
+        """A step's cost at any width: a measured width's, else the next wider measured one's (a step narrowed by
+        the output budget, the context's end or the request's n_max runs that width's graph)."""
+        return self.costs.get(width) or self.costs[min((w for w in self.costs if w >= width), default=max(self.costs))]
+
     def width(self) -> int:
         if self.current == 1:
             return max(self.costs) if self.steps_at_current >= self.probe_interval else 1
@@ -57,7 +62,7 @@ class WidthController:
             self.steps_at_current = 0
             if self.current == 1:  # a probe pays where its tokens beat the plain steps its cost would buy
                 self.probe_interval = (min(2 * self.probe_interval, self.probe_most)
-                                       if accepted + 1 <= self.costs[width] else self.probe_every)
+                                       if accepted + 1 <= self.cost(width) else self.probe_every)
         else:
             self.steps_at_current += 1
         if width == 1:
