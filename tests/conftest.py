@@ -1,5 +1,12 @@
-import pytest
-import torch
+import os
+
+# As the command line does (args.thread_env): OpenMP threads that wait sleep instead of spinning. Set before torch
+# loads its OpenMP runtime; without it, once two threads have run torch ops (a server's and the test's), each
+# thread's team spins against the other on two cores and a tiny matrix product takes a scheduler slice (6 ms).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture
