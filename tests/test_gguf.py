@@ -7,8 +7,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGUFWriter, quants
 from gguf import GGMLQuantizationType as Q
 
-from flashdraft.formats.gguf import (
-    SUPPORTED_TYPES, dequantize, gguf_to_hf_config, llama3_rope_factors, load_gguf_state_dict, read_gguf)
+from flashdraft.formats.gguf import gguf_to_hf_config, llama3_rope_factors, load_gguf_state_dict, read_gguf
+from flashdraft.quant.dequant import SUPPORTED_TYPES, dequantize
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 QUANTISABLE = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]  # gguf.quants can write these
@@ -53,7 +53,7 @@ def test_dequantize_matches_gguf_reference(qtype, device):
 
 
 def test_dequantize_in_chunks(monkeypatch):
-    import flashdraft.formats.gguf as g
+    import flashdraft.quant.dequant as g
     rng = np.random.default_rng(0)
     raw = random_blocks(Q.Q4_K, 8, 1024, rng)
     whole = dequantize(as_bytes(raw), Q.Q4_K, (8, 1024))

@@ -39,7 +39,7 @@ def check(device: str, dtype: torch.dtype = torch.float32, tol: float = 1e-5) ->
     """dtype, tol: of x and the product (float32 under the interpreter; bf16 on a GPU, as the engine runs)."""
     from flashdraft.kernels.gguf_gemv import ROWS, covers, quantize_rows_paired, quantize_rows_tiled, x_group
     from flashdraft.kernels.gguf_matmul import dequantize_gguf, gguf_matmul
-    from flashdraft.layers.quantized import stored_blocks
+    from flashdraft.quant.ggml import stored_blocks
     gen = torch.Generator().manual_seed(0)
     # x tiled for the int8 mma kernels: the values and scale pairs of x by rows, each block's rows side by side
     x = torch.randn(5, 512, generator=gen).to(device, dtype)
@@ -257,7 +257,7 @@ def test_int8_mma_kernels_on_gpu_match_gguf_reference():
     it; a token's result the same bits for 5 and for 16 rows."""
     from flashdraft.kernels import gguf_gemv, gguf_mma
     from flashdraft.kernels.gguf_matmul import gguf_matmul
-    from flashdraft.layers.quantized import stored_blocks
+    from flashdraft.quant.ggml import stored_blocks
     gen = torch.Generator().manual_seed(0)
     enabled, gguf_mma.ENABLED = gguf_mma.ENABLED, True
     try:
@@ -288,7 +288,7 @@ def test_dependent_launches_in_a_graph_match_plain_launches():
     last replay left there)."""
     from flashdraft.kernels import pdl
     from flashdraft.kernels.gguf_matmul import gguf_matmul
-    from flashdraft.layers.quantized import stored_blocks
+    from flashdraft.quant.ggml import stored_blocks
     if not pdl.launch(torch.empty(0, device="cuda"))["PDL"]:
         pytest.skip("programmatic dependent launch needs a Hopper or newer GPU")
     k, wide = 4096, 14336  # the 8B's up and down shapes: a down projection's K is split in decode steps too
@@ -600,8 +600,10 @@ def test_quantized_loading_stores_each_matrix_once(tmp_path):
 
     from flashdraft.formats import gguf
     from flashdraft.formats.loader import build_target
-    from flashdraft.layers.quantized import GGUFEmbedding, GGUFLinear, stored_blocks
+    from flashdraft.layers.quantized import GGUFEmbedding, GGUFLinear
     from flashdraft.models.registry import read_config
+    from flashdraft.quant.dequant import tensor_bytes
+    from flashdraft.quant.ggml import stored_blocks
     sd = tiny_hf_state("qwen2", layers=1, hidden=64, ffn=128, vocab=96, tied=True)
     path = write_tiny_gguf(tmp_path / "t.gguf", "qwen2", sd, quantise=[Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_0])
     reader = gguf.read_gguf(path)
@@ -616,7 +618,7 @@ def test_quantized_loading_stores_each_matrix_once(tmp_path):
         names = []
         while sum(files[n].shape[0] for n in names) < size:
             names.append("qkv"[start + len(names)])
-        raw = torch.cat([gguf.tensor_bytes(files[n]).view(files[n].shape[0], -1) for n in names])
+        raw = torch.cat([tensor_bytes(files[n]).view(files[n].shape[0], -1) for n in names])
         runs.append(stored_blocks(raw, qtype))
         start += len(names)
     assert len(runs) == 2 and all(torch.equal(w, want) for (w, _), want in zip(qkv.parts(), runs))

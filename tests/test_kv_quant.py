@@ -19,9 +19,11 @@ from flashdraft.engine.generate import SpecStats
 from flashdraft.engine.sampling import SamplingParams
 from flashdraft.layers import kv_quant
 from flashdraft.layers.kv_cache import KVCache, window_cache
-from flashdraft.layers.kv_quant import (BLOCK_KV_TYPES, IQ4_NL_VALUES, KV_CACHE_TYPES, KVCodec, kv_codecs,
-                                        lloyd_max_codebook, rotation)
+from flashdraft.layers.kv_quant import KVCodec, kv_codecs
 from flashdraft.models.llama import Llama, LlamaConfig
+from flashdraft.quant import kv_types
+from flashdraft.quant.iq4 import IQ4_NL_VALUES
+from flashdraft.quant.kv_types import BLOCK_KV_TYPES, KV_CACHE_TYPES, lloyd_max_codebook, rotation
 
 # the largest |error| of a block in units of its largest |value| (q8_0, q5_0, q4_0) or half its range (q5_1,
 # q4_1): half a grid step, except the symmetric types' top value, which the grid (-n..n-1 steps) clips by a step;
@@ -39,7 +41,7 @@ def test_the_command_lines_and_the_codecs_name_the_same_types():
 def test_quantize_equals_gguf_reference_and_round_trip_within_bound(name, rotated, monkeypatch):
     """Block types store the gguf package's blocks of each head row, rotated first (as llama.cpp's attn_rot) unless
     LLAMA_ATTN_ROT_DISABLE; decoding rotates back."""
-    monkeypatch.setattr(kv_quant, "ROTATE_BLOCKS", rotated)
+    monkeypatch.setattr(kv_types, "ROTATE_BLOCKS", rotated)
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((96, 128)) * rng.uniform(1e-3, 30, (96, 1))).astype(np.float32)
     x[0], x[1, :32] = 0, 2.5  # an all-zero block and a constant one
@@ -63,7 +65,7 @@ def test_quantize_equals_gguf_reference_and_round_trip_within_bound(name, rotate
 def test_rotation_spreads_an_outlier_channel(monkeypatch):
     """Keys with a few large channels (Qwen2's key bias): the rotated q8_0 cache's error is less than half
     than the plain blocks', whose outliers set the scale of every block they sit in."""
-    monkeypatch.setattr(kv_quant, "ROTATE_BLOCKS", True)
+    monkeypatch.setattr(kv_types, "ROTATE_BLOCKS", True)
     rng = np.random.default_rng(0)
     k = rng.standard_normal((256, 64)).astype(np.float32)
     k[:, [29, 31, 62]] += np.array([120.0, -130.0, 140.0], dtype=np.float32)
@@ -109,7 +111,7 @@ def iq4_nl_reference(block: np.ndarray) -> bytes:
 
 
 def test_iq4_nl_equals_llama_cpp_and_decodes_as_gguf(monkeypatch):
-    monkeypatch.setattr(kv_quant, "ROTATE_BLOCKS", False)  # the block quantizer itself
+    monkeypatch.setattr(kv_types, "ROTATE_BLOCKS", False)  # the block quantizer itself
     rng = np.random.default_rng(1)
     x = (rng.standard_normal((40, 64)) * rng.uniform(1e-2, 10, (40, 1))).astype(np.float32)
     x[0] = 0
@@ -158,7 +160,7 @@ def test_rotated_type_is_exact_up_to_its_codebook(bits, head_dim):
     norms = np.linalg.norm(groups, axis=-1, keepdims=True)
     unit = np.divide(groups, norms, out=np.zeros_like(groups), where=norms > 0) @ r.T * np.sqrt(group)
     fits, trials = [], []
-    for s in kv_quant.SCALE_SEARCH:
+    for s in kv_types.SCALE_SEARCH:
         trial = np.abs(unit[..., None] / s - levels).argmin(-1)
         dot = (unit * levels[trial]).sum(-1)
         fits.append(dot * np.abs(dot) / (levels[trial] ** 2).sum(-1))
@@ -326,7 +328,7 @@ def test_a_biased_models_quantized_keys_are_shifted_by_its_mean_key(monkeypatch)
 def test_block_rows_of_any_head_size_round_trip(head_dim, monkeypatch):
     """Heads the rotation's groups divide (64, 256) are stored rotated; a 192-value head, a multiple of 64 that the
     128-value groups do not divide, is stored as plain blocks (it was refused)."""
-    monkeypatch.setattr(kv_quant, "ROTATE_BLOCKS", True)
+    monkeypatch.setattr(kv_types, "ROTATE_BLOCKS", True)
     codec = KVCodec("q8_0", torch.float32)
     x = torch.randn(5, 2, head_dim, generator=torch.Generator().manual_seed(0))
     back = codec.decode(codec.encode(x))
@@ -371,7 +373,7 @@ def check_quantize_kernel(device: str) -> None:
     values halfway between two iq4_nl levels. (The rotation before it is rotate's, tested on its own.)"""
     from flashdraft.kernels.kv_quantize import TYPE_IDS, quantize_rotated_rows, quantize_rows
     gen = torch.Generator().manual_seed(0)
-    rotate_blocks, kv_quant.ROTATE_BLOCKS = kv_quant.ROTATE_BLOCKS, False  # the block quantizers themselves
+    rotate_blocks, kv_types.ROTATE_BLOCKS = kv_types.ROTATE_BLOCKS, False  # the block quantizers themselves
     try:
         for name in TYPE_IDS:
             for head_dim in (64, 128, 256):
@@ -394,7 +396,7 @@ def check_quantize_kernel(device: str) -> None:
                 want = codec.encode(x + shift, shift)
                 assert torch.equal(got, want), (name, head_dim, "shifted", (got != want).nonzero()[:8].tolist(),
                                                 got[got != want][:8].tolist(), want[got != want][:8].tolist())
-        kv_quant.ROTATE_BLOCKS = True  # rotated first: the rotation's float32 sums may move a value across a level
+        kv_types.ROTATE_BLOCKS = True  # rotated first: the rotation's float32 sums may move a value across a level
         for name in TYPE_IDS:
             for head_dim in (64, 128, 256):
                 x = torch.randn(5, 3, head_dim, generator=gen) * torch.rand(5, 3, 1, generator=gen) * 10
@@ -406,7 +408,7 @@ def check_quantize_kernel(device: str) -> None:
                 same = (got == want).float().mean().item()
                 assert same > 0.99, (name, head_dim, same)
     finally:
-        kv_quant.ROTATE_BLOCKS = rotate_blocks
+        kv_types.ROTATE_BLOCKS = rotate_blocks
     # the rotated types: the kernel rotates in float32 summed in its own order, so a coordinate within rounding of a
     # level midpoint may take the other code, and a group that two scales fit equally well the other scale's codes:
     # nearly every group's code bytes equal and its scale within 0.2%, and no group decoded worse

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from test_server import load, serving, settings
 
-from flashdraft.layers.kv_quant import BLOCK_KV_TYPES, ROTATED_KV_TYPES
+from flashdraft.quant.kv_types import BLOCK_KV_TYPES, ROTATED_KV_TYPES
 from flashdraft.server.app import create_app
 
 TYPES = [*BLOCK_KV_TYPES, *ROTATED_KV_TYPES]  # every quantized type -ctk/-ctv accept

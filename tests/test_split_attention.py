@@ -93,7 +93,7 @@ def test_turbo_level_polynomial_gives_the_codebook():
     pytest.importorskip("triton")
     import numpy as np
     from flashdraft.kernels.split_attention import level_polynomial
-    from flashdraft.layers.kv_quant import lloyd_max_codebook
+    from flashdraft.quant.kv_types import lloyd_max_codebook
     f = np.float32
     for bits in (3, 4):
         levels = np.array(lloyd_max_codebook(bits), dtype=np.float32)

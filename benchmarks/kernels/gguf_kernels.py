@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent.parent / "tests"))
 from gpu import graphed, timed  # noqa: E402
 
 from flashdraft.kernels import gguf_gemv as G  # noqa: E402
-from flashdraft.layers.quantized import stored_blocks  # noqa: E402
+from flashdraft.quant.ggml import stored_blocks  # noqa: E402
 from flashdraft.kernels import gguf_matmul as K  # noqa: E402
 
 SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)]  # (N, K): q/o, k/v, gate/up, down

@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent.parent / "tests"))
 from test_gguf_kernels import random_blocks  # noqa: E402
 
 from flashdraft.kernels import gguf_gemv as G  # noqa: E402
-from flashdraft.layers.quantized import stored_blocks  # noqa: E402
+from flashdraft.quant.ggml import stored_blocks  # noqa: E402
 
 
 def main() -> int:

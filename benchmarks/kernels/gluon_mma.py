@@ -62,7 +62,7 @@ def main() -> int:
     from gpu import graphed, timed
     from flashdraft.kernels import gguf_matmul as K
     from flashdraft.kernels.gguf_gemv import x_group
-    from flashdraft.layers.quantized import stored_blocks
+    from flashdraft.quant.ggml import stored_blocks
     eight_b = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # the 8B's four matrices
     shapes = {"Q6_K": [(128256, 4096), (4096, 14336)]}  # its LM head, a Q4_K_M down projection
     for qtype in types:

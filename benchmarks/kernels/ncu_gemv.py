@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent.parent / "tests"))
 
 from flashdraft.kernels import gguf_gemv as G  # noqa: E402
 from flashdraft.kernels import gguf_matmul as K  # noqa: E402
-from flashdraft.layers.quantized import stored_blocks  # noqa: E402
+from flashdraft.quant.ggml import stored_blocks  # noqa: E402
 
 SHAPES = "14336,4096;4096,14336;21504,5376;5376,21504"  # (N, K): 8B gate/up, down; Gemma 4 31B's
 

@@ -2,7 +2,7 @@
 from dataclasses import dataclass
 
 
-# KV cache storage types, by llama.cpp's names (layers/kv_quant.py implements them; "auto": the model's dtype)
+# KV cache storage types, by llama.cpp's names (quant/kv_types.py; "auto": the model's dtype)
 KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q5_0", "q5_1", "q4_0", "q4_1", "iq4_nl", "turbo3", "turbo4")
 DRAFT_KV_CACHE_TYPES = ("f32", "f16", "bf16")  # the draft's context ring (--spec-draft-type-k/-v)
 

@@ -18,7 +18,7 @@ from flashdraft.engine.grammar import Constraint, Grammar
 from flashdraft.engine.lockstep import from_rank0, in_lockstep
 from flashdraft.engine.sampling import SamplingParams, fresh_seed
 from flashdraft.engine.steps import Steps
-from flashdraft.layers.kv_quant import FLOAT_KV_TYPES
+from flashdraft.quant.kv_types import FLOAT_KV_TYPES
 
 log = logging.getLogger("flashdraft")
 

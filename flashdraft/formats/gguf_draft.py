@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from flashdraft.formats.gguf import GGUFFile, dequantize, tensor_bytes
+from flashdraft.formats.gguf import GGUFFile
+from flashdraft.quant.dequant import FLOAT_TYPES, dequantize, tensor_bytes
 
 GLOBAL_NAMES = {"dflash_fc": "fc", "fc": "fc", "dflash.fc": "fc", "dflash_hidden_norm": "hidden_norm",
                 "enc.output_norm": "hidden_norm", "dflash.hidden_norm": "hidden_norm", "output_norm": "norm"}
@@ -114,7 +115,7 @@ def iter_draft_tensors(g: GGUFFile, dtype: torch.dtype | None, device: torch.dev
     """(z-lab name, dequantized tensor) pairs, all in `dtype` (None: the fusion matrix's stored float type, else
     float32; the norms, stored as F32, follow it). keep_quantized: matrices of a type the GPU kernels read come as
     `layers.quantized.QuantizedWeight`, as a target's do (formats/gguf.iter_gguf_tensors)."""
-    from flashdraft.formats.gguf import FLOAT_TYPES, keeps_quantized, mapped_bytes, stored_weight
+    from flashdraft.formats.gguf import keeps_quantized, mapped_bytes, stored_weight
     from flashdraft.layers.quantized import kernel_types
     kept = kernel_types() if keep_quantized else ()
     if dtype is None:

@@ -19,7 +19,7 @@ nibbles in six of them (x quantized in the lookup's order), so their words also 
 
 Layouts: ggml-common.h's block_q4_0 ... block_q8_0, block_iq4_nl, block_q4_K, block_q5_K, block_q6_K (kept padded
 to 212 bytes, so every block starts on a word) and block_iq4_xs. Q8_0, IQ4_XS and the 32-weight block types are
-kept in planes by field (layers/quantized.field_planes: values, then fifth bits, then scales; the same bytes), so
+kept in planes by field (quant/ggml.field_planes: values, then fifth bits, then scales; the same bytes), so
 their values are read as aligned words. Q2_K/Q3_K keep the tensor-core kernel.
 
 Launched with programmatic dependent launch on Hopper (kernels/pdl.py): a program issues its weight loads before it
@@ -37,7 +37,7 @@ from flashdraft.kernels import pdl, split_k
 from flashdraft.kernels.iq4 import iq4_nibbles, iq4_table, iq4_table_words
 from flashdraft.kernels.pdl import start_dependents, wait_for_inputs
 from flashdraft.kernels.split_k import from_fixed, to_fixed
-from flashdraft.layers.quantized import FIELD_PLANES
+from flashdraft.quant.ggml import FIELD_PLANES
 
 QK8 = 32  # x values per 8-bit block
 GEMV_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
@@ -275,7 +275,7 @@ def _kquant_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, K, sb_per_split
                    GROUPS: tl.constexpr, PDL: tl.constexpr):
     """Q4_K (144-byte super-blocks: d, dmin, 12 scale bytes, 128 nibble bytes) or Q5_K (176: the same with 32 bytes
     of fifth bits before the nibbles). w as int32 words; group g's 32 bytes hold sub-block 2g in their low nibbles
-    and 2g + 1 in their high ones, stored as layers/quantized.lane_grouped keeps them: word 8p + 2g + j of the 32
+    and 2g + 1 in their high ones, stored as quant/ggml.lane_grouped keeps them: word 8p + 2g + j of the 32
     is group g's word 2p + j."""
     WORDS: tl.constexpr = 44 if FIVE_BITS else 36
     QS: tl.constexpr = 12 if FIVE_BITS else 4
@@ -417,7 +417,7 @@ def _block32_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, lut_ptr, out_ptr, M,
                     BLOCK_N: tl.constexpr, SB: tl.constexpr, ROW_ALIGN: tl.constexpr, WHOLE: tl.constexpr,
                     EMULATE: tl.constexpr, GROUPS: tl.constexpr,
                     PDL: tl.constexpr):
-    """The 32-weight nibble block types as layers/quantized.field_planes keeps them, w as int32 words (w16: the
+    """The 32-weight nibble block types as quant/ggml.field_planes keeps them, w as int32 words (w16: the
     same bytes as int16): a row's blocks' 16 nibble bytes (4 words each), then (Q5_0, Q5_1) their 32 fifth bits (a
     word each), then their fp16 d (and m). Q4_0, Q4_1 (d, m), Q5_0, Q5_1 (d, m), IQ4_NL (each nibble an index into
     iq4.IQ4_VALUES). A nibble byte l's low half is weight l, its high one weight l + 16; fifth bit j belongs to
@@ -524,7 +524,7 @@ def _q8_0_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, out_ptr, M, N, K, sb_pe
                  SB: tl.constexpr, ROW_ALIGN: tl.constexpr, WHOLE: tl.constexpr, EMULATE: tl.constexpr,
                  GROUPS: tl.constexpr,
                  PDL: tl.constexpr):
-    """Q8_0 in two planes (layers/quantized.field_planes): w as int32 words, a row's K / 4 words of int8 values,
+    """Q8_0 in two planes (quant/ggml.field_planes): w as int32 words, a row's K / 4 words of int8 values,
     then its K / 32 fp16 scales (w16: the same bytes as int16). SB counts groups of 8 blocks. X256: x rounded per
     256 (one scale for 8 blocks): a super-block's blocks summed as the int8 mma kernel sums them (q8_0_chain)."""
     xq_ptr, xd_ptr, xs_ptr, out_ptr, M = _row_group(xq_ptr, xd_ptr, xs_ptr, out_ptr, M, stride_xq, stride_xd, stride_om, BM,
@@ -561,8 +561,8 @@ def _iq4_xs_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, sb_
                    stride_wu, stride_os, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
                    ROW_ALIGN: tl.constexpr, WHOLE: tl.constexpr, EMULATE: tl.constexpr, GROUPS: tl.constexpr,
                    PDL: tl.constexpr):
-    """IQ4_XS in two planes (layers/quantized.field_planes), w as int32 words: a row's super-blocks' 128 nibble
-    bytes (32 words each, by lane: sub-block j's word t at 8t + j, layers/quantized.by_lane), then their 8-byte
+    """IQ4_XS in two planes (quant/ggml.field_planes), w as int32 words: a row's super-blocks' 128 nibble
+    bytes (32 words each, by lane: sub-block j's word t at 8t + j, quant/ggml.by_lane), then their 8-byte
     headers (d and scales_h, scales_l: two words each). Sub-block j (32 weights) has 6-bit scale ls = nibble j of
     scales_l | bits 2j..2j+1 of scales_h << 4, weight d * (ls - 32) * iq4.IQ4_VALUES[q]; its 16 bytes hold weights
     0..15 in their low nibbles, 16..31 in the high."""
@@ -709,13 +709,13 @@ def _gemv_into(out: Tensor | None, x: Tensor, xq: Tensor, xd: Tensor, xs: Tensor
     elif qtype == "Q6_K":  # 212-byte blocks: whole words
         w = qweight.view(torch.int32)
         kernel, args, extra = _q6_k_kernel, (w, qweight.view(torch.int16)), {}
-    elif qtype == "Q8_0":  # two planes: the values first, whole words (layers/quantized.field_planes)
+    elif qtype == "Q8_0":  # two planes: the values first, whole words (quant/ggml.field_planes)
         w = qweight.view(torch.int32)
         kernel, args, extra = _q8_0_kernel, (w, qweight.view(torch.int16)), dict(X256=x_group(qtype, k) == 256)
     elif qtype == "IQ4_XS":
         w = qweight.view(torch.int32)
         kernel, args, extra = _iq4_xs_kernel, (w, iq4_table(x.device).view(torch.int32)), {}
-    else:  # planes by field: nibble words, fifth-bit words, fp16 scales (layers/quantized.field_planes)
+    else:  # planes by field: nibble words, fifth-bit words, fp16 scales (quant/ggml.field_planes)
         w = qweight.view(torch.int32)
         table = iq4_table(x.device).view(torch.int32)
         kernel, args, extra = _block32_kernel, (w, qweight.view(torch.int16), table), dict(QTYPE=BLOCK32_IDS[qtype])

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from flashdraft.kernels import gguf_gemv, split_k
 from flashdraft.kernels.iq4 import iq4_value
-from flashdraft.layers.quantized import PADDED_BLOCK_BYTES
+from flashdraft.quant.ggml import PADDED_BLOCK_BYTES
 
 try:
     from flashdraft.kernels import gguf_mma
@@ -75,7 +75,7 @@ def _blocks(c, ok, K):
 
 @triton.jit
 def _q8_0(row, c, ok, K, BN: tl.constexpr):
-    """Q8_0 as layers/quantized.field_planes keeps it: a row's K int8 values, then its K / 32 fp16 scales."""
+    """Q8_0 as quant/ggml.field_planes keeps it: a row's K int8 values, then its K / 32 fp16 scales."""
     j = tl.arange(0, 8)
     ok2 = ok[:, None] & (8 * c + j < K // 32)[None, :]
     d = _f16(row[:, None] + K + 2 * (8 * c + j)[None, :], ok2)
@@ -86,7 +86,7 @@ def _q8_0(row, c, ok, K, BN: tl.constexpr):
 
 @triton.jit
 def _q4_x(row, c, ok, K, HAS_MIN: tl.constexpr, BN: tl.constexpr):
-    """Q4_0 / Q4_1 as layers/quantized.field_planes keeps them: a row's blocks' 16 nibble bytes, then their d (and m)."""
+    """Q4_0 / Q4_1 as quant/ggml.field_planes keeps them: a row's blocks' 16 nibble bytes, then their d (and m)."""
     j, ok2, ok3 = _blocks(c, ok, K)
     scales = row[:, None] + K // 2 + (2 + 2 * HAS_MIN) * j[None, :]
     d = _f16(scales, ok2)
@@ -101,7 +101,7 @@ def _q4_x(row, c, ok, K, HAS_MIN: tl.constexpr, BN: tl.constexpr):
 
 @triton.jit
 def _q5_x(row, c, ok, K, HAS_MIN: tl.constexpr, BN: tl.constexpr):
-    """Q5_0 / Q5_1 as layers/quantized.field_planes keeps them: a row's blocks' 16 nibble bytes, then their 4 bytes
+    """Q5_0 / Q5_1 as quant/ggml.field_planes keeps them: a row's blocks' 16 nibble bytes, then their 4 bytes
     of fifth bits, then their d (and m)."""
     j, ok2, ok3 = _blocks(c, ok, K)
     scales = row[:, None] + K // 2 + K // 8 + (2 + 2 * HAS_MIN) * j[None, :]
@@ -122,7 +122,7 @@ def _q5_x(row, c, ok, K, HAS_MIN: tl.constexpr, BN: tl.constexpr):
 
 @triton.jit
 def _iq4_nl(row, c, ok, K, BN: tl.constexpr):
-    """IQ4_NL as layers/quantized.field_planes keeps it: a row's blocks' 16 nibble bytes, then their d."""
+    """IQ4_NL as quant/ggml.field_planes keeps it: a row's blocks' 16 nibble bytes, then their d."""
     j, ok2, ok3 = _blocks(c, ok, K)
     d = _f16(row[:, None] + K // 2 + 2 * j[None, :], ok2)
     q = _nibbles(tl.load(row[:, None, None] + 16 * j[None, :, None] + tl.arange(0, 16)[None, None, :], mask=ok3,
@@ -132,8 +132,8 @@ def _iq4_nl(row, c, ok, K, BN: tl.constexpr):
 
 @triton.jit
 def _iq4_xs(row, c, ok, K, BN: tl.constexpr):
-    """IQ4_XS as layers/quantized.field_planes keeps it: a row's super-blocks' 128 nibble bytes (by lane,
-    layers/quantized.by_lane: sub-block j's byte 4t + i at 32t + 4j + i), then their 8-byte headers (d, scales_h,
+    """IQ4_XS as quant/ggml.field_planes keeps it: a row's super-blocks' 128 nibble bytes (by lane,
+    quant/ggml.by_lane: sub-block j's byte 4t + i at 32t + 4j + i), then their 8-byte headers (d, scales_h,
     scales_l)."""
     ok2, ok3 = ok[:, None], ok[:, None, None]
     p = row + K // 256 * 128 + 8 * c
@@ -166,7 +166,7 @@ def _k_scales(p, ok, BN: tl.constexpr):
 
 @triton.jit
 def _k_nibbles(p, ok, BN: tl.constexpr):
-    """128 bytes at p (layers/quantized.lane_grouped: group g's bytes 8p..8p+7 at 32p + 8g) -> [N, 8, 32] 4-bit
+    """128 bytes at p (quant/ggml.lane_grouped: group g's bytes 8p..8p+7 at 32p + 8g) -> [N, 8, 32] 4-bit
     values in order: sub-block 2g is group g's low nibbles, 2g + 1 its high ones."""
     c = tl.arange(0, 32)
     b = tl.load(p[:, None, None] + 8 * tl.arange(0, 4)[None, :, None] + (c // 8 * 32 + c % 8)[None, None, :],

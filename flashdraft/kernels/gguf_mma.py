@@ -193,7 +193,7 @@ def _q5_values(q, qh, J: gl.constexpr):
 
 @gluon.constexpr_function
 def _lane_pieces_layout(block_n, num_warps):
-    """[block_n, 128] nibble bytes as layers/quantized.lane_grouped keeps them (column 32p + 8g + i: group g's byte
+    """[block_n, 128] nibble bytes as quant/ggml.lane_grouped keeps them (column 32p + 8g + i: group g's byte
     8p + i; IQ4_XS's by_lane: column 32p + 4j + i, sub-block j's byte 4p + i): each thread holds the 32 bytes of
     its lane piece p of a row, the rows those of its A fragments (rows r and r + 8 of its warp's 16, lane 4r + p),
     so that `_groups` needs no data movement."""
@@ -235,7 +235,7 @@ def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
     """xq_ptr: x's 8-bit values as bytes [M, K]; xds [M, K / 32] int64: each block's float32 scale (low half) and
     scaled sum (high half); w: Q4_K rows as bytes (144 per super-block: d, dmin, 12 scale bytes, 128 nibble bytes)
     or Q5_K's (176: the same with 32 bytes of fifth bits before the nibbles, bit J of byte l for sub-block J's
-    weight l), the nibbles lane_grouped (layers/quantized.py): a row's 128 load at once, two 16-byte loads per
+    weight l), the nibbles lane_grouped (quant/ggml.py): a row's 128 load at once, two 16-byte loads per
     thread; out [splits, M, N] int64 fixed-point partial sums over this program's super-blocks."""
     WORDS: gl.constexpr = 44 if FIVE_BITS else 36
     NIBBLES: gl.constexpr = 48 if FIVE_BITS else 16
@@ -343,8 +343,8 @@ def _q6k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_x
 @gluon.jit
 def _iq4_xs_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn, stride_os,
                    stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, TILED: gl.constexpr, PDL: gl.constexpr):
-    """IQ4_XS as layers/quantized.field_planes keeps it: a row's super-blocks' 128 nibble bytes by lane
-    (layers/quantized.by_lane: sub-block j's word t at 32t + 4j, so a thread's eight words are one 32-byte run; byte
+    """IQ4_XS as quant/ggml.field_planes keeps it: a row's super-blocks' 128 nibble bytes by lane
+    (quant/ggml.by_lane: sub-block j's word t at 32t + 4j, so a thread's eight words are one 32-byte run; byte
     l of a sub-block: weight l in the low nibble, l + 16 in the high), then their 8-byte headers (d, the scales'
     high bits (16), their low nibbles (4 bytes)). With k_width 8 a thread's k 8t..8t+7 of a row are the eight
     nibbles of the sub-block's word t, looked up at once (iq4.IQ4_EIGHT: 12 instructions for eight weights), in the
@@ -383,7 +383,7 @@ def _iq4_xs_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
 def _q8_0_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn, stride_os,
                  stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, K_WIDTH: gl.constexpr, TILED: gl.constexpr,
                  PDL: gl.constexpr):
-    """Q8_0 as layers/quantized.field_planes keeps it (a row's K int8 values, then its K / 32 fp16 scales), K a
+    """Q8_0 as quant/ggml.field_planes keeps it (a row's K int8 values, then its K / 32 fp16 scales), K a
     multiple of 256, x rounded per 256: each block's exact int32 product times d(row), the eight blocks' sum (in
     gguf_gemv.q8_0_chain's order) times xd(token)."""
     first, last, a_row, a_col, b_ptr, s_ptr, x_toks, rows, row_ok, toks, tok_ok, acc, zero = _tile(
@@ -428,7 +428,7 @@ def covers(qtype: str, m: int, x: Tensor) -> bool:
 
 
 def matmul(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:
-    """x [M <= 16, K] @ dequantize(qweight)^T -> [M, N] in x's dtype (qweight as layers/quantized.stored_blocks
+    """x [M <= 16, K] @ dequantize(qweight)^T -> [M, N] in x's dtype (qweight as quant/ggml.stored_blocks
     keeps it)."""
     return matmul_parts(x, [qweight], [qtype], k)
 

@@ -1,4 +1,4 @@
-"""llama.cpp's IQ4 value table (kvalues_iq4nl: a nibble indexes 16 int8 levels, layers/kv_quant.IQ4_NL_VALUES) in the
+"""llama.cpp's IQ4 value table (kvalues_iq4nl: a nibble indexes 16 int8 levels, quant/iq4.IQ4_NL_VALUES) in the
 forms the kernels use:
 - `iq4_table(device)`: the int8 tensor (its four int32 words are the byte-permute lookup's operands);
 - `iq4_nibbles`: eight nibbles of a word looked up at once by byte permutes (PRMT), for the integer kernels;
@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from flashdraft.layers.kv_quant import IQ4_NL_VALUES as IQ4_VALUES
+from flashdraft.quant.iq4 import IQ4_NL_VALUES as IQ4_VALUES
 
 # least squares over n - 7.5 (np.polyfit, degree 4), rounded to float32; checked below
 _C4, _C3, _C2, _C1, _C0 = (0.0013247202150523663, 0.08095842599868774, -0.12571197748184204, 11.431296348571777,

@@ -1,5 +1,5 @@
 """New K/V rows quantized in one kernel per write (CUDA): llama.cpp's q8_0, q4_0, q4_1, q5_0 and q5_1 with the same
-rounding as layers/kv_quant.py's torch quantizers (and so the gguf package's), and iq4_nl with its levels (the
+rounding as quant/kv_types.py's torch quantizers (and so the gguf package's), and iq4_nl with its levels (the
 scale's least-squares refit sums 32 products in another order than torch's, so its fp16 scale may differ by an
 ulp), written straight into the planar row layout the cache stores (every block's quants, then scales, then mins,
 then fifth bits); and the rotated turbo3/turbo4 rows: norms, rotation (kernels/rotation.py), codes, scales and
@@ -15,7 +15,7 @@ from flashdraft.kernels.iq4 import iq4_value
 from flashdraft.kernels.pdl import start_dependents, wait_for_inputs
 from flashdraft.kernels.split_attention import ROW_TYPES
 from flashdraft.kernels.rotation import rotated_group
-from flashdraft.layers.kv_quant import KERNEL_QUANTIZED, KVCodec, rotation_group, rotation_signs, table
+from flashdraft.quant.kv_types import KERNEL_QUANTIZED, KVCodec, rotation_group, rotation_signs, table
 
 TYPE_IDS = {name: ROW_TYPES[name] for name in KERNEL_QUANTIZED}
 
@@ -44,7 +44,7 @@ def _inverse(d):
 
 @triton.jit
 def _iq4_nl_blocks(x, i):
-    """Blocks x [NB, 32] -> (level indices [NB, 32] int32, scales [NB]) as layers/kv_quant._quantize_iq4_nl: the
+    """Blocks x [NB, 32] -> (level indices [NB, 32] int32, scales [NB]) as quant/kv_types._quantize_iq4_nl: the
     scale from the first value of largest magnitude, each value to the nearest level (a tie to the upper one), then
     the least-squares scale for those levels weighted by x^2."""
     first = tl.argmax(tl.abs(x), axis=1, tie_break_left=True)
@@ -69,7 +69,7 @@ def _iq4_nl_blocks(x, i):
 @triton.jit
 def _load_blocks(x_row, s_row, signs_ptr, D: tl.constexpr, G: tl.constexpr, SHIFT: tl.constexpr):
     """One row's D values (float32 [D / 32, 32]), less its head's shift at s_row where SHIFT; G > 0: each group of G
-    values rotated (x R^T, R's signs at signs_ptr: layers/kv_quant.ROTATE_BLOCKS)."""
+    values rotated (x R^T, R's signs at signs_ptr: quant/kv_types.ROTATE_BLOCKS)."""
     NB: tl.constexpr = D // 32
     if G > 0:
         j = tl.arange(0, G)
@@ -197,7 +197,7 @@ def _rotated_kernel(x_ptr, s_ptr, signs_ptr, mids_ptr, levels_ptr, search_ptr, o
     """One row's N groups x [N, G] (less its head's shift where SHIFT, as _quantize_kernel) -> rotated (x R^T),
     each group's norm kept aside; for each of the SEARCH inverse scales at search_ptr, codes (how many level
     midpoints lie below each coordinate of the unit group times it, as torch.bucketize), the group keeping the
-    best fit as layers/kv_quant.quantize_rotated; codes packed in the row's planes, then each group's fp16 scale
+    best fit as quant/kv_types.quantize_rotated; codes packed in the row's planes, then each group's fp16 scale
     norm / |levels[codes]|."""
     wait_for_inputs(PDL)
     start_dependents(PDL)

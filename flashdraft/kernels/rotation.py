@@ -1,4 +1,4 @@
-"""The rotated KV types' rotation (layers/kv_quant.rotation: R = H diag(s) / sqrt(G) per group of G values of a head,
+"""The rotated KV types' rotation (quant/kv_types.rotation: R = H diag(s) / sqrt(G) per group of G values of a head,
 H the Sylvester Hadamard matrix, s fixed random signs) in Triton, for CUDA: `rotate_rows` takes a query into the
 rotated domain, or an attention output back, in one launch where torch took three per call (a float copy, a
 batched product, a cast back), and `rotated_group` is the rotation inside the write and merge kernels. Both
@@ -12,7 +12,7 @@ from torch import Tensor
 
 from flashdraft.kernels import pdl
 from flashdraft.kernels.pdl import start_dependents, wait_for_inputs
-from flashdraft.layers.kv_quant import rotation_group, rotation_signs
+from flashdraft.quant.kv_types import rotation_group, rotation_signs
 
 
 @triton.jit
@@ -30,7 +30,7 @@ def hadamard(x, G: tl.constexpr):
 @triton.jit
 def rotated_group(x, signs_ptr, G: tl.constexpr, INVERSE: tl.constexpr):
     """Groups x [N, G] float32 -> x R^T (into the rotated domain) or, INVERSE, x R (back), as layers/kv_quant.rotate
-    up to float32 rounding; signs_ptr: kv_quant.rotation_signs (s / sqrt(G))."""
+    up to float32 rounding; signs_ptr: kv_types.rotation_signs (s / sqrt(G))."""
     s = tl.load(signs_ptr + tl.arange(0, G))[None, :]
     if INVERSE:
         return hadamard(x, G) * s

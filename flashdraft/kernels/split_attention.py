@@ -8,7 +8,7 @@ mask is an explicit bool [T, L] (True = attend), so causal, sliding-window and t
 all go through the same kernel; the score scale and an optional tanh softcap are arguments. Registered as a torch
 custom op, so torch.compile and CUDA graphs treat it as one opaque call.
 
-K and V may be read as the cache stores them (layers/kv_quant.py): float rows of any float dtype, llama.cpp's
+K and V may be read as the cache stores them (quant/kv_types.py): float rows of any float dtype, llama.cpp's
 32-value blocks (q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl) or the rotated turbo types' codebook indices (their
 rotated-domain values: the caller rotates q and un-rotates the output). Each tile of keys is expanded in
 registers, so the cache is read at its stored size. Rotated keys (a rotated type, or a block type stored rotated)
@@ -28,7 +28,7 @@ from flashdraft.kernels import pdl
 from flashdraft.kernels.iq4 import iq4_value
 from flashdraft.kernels.pdl import start_dependents, wait_for_inputs
 from flashdraft.kernels.rotation import rotated_group
-from flashdraft.layers.kv_quant import lloyd_max_codebook, rotation_group, rotation_signs
+from flashdraft.quant.kv_types import lloyd_max_codebook, rotation_group, rotation_signs
 
 # benchmarks/kernels/attention_kernel.py on an H200 (8B shape, 1280 / 16640 keys, docs/perf-history.md, 2026-12-04
 # H200): 128 keys per tile and two pipeline stages took decode 24.9 -> 14.4 us and 112.7 -> 56.9 us; three stages of
@@ -61,7 +61,7 @@ TARGET_PROGRAMS = 264  # about two programs per SM of an H100/H200
 # CUDA graph a step serves every context length.
 MIN_BUCKET = 256
 _MIN_BUCKET = tl.constexpr(MIN_BUCKET)
-MERGE_COLUMNS = 128  # a merge program's share of a head: one rotation group (layers/kv_quant.ROTATION_GROUP)
+MERGE_COLUMNS = 128  # a merge program's share of a head: one rotation group (quant/kv_types.ROTATION_GROUP)
 NUM_WARPS, NUM_STAGES = 4, 2
 # stored row types: 0 float; GGML ids of the block types; 100 + bits for the rotated types
 ROW_TYPES = {"q8_0": 8, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "iq4_nl": 20, "turbo3": 103, "turbo4": 104}
@@ -102,7 +102,7 @@ def planes(row_type: int) -> int:
 
 @triton.jit
 def _plane_cols(j, p: tl.constexpr, TYPE: tl.constexpr, D: tl.constexpr):
-    """The head-dimension columns of plane p's entries j (layers/kv_quant.py's planar rows)."""
+    """The head-dimension columns of plane p's entries j (quant/kv_types.py's planar rows)."""
     if TYPE == 0 or TYPE == 8:
         cols = j
     elif TYPE > 100:

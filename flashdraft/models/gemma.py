@@ -20,6 +20,7 @@ from flashdraft.layers.mlp import GatedMLP
 from flashdraft.layers.norm import RMSNorm
 from flashdraft.layers.rope import apply_rope, rope_table
 from flashdraft.models.decoder import DecoderLM
+from flashdraft.quant.dequant import tensor_values
 
 MODEL_TYPES = ("gemma3", "gemma3_text", "gemma4", "gemma4_text")
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -311,7 +312,6 @@ def gguf_config(metadata: dict[str, Any], tensors: dict[str, Any], base: dict) -
     full_dim, swa_dim = int(get("attention.key_length")), int(get("attention.key_length_swa"))
     full_kv = [k for k, t in zip(kv_per_layer, types) if t == FULL]
     swa_kv = [k for k, t in zip(kv_per_layer, types) if t == SLIDING]
-    from flashdraft.formats.gguf import tensor_values
     factors = tensors.get("rope_freqs.weight")  # 1 for a rotated frequency, 1e30 for one that stands still
     rotated = full_dim // 2 if factors is None else int((tensor_values(factors) < 1e10).sum())
     cfg.update(head_dim=swa_dim, global_head_dim=full_dim, num_key_value_heads=int(swa_kv[0] if swa_kv else kv_per_layer[0]),

@@ -62,7 +62,7 @@ class CausalLM(Protocol):
     def device(self) -> torch.device: ...
 
     def new_state(self, n_slots: int, max_len: int, cache_types: tuple[str, str] | None = None) -> ModelState:
-        """cache_types: (K, V) storage, layers.kv_quant.KV_CACHE_TYPES names (None: the model's dtype)."""
+        """cache_types: (K, V) storage, quant.kv_types.KV_CACHE_TYPES names (None: the model's dtype)."""
         ...
 
     def forward(self, ids: Tensor, positions: Tensor, state: ModelState | None = None, slots: Slots = 0,
