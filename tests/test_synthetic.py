@@ -2,7 +2,6 @@
 resolves them (common/speculative.cpp: geometric rates p, ..., p^n whose sum is the length less one, checked here
 against numpy's polynomial roots), its checks and error texts, the observed mean acceptance length against the
 requested one within sampling error, and every answer made under it saying so (timings, /props)."""
-import dataclasses
 import math
 
 import httpx
@@ -84,7 +83,7 @@ def test_the_observed_acceptance_is_the_requested_one(models, flags):
                                       adaptive=False, **flags))
     rates = engine.synth_rates
     assert len(rates) == 7
-    params = SamplingParams(max_tokens=600, ignore_eos=True, seed=4)  # 130-200 steps: 4 standard errors ~0.3-0.5
+    params = SamplingParams(max_tokens=1500, ignore_eos=True, seed=4)
     done = engine.generate(Request(list(range(3, 20)), params))
     lengths = done.spec.acceptance_lengths[:-1]  # the last step may be cut short by the budget
     drafted = [t for step in done.spec.draft_steps for t in step]
@@ -93,9 +92,8 @@ def test_the_observed_acceptance_is_the_requested_one(models, flags):
     assert abs(sum(lengths) / len(lengths) - mean) < 4 * math.sqrt(var / len(lengths))
     assert done.timings.to_dict()["synthetic_acceptance"] is True
     assert done.timings.draft_n_accepted == sum(length - 1 for length in done.spec.acceptance_lengths)
-    again = engine.generate(Request(list(range(3, 20)), dataclasses.replace(params, max_tokens=120)))
-    repeated = again.spec.acceptance_lengths[:-1]  # a shorter run: the same decisions up to its last step
-    assert len(repeated) > 10 and repeated == done.spec.acceptance_lengths[:len(repeated)]
+    again = engine.generate(Request(list(range(3, 20)), params))
+    assert again.spec.acceptance_lengths == done.spec.acceptance_lengths
     plain = engine.generate(Request(list(range(3, 20)), SamplingParams(max_tokens=8), speculative=False))
     assert "synthetic_acceptance" not in plain.timings.to_dict()
 

@@ -47,7 +47,7 @@ class WidthController:
     def cost(self, width: int) -> float:
         """A step's cost at any width: a measured width's, else the next wider measured one's (a step narrowed by
         the output budget, the context's end or the request's n_max runs that width's graph)."""
-        return self.costs.get(width) or self.costs[min((w for w in self.costs if w >= width), default=max(self.costs))]
+        return self.costs[min((w for w in self.costs if w >= width), default=max(self.costs))]
 
     def width(self) -> int:
         if self.current == 1:

@@ -697,7 +697,7 @@ def _gemv_into(out: Tensor | None, x: Tensor, xq: Tensor, xd: Tensor, xs: Tensor
     """The product into out (columns of a wider output), or None: its partial sums, returned unsummed."""
     m, n = x.shape[0], qweight.shape[0]
     groups = m > MAX_ROWS  # more rows: groups of MAX_ROWS in parallel programs (one row's work unrolled 16 times
-    # ran 6.8 times a row's time and spilled: H100, SmolLM2's Q4_1 matrices, 2026-12-07)
+    # ran 6.7 times a row's time: H100, SmolLM2's Q4_1 matrices, 2026-12-07)
     bm = MAX_ROWS if groups else next(b for b in ROW_BUCKETS if b >= m)
     emulate = _emulate()
     cfg = config(qtype, k)

@@ -15,7 +15,7 @@ from flashdraft.kernels.iq4 import iq4_value
 from flashdraft.kernels.pdl import start_dependents, wait_for_inputs
 from flashdraft.kernels.split_attention import ROW_TYPES
 from flashdraft.kernels.rotation import rotated_group
-from flashdraft.quant.kv_types import KERNEL_QUANTIZED, KVCodec, rotation_group, rotation_signs, table
+from flashdraft.quant.kv_types import KERNEL_QUANTIZED, KVFormat, rotation_group, rotation_signs, table
 
 TYPE_IDS = {name: ROW_TYPES[name] for name in KERNEL_QUANTIZED}
 
@@ -179,7 +179,7 @@ def quantize_rows(x: Tensor, name: str, rotated: bool = False, shift: Tensor | N
     flat = x.reshape(-1, d)
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
-    out = torch.empty(flat.shape[0], KVCodec(name, x.dtype).row_size(d), device=x.device, dtype=torch.uint8)
+    out = torch.empty(flat.shape[0], KVFormat(name, x.dtype).row_size(d), device=x.device, dtype=torch.uint8)
     g = rotation_group(d) if rotated else 0
     r = rotation_signs(g, x.device) if rotated else out  # (any pointer when not rotated)
     if flat.shape[0]:
@@ -256,7 +256,7 @@ def quantize_rotated_rows(x: Tensor, bits: int, shift: Tensor | None = None) -> 
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
     rows = flat.shape[0]
-    out = torch.empty(rows, KVCodec(f"turbo{bits}", x.dtype).row_size(d), device=x.device, dtype=torch.uint8)
+    out = torch.empty(rows, KVFormat(f"turbo{bits}", x.dtype).row_size(d), device=x.device, dtype=torch.uint8)
     search = table("search", 0, x.device)
     if rows:
         _rotated_kernel[(rows,)](flat, out if shift is None else shift, rotation_signs(g, x.device),
@@ -269,12 +269,12 @@ def quantize_rotated_rows(x: Tensor, bits: int, shift: Tensor | None = None) -> 
 
 @quantize_rows.register_fake
 def _(x: Tensor, name: str, rotated: bool = False, shift: Tensor | None = None) -> Tensor:
-    return x.new_empty(*x.shape[:-1], KVCodec(name, x.dtype).row_size(x.shape[-1]), dtype=torch.uint8)
+    return x.new_empty(*x.shape[:-1], KVFormat(name, x.dtype).row_size(x.shape[-1]), dtype=torch.uint8)
 
 
 @quantize_rotated_rows.register_fake
 def _(x: Tensor, bits: int, shift: Tensor | None = None) -> Tensor:
-    return x.new_empty(*x.shape[:-1], KVCodec(f"turbo{bits}", x.dtype).row_size(x.shape[-1]), dtype=torch.uint8)
+    return x.new_empty(*x.shape[:-1], KVFormat(f"turbo{bits}", x.dtype).row_size(x.shape[-1]), dtype=torch.uint8)
 
 
 @torch.library.custom_op("flashdraft::write_kv_rows", mutates_args=("k_cache", "v_cache"))

@@ -28,8 +28,8 @@ def rotate(x: Tensor, inverse: bool = False) -> Tensor:
     return (groups @ (r if inverse else r.T)).flatten(-2).to(x.dtype)
 
 
-class KVCodec(kv_types.KVCodec):
-    """A KV type (quant/kv_types.KVCodec) with its conversions: `encode` rows into the stored bytes, `decode` them
+class KVCodec(kv_types.KVFormat):
+    """A KV type (quant/kv_types.KVFormat) with its conversions: `encode` rows into the stored bytes, `decode` them
     back."""
 
     def encode(self, x: Tensor, shift: Tensor | None = None) -> Tensor:

@@ -17,7 +17,7 @@ is every group's codes, then every group's scale, with a 4-bit group's codes as 
 c % (g/2), the high nibble for the second half) and a 3-bit group's as four 2-bit planes (value c in byte c % (g/4),
 bits 2 (c // (g/4))) followed by one bit plane (byte c % (g/8), bit c // (g/8)).
 
-A `KVCodec` says how one of K or V is stored: its row size, its tables, whether it rotates (layers/kv_quant.KVCodec
+A `KVFormat` says how one of K or V is stored: its row size, its tables, whether it rotates (layers/kv_quant.KVCodec
 turns rows into those bytes and back)."""
 import functools
 import math
@@ -259,7 +259,7 @@ def quantize_rotated(groups: Tensor, bits: int) -> tuple[Tensor, Tensor]:
 
 
 @dataclass(frozen=True)
-class KVCodec:
+class KVFormat:
     """How one of K or V is stored: `name` is a KV_CACHE_TYPES entry, `dtype` the model's (for "auto"). Rows are
     encoded and decoded by layers/kv_quant.KVCodec."""
     name: str
