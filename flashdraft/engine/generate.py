@@ -135,6 +135,218 @@ class PendingToken:
         return int(self.host[0])
 
 
+@dataclass
+class SlotState:
+    """One request's decode in its cache slot between steps: what a step needs to plan, run and commit the next
+    tokens (engine.Engine.step runs one step over every active slot's state)."""
+    slot: int
+    prompt: Tensor  # [n] on the device
+    params: SamplingParams
+    budget: int  # output tokens wanted (within the context)
+    max_len: int
+    speculative: bool  # the drafter follows and proposes (a drafter is loaded and the request speculates)
+    block: int  # the drafter's block (1 without one)
+    seed: int | None
+    stats: SpecStats | None = None
+    controller: WidthController | None = None
+    logprobs: list | None = None
+    constraint: "Constraint | None" = None
+    max_width: int | None = None
+    accept_rule: AcceptRule = accept_matching_samples
+    pos: int = 0  # position of `token`: committed, not yet in the target cache
+    token: int = 0  # the last committed token on the host, once read ...
+    token_t: Tensor | None = None  # ... and on the device
+    produced: int = 0
+    pending: PendingToken | None = None  # token_t on its way to the host (not yet counted in `produced`)
+    following: FollowBuffer | None = None
+    landings: list = field(default_factory=list)
+
+    @property
+    def overlap(self) -> bool:
+        """A plain step's token is read after the next step is queued (the host's work on it overlaps the GPU's),
+        unless the host must see each token or its rows first: a grammar masks the next rows by it, logprobs read
+        the rows."""
+        return self.constraint is None and self.logprobs is None
+
+    @property
+    def done(self) -> bool:
+        return self.produced >= self.budget
+
+    def taken(self, new: list[int]) -> list[int]:
+        new = new[:self.budget - self.produced]
+        self.produced += len(new)
+        self.token = new[-1]
+        return new
+
+    def choose(self, steps: Steps, rows: Tensor, positions: Tensor,
+               drafted: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """(rows as the grammar masks them, the token drawn for each: engine/steps.Steps.sample)."""
+        if self.constraint is not None:
+            rows = self.constraint.apply(rows, [] if drafted is None else drafted.tolist())
+        return rows, steps.sample(self.slot, rows, positions, drafted, commit=drafted is None)
+
+    def report(self, rows: Tensor, tokens: list[int]) -> None:
+        if self.constraint is not None:
+            self.constraint.commit(tokens)
+        if self.logprobs is not None and self.params.logprobs is not None:
+            self.logprobs.extend(token_logprobs(rows[:len(tokens)], tokens, self.params.logprobs))
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What a slot's next step runs: `width` 1 is a plain step (`follow`: the drafter observes it), more a
+    speculative one checking that many rows of the block (`live`: rows that hold wanted tokens)."""
+    width: int
+    live: int
+    room: int  # positions left in the context
+    attn_len: int
+    follow: bool = False
+
+def begin(steps: Steps, s: SlotState, cached: int = 0, generator: torch.Generator | None = None) -> list[int]:
+    """Prefill the slot's prompt from `cached` on and draw its first token (returned, already counted)."""
+    target, state = steps.target, steps.state
+    draft = steps.draft if s.speculative else None
+    n = len(s.prompt)
+    if not 0 <= cached < n:
+        raise ValueError(f"cached {cached} of a {n}-token prompt: the last prompt token must run")
+    if draft is not None:
+        draft.reset(s.slot, keep=cached)
+    state.resume(s.slot, cached)
+    logits = prefill(target, state, s.prompt, s.slot, cached, draft)
+    state.checkpoint(s.slot, n)  # a recurrent state after the prompt, for a next turn that shares only the prompt
+    if s.seed is None and not s.params.greedy:
+        s.seed = fresh_seed() if generator is None else int(torch.randint(0, 2 ** 62, (), generator=generator,
+                                                                           device=generator.device))
+    steps.sampler(s.slot, logits.shape[-1]).begin(s.params, s.seed or 0, s.prompt)
+    device = s.prompt.device
+    first = s.choose(steps, logits, torch.full((1,), n - 1, device=device))[1]
+    s.token_t = first.clone()  # the sampler's buffer is reused
+    s.token = int(first[0])
+    check_sampled([s.token])
+    s.report(logits, [s.token])
+    s.produced, s.pos = 1, n
+    if s.stats is not None:
+        s.stats.block_size = s.block
+    s.following = FollowBuffer(steps, s.slot, s.block, device)
+    # two landing places (and their events): one being read while the next step's token is copied to the other
+    s.landings = [(torch.empty(1, dtype=torch.long, pin_memory=s.token_t.is_cuda),
+                   torch.cuda.Event() if s.token_t.is_cuda else None) for _ in range(2)]
+    return [s.token]
+
+
+def plan(steps: Steps, s: SlotState) -> StepPlan | list[int]:
+    """The slot's next step, or the tokens it hands out first without one (a plain step's token the host had not
+    read, which a verify block anchors on, or the last one wanted)."""
+    queued = s.pending is not None
+    # As z-lab's loop, a block covers at most the tokens still wanted plus the anchor (`live`). The draft still runs
+    # the full block, with the rows past `live` hidden, so the same CUDA graph serves the last steps; only the
+    # context's end shrinks the block itself.
+    room = s.max_len - s.pos
+    live = min(s.block, s.budget - s.produced - queued + 1, room)
+    width = min(s.controller.width() if s.controller is not None else s.block, s.max_width or s.block, room)
+    if not steps.static:  # no captured shape to keep: verify no row past the wanted tokens
+        width = min(width, live)
+    if queued and (width > 1 or s.produced + 1 >= s.budget):
+        new = [s.pending.read()]
+        check_sampled(new)
+        s.pending = None
+        return s.taken(new)
+    attn_len = steps.attended(s.pos + width)  # static shapes: the whole bucket, masked by position
+    if width <= 1:
+        return StepPlan(1, live, room, attn_len, follow=s.speculative and room > 1)
+    return StepPlan(width, live, room, attn_len)
+
+
+def advance_plain(steps: Steps, s: SlotState, p: StepPlan, logits: Tensor, features: Tensor | None,
+                  positions: Tensor) -> list[int]:
+    """After a plain step of the slot (its logits [1, V], features [1, F] when the drafter follows): the tokens
+    it hands out (none while its token is on its way to the host)."""
+    sampled = s.choose(steps, logits, positions)[1]
+    if p.follow:
+        s.following.add(s.token_t, features, s.pos)
+        if s.controller is not None:
+            s.controller.record(1, 0)
+        if s.stats is not None:
+            s.stats.plain_steps += 1
+    s.pos += 1
+    s.token_t = sampled.clone()
+    if s.overlap:
+        ahead, s.pending = s.pending, PendingToken(sampled, *s.landings[s.pos % 2])
+        if ahead is None:
+            return []
+        new = [ahead.read()]
+        check_sampled(new)
+        return s.taken(new)
+    new = [int(sampled[0])]
+    check_sampled(new)
+    s.report(logits, new[:s.budget - s.produced])
+    return s.taken(new)
+
+
+def step_plain(steps: Steps, s: SlotState, p: StepPlan) -> list[int]:
+    positions = steps.positions(s.pos)
+    out = steps.plain(s.slot, s.token_t, positions, p.attn_len, p.follow)
+    return advance_plain(steps, s, p, out[0], out[1] if p.follow else None, positions)
+
+
+def step_speculative(steps: Steps, s: SlotState, p: StepPlan) -> list[int]:
+    """As z-lab's loop: the draft block shrinks only where the output budget or the context ends."""
+    device = s.prompt.device
+    s.following.flush()  # the drafter proposes from every committed position
+    positions = torch.arange(s.pos, s.pos + min(s.block, p.room), device=device)
+    anchor, live_t = (torch.full((1,), n, device=device) for n in (s.token, p.live))  # fills, no copies
+    ids, logits, feats = steps.speculative(s.slot, anchor, positions, live_t, p.attn_len, p.width, s.block)
+    checked = min(p.width, p.live)  # rows past `live` hold no wanted token: they neither count nor commit
+    drafted, logits = ids[1:checked], logits[:checked]
+    rows, posterior = s.choose(steps, logits, positions[:checked], drafted)
+    accepted, bonus = s.accept_rule(drafted, rows, s.params, posterior)
+    proposed = drafted.tolist()
+    if s.stats is not None:
+        s.stats.record(proposed, accepted)
+    if s.controller is not None:
+        s.controller.record(p.width, accepted)
+    n_new = accepted + 1
+    steps.state.commit(s.slot, s.pos + n_new)
+    steps.observe(s.slot, ids[:n_new], None if feats is None else feats[:n_new], positions[:n_new])
+    new = proposed[:accepted] + [bonus]
+    steps.samplers[s.slot].commit(new, s.pos + 1)
+    s.report(logits, new[:s.budget - s.produced])
+    s.pos += n_new
+    s.token_t = torch.full((1,), new[-1], device=device)
+    return s.taken(new)
+
+
+def step(steps: Steps, s: SlotState) -> list[int]:
+    """One step of one slot: the tokens it commits and hands out (possibly none)."""
+    p = plan(steps, s)
+    if isinstance(p, list):
+        return p
+    return step_plain(steps, s, p) if p.width <= 1 else step_speculative(steps, s, p)
+
+
+def finish(s: SlotState) -> None:
+    """The slot's request ends (done, stopped or closed): the drafter holds every committed position, as the
+    slot's prompt cache records."""
+    if s.following is not None:
+        s.following.flush()
+
+
+def new_slot_state(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int = 0, speculative: bool = True,
+                   block_size: int | None = None, stats: SpecStats | None = None, max_len: int | None = None,
+                   accept_rule: AcceptRule = accept_matching_samples, controller: WidthController | None = None,
+                   logprobs: list | None = None, constraint: "Constraint | None" = None, seed: int | None = None,
+                   max_width: int | None = None) -> SlotState:
+    """A request's state in `slot`, checked against the context (see `decode`)."""
+    draft = steps.draft if speculative else None
+    max_len = max_len or steps.state.max_len
+    n = len(prompt_ids)
+    if n >= max_len:
+        raise ValueError(f"the prompt has {n} tokens, which does not fit the context of {max_len} tokens")
+    block = (block_size or draft.block_size) if draft is not None else 1
+    return SlotState(slot, prompt_ids, params, min(params.max_tokens, max_len - n), max_len, draft is not None, block,
+                     seed, stats, controller, logprobs, constraint, max_width, accept_rule)
+
+
 @torch.inference_mode()
 def decode(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int = 0, speculative: bool = True,
            block_size: int | None = None, stats: SpecStats | None = None, max_len: int | None = None,
@@ -153,131 +365,16 @@ def decode(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int =
     prefix, so a constrained answer stays lossless too. A sampled token's noise is keyed by (`seed`, its position,
     its id) (engine/sampling.race): the same seed gives the same answer, plain or speculative; without a seed, one
     is drawn from `generator` (a reproducible series of requests), else at random. `max_width`: no verify step
-    checks more rows than this (the anchor included)."""
-    target, state = steps.target, steps.state
-    draft = steps.draft if speculative else None
-    device = prompt_ids.device
-    max_len = max_len or state.max_len
-    n = len(prompt_ids)
-    if n >= max_len:
-        raise ValueError(f"the prompt has {n} tokens, which does not fit the context of {max_len} tokens")
-    budget = min(params.max_tokens, max_len - n)
-    if budget <= 0:
+    checks more rows than this (the anchor included). One slot's steps in turn: engine.Engine.step runs the same
+    steps over every active slot."""
+    s = new_slot_state(steps, prompt_ids, params, slot, speculative, block_size, stats, max_len, accept_rule,
+                       controller, logprobs, constraint, seed, max_width)
+    if s.budget <= 0:
         return
-    if not 0 <= cached < n:
-        raise ValueError(f"cached {cached} of a {n}-token prompt: the last prompt token must run")
-    if draft is not None:
-        draft.reset(slot, keep=cached)
-    state.resume(slot, cached)
-    logits = prefill(target, state, prompt_ids, slot, cached, draft)
-    state.checkpoint(slot, n)  # a recurrent state after the prompt, for a next turn that shares only the prompt
-    if seed is None and not params.greedy:
-        seed = fresh_seed() if generator is None else int(torch.randint(0, 2 ** 62, (), generator=generator,
-                                                                         device=generator.device))
-    steps.sampler(slot, logits.shape[-1]).begin(params, seed or 0, prompt_ids)
-
-    def choose(rows: Tensor, positions: Tensor, drafted: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """(rows as the grammar masks them, the token drawn for each: engine/steps.Steps.sample)."""
-        if constraint is not None:
-            rows = constraint.apply(rows, [] if drafted is None else drafted.tolist())
-        return rows, steps.sample(slot, rows, positions, drafted, commit=drafted is None)
-
-    def report(rows: Tensor, tokens: list[int]) -> None:
-        if constraint is not None:
-            constraint.commit(tokens)
-        if logprobs is not None and params.logprobs is not None:
-            logprobs.extend(token_logprobs(rows[:len(tokens)], tokens, params.logprobs))
-
-    first = choose(logits, torch.full((1,), n - 1, device=device))[1]
-    token_t = first.clone()  # the last committed token on the device: the sampler's buffer is reused
-    token = int(first[0])  # ... and on the host, once read
-    check_sampled([token])
-    report(logits, [token])
-    yield [token]
-    produced, pos = 1, n  # pos: position of `token`, committed but not yet in the target cache
-    block = (block_size or draft.block_size) if draft is not None else 1
-    if stats is not None:
-        stats.block_size = block
-    following = FollowBuffer(steps, slot, block, device)
-    # A plain step's token is read after the next step is queued (the host's work on it overlaps the GPU's), unless
-    # the host must see each token or its rows first: a grammar masks the next rows by it, logprobs read the rows.
-    overlap = constraint is None and logprobs is None
-    pending: PendingToken | None = None  # token_t on its way to the host (not yet counted in `produced`)
-    # two landing places (and their events): one being read while the next step's token is copied to the other
-    landings = [(torch.empty(1, dtype=torch.long, pin_memory=token_t.is_cuda),
-                 torch.cuda.Event() if token_t.is_cuda else None) for _ in range(2)]
-
-    def taken(new: list[int]) -> list[int]:
-        nonlocal produced, token
-        new = new[:budget - produced]
-        produced += len(new)
-        token = new[-1]
-        return new
-
+    yield begin(steps, s, cached, generator)
     try:
-        while produced < budget:
-            queued = pending is not None
-            # As z-lab's loop, a block covers at most the tokens still wanted plus the anchor (`live`). The draft
-            # still runs the full block, with the rows past `live` hidden, so the same CUDA graph serves the last
-            # steps; only the context's end shrinks the block itself.
-            room = max_len - pos
-            live = min(block, budget - produced - queued + 1, room)
-            width = min(controller.width() if controller is not None else block, max_width or block, room)
-            if not steps.static:  # no captured shape to keep: verify no row past the wanted tokens
-                width = min(width, live)
-            if queued and (width > 1 or produced + 1 >= budget):  # a verify block anchors on the host's token
-                new = [pending.read()]
-                check_sampled(new)
-                pending = None
-                yield taken(new)
-                continue
-            attn_len = steps.attended(pos + width)  # static shapes: the whole bucket, masked by position
-            if width <= 1:
-                follow = draft is not None and room > 1  # the drafter observes every committed position
-                positions = steps.positions(pos)
-                out = steps.plain(slot, token_t, positions, attn_len, follow)
-                sampled = choose(out[0], positions)[1]
-                if follow:
-                    following.add(token_t, out[1], pos)
-                    if controller is not None:
-                        controller.record(1, 0)
-                    if stats is not None:
-                        stats.plain_steps += 1
-                pos += 1
-                token_t = sampled.clone()
-                if overlap:
-                    ahead, pending = pending, PendingToken(sampled, *landings[pos % 2])
-                    if ahead is not None:
-                        new = [ahead.read()]
-                        check_sampled(new)
-                        yield taken(new)
-                    continue
-                new = [int(sampled[0])]
-                check_sampled(new)
-                report(out[0], new[:budget - produced])
-            else:
-                # As z-lab's loop: the draft block shrinks only where the output budget or the context ends.
-                following.flush()  # the drafter proposes from every committed position
-                positions = torch.arange(pos, pos + min(block, room), device=device)
-                anchor, live_t = (torch.full((1,), n, device=device) for n in (token, live))  # fills, no copies
-                ids, logits, feats = steps.speculative(slot, anchor, positions, live_t, attn_len, width, block)
-                checked = min(width, live)  # rows past `live` hold no wanted token: they neither count nor commit
-                drafted, logits = ids[1:checked], logits[:checked]
-                rows, posterior = choose(logits, positions[:checked], drafted)
-                accepted, bonus = accept_rule(drafted, rows, params, posterior)
-                proposed = drafted.tolist()
-                if stats is not None:
-                    stats.record(proposed, accepted)
-                if controller is not None:
-                    controller.record(width, accepted)
-                n_new = accepted + 1
-                state.commit(slot, pos + n_new)
-                steps.observe(slot, ids[:n_new], None if feats is None else feats[:n_new], positions[:n_new])
-                new = proposed[:accepted] + [bonus]
-                steps.samplers[slot].commit(new, pos + 1)
-                report(logits, new[:budget - produced])
-                pos += accepted + 1
-                token_t = torch.full((1,), new[-1], device=device)
-            yield taken(new)
+        while not s.done:
+            if new := step(steps, s):
+                yield new
     finally:
-        following.flush()  # the drafter holds every committed position, as the slot's prompt cache records
+        finish(s)
