@@ -215,7 +215,8 @@ def test_broken_speculation_is_caught(capsys, tiny, monkeypatch):
     def accept_everything(drafted, logits, params, generator):
         return len(drafted), int(logits[-1].argmax())
 
-    monkeypatch.setattr(engine_mod, "decode", functools.partial(generate.decode, accept_rule=accept_everything))
+    monkeypatch.setattr(engine_mod, "new_slot_state", functools.partial(generate.new_slot_state,
+                                                                  accept_rule=accept_everything))
     rc, out, err = run_bench(capsys, tiny, "--warmup", "0")
     assert rc == 0
     assert "MISMATCH" in out

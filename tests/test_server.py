@@ -22,7 +22,7 @@ from flashdraft.engine.engine import Request as EngineRequest
 from flashdraft.engine.sampling import SamplingParams
 from flashdraft.server.app import create_app
 from flashdraft.server.reasoning import ThinkSplitter, prompt_opens_thinking, split_reasoning
-from flashdraft.server.scheduler import Scheduler, TurnLock
+from flashdraft.server.scheduler import Scheduler
 from flashdraft.server.settings import Settings
 from tiny import CHATML, interrupt, make_draft, make_target, wait_healthy
 
@@ -250,15 +250,17 @@ def test_eight_concurrent_streams_get_their_own_answers(spec):
     assert wait_until(lambda: engine.free_slot_count == engine.n_slots)
 
 
-def test_slots_taking_turns_step_by_step(models):
-    """The CUDA mode (one engine step at a time over all slots), run on this device."""
-    engine = load(models, draft=True, n_slots=3)
+def test_concurrent_requests_answer_as_alone(models):
+    """Requests running together (their plain steps batched into one target call) answer as each alone."""
+    engine = load(models, n_slots=3)
     requests = [EngineRequest(engine.tokenizer.encode(p), SamplingParams(max_tokens=12, ignore_eos=True))
                 for p in PROMPTS[:4]]
     alone = [engine.generate(r).token_ids for r in requests]
+    batched, run_batch = [], engine.steps.plain_batch
+    engine.steps.plain_batch = lambda states, *a: batched.append(len(states)) or run_batch(states, *a)
 
     async def all_at_once() -> list[list[int]]:
-        scheduler = Scheduler(engine, take_turns=True)
+        scheduler = Scheduler(engine)
 
         async def one(r: EngineRequest) -> list[int]:
             async with contextlib.aclosing(scheduler.run(r)) as events:
@@ -267,26 +269,7 @@ def test_slots_taking_turns_step_by_step(models):
         return await asyncio.gather(*(one(r) for r in fresh))
 
     assert asyncio.run(all_at_once()) == alone
-    assert engine.free_slot_count == 3
-
-
-def test_turn_lock_is_first_come_first_served():
-    lock, order = TurnLock(), []
-
-    def worker(name: str) -> None:
-        for _ in range(3):
-            with lock:
-                order.append(name)
-                time.sleep(0.01)
-
-    with lock:  # both queue up behind this, then alternate
-        threads = [threading.Thread(target=worker, args=(n,)) for n in "ab"]
-        for t in threads:
-            t.start()
-            time.sleep(0.05)
-    for t in threads:
-        t.join()
-    assert order == list("ababab")
+    assert engine.free_slot_count == 3 and max(batched) == 3
 
 
 # ---- llama.cpp routes

@@ -3,9 +3,10 @@ import collections
 import dataclasses
 import logging
 import os
+import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -13,7 +14,8 @@ import torch
 from flashdraft.engine.config import EngineConfig, compile_enabled
 from flashdraft.layers.compile import preload_compiler
 from flashdraft.engine import synthetic
-from flashdraft.engine.generate import SpecStats, decode
+from flashdraft.engine.generate import (SlotState, SpecStats, StepPlan, advance_plain, begin, decode, finish,
+                                        new_slot_state, plan, step_plain, step_speculative)
 from flashdraft.engine.grammar import Constraint, Grammar
 from flashdraft.engine.lockstep import from_rank0, in_lockstep
 from flashdraft.engine.sampling import SamplingParams, fresh_seed
@@ -159,6 +161,85 @@ class Completion:
             verify_widths={str(w): n for w, n in sorted(collections.Counter(
                 [len(d) + 1 for d in s.draft_steps] + [1] * s.plain_steps).items())},
         )
+
+
+class Output:
+    """One request's output as its tokens come: EOS and stop strings end it, text goes out in deltas once no stop
+    string can still begin in it, with the log-probabilities of the tokens not reported before; then the
+    Completion with its timings."""
+
+    def __init__(self, tokenizer, req: Request, logprobs: list | None, stats: SpecStats, synthetic_run: bool):
+        from flashdraft.formats.tokenizer import IncrementalDetokenizer
+        self.req, self.logprobs, self.stats, self.synthetic = req, logprobs, stats, synthetic_run
+        self.eos = set() if req.params.ignore_eos else set(tokenizer.eos_ids)
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.stops = StopStrings(req.params.stop)
+        self.tokens: list[int] = []
+        self.text, self.emitted, self.reported = "", 0, 0  # reported: logprobs already handed out in deltas
+        self.stop_word: str | None = None
+        self.finish = "length"
+        self.cached = 0
+        self.t0 = time.perf_counter()
+        self.t_first: float | None = None
+
+    def begin(self, cached: int) -> None:
+        self.cached, self.t0 = cached, time.perf_counter()
+
+    def push(self, new: list[int]) -> Delta | None:
+        """A step's tokens: the delta to hand out, if any (`finish` becomes "stop" at EOS or a stop string)."""
+        end = next((i for i, t in enumerate(new) if t in self.eos), None)
+        if end is not None:  # keep the EOS token in the ids, not in the text (nor its logprob)
+            new, self.finish = new[:end + 1], "stop"
+            if self.logprobs is not None:
+                del self.logprobs[len(self.tokens) + end:]
+        self.tokens += new
+        piece = self.detok.push(new if end is None else new[:end])
+        self.text += piece
+        hit = self.stops.push(piece)
+        if hit is not None:
+            self.text, self.stop_word, self.finish = self.text[:hit[0]], hit[1], "stop"
+        safe = len(self.text) if self.finish == "stop" else len(self.text) - self.stops.held
+        if safe <= self.emitted:
+            return None
+        delta = Delta(self.text[self.emitted:safe], new, self.logprobs[self.reported:] if self.logprobs is not None
+                      else [])
+        self.emitted, self.reported = safe, len(self.logprobs or ())
+        return delta
+
+    def held(self) -> list[int]:
+        """The tokens the slot's cache holds: the prompt and every output token but the last (not run yet)."""
+        return self.req.prompt_ids + self.tokens[:-1]
+
+    def end(self) -> Iterator[Delta | Completion]:
+        """What is left to hand out, then the Completion."""
+        t_end = time.perf_counter()
+        t_first = self.t_first or t_end
+        prompt = self.req.prompt_ids
+        timings = Timings(prompt_n=len(prompt) - self.cached, cache_n=self.cached,
+                          prompt_ms=1e3 * (t_first - self.t0), predicted_n=len(self.tokens),
+                          predicted_ms=1e3 * (t_end - t_first), draft_n=self.stats.draft_n,
+                          draft_n_accepted=self.stats.draft_n_accepted, synthetic=self.synthetic)
+        logprobs = self.logprobs
+        if logprobs is not None:
+            del logprobs[len(self.tokens):]  # a cancelled step may have reported tokens it never handed out
+        if self.emitted < len(self.text) or logprobs and self.reported < len(logprobs):
+            yield Delta(self.text[self.emitted:], [], logprobs[self.reported:] if logprobs is not None else [])
+        yield Completion(text=self.text, token_ids=self.tokens, prompt_ids=list(prompt), finish_reason=self.finish,
+                         stop_word=self.stop_word, timings=timings, spec=self.stats, logprobs=logprobs)
+
+
+@dataclass(eq=False)
+class Task:
+    """A request in the engine loop: queued, then running in a slot (`state`), its events handed to `post`."""
+    req: Request
+    seed: int | None
+    post: Callable[[object], None]
+    state: SlotState | None = None
+    out: Output | None = None
+    cached: int = 0
+    held: list[int] = field(default_factory=list)
+    error: Exception | None = None
+    released: threading.Event = field(default_factory=threading.Event)  # its slot is back
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
@@ -327,6 +408,10 @@ class Engine:
         self.synth_rates = self._synthetic_rates(config)
         self.startup_s = {}
         self.slots = SlotPool(config.n_slots, config.slot_prompt_similarity, self.state.reusable)
+        self._wake = threading.Condition()  # the engine loop waits on it for requests
+        self._incoming: collections.deque[Task] = collections.deque()
+        self._active: list[Task] = []
+        self._loop_thread: threading.Thread | None = None
 
     def _synthetic_rates(self, config: EngineConfig) -> list[float]:
         """The synthetic acceptance rates the command line asks for ([]: real acceptance), resolved for this
@@ -453,14 +538,21 @@ class Engine:
     def stream(self, req: Request) -> Iterator[Delta | Completion]:
         """Yield text deltas, then the Completion. Closing the iterator early frees the slot.
         Under tensor parallelism every rank calls this together, and all of them run rank 0's request."""
-        req.params.validate()
-        if len(req.prompt_ids) >= self.ctx_size:
-            raise ValueError(f"the prompt has {len(req.prompt_ids)} tokens, which does not fit the "
-                             f"context of {self.ctx_size} tokens")
-        seed = sampling_seed(req.params)
-        if self.world_size > 1:
-            req, seed = self._share_request(req, seed)
-        yield from self._stream_in_slot(req, seed)
+        events: queue.SimpleQueue = queue.SimpleQueue()
+        task = self.submit(req, events.put)
+        over = False
+        try:
+            while not over:
+                event = events.get()
+                if isinstance(event, BaseException):
+                    over = True
+                    raise event
+                over = isinstance(event, Completion)
+                yield event
+        finally:
+            if not over:
+                req.cancel.set()
+                task.released.wait()  # the slot is back before the caller goes on
 
     def follow(self) -> None:
         """Tensor-parallel ranks other than 0: run the requests that rank 0 streams, until it calls
@@ -491,6 +583,7 @@ class Engine:
         return Request(*fields, **extra), seed
 
     def _stream_in_slot(self, req: Request, seed: int | None) -> Iterator[Delta | Completion]:
+        """Tensor parallelism: the request on this thread, every rank stepping in lockstep."""
         speculative = req.speculative and self.draft is not None
         if speculative and self.adaptive and self.width_costs is None:
             self.measure_width_costs()  # before a slot's cache is taken for the prompt
@@ -510,83 +603,234 @@ class Engine:
                 return event
         raise RuntimeError("generation ended without a result")
 
-    def _run(self, req: Request, slot: int, seed: int | None, cached: int,
-             held: list[int]) -> Iterator[Delta | Completion]:
-        """`cached`: leading prompt tokens the slot's cache already holds; `held` receives the tokens it holds
-        when the run ends or is closed (the prompt, then every output token but the last, whose K/V no step has
-        written)."""
-        from flashdraft.formats.tokenizer import IncrementalDetokenizer
+    def _slot_state(self, req: Request, slot: int, seed: int | None) -> tuple[SlotState, Output]:
+        """The request's decode state in `slot` and its output's bookkeeping."""
         p = req.params
-        draft = self.draft if req.speculative else None
+        speculative = req.speculative and self.draft is not None
         stats = SpecStats()
-        eos = set() if p.ignore_eos else set(self.tokenizer.eos_ids)
-        detok = IncrementalDetokenizer(self.tokenizer)
-        prompt = torch.tensor(req.prompt_ids, dtype=torch.long, device=self.device)
-        tokens: list[int] = []
-        text, emitted, stop_word, finish = "", 0, None, "length"
-        t0 = time.perf_counter()
-        t_first = None
         controller = None
-        if draft is not None and self.adaptive and not req.block_size and req.draft_n_max is None:
+        if speculative and self.adaptive and not req.block_size and req.draft_n_max is None:
             from flashdraft.engine.adaptive import WidthController
-            controller = WidthController(self.width_costs)  # measured before the slot was taken (_stream_in_slot)
+            controller = WidthController(self.width_costs)  # measured before the slot was taken
         logprobs: list[TokenLogprob] | None = [] if p.logprobs is not None else None
         constraint = None if req.grammar is None else Constraint(self.tokenizer, req.grammar,
                                                                  self.target.cfg.vocab_size)
-        reported = 0  # logprobs already handed out in deltas
-        stops = StopStrings(p.stop)
-        synthetic_run = draft is not None and bool(self.synth_rates)
+        synthetic_run = speculative and bool(self.synth_rates)
         rule = {} if not synthetic_run else dict(accept_rule=synthetic.SyntheticAcceptance(
             synthetic.conditional(self.synth_rates), set(self.tokenizer.eos_ids),
             p.seed if p.seed is not None and p.seed >= 0 else None))
-        steps = decode(self.steps, prompt, p, slot=slot, speculative=draft is not None,
-                       block_size=req.block_size or self.block_size, stats=stats, max_len=self.ctx_size, seed=seed,
-                       controller=controller, logprobs=logprobs, cached=cached, constraint=constraint,
-                       max_width=None if req.draft_n_max is None else req.draft_n_max + 1, **rule)
-        if self.world_size > 1:
-            steps = in_lockstep(steps, self.device)
+        prompt = torch.tensor(req.prompt_ids, dtype=torch.long, device=self.device)
+        state = new_slot_state(self.steps, prompt, p, slot=slot, speculative=speculative,
+                               block_size=req.block_size or self.block_size, stats=stats, max_len=self.ctx_size,
+                               seed=seed, controller=controller, logprobs=logprobs, constraint=constraint,
+                               max_width=None if req.draft_n_max is None else req.draft_n_max + 1, **rule)
+        return state, Output(self.tokenizer, req, logprobs, stats, synthetic_run)
+
+    def _run(self, req: Request, slot: int, seed: int | None, cached: int,
+             held: list[int]) -> Iterator[Delta | Completion]:
+        """One request's steps on this thread (tensor parallelism). `cached`: leading prompt tokens the slot's
+        cache already holds; `held` receives the tokens it holds when the run ends or is closed."""
+        s, out = self._slot_state(req, slot, seed)
+        steps = decode(self.steps, s.prompt, s.params, slot=slot, speculative=s.speculative, block_size=s.block,
+                       stats=s.stats, max_len=self.ctx_size, seed=seed, controller=s.controller,
+                       logprobs=s.logprobs, cached=cached, constraint=s.constraint, max_width=s.max_width,
+                       accept_rule=s.accept_rule)
+        steps = in_lockstep(steps, self.device)
+        out.begin(cached)
         try:
             for new in steps:
-                if t_first is None:
+                if out.t_first is None:
                     self._sync()
-                    t_first = time.perf_counter()
-                end = next((i for i, t in enumerate(new) if t in eos), None)
-                if end is not None:  # keep the EOS token in the ids, not in the text (nor its logprob)
-                    new, finish = new[:end + 1], "stop"
-                    if logprobs is not None:
-                        del logprobs[len(tokens) + end:]
-                tokens += new
-                piece = detok.push(new if end is None else new[:end])
-                text += piece
-                hit = stops.push(piece)
-                if hit is not None:
-                    text, stop_word, finish = text[:hit[0]], hit[1], "stop"
-                safe = len(text) if finish == "stop" else len(text) - stops.held
-                if safe > emitted:
-                    yield Delta(text[emitted:safe], new, logprobs[reported:] if logprobs is not None else [])
-                    emitted, reported = safe, len(logprobs or ())
-                if finish == "stop":
+                    out.t_first = time.perf_counter()
+                if (delta := out.push(new)) is not None:
+                    yield delta
+                if out.finish == "stop":
                     break
                 if req.cancel.is_set():
-                    finish = "cancelled"
+                    out.finish = "cancelled"
                     break
         finally:
             steps.close()
-            if t_first is not None:  # in the cache: the prompt and every output token but the last (not run yet)
-                held[:] = req.prompt_ids + tokens[:-1]
+            if out.t_first is not None:
+                held[:] = out.held()
         self._sync()
-        t_end = time.perf_counter()
-        t_first = t_first or t_end
-        timings = Timings(prompt_n=len(req.prompt_ids) - cached, cache_n=cached, prompt_ms=1e3 * (t_first - t0),
-                          predicted_n=len(tokens),
-                          predicted_ms=1e3 * (t_end - t_first), draft_n=stats.draft_n,
-                          draft_n_accepted=stats.draft_n_accepted, synthetic=synthetic_run)
-        if logprobs is not None:
-            del logprobs[len(tokens):]  # a cancelled step may have reported tokens it never handed out
-        if emitted < len(text) or logprobs and reported < len(logprobs):
-            yield Delta(text[emitted:], [], logprobs[reported:] if logprobs is not None else [])
-        yield Completion(text=text, token_ids=tokens, prompt_ids=list(req.prompt_ids), finish_reason=finish,
-                         stop_word=stop_word, timings=timings, spec=stats, logprobs=logprobs)
+        yield from out.end()
+
+    # ------------------------------------------------------------------ the engine loop: one step over every slot
+    def submit(self, req: Request, post: Callable[[object], None]) -> Task:
+        """Check a request and queue it for the engine loop; `post` receives its events on the loop's thread (Delta,
+        then a Completion; or an exception), the last one once its slot is back."""
+        req.params.validate()
+        if len(req.prompt_ids) >= self.ctx_size:
+            raise ValueError(f"the prompt has {len(req.prompt_ids)} tokens, which does not fit the "
+                             f"context of {self.ctx_size} tokens")
+        task = Task(req, sampling_seed(req.params), post)
+        with self._wake:
+            if self._loop_thread is None:
+                self._loop_thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+                self._loop_thread.start()
+            self._incoming.append(task)
+            self._wake.notify_all()
+        return task
+
+    def idle(self, timeout: float | None = None) -> bool:
+        """Wait until no request is queued or running; False if some still are after `timeout` seconds."""
+        with self._wake:
+            return self._wake.wait_for(lambda: not self._incoming and not self._active, timeout)
+
+    def _loop(self) -> None:
+        if self.device.startswith("cuda"):  # a new thread starts on device 0
+            torch.cuda.set_device(torch.device(self.device))
+        with torch.inference_mode():
+            while True:
+                with self._wake:
+                    self._wake.wait_for(lambda: self._incoming or self._active)
+                    alone = self._incoming.popleft() if self.world_size > 1 else None
+                try:
+                    self._run_alone(alone) if alone is not None else self.step()
+                except Exception:  # a request's own failure goes to it (_fail); this is the engine's
+                    log.exception("engine step failed")
+
+    def _run_alone(self, task: Task) -> None:
+        """Tensor parallelism: one request at a time, every rank stepping in lockstep (Engine.follow)."""
+        self._active.append(task)
+        try:
+            req, seed = self._share_request(task.req, task.seed)
+            for event in self._stream_in_slot(req, seed):
+                if isinstance(event, Completion):
+                    task.released.set()
+                task.post(event)
+        except Exception as e:
+            task.released.set()
+            task.post(e)
+        finally:
+            task.released.set()
+            with self._wake:
+                self._active.remove(task)
+                self._wake.notify_all()
+
+    def step(self) -> None:
+        """One engine step: admit waiting requests into free slots (prefill and first token), then one decode
+        step for every active slot, plain steps of several slots batched into one target call."""
+        self._admit()
+        plans = []
+        for job in list(self._active):
+            if job.req.cancel.is_set():
+                job.out.finish = "cancelled"
+                self._finish(job)
+                continue
+            try:
+                p = plan(self.steps, job.state)
+            except Exception as e:
+                self._fail(job, e)
+                continue
+            if isinstance(p, list):
+                self._hand_out(job, p)
+            else:
+                plans.append((job, p))
+        plain = [(job, p) for job, p in plans if p.width <= 1]
+        if len(plain) > 1:
+            self._plain_batch(plain)
+        else:
+            for job, p in plain:
+                self._guarded(job, lambda: step_plain(self.steps, job.state, p))
+        for job, p in plans:
+            if p.width > 1:
+                self._guarded(job, lambda: step_speculative(self.steps, job.state, p))
+
+    def _admit(self) -> None:
+        while True:
+            with self._wake:
+                if not self._incoming or not self.slots.count():
+                    return
+                job = self._incoming.popleft()
+            req = job.req
+            if req.cancel.is_set():  # gone before it started
+                job.released.set()
+                job.post(Completion("", [], list(req.prompt_ids), "cancelled", None, Timings(), SpecStats()))
+                continue
+            try:
+                speculative = req.speculative and self.draft is not None
+                if speculative and self.adaptive and self.width_costs is None:
+                    self.measure_width_costs()  # before a slot's cache is taken for the prompt
+                slot, cached = self.slots.acquire(req.prompt_ids, req.cache_prompt, speculative=speculative)
+            except Exception as e:
+                job.released.set()
+                job.post(e)
+                continue
+            req.slot, job.cached = slot, cached
+            job.held = list(req.prompt_ids[:cached])
+            with self._wake:
+                self._active.append(job)
+            try:
+                job.state, job.out = self._slot_state(req, slot, job.seed)
+                if job.state.budget <= 0:
+                    self._finish(job)
+                    continue
+                job.out.begin(cached)
+                first = begin(self.steps, job.state, cached)
+            except Exception as e:
+                self._fail(job, e)
+                continue
+            self._sync()
+            job.out.t_first = time.perf_counter()
+            self._hand_out(job, first)
+
+    def _plain_batch(self, batch: list[tuple["Task", StepPlan]]) -> None:
+        states = [job.state for job, _ in batch]
+        follow = any(p.follow for _, p in batch)
+        attn_len = max(p.attn_len for _, p in batch)
+        try:
+            logits, features, positions = self.steps.plain_batch(states, attn_len, follow)
+        except Exception as e:
+            for job, _ in batch:
+                self._fail(job, e)
+            return
+        for i, (job, p) in enumerate(batch):
+            self._guarded(job, lambda: advance_plain(self.steps, job.state, p, logits[i:i + 1],
+                                                     None if features is None else features[i:i + 1],
+                                                     positions[i:i + 1]))
+
+    def _guarded(self, job: "Task", run: Callable[[], list[int]]) -> None:
+        try:
+            new = run()
+        except Exception as e:
+            self._fail(job, e)
+            return
+        self._hand_out(job, new)
+
+    def _hand_out(self, job: "Task", new: list[int]) -> None:
+        if new and (delta := job.out.push(new)) is not None:
+            job.post(delta)
+        if job.out.finish == "stop" or job.state.done:
+            self._finish(job)
+
+    def _fail(self, job: "Task", error: Exception) -> None:
+        job.error = error
+        self._finish(job)
+
+    def _finish(self, job: "Task") -> None:
+        """The request ends: its slot goes back holding its tokens, and its last events go out."""
+        speculative = job.state is not None and job.state.speculative
+        try:
+            if job.state is not None:
+                finish(job.state)
+            if job.out is not None and job.out.t_first is not None:
+                job.held = job.out.held()
+            self._sync()
+        finally:
+            self.slots.release(job.req.slot, job.held, speculative)
+            job.released.set()
+        events = [job.error] if job.error is not None else list(job.out.end())
+        with self._wake:
+            self._active.remove(job)
+            idle = not self._active and not self._incoming
+        if idle:  # what the prompt's activations left cached goes back
+            self._release_cached()
+        for event in events:
+            job.post(event)
+        with self._wake:
+            self._wake.notify_all()
 
     def _release_cached(self) -> None:
         """Give back what the caching allocator keeps from eager runs (before each graph capture, and after the

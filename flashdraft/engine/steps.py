@@ -44,6 +44,14 @@ class SpecKey:
 
 
 @dataclass(frozen=True)
+class BatchKey:
+    """A plain step of `rows` slots in one target call (the slots an input: one graph serves any of them)."""
+    rows: int
+    bucket: int
+    follow: bool
+
+
+@dataclass(frozen=True)
 class ContextKey:
     slot: int
     rows: int
@@ -95,6 +103,7 @@ class Steps:
                                                if isinstance(c, KVCache) and not c.window)
         self.samplers: dict[int, DeviceSampler] = {}
         self.position_table: Tensor | None = None
+        self.slot_tensors: dict[tuple[int, ...], Tensor] = {}
         self.sample_inputs: tuple[Tensor, Tensor, Tensor] | None = None  # the sampler graphs' inputs (`sample`)
 
     def positions(self, start: int, n: int = 1) -> Tensor:
@@ -119,6 +128,29 @@ class Steps:
             return plain_step(self.target, self.state, t, p, slot, attn_len, capture)
 
         return self.graphs.run(PlainKey(slot, attn_len, follow), step, [token, pos])
+
+    def plain_batch(self, states: list, attn_len: int, follow: bool) -> tuple[Tensor, Tensor | None, Tensor]:
+        """One plain step of several slots (engine/generate.SlotState: each its last token at its position) in one
+        target call: (logits [B, V], features [B, F] when `follow`, the positions [B])."""
+        tokens = torch.cat([s.token_t for s in states])
+        positions = torch.cat([self.positions(s.pos) for s in states])
+        slots = self.slot_index(tuple(s.slot for s in states))
+        capture = self.capture if follow else ()
+        attn_len = self.target_length(attn_len)
+
+        def step(t, p, rows):
+            logits, feats = self.target(t.clamp(min=0)[:, None], p[:, None], self.state, rows, attn_len=attn_len,
+                                        capture=capture)
+            return logits[:, 0], None if feats is None else feats[:, 0]
+
+        logits, feats = self.graphs.run(BatchKey(len(states), attn_len, follow), step, [tokens, positions, slots])
+        return logits, feats if follow else None, positions
+
+    def slot_index(self, slots: tuple[int, ...]) -> Tensor:
+        """The slots as a [B] tensor on the device, made once per combination (no host-to-device copy per step)."""
+        if slots not in self.slot_tensors:
+            self.slot_tensors[slots] = torch.tensor(slots, dtype=torch.long, device=self.device)
+        return self.slot_tensors[slots]
 
     def speculative(self, slot: int, anchor: Tensor, positions: Tensor, live: Tensor, attn_len: int,
                     width: int, block: int) -> tuple[Tensor, Tensor, Tensor | None]:

@@ -1,12 +1,8 @@
-"""Slots: at most n_slots generations run at once, each `Engine.stream` in its own thread, bridged to
-asyncio; the rest wait in a FIFO queue. Leaving the event iterator early cancels the generation.
-
-On CUDA the slots take turns step by step: the engine's CUDA graphs give wrong tokens when two threads
-run steps at the same time (seen on an H200), and all of them queue on one stream anyway."""
+"""Slots: at most n_slots generations run at once in the engine's loop (engine.Engine.step: one step over every
+running slot), their events bridged to asyncio; the rest wait in a FIFO queue. Leaving the event iterator early
+cancels the generation."""
 import asyncio
-import contextlib
 import itertools
-import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -17,8 +13,6 @@ from flashdraft.server.metrics import Metrics
 
 class ShuttingDown(Exception):
     """A generation refused or cut short because the server is shutting down (a 503 to the client)."""
-
-_END = object()
 
 
 @dataclass
@@ -37,39 +31,16 @@ class Job:
         return self.request.slot
 
 
-class TurnLock:
-    """A FIFO lock: a thread that releases it and asks again waits behind the others."""
-
-    def __init__(self):
-        self._cond = threading.Condition()
-        self._next_ticket = self._serving = 0
-
-    def __enter__(self) -> None:
-        with self._cond:
-            ticket, self._next_ticket = self._next_ticket, self._next_ticket + 1
-            self._cond.wait_for(lambda: self._serving == ticket)
-
-    def __exit__(self, *exc) -> None:
-        with self._cond:
-            self._serving += 1
-            self._cond.notify_all()
-
-
 @dataclass
 class Scheduler:
     engine: Engine
     metrics: Metrics = field(default_factory=Metrics)
-    take_turns: bool | None = None  # one engine step at a time over all slots; default: on CUDA
 
     def __post_init__(self) -> None:
         self.closing = False  # set by close(): running generations end, new ones are refused
-        self._threads: set[threading.Thread] = set()
         self.jobs: list[Job] = []  # running, in no particular order (each knows its engine slot)
         self._free = asyncio.Semaphore(self.engine.n_slots)
         self._task_ids = itertools.count()
-        if self.take_turns is None:
-            self.take_turns = self.engine.device.startswith("cuda")
-        self._step_turns = TurnLock() if self.take_turns else contextlib.nullcontext()
 
     @property
     def free_slots(self) -> int:
@@ -101,39 +72,24 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
-        def post(item) -> None:
+        def post(item) -> None:  # on the engine's thread
             try:
+                if isinstance(item, Completion):  # counted even when nobody waits for it any more
+                    loop.call_soon_threadsafe(self.metrics.record, item)
                 loop.call_soon_threadsafe(events.put_nowait, item)
+                if isinstance(item, (Completion, BaseException)):  # the last event: the slot is back
+                    loop.call_soon_threadsafe(self._release, job)
             except RuntimeError:  # the event loop is gone (server shutting down)
                 req.cancel.set()
 
-        def work() -> None:
-            stream = self.engine.stream(req)
-            try:
-                while True:
-                    with self._step_turns:
-                        event = next(stream, None)
-                    if event is None:
-                        break
-                    if isinstance(event, Completion):  # counted even when nobody waits for it any more
-                        loop.call_soon_threadsafe(self.metrics.record, event)
-                    post(event)  # after req.cancel the engine ends within a step, with its Completion
-            except BaseException as e:  # handed to the request's coroutine
-                post(e)
-            finally:
-                with self._step_turns:
-                    stream.close()  # returns the engine slot
-                try:
-                    loop.call_soon_threadsafe(self._release, job)
-                except RuntimeError:
-                    pass
-                post(_END)
-
-        thread = threading.Thread(target=work, name=f"task-{job.task}", daemon=True)
-        self._threads = {t for t in self._threads if t.is_alive()} | {thread}  # on the event loop only
-        thread.start()
         try:
-            while (item := await events.get()) is not _END:
+            self.engine.submit(req, post)
+        except BaseException:
+            self._release(job)
+            raise
+        try:
+            while True:
+                item = await events.get()
                 if isinstance(item, BaseException):
                     raise item
                 if self.closing and isinstance(item, Completion) and item.finish_reason == "cancelled":
@@ -143,6 +99,8 @@ class Scheduler:
                     job.n_decoded += len(item.token_ids)
                     job.has_new_line = job.has_new_line or "\n" in item.text
                 yield job, item
+                if isinstance(item, Completion):
+                    return
         finally:
             req.cancel.set()
 
@@ -154,13 +112,12 @@ class Scheduler:
             job.request.cancel.set()
 
     def join(self, timeout: float) -> bool:
-        """Wait for the slot threads to return their engine slots; False if some are still running."""
-        deadline = time.monotonic() + timeout
-        for thread in list(self._threads):
-            thread.join(max(0.0, deadline - time.monotonic()))
-        return not any(t.is_alive() for t in self._threads)
+        """Wait for the engine to return every slot; False if some generation is still running."""
+        return self.engine.idle(timeout)
 
     def _release(self, job: Job) -> None:
+        if job not in self.jobs:
+            return
         self.jobs.remove(job)
         self.metrics.requests_processing -= 1
         self._free.release()
