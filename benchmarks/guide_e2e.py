@@ -144,12 +144,14 @@ class Run:
     label: str
     start: int
     depth: int = 0  # the prompts padded to about this many tokens (0: as they are)
+    parallel: int = 1  # -np: slots, and requests sent at once
 
     @property
     def key(self) -> str:
         label = [re.sub(r"[^A-Za-z0-9.=]+", "-", self.label).strip("-")] if self.label else []
         depth = [f"d{self.depth}"] if self.depth else []
-        return "-".join([self.model, self.config, *depth, self.engine, *label, f"s{self.start}"])
+        parallel = [f"np{self.parallel}"] if self.parallel > 1 else []
+        return "-".join([self.model, self.config, *depth, *parallel, self.engine, *label, f"s{self.start}"])
 
 
 # ---- the work folder
@@ -499,6 +501,8 @@ def server_argv(args, run: Run, files: Files, port: int) -> tuple[list[str], lis
     if uses_draft and draft is None:
         raise ValueError(f"no draft for {run.model} on {run.engine}")
     line = line.format(target=files.target, draft=draft, port=port).replace("--host 0.0.0.0", "--host 127.0.0.1")
+    if run.parallel > 1:  # the guide's lines say -np 1
+        line = re.sub(r"(^| )-np \d+", "", line) + f" -np {run.parallel}"
     adapted = []
     if run.engine == "llama":
         for old, new in LLAMA_CMD2 if uses_draft else []:
@@ -574,14 +578,19 @@ def serve_and_measure(args, run: Run, files: Files, chat: bool, temperatures: li
             return result
         log(f"{run.key}: healthy after {startup:.1f} s")
         result["gpu_memory_idle"] = gpu_memory(proc.pid)
+        extra = json.loads(args.body) if args.body else None
         for temperature in temperatures:
+            if run.parallel > 1:
+                result.setdefault("rounds", []).append(concurrent_round(url, chat, run, args, temperature, extra,
+                                                                        deadline, result["requests"]))
+                continue
             for name, prompt in zip(SEED_NAMES, SEED_PROMPTS):
                 left = deadline - time.monotonic()
                 if left < 5:
                     result["error"] = "the call's budget ran out during the prompts"
                     return result
                 r = request(url, chat, padded(prompt, run.depth), args.n_predict, temperature,
-                            min(args.request_timeout, left), json.loads(args.body) if args.body else None)
+                            min(args.request_timeout, left), extra)
                 result["requests"].append(dict(r, prompt=name, temperature=temperature))
                 if "error" in r:
                     log(f"{run.key} {name}: {r['error'][:300]}")
@@ -596,6 +605,28 @@ def serve_and_measure(args, run: Run, files: Files, chat: bool, temperatures: li
         stop(proc, work / "server.pid")
         result["log_tail"] = logfile.read_text(errors="replace").splitlines()[-40:]
     return result
+
+
+def concurrent_round(url: str, chat: bool, run: Run, args, temperature: float | None, extra: dict | None,
+                     deadline: float, into: list) -> dict:
+    """`run.parallel` requests at once (the guide's prompts in turn, each numbered so that no two are the same
+    text): the aggregate tok/s is every request's tokens over the round's wall time."""
+    import concurrent.futures
+    jobs = [(SEED_NAMES[i % len(SEED_NAMES)], f"({i + 1}) " + SEED_PROMPTS[i % len(SEED_PROMPTS)])
+            for i in range(run.parallel)]
+    timeout = max(5.0, min(args.request_timeout, deadline - time.monotonic()))
+    t = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(run.parallel) as pool:
+        replies = list(pool.map(lambda job: request(url, chat, padded(job[1], run.depth), args.n_predict, temperature,
+                                                    timeout, extra), jobs))
+    wall = time.perf_counter() - t
+    for (name, _), r in zip(jobs, replies):
+        into.append(dict(r, prompt=name, temperature=temperature))
+    tokens = sum(r.get("predicted_n") or 0 for r in replies)
+    errors = [r["error"][:200] for r in replies if "error" in r]
+    log(f"{run.key} T={temperature}: {run.parallel} at once, {tokens} tokens in {wall:.1f} s: "
+        f"{tokens / wall:.1f} tok/s aggregate" + (f"; errors: {errors}" if errors else ""))
+    return dict(temperature=temperature, wall_s=wall, tokens=tokens, aggregate_tok_s=tokens / wall, errors=errors)
 
 
 def save(args, result: dict) -> None:
@@ -626,7 +657,8 @@ def run_engine_phase(args, engines: list[str], model: str, chat: bool, temperatu
                 log(f"{model} {config} on {engine}: no draft for it, skipped")
                 continue
             for start in range(1, 3 if args.restart else 2):
-                run = Run(model, config, engine, args.label if engine == "flashdraft" else "", start, args.depth)
+                run = Run(model, config, engine, args.label if engine == "flashdraft" else "", start, args.depth,
+                          args.parallel)
                 if done(args, run):
                     log(f"{run.key}: done before (--redo runs it again)")
                     continue
@@ -653,7 +685,9 @@ def summary(result: dict, temperature) -> dict:
     reqs = [r for r in result["requests"] if r.get("temperature") == temperature and "error" not in r]
     mem = result.get("gpu_memory") or {}
     spec = [r["speculative"] for r in reqs if r.get("speculative")]
+    rounds = [r for r in result.get("rounds", []) if r.get("temperature") == temperature]
     return {"decode": mean([r["decode_tok_s"] for r in reqs]), "wall": mean([r["wall_tok_s"] for r in reqs]),
+            "aggregate": mean([r["aggregate_tok_s"] for r in rounds]),
             "prefill": mean([r["prefill_tok_s"] for r in reqs]), "tokens": sum(r["predicted_n"] or 0 for r in reqs),
             "n": len(reqs), "process_MiB": mem.get("process_MiB"), "gpu_used_MiB": mem.get("gpu_used_MiB"),
             "acceptance": mean([s.get("mean_acceptance_length") for s in spec]),
@@ -692,14 +726,19 @@ def report(args) -> int:
     rows.sort(key=lambda x: (order.get(x["model"], 9), -1 if x["T"] is None else -x["T"], x.get("depth", 0),
                              cfg_order.get(x["config"], 9), x["engine"] != "llama", x["label"], x["start"]))
 
+    def speed(s: dict) -> float | None:
+        """Decode tok/s of one request at a time; with several at once, the rounds' aggregate."""
+        return s["aggregate"] or s["decode"]
+
     def base(x: dict) -> tuple[float | None, str]:
         """llama-server's decode tok/s for the same model, configuration, depth and temperature, else its
         cmd1-f16."""
         for config in (x["config"], "cmd1-f16"):
             for y in rows:
-                if (y["engine"], y["model"], y["config"], y.get("depth", 0), y["T"]) == \
-                        ("llama", x["model"], config, x.get("depth", 0), x["T"]) and y["s"]["decode"]:
-                    return y["s"]["decode"], "" if config == x["config"] else f" (vs {config})"
+                if (y["engine"], y["model"], y["config"], y.get("depth", 0), y.get("parallel", 1), y["T"]) == \
+                        ("llama", x["model"], config, x.get("depth", 0), x.get("parallel", 1), x["T"]) and \
+                        speed(y["s"]):
+                    return speed(y["s"]), "" if config == x["config"] else f" (vs {config})"
         return None, ""
 
     gpus = sorted({str(r.get("gpu")) for r in results.values()})
@@ -711,8 +750,8 @@ def report(args) -> int:
         s = x["s"]
         engine = "llama-server" if x["engine"] == "llama" else " ".join(["flashdraft", x["label"]]).strip()
         ratio, versus = base(x)
-        ratio_s = "-" if x["engine"] == "llama" or not ratio or not s["decode"] else \
-            f"x{s['decode'] / ratio:.2f}{versus}"
+        ratio_s = "-" if x["engine"] == "llama" or not ratio or not speed(s) else \
+            f"x{speed(s) / ratio:.2f}{versus}"
         mem = "-" if s["process_MiB"] is None and s["gpu_used_MiB"] is None else \
             s["process_MiB"] if s["process_MiB"] is not None else f"{s['gpu_used_MiB']} (GPU)"
         notes = []
@@ -731,6 +770,9 @@ def report(args) -> int:
         if s["n"] < len(SEED_PROMPTS):
             notes.append(f"{s['n']} of {len(SEED_PROMPTS)} prompts")
         config = x["config"] + (f" @{x['depth']}" if x.get("depth") else "")
+        if x.get("parallel", 1) > 1:
+            config += f" -np {x['parallel']}"
+            notes.append(f"aggregate {fmt(s['aggregate'])} tok/s")
         lines.append(f"| {x['model']} | {config} | {'-' if x['T'] is None else x['T']} | {engine} | "
                      f"{x['start']} | {fmt(s['decode'])} | {fmt(s['wall'])} | {fmt(s['prefill'], 0)} | {s['tokens']} | "
                      f"{mem} | {fmt(x.get('startup_s'))} | {ratio_s} | {'; '.join(notes)} |")
@@ -778,6 +820,8 @@ def main() -> int:
     ap.add_argument("--restart", action="store_true", help="start each server twice (the second: a warm start)")
     ap.add_argument("--depth", type=int, default=0,
                     help="pad each prompt with filler to about this many tokens (a context of that depth)")
+    ap.add_argument("--parallel", type=int, default=1,
+                    help="-np N on both servers and N requests sent at once per round (aggregate tok/s)")
     ap.add_argument("--body", default="", help="JSON fields added to every request (e.g. '{\"speculative.n_max\": 7}'"
                                                ": a fixed width; name it with --label)")
     ap.add_argument("--redo", action="store_true", help="run configurations whose results are there already")

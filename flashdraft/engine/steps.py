@@ -9,6 +9,7 @@ committed rows, and the sampler (engine/sampling.DeviceSampler: a token per row 
 SamplerKey). The drafter is read through draft/interface.Drafter only.
 """
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 from torch import Tensor
@@ -204,14 +205,15 @@ class Steps:
         x, at, before = all_logits[:rows], all_positions[:rows], all_drafted[:rows - 1]
         return self.graphs.run(key, lambda: (sampler(key, x, at, before),), [], pool="sampler")[0]
 
-    def warmup_keys(self, n_slots: int, block: int, adaptive: bool) -> list[PlainKey | SpecKey | ContextKey]:
+    def warmup_keys(self, n_slots: int, block: int,
+                    adaptive: bool) -> list[PlainKey | SpecKey | ContextKey | BatchKey]:
         """The keys the decode loop uses with this configuration (full-width verify; adaptive widths are captured
         as measure_width_costs times them). With a draft, plain steps that do not feed it (a request without
         speculation, the context's last position) are left to be captured on first use: the server's requests
         speculate, and each captured step costs start-up time (the Gemma 4 31B shape: 8 of its 40)."""
         max_len = self.state.max_len
         buckets = sorted({bucket_for(MIN_BUCKET * 2 ** i, max_len) for i in range(32) if MIN_BUCKET * 2 ** i < max_len * 2})
-        keys: list[PlainKey | SpecKey | ContextKey] = []
+        keys: list[PlainKey | SpecKey | ContextKey | BatchKey] = []
         for slot in range(n_slots):
             for b in buckets:
                 plain_bucket = self.target_length(b)  # one for every bucket with whole_cache
@@ -223,12 +225,20 @@ class Steps:
                     keys.append(SpecKey(slot, b, block, block))
             if self.draft is not None and block > 1:
                 keys += [ContextKey(slot, n) for n in range(1, block + 1)]
+        for b in buckets:  # plain steps of several slots at once (a graph per batch size)
+            follow = self.draft is not None
+            if not follow or adaptive:
+                keys += [BatchKey(rows, self.target_length(b), follow) for rows in range(2, n_slots + 1)]
         return list(dict.fromkeys(keys))  # with whole_cache, the buckets' plain keys are one
 
-    def run_key(self, key: PlainKey | SpecKey | ContextKey) -> None:
+    def run_key(self, key: PlainKey | SpecKey | ContextKey | BatchKey) -> None:
         """Run (on CUDA: capture) one key's step on placeholder inputs."""
         dev = self.device
-        if isinstance(key, PlainKey):
+        if isinstance(key, BatchKey):
+            zero = torch.zeros(1, dtype=torch.long, device=dev)
+            self.plain_batch([SimpleNamespace(token_t=zero, pos=0, slot=s) for s in range(key.rows)], key.bucket,
+                             key.follow)
+        elif isinstance(key, PlainKey):
             zero = torch.zeros(1, dtype=torch.long, device=dev)
             self.plain(key.slot, zero, zero.clone(), key.bucket, key.follow)
         elif isinstance(key, SpecKey):
