@@ -14,8 +14,8 @@ import torch
 from flashdraft.engine.config import EngineConfig, compile_enabled
 from flashdraft.layers.compile import preload_compiler
 from flashdraft.engine import synthetic
-from flashdraft.engine.generate import (SlotState, SpecStats, StepPlan, advance_plain, begin, decode, finish,
-                                        new_slot_state, plan, step_plain, step_speculative)
+from flashdraft.engine.generate import (SlotState, SpecStats, StepPlan, advance_plain, decode, finish, first_token,
+                                        new_slot_state, open_slot, plan, prefill_slice, step_plain, step_speculative)
 from flashdraft.engine.grammar import Constraint, Grammar
 from flashdraft.engine.lockstep import from_rank0, in_lockstep
 from flashdraft.engine.sampling import SamplingParams, fresh_seed
@@ -343,6 +343,10 @@ def module_bytes(module: torch.nn.Module) -> int:
     shared tensors)."""
     return sum({t.data_ptr(): t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()]}.values())
 
+
+# Prompt tokens read per engine step while other slots decode: a slice costs about a verify step of that width, so
+# their inter-token latency stays within a few steps' (a whole 1024-token chunk of the 31B shape: ~70 steps)
+INTERLEAVED_PREFILL = 16
 
 # GPU memory a context must leave for the step graphs, the drafter's state and the CUDA workspaces (what the 31B shape's
 # graphs and workspaces took beside its caches)
@@ -710,14 +714,17 @@ class Engine:
                 self._wake.notify_all()
 
     def step(self) -> None:
-        """One engine step: admit waiting requests into free slots (prefill and first token), then one decode
-        step for every active slot, plain steps of several slots batched into one target call."""
+        """One engine step: admit waiting requests into free slots, one decode step for every slot past its prompt
+        (plain steps of several slots batched into one target call), then a slice of a prompt being read (its first
+        token once it is all in)."""
         self._admit()
         plans = []
         for job in list(self._active):
             if job.req.cancel.is_set():
                 job.out.finish = "cancelled"
                 self._finish(job)
+                continue
+            if job.state.token_t is None:  # its prompt is still being read
                 continue
             try:
                 p = plan(self.steps, job.state)
@@ -737,6 +744,7 @@ class Engine:
         for job, p in plans:
             if p.width > 1:
                 self._guarded(job, lambda: step_speculative(self.steps, job.state, p))
+        self._prefill(decoding=bool(plans))
 
     def _admit(self) -> None:
         while True:
@@ -768,13 +776,28 @@ class Engine:
                     self._finish(job)
                     continue
                 job.out.begin(cached)
-                first = begin(self.steps, job.state, cached)
+                open_slot(self.steps, job.state, cached)
             except Exception as e:
                 self._fail(job, e)
-                continue
-            self._sync()
-            job.out.t_first = time.perf_counter()
-            self._hand_out(job, first)
+
+    def _prefill(self, decoding: bool) -> None:
+        """The next slice of the first prompt still being read: all of it when no slot decodes, else
+        INTERLEAVED_PREFILL tokens, so that the running streams go on a step at a time meanwhile."""
+        job = next((j for j in self._active if j.state is not None and j.state.token_t is None), None)
+        if job is None:
+            return
+        s = job.state
+        try:
+            logits = prefill_slice(self.steps, s, INTERLEAVED_PREFILL if decoding else len(s.prompt))
+            if logits is None:
+                return
+            first = first_token(self.steps, s, logits)
+        except Exception as e:
+            self._fail(job, e)
+            return
+        self._sync()
+        job.out.t_first = time.perf_counter()
+        self._hand_out(job, first)
 
     def _plain_batch(self, batch: list[tuple["Task", StepPlan]]) -> None:
         states = [job.state for job, _ in batch]

@@ -66,19 +66,21 @@ def accept_matching_samples(drafted: Tensor, logits: Tensor, params: SamplingPar
     return accepted, target_tokens[accepted]
 
 
-def prefill(target, state, prompt_ids: Tensor, slot: int, cached: int = 0, draft=None) -> Tensor:
-    """Run the prompt from position `cached` on (the cache holds the K/V before it) through the target in chunks;
-    returns the last logits [1, V]. With a drafter, it observes each chunk (its tokens, and the features of its
-    target layers) for `slot` as the chunk ends, so a long prompt's features (16k positions x 6 layers of a 31B:
-    1 GB) are never held at once."""
+def prefill(target, state, prompt_ids: Tensor, slot: int, cached: int = 0, draft=None, end: int | None = None,
+            chunk: int = PREFILL_CHUNK) -> Tensor:
+    """Run the prompt from position `cached` on (the cache holds the K/V before it) to `end` (default: its end)
+    through the target in chunks; returns the last logits [1, V]. With a drafter, it observes each chunk (its tokens,
+    and the features of its target layers) for `slot` as the chunk ends, so a long prompt's features (16k positions
+    x 6 layers of a 31B: 1 GB) are never held at once."""
     capture = draft.target_layers if draft is not None else ()
-    for start in range(cached, len(prompt_ids), PREFILL_CHUNK):
-        chunk = prompt_ids[start:start + PREFILL_CHUNK]
-        positions = torch.arange(start, start + len(chunk), device=prompt_ids.device)
-        logits, feats = target(chunk[None], positions[None], state, slot, capture=capture,
-                               attn_len=start + len(chunk), logits_at="last", fresh=start == 0)
+    end = len(prompt_ids) if end is None else end
+    for start in range(cached, end, chunk):
+        part = prompt_ids[start:min(start + chunk, end)]
+        positions = torch.arange(start, start + len(part), device=prompt_ids.device)
+        logits, feats = target(part[None], positions[None], state, slot, capture=capture,
+                               attn_len=start + len(part), logits_at="last", fresh=start == 0)
         if draft is not None:
-            draft.observe(chunk[None], feats, positions[None], slot)
+            draft.observe(part[None], feats, positions[None], slot)
     return logits[0]
 
 
@@ -153,6 +155,7 @@ class SlotState:
     constraint: "Constraint | None" = None
     max_width: int | None = None
     accept_rule: AcceptRule = accept_matching_samples
+    prefilled: int = 0  # prompt tokens in the cache so far
     pos: int = 0  # position of `token`: committed, not yet in the target cache
     token: int = 0  # the last committed token on the host, once read ...
     token_t: Tensor | None = None  # ... and on the device
@@ -202,18 +205,33 @@ class StepPlan:
     attn_len: int
     follow: bool = False
 
-def begin(steps: Steps, s: SlotState, cached: int = 0, generator: torch.Generator | None = None) -> list[int]:
-    """Prefill the slot's prompt from `cached` on and draw its first token (returned, already counted)."""
-    target, state = steps.target, steps.state
-    draft = steps.draft if s.speculative else None
+def open_slot(steps: Steps, s: SlotState, cached: int = 0) -> None:
+    """Start the request in its slot, whose cache (and the drafter's state) hold the first `cached` prompt tokens."""
     n = len(s.prompt)
     if not 0 <= cached < n:
         raise ValueError(f"cached {cached} of a {n}-token prompt: the last prompt token must run")
-    if draft is not None:
-        draft.reset(s.slot, keep=cached)
-    state.resume(s.slot, cached)
-    logits = prefill(target, state, s.prompt, s.slot, cached, draft)
-    state.checkpoint(s.slot, n)  # a recurrent state after the prompt, for a next turn that shares only the prompt
+    if s.speculative:
+        steps.draft.reset(s.slot, keep=cached)
+    steps.state.resume(s.slot, cached)
+    s.prefilled = cached
+
+
+def prefill_slice(steps: Steps, s: SlotState, most: int = PREFILL_CHUNK) -> Tensor | None:
+    """Run up to `most` more prompt tokens; the last prompt position's logits [1, V] once the prompt is in."""
+    n = len(s.prompt)
+    end = min(n, s.prefilled + most)
+    logits = prefill(steps.target, steps.state, s.prompt, s.slot, s.prefilled, steps.draft if s.speculative else None,
+                     end, min(most, PREFILL_CHUNK))
+    s.prefilled = end
+    if end < n:
+        return None
+    steps.state.checkpoint(s.slot, n)  # a recurrent state after the prompt, for a next turn that shares only it
+    return logits
+
+
+def first_token(steps: Steps, s: SlotState, logits: Tensor, generator: torch.Generator | None = None) -> list[int]:
+    """Draw the first output token from the prompt's last logits [1, V] (returned, already counted)."""
+    n = len(s.prompt)
     if s.seed is None and not s.params.greedy:
         s.seed = fresh_seed() if generator is None else int(torch.randint(0, 2 ** 62, (), generator=generator,
                                                                            device=generator.device))
@@ -232,6 +250,12 @@ def begin(steps: Steps, s: SlotState, cached: int = 0, generator: torch.Generato
     s.landings = [(torch.empty(1, dtype=torch.long, pin_memory=s.token_t.is_cuda),
                    torch.cuda.Event() if s.token_t.is_cuda else None) for _ in range(2)]
     return [s.token]
+
+
+def begin(steps: Steps, s: SlotState, cached: int = 0, generator: torch.Generator | None = None) -> list[int]:
+    """Prefill the slot's prompt from `cached` on and draw its first token (returned, already counted)."""
+    open_slot(steps, s, cached)
+    return first_token(steps, s, prefill_slice(steps, s, len(s.prompt)), generator)
 
 
 def plan(steps: Steps, s: SlotState) -> StepPlan | list[int]:
