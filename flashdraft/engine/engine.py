@@ -14,8 +14,9 @@ import torch
 from flashdraft.engine.config import EngineConfig, compile_enabled
 from flashdraft.layers.compile import preload_compiler
 from flashdraft.engine import synthetic
-from flashdraft.engine.generate import (SlotState, SpecStats, StepPlan, advance_plain, decode, finish, first_token,
-                                        new_slot_state, open_slot, plan, prefill_slice, step_plain, step_speculative)
+from flashdraft.engine.generate import (SlotState, SpecStats, StepPlan, advance_plain, advance_speculative, decode,
+                                        finish, first_token, new_slot_state, open_slot, plan, prefill_slice,
+                                        step_plain, step_speculative)
 from flashdraft.engine.grammar import Constraint, Grammar
 from flashdraft.engine.lockstep import from_rank0, in_lockstep
 from flashdraft.engine.sampling import SamplingParams, fresh_seed
@@ -741,8 +742,15 @@ class Engine:
         else:
             for job, p in plain:
                 self._guarded(job, lambda: step_plain(self.steps, job.state, p))
-        for job, p in plans:
+        by_width: dict[int, list[tuple[Task, StepPlan]]] = {}
+        for job, p in plans:  # a block cut short by the context's end runs alone
             if p.width > 1:
+                by_width.setdefault(p.width if p.room >= job.state.block else -job.req.slot - 2, []).append((job, p))
+        for group in by_width.values():
+            if len(group) > 1:
+                self._speculative_batch(group)
+            else:
+                job, p = group[0]
                 self._guarded(job, lambda: step_speculative(self.steps, job.state, p))
         self._prefill(decoding=bool(plans))
 
@@ -813,6 +821,21 @@ class Engine:
             self._guarded(job, lambda: advance_plain(self.steps, job.state, p, logits[i:i + 1],
                                                      None if features is None else features[i:i + 1],
                                                      positions[i:i + 1]))
+
+    def _speculative_batch(self, batch: list[tuple[Task, StepPlan]]) -> None:
+        for job, _ in batch:
+            job.state.following.flush()  # the drafter proposes from every committed position
+        states = [job.state for job, _ in batch]
+        try:
+            ids, logits, features, positions = self.steps.speculative_batch(states, [p.live for _, p in batch],
+                                                                            batch[0][1].width, states[0].block)
+        except Exception as e:
+            for job, _ in batch:
+                self._fail(job, e)
+            return
+        for i, (job, p) in enumerate(batch):
+            self._guarded(job, lambda: advance_speculative(self.steps, job.state, p, ids[i], logits[i],
+                                                           None if features is None else features[i], positions[i]))
 
     def _guarded(self, job: "Task", run: Callable[[], list[int]]) -> None:
         try:

@@ -320,6 +320,14 @@ def step_speculative(steps: Steps, s: SlotState, p: StepPlan) -> list[int]:
     positions = torch.arange(s.pos, s.pos + min(s.block, p.room), device=device)
     anchor, live_t = (torch.full((1,), n, device=device) for n in (s.token, p.live))  # fills, no copies
     ids, logits, feats = steps.speculative(s.slot, anchor, positions, live_t, p.attn_len, p.width, s.block)
+    return advance_speculative(steps, s, p, ids, logits, feats, positions)
+
+
+def advance_speculative(steps: Steps, s: SlotState, p: StepPlan, ids: Tensor, logits: Tensor,
+                        features: Tensor | None, positions: Tensor) -> list[int]:
+    """After a speculative step of the slot (the anchor and proposals `ids` [width], their logits [width, V] and
+    features [width, F] at `positions` [block]): accept, commit, hand the drafter the committed rows; the tokens
+    it hands out."""
     checked = min(p.width, p.live)  # rows past `live` hold no wanted token: they neither count nor commit
     drafted, logits = ids[1:checked], logits[:checked]
     rows, posterior = s.choose(steps, logits, positions[:checked], drafted)
@@ -331,12 +339,12 @@ def step_speculative(steps: Steps, s: SlotState, p: StepPlan) -> list[int]:
         s.controller.record(p.width, accepted)
     n_new = accepted + 1
     steps.state.commit(s.slot, s.pos + n_new)
-    steps.observe(s.slot, ids[:n_new], None if feats is None else feats[:n_new], positions[:n_new])
+    steps.observe(s.slot, ids[:n_new], None if features is None else features[:n_new], positions[:n_new])
     new = proposed[:accepted] + [bonus]
     steps.samplers[s.slot].commit(new, s.pos + 1)
     s.report(logits, new[:s.budget - s.produced])
     s.pos += n_new
-    s.token_t = torch.full((1,), new[-1], device=device)
+    s.token_t = torch.full((1,), new[-1], device=s.prompt.device)
     return s.taken(new)
 
 

@@ -53,6 +53,15 @@ class BatchKey:
 
 
 @dataclass(frozen=True)
+class SpecBatchKey:
+    """A speculative step of several slots in one call: the drafter proposes for each (its state indexed by
+    these slots), the target verifies `width` rows of every slot at once."""
+    slots: tuple[int, ...]
+    block: int
+    width: int
+
+
+@dataclass(frozen=True)
 class ContextKey:
     slot: int
     rows: int
@@ -146,6 +155,31 @@ class Steps:
 
         logits, feats = self.graphs.run(BatchKey(len(states), attn_len, follow), step, [tokens, positions, slots])
         return logits, feats if follow else None, positions
+
+    def speculative_batch(self, states: list, lives: list[int], width: int,
+                          block: int) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+        """One speculative step of several slots (each a full block ahead of it in the context), the target
+        verifying `width` rows of each in one call (`lives`: each block's rows that hold wanted tokens): (ids [B, width]: anchors and proposals, logits [B, width, V],
+        features [B, width, F] or None, positions [B, block]). The drafter reads its whole context window (one
+        graph for every length)."""
+        dev = self.device
+        anchors = torch.cat([torch.full((1,), s.token, device=dev) for s in states])  # fills, no copies
+        live = torch.cat([torch.full((1,), n, device=dev) for n in lives])
+        positions = torch.stack([self.positions(s.pos, block) for s in states])
+        slots = tuple(s.slot for s in states)
+        rows = self.slot_index(slots)
+        attn_len = self.target_length(self.state.max_len)
+
+        def step(a, p, n):
+            drafted = torch.cat([self.draft.propose(self.target, a[i:i + 1], p[i, :1], slot, width - 1, n[i:i + 1],
+                                                    block, self.state.max_len) for i, slot in enumerate(slots)])
+            checked = torch.cat([a[:, None], drafted], dim=1)
+            logits, feats = self.target(checked, p[:, :width], self.state, rows, capture=self.draft.target_layers,
+                                        attn_len=attn_len)
+            return checked, logits, feats
+
+        ids, logits, feats = self.graphs.run(SpecBatchKey(slots, block, width), step, [anchors, positions, live])
+        return ids, logits, feats, positions
 
     def slot_index(self, slots: tuple[int, ...]) -> Tensor:
         """The slots as a [B] tensor on the device, made once per combination (no host-to-device copy per step)."""
