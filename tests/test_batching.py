@@ -1,0 +1,95 @@
+"""The engine loop runs one step over every running slot (engine.Engine.step): plain steps of several slots in one
+target call, speculative steps of the same width in one call. A request's answer must not depend on what runs
+beside it: greedy, seeded sampling, grammar, penalties and log-probabilities, each equal to its solo run."""
+import threading
+
+import pytest
+
+from flashdraft.engine.engine import Completion, Engine, EngineConfig, Request
+from flashdraft.engine.grammar import Grammar
+from flashdraft.engine.sampling import SamplingParams
+from test_server import DEVICE, PROMPTS, models  # noqa: F401  (models: a fixture shared by the run)
+
+SCHEMA = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
+
+
+def mixed_requests(tokenizer) -> list[Request]:
+    """Plain, speculative, grammar-constrained, penalised, logprob and seeded sampled requests."""
+    def req(i: int, **kw) -> Request:
+        params = dict(max_tokens=16, ignore_eos=True)
+        params.update(kw.pop("params", {}))
+        return Request(tokenizer.encode(PROMPTS[i]), SamplingParams(**params), **kw)
+
+    return [req(0, speculative=False), req(1, speculative=False, params=dict(logprobs=1)), req(2),
+            req(3, grammar=Grammar("json_schema", SCHEMA), params=dict(ignore_eos=False)),
+            req(4, params=dict(repeat_penalty=1.3, presence_penalty=0.5)), req(5, params=dict(logprobs=2)),
+            req(6, params=dict(temperature=0.9, top_k=20, seed=7)),
+            req(7, params=dict(temperature=0.7, seed=11, frequency_penalty=0.4))]
+
+
+def answer(c: Completion) -> tuple:
+    return c.token_ids, c.finish_reason, [(t, round(lp, 5)) for t, lp, _ in (c.logprobs or [])]
+
+
+def all_at_once(engine: Engine, requests: list[Request]) -> list[Completion]:
+    out: list[Completion | None] = [None] * len(requests)
+
+    def run(i: int) -> None:
+        out[i] = engine.generate(requests[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(models) -> Engine:
+    target, draft = models
+    return Engine.load(EngineConfig(str(target), str(draft), device=DEVICE, ctx_size=512, n_slots=4,
+                                    dtype="float32"))
+
+
+def spy_batches(engine: Engine, monkeypatch) -> list[tuple[str, int]]:
+    seen = []
+    for name in ("plain_batch", "speculative_batch"):
+        run = getattr(engine.steps, name)
+        monkeypatch.setattr(engine.steps, name, lambda states, *a, _run=run, _name=name:
+                            seen.append((_name, len(states))) or _run(states, *a))
+    return seen
+
+
+@pytest.mark.parametrize("together", [2, 4])
+def test_requests_together_answer_as_alone(engine, monkeypatch, together):
+    requests = mixed_requests(engine.tokenizer)
+    alone = [answer(engine.generate(r)) for r in requests]
+    seen = spy_batches(engine, monkeypatch)
+    for start in range(0, len(requests), together):
+        group = [Request(r.prompt_ids, r.params, r.speculative, grammar=r.grammar)
+                 for r in requests[start:start + together]]
+        assert [answer(c) for c in all_at_once(engine, group)] == alone[start:start + together]
+    assert {name for name, n in seen if n > 1} == {"plain_batch", "speculative_batch"}  # batching happened
+    assert engine.free_slot_count == 4
+
+
+def test_cancel_mid_stream_frees_the_slot(engine):
+    tokenizer = engine.tokenizer
+    long = Request(tokenizer.encode(PROMPTS[0]), SamplingParams(max_tokens=200, ignore_eos=True))
+    beside = Request(tokenizer.encode(PROMPTS[1]), SamplingParams(max_tokens=24, ignore_eos=True))
+    fresh = engine.generate(Request(beside.prompt_ids, beside.params)).token_ids
+    done: list[Completion] = []
+    thread = threading.Thread(target=lambda: done.append(engine.generate(beside)))
+    stream = engine.stream(long)
+    next(stream)  # running
+    thread.start()
+    next(stream)
+    stream.close()  # the client goes away
+    assert engine.free_slot_count >= 3  # its slot is back before close returns
+    thread.join()
+    assert done[0].token_ids == fresh
+    after = Request(long.prompt_ids, SamplingParams(max_tokens=24, ignore_eos=True))
+    again = engine.generate(after).token_ids
+    assert again == engine.generate(Request(after.prompt_ids, after.params, cache_prompt=False)).token_ids
+    assert engine.free_slot_count == 4
