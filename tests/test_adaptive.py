@@ -105,3 +105,16 @@ def test_seeded_sampling_repeats_with_the_adaptive_width():
     outs = [run(target, prompt, params, draft=draft, controller=WidthController(dict(COSTS)),
                 generator=torch.Generator().manual_seed(7)) for _ in range(2)]
     assert outs[0] == outs[1]
+
+
+def test_batch_width_speculates_only_where_the_batch_gains():
+    from flashdraft.engine.adaptive import batch_width
+    costs = {1: 1.0, 4: 1.6, 8: 3.0}  # a batch's verify steps against its plain step
+    sure, unsure = WidthController({1: 1.0, 8: 3.0}), WidthController({1: 1.0, 8: 3.0})
+    assert batch_width([sure, unsure], costs) == 8  # estimates start optimistic
+    for _ in range(40):
+        unsure.record(8, 0)
+    assert batch_width([sure, unsure], costs) == 4  # one slot's drafts still land: narrower pays
+    for _ in range(40):
+        sure.record(8, 0)
+    assert batch_width([sure, unsure], costs) == 1  # nothing pays: plain, batched

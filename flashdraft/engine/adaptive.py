@@ -74,6 +74,13 @@ class WidthController:
             self.current, self.steps_at_current = best, 0
 
 
+def batch_width(controllers: list[WidthController], costs: dict[int, float]) -> int:
+    """One verify width for slots that step together: the width with the most expected tokens over all of them per
+    unit of the batch's step cost at that width (`costs`: relative to the batch's plain step, measured at that
+    batch size). Width 1 where nothing pays: the slots then decode plain, batched."""
+    return max(sorted(costs), key=lambda w: sum(c.expected_tokens(w) for c in controllers) / costs[w])
+
+
 def candidate_widths(block: int, graphs: bool) -> list[int]:
     """Plain and full width with CUDA graphs (a verify step costs about a decode step there, and every width
     is a graph per context bucket); powers of two up to the block on the CPU, where cost grows with width."""

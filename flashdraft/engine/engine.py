@@ -389,6 +389,7 @@ class Engine:
         # Costs are timed per process, and ranks must take the same steps: no adaptive width under TP.
         self.adaptive = config.adaptive and draft is not None and self.world_size == 1
         self.width_costs: dict[int, float] | None = None
+        self.batch_costs: dict[int, dict[int, float]] = {}  # batch size -> width -> cost (measure_batch_costs)
         if self.world_size > 1 and config.n_slots != 1:
             raise ValueError("tensor parallelism runs one request at a time: use one slot")
         try:
@@ -465,6 +466,8 @@ class Engine:
             log.info("step graphs ready in %.1f s", engine.startup_s["warmup"])
         if engine.adaptive and engine.width_costs is None:
             engine.measure_width_costs()
+            if engine.n_slots > 1:
+                engine.measure_batch_costs()
             engine._release_cached()
         return engine
 
@@ -514,6 +517,30 @@ class Engine:
         with torch.inference_mode():
             self.width_costs = measure_costs(run_width, candidate_widths(block, self.steps.static), self._sync)
         return self.width_costs
+
+    def measure_batch_costs(self) -> dict[int, dict[int, float]]:
+        """Each candidate width's step time for every batch size 2..n_slots, relative to that batch's plain step
+        (engine.adaptive.batch_width), on the slots 0..B-1, which must be free and are left holding nothing."""
+        from flashdraft.engine.adaptive import candidate_widths, measure_costs
+        from flashdraft.engine.steps import BatchKey, SpecBatchKey
+        block = self.draft_block
+        taken = [self.slots.acquire([], reuse=False)[0] for _ in range(self.n_slots)]
+        try:
+            with torch.inference_mode():
+                for rows in range(2, self.n_slots + 1):
+                    def run_width(w: int) -> None:
+                        if w == 1:
+                            self.steps.run_key(BatchKey(rows, self.steps.target_length(self.steps.attended(64 + w)),
+                                                        True))
+                        else:
+                            self.steps.run_key(SpecBatchKey(tuple(range(rows)), block, w))
+
+                    widths = candidate_widths(block, self.steps.static)
+                    self.batch_costs[rows] = measure_costs(run_width, widths, self._sync)
+        finally:
+            for slot in taken:
+                self.slots.release(slot, [])
+        return self.batch_costs
 
     def warmup(self, max_tokens: int = 8) -> float:
         """Capture the step graphs of every key the decode loop uses (on CUDA) and run a short generation per
@@ -720,15 +747,17 @@ class Engine:
         token once it is all in)."""
         self._admit()
         plans = []
-        for job in list(self._active):
-            if job.req.cancel.is_set():
-                job.out.finish = "cancelled"
-                self._finish(job)
-                continue
-            if job.state.token_t is None:  # its prompt is still being read
-                continue
+        for job in [j for j in self._active if j.req.cancel.is_set()]:
+            job.out.finish = "cancelled"
+            self._finish(job)
+        running = [j for j in self._active if j.state.token_t is not None]  # past their prompts
+        batch = self._batch_width(running)
+        for job in running:
+            c = job.state.controller
+            # a slot's own width where it has no controller, and for the probe it is due where nothing pays
+            want = None if batch is None or c is None or (batch == 1 and c.current == 1 and c.width() > 1) else batch
             try:
-                p = plan(self.steps, job.state)
+                p = plan(self.steps, job.state, want)
             except Exception as e:
                 self._fail(job, e)
                 continue
@@ -742,17 +771,28 @@ class Engine:
         else:
             for job, p in plain:
                 self._guarded(job, lambda: step_plain(self.steps, job.state, p))
-        by_width: dict[int, list[tuple[Task, StepPlan]]] = {}
+        groups: dict[tuple[int, int], list[tuple[Task, StepPlan]]] = {}
         for job, p in plans:  # a block cut short by the context's end runs alone
             if p.width > 1:
-                by_width.setdefault(p.width if p.room >= job.state.block else -job.req.slot - 2, []).append((job, p))
-        for group in by_width.values():
+                key = (p.width, job.state.block) if p.room >= job.state.block else (-1, job.req.slot)
+                groups.setdefault(key, []).append((job, p))
+        for group in groups.values():
             if len(group) > 1:
                 self._speculative_batch(group)
             else:
                 job, p = group[0]
                 self._guarded(job, lambda: step_speculative(self.steps, job.state, p))
         self._prefill(decoding=bool(plans))
+
+    def _batch_width(self, running: list[Task]) -> int | None:
+        """The verify width for slots that step together (engine.adaptive.batch_width over their controllers and
+        the costs measured at this batch size); None: each slot its own."""
+        costs = self.batch_costs.get(len(running))
+        controllers = [j.state.controller for j in running if j.state.controller is not None]
+        if costs is None or len(controllers) < 2:
+            return None
+        from flashdraft.engine.adaptive import batch_width
+        return batch_width(controllers, costs)
 
     def _admit(self) -> None:
         while True:

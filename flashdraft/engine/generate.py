@@ -258,16 +258,19 @@ def begin(steps: Steps, s: SlotState, cached: int = 0, generator: torch.Generato
     return first_token(steps, s, prefill_slice(steps, s, len(s.prompt)), generator)
 
 
-def plan(steps: Steps, s: SlotState) -> StepPlan | list[int]:
+def plan(steps: Steps, s: SlotState, want: int | None = None) -> StepPlan | list[int]:
     """The slot's next step, or the tokens it hands out first without one (a plain step's token the host had not
-    read, which a verify block anchors on, or the last one wanted)."""
+    read, which a verify block anchors on, or the last one wanted). `want`: the width the engine chose for a batch
+    of slots (default: the slot's width controller's, else its block)."""
     queued = s.pending is not None
     # As z-lab's loop, a block covers at most the tokens still wanted plus the anchor (`live`). The draft still runs
     # the full block, with the rows past `live` hidden, so the same CUDA graph serves the last steps; only the
     # context's end shrinks the block itself.
     room = s.max_len - s.pos
     live = min(s.block, s.budget - s.produced - queued + 1, room)
-    width = min(s.controller.width() if s.controller is not None else s.block, s.max_width or s.block, room)
+    if want is None:
+        want = s.controller.width() if s.controller is not None else s.block
+    width = min(want, s.max_width or s.block, room)
     if not steps.static:  # no captured shape to keep: verify no row past the wanted tokens
         width = min(width, live)
     if queued and (width > 1 or s.produced + 1 >= s.budget):

@@ -265,10 +265,14 @@ class Steps:
                 keys += [BatchKey(rows, self.target_length(b), follow) for rows in range(2, n_slots + 1)]
         return list(dict.fromkeys(keys))  # with whole_cache, the buckets' plain keys are one
 
-    def run_key(self, key: PlainKey | SpecKey | ContextKey | BatchKey) -> None:
+    def run_key(self, key: PlainKey | SpecKey | ContextKey | BatchKey | SpecBatchKey) -> None:
         """Run (on CUDA: capture) one key's step on placeholder inputs."""
         dev = self.device
-        if isinstance(key, BatchKey):
+        if isinstance(key, SpecBatchKey):
+            pos = max(0, min(64, self.state.max_len - key.block))
+            states = [SimpleNamespace(token=0, pos=pos, slot=s) for s in key.slots]
+            self.speculative_batch(states, [key.block] * len(states), key.width, key.block)
+        elif isinstance(key, BatchKey):
             zero = torch.zeros(1, dtype=torch.long, device=dev)
             self.plain_batch([SimpleNamespace(token_t=zero, pos=0, slot=s) for s in range(key.rows)], key.bucket,
                              key.follow)
