@@ -377,20 +377,35 @@ def _dot(x: Tensor, qweight: Tensor, qtype: str, k: int, summed: bool) -> Tensor
     return out if summed else partial
 
 
+def _in_chunks(x: Tensor, qtypes: list[str], k: int) -> bool:
+    """More rows than one launch of the exact kernels takes (a batch of verify blocks), every 16-row chunk of which
+    they take: the product then runs chunk by chunk, so each row keeps the bits it has decoded alone."""
+    return x.shape[0] > gguf_gemv.ROWS and _route(x[:gguf_gemv.ROWS], qtypes, k) != "dot"
+
+
+def _chunked(product, x: Tensor) -> Tensor:
+    return torch.cat([product(x[i:i + gguf_gemv.ROWS]) for i in range(0, x.shape[0], gguf_gemv.ROWS)])
+
+
+def _product(x: Tensor, qweight: Tensor, qtype: str, k: int) -> Tensor:
+    if _in_chunks(x, [qtype], k):
+        return _chunked(lambda rows: _product(rows, qweight, qtype, k), x)
+    route = _route(x, [qtype], k)
+    if route == "mma":
+        return gguf_mma.matmul(x, qweight, qtype, k)
+    if route == "gemv":
+        return gguf_gemv.gemv(x, qweight, qtype, k)
+    return _dot(x, qweight, qtype, k, summed=True)
+
+
 @torch.library.custom_op("flashdraft::gguf_matmul", mutates_args=())
 def gguf_matmul(x: Tensor, qweight: Tensor, qtype: str, k: int, bias: Tensor | None = None) -> Tensor:
     """x [M, K] (M <= 64 in practice) @ dequantize(qweight [N, bytes])^T (+ bias) -> [M, N] in x's dtype. Up to 16
     rows of a type they cover take the integer or the int8 mma kernels (`_route`; x rounded to 8 bits per 32 or 256
-    values, gguf_gemv.x_group); the rest multiply in x's dtype on the tensor cores."""
+    values, gguf_gemv.x_group), more rows 16 at a time (`_in_chunks`); the rest multiply in x's dtype on the tensor
+    cores."""
     _check(qweight, qtype, k)
-    x = x.contiguous()
-    route = _route(x, [qtype], k)
-    if route == "mma":
-        out = gguf_mma.matmul(x, qweight, qtype, k)
-    elif route == "gemv":
-        out = gguf_gemv.gemv(x, qweight, qtype, k)
-    else:
-        out = _dot(x, qweight, qtype, k, summed=True)
+    out = _product(x.contiguous(), qweight, qtype, k)
     return out if bias is None else out + bias
 
 
@@ -405,14 +420,18 @@ def gguf_matmul_parts(x: Tensor, qweights: list[Tensor], qtypes: str, k: int) ->
     parts keep their own types (qtypes: comma-separated). For the integer and int8 mma kernels' row counts x is
     quantized once and every part writes its columns of one output; otherwise the parts' products are
     concatenated."""
-    types = qtypes.split(",")
-    x = x.contiguous()
+    return _parts_product(x.contiguous(), qweights, qtypes.split(","), k)
+
+
+def _parts_product(x: Tensor, qweights: list[Tensor], types: list[str], k: int) -> Tensor:
+    if _in_chunks(x, types, k):
+        return _chunked(lambda rows: _parts_product(rows, qweights, types, k), x)
     route = _route(x, types, k)
     if route == "gemv":
         return gguf_gemv.gemv_parts(x, qweights, types, k)
     if route == "mma":
         return gguf_mma.matmul_parts(x, qweights, types, k)
-    return torch.cat([gguf_matmul(x, w, q, k) for w, q in zip(qweights, types)], dim=-1)
+    return torch.cat([_product(x, w, q, k) for w, q in zip(qweights, types)], dim=-1)
 
 
 @gguf_matmul_parts.register_fake
@@ -430,6 +449,8 @@ def gguf_matmul_partials(x: Tensor, qweights: list[Tensor], qtypes: str, k: int)
     for w, q in zip(qweights, types):
         _check(w, q, k)
     x = x.contiguous()
+    if _in_chunks(x, types, k):  # one "split" per part: its product
+        return [p.contiguous() for p in _parts_product(x, qweights, types, k)[None].split([w.shape[0] for w in qweights], dim=-1)]
     route = _route(x, types, k)
     if route == "gemv":
         return gguf_gemv.gemv_parts(x, qweights, types, k, summed=False)
@@ -448,6 +469,8 @@ def _(x: Tensor, qweights: list[Tensor], qtypes: str, k: int) -> list[Tensor]:
 def split_counts(x: Tensor, qweights: list[Tensor], qtypes: list[str], k: int) -> list[int]:
     """How many partial sums `gguf_matmul_partials` returns for each part (shapes and device only: fake tensors
     do)."""
+    if _in_chunks(x, qtypes, k):
+        return [1] * len(qweights)
     route = _route(x, qtypes, k)
     if route == "mma":
         return [gguf_mma.splits_for(w.shape[0], k, q)[0] for w, q in zip(qweights, qtypes)]
