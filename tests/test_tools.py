@@ -243,13 +243,13 @@ def test_stream_sends_content_before_a_call_and_the_call_after(tool_models):
     pieces = ["Sure, ", "checking. <tool_", 'call>{"name": "get_weather", "arguments": {"city": "Rome"}}',
               "</tool_call>"]
 
-    def scripted(req):
+    def scripted(req, post):  # the engine's events for the request, as its loop posts them
         for piece in pieces:
-            yield Delta(piece, [1])
-        yield Completion(text="".join(pieces), token_ids=[1] * len(pieces), prompt_ids=list(req.prompt_ids),
-                         finish_reason="stop", stop_word=None, timings=Timings(), spec=SpecStats())
+            post(Delta(piece, [1]))
+        post(Completion(text="".join(pieces), token_ids=[1] * len(pieces), prompt_ids=list(req.prompt_ids),
+                        finish_reason="stop", stop_word=None, timings=Timings(), spec=SpecStats()))
 
-    engine.stream = scripted
+    engine.submit = scripted
     with serving(create_app(engine, settings())) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none")
         chunks = list(client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Rome?"}],
