@@ -1,6 +1,6 @@
 """What the engine may call on a drafter: `Drafter`, the per-slot `DrafterState` it keeps, and the `LoadOptions` a
-drafter kind loads with (draft/registry.py). Shapes carry a batch axis B (one row per slot served in the step;
-B = 1 with `slots` an int in the engine today).
+drafter kind loads with (draft/registry.py). Shapes carry a batch axis B; the engine calls `observe` and `propose`
+one slot at a time (`slots` an int, a fixed index inside a step's graph), also inside a batched step.
 
 The engine reads a drafter's `target_layers` once, has the target's steps capture those layers' outputs
 (`features`), and hands the drafter the tokens and features of every position it commits through `observe`: never

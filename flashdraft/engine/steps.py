@@ -218,9 +218,9 @@ class Steps:
                commit: bool = False) -> Tensor:
         """A token per row of logits [R, V] by the slot's sampler (row r's token goes to positions[r] + 1; drafted
         [R - 1]: the tokens rows 1.. follow; commit: a one-row call whose token commits, for the penalties' window).
-        On CUDA one graph replay per call: the inputs go to buffers shared by every slot's graphs (the slots take
-        turns step by step there: server/scheduler.py), and the tokens come back in the graph's own output buffer,
-        which the next call of the same key overwrites."""
+        On CUDA one graph replay per call: the inputs go to buffers shared by every slot's graphs (the engine loop
+        samples one slot at a time), and the tokens come back in the graph's own output buffer, which the next call
+        of the same key overwrites."""
         sampler = self.samplers[slot]
         rows = logits.shape[0]
         key = sampler.key(slot, rows, commit)

@@ -1,5 +1,6 @@
 """What the engine, the draft and training may call on a target model: `CausalLM`, and the `ModelState` it
-allocates. Shapes carry a batch axis B (one row per slot served in the step; B = 1 in the engine today)."""
+allocates. Shapes carry a batch axis B: one row per slot served in the step (`slots` an int for one slot, a [B]
+tensor for a batch)."""
 from collections.abc import Sequence
 from typing import Protocol
 
