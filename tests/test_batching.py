@@ -93,3 +93,31 @@ def test_cancel_mid_stream_frees_the_slot(engine):
     again = engine.generate(after).token_ids
     assert again == engine.generate(Request(after.prompt_ids, after.params, cache_prompt=False)).token_ids
     assert engine.free_slot_count == 4
+
+
+def test_a_long_prompt_is_read_between_the_steps_of_a_running_stream(engine, monkeypatch):
+    """A prompt that arrives while another request decodes is read INTERLEAVED_PREFILL tokens per engine step, the
+    running stream stepping in between, and both answer as alone."""
+    from flashdraft.engine import engine as engine_mod
+    tokenizer = engine.tokenizer
+    running = Request(tokenizer.encode(PROMPTS[0]), SamplingParams(max_tokens=80, ignore_eos=True))
+    long = Request(tokenizer.encode(" ".join(PROMPTS) * 6)[:300], SamplingParams(max_tokens=8, ignore_eos=True))
+    alone = [engine.generate(Request(r.prompt_ids, r.params, cache_prompt=False)).token_ids for r in (running, long)]
+    events: list[str | tuple[int, int]] = []
+    slices = engine_mod.prefill_slice
+    monkeypatch.setattr(engine_mod, "prefill_slice", lambda steps, s, most: events.append((len(s.prompt), most)) or
+                        slices(steps, s, most))
+    stream = engine.stream(Request(running.prompt_ids, running.params, cache_prompt=False))
+    next(stream)  # running
+    done: list[Completion] = []
+    thread = threading.Thread(target=lambda: done.append(engine.generate(Request(long.prompt_ids, long.params,
+                                                                                 cache_prompt=False))))
+    thread.start()
+    for event in stream:
+        events.append("token")
+    thread.join()
+    assert event.token_ids == alone[0] and done[0].token_ids == alone[1]
+    slices_seen = [e for e in events if e != "token" and e[0] == len(long.prompt_ids)]
+    assert len(slices_seen) >= len(long.prompt_ids) // 16 and all(most <= 16 for _, most in slices_seen)
+    first, last = events.index(slices_seen[0]), len(events) - events[::-1].index(slices_seen[-1])
+    assert events[first:last].count("token") >= len(slices_seen) // 3  # the stream went on between the slices
