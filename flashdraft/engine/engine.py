@@ -13,6 +13,7 @@ import torch
 
 from flashdraft.engine.config import EngineConfig, compile_enabled
 from flashdraft.layers.compile import preload_compiler
+from flashdraft.layers.quantized import FEW_ROWS
 from flashdraft.engine import synthetic
 from flashdraft.engine.generate import (SlotState, SpecStats, StepPlan, advance_plain, advance_speculative, decode,
                                         finish, first_token, new_slot_state, open_slot, plan, prefill_slice,
@@ -776,12 +777,15 @@ class Engine:
             if p.width > 1:
                 key = (p.width, job.state.block) if p.room >= job.state.block else (-1, job.req.slot)
                 groups.setdefault(key, []).append((job, p))
-        for group in groups.values():
-            if len(group) > 1:
-                self._speculative_batch(group)
-            else:
-                job, p = group[0]
-                self._guarded(job, lambda: step_speculative(self.steps, job.state, p))
+        for (width, _), group in groups.items():
+            # no more rows than the exact product kernels take in one call: a row keeps its solo bits
+            most = max(1, FEW_ROWS // max(width, 1))
+            for part in (group[i:i + most] for i in range(0, len(group), most)):
+                if len(part) > 1:
+                    self._speculative_batch(part)
+                else:
+                    job, p = part[0]
+                    self._guarded(job, lambda: step_speculative(self.steps, job.state, p))
         self._prefill(decoding=bool(plans))
 
     def _batch_width(self, running: list[Task]) -> int | None:
