@@ -139,7 +139,7 @@ def check_engine(compiled: bool = False) -> None:
     class CountingLauncher:
         def __getitem__(self, grid):
             def launch(q, *args, **kwargs):
-                launches[q.shape[0]] += 1
+                launches[q.shape[1]] += 1  # q: [B, T, H, D]
                 return partial[grid](q, *args, **kwargs)
             return launch
 
@@ -426,6 +426,127 @@ def test_whole_cache_launch_matches_the_bucket_on_gpu():
     check_whole_cache("cuda", torch.bfloat16, 32768, (128,), (300, 2500, 20000), kv_heads=8, groups=4)
 
 
+# (head size, K type, V type, query tokens, batch rows, window, softcap): float rows, q8_0/q4_1/q5_0 blocks and the
+# rotated types, decode and verify steps, one to four rows, full and sliding layers
+BATCH_CASES = [(64, "f16", "f16", 16, 4, None, None), (64, "q8_0", "q4_1", 1, 3, 40, None),
+               (128, "q5_0", "turbo4", 16, 2, 40, None), (128, "turbo3", "q5_0", 1, 4, None, 30.0),
+               (256, "q8_0", "q4_1", 16, 3, None, None), (256, "f16", "f16", 1, 1, 40, None),
+               (512, "q5_0", "q4_1", 1, 2, None, None)]
+BATCH_SLOTS, BATCH_LENGTHS = [3, 0, 4, 1], [300, 37, 600, 130]  # of 5 slots; each row's own context length
+
+
+def poison_past(cache, slot: int, length: int) -> None:
+    """Stored bytes of all ones (NaN scales and floats, whatever the type) in the slot's rows from the first
+    128-row tile wholly past `length` (no tile of keys the kernel takes reaches past it): a read there shows."""
+    first_dead = -(-length // 128) * 128
+    for rows in (cache.k, cache.v):
+        rows[slot].view(torch.uint8)[:, first_dead:] = 255
+
+
+def record_launches(kernel_module, seen: list) -> None:
+    """Wraps the partial kernel's launches to record each one's (batch rows, query tokens, row tiles a program)."""
+    partial = kernel_module._partial_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(q, *args, **kwargs):
+                seen.append((q.shape[0], q.shape[1], kwargs["TILES"]))
+                return partial[grid](q, *args, **kwargs)
+            return launch
+
+    kernel_module._partial_kernel = Recorder()
+
+
+def check_batch(device: str, dtype: torch.dtype, tol: float, heads=(64, 128, 256, 512), kv_heads: int = 1,
+                groups: int = 2) -> list:
+    """A batch of slots in one launch (attend_cache over a tensor of slots: split_attention_batch), rows of
+    different context lengths at their own positions (BATCH_CASES): each row against attention over its slot's
+    expansion (KVSlots.read + the matmul path), and bit for bit what the single-slot path gives the row alone, both
+    with the model's mask and with the positions alone deciding. Rows past each row's last tile of keys are
+    poisoned, so a read past a row's own length (another row's) would show. A window ring (a Gemma sliding layer: a
+    mask, no positions) goes through the same launch. Returns the partial kernel's launches (record_launches)."""
+    from flashdraft.layers.attention import AttentionSpec, attend_cache, grouped_attention, position_mask
+    from flashdraft.layers.kv_cache import KVCache
+    from flashdraft.layers.kv_quant import kv_codecs
+    from flashdraft.kernels import split_attention as kernel_module
+    gen = torch.Generator().manual_seed(6)
+    partial, seen = kernel_module._partial_kernel, []
+    record_launches(kernel_module, seen)
+    rows = max(BATCH_LENGTHS) + 60
+    try:
+        for D, k_type, v_type, T, B, window, softcap in (case for case in BATCH_CASES if case[0] in heads):
+            cache = KVCache(5, kv_heads, rows, D, dtype, device, kv_codecs((k_type, v_type), dtype))
+            k, v = torch.randn(2, 5, rows, kv_heads, D, generator=gen).to(device, dtype)
+            if cache.codecs[0].packed and softcap is None:  # keys stored minus a mean key, as models store them
+                cache.key_shift = 4 * torch.randn(kv_heads, D, generator=gen).to(device)
+                k = (k + cache.key_shift).to(dtype)
+            for slot in range(5):
+                cache.view(slot).write(torch.arange(rows, device=device)[None], k[slot:slot + 1], v[slot:slot + 1])
+            for slot, end in zip(BATCH_SLOTS, BATCH_LENGTHS):
+                poison_past(cache, slot, end)
+            slots = torch.tensor(BATCH_SLOTS[:B], device=device)
+            positions = torch.tensor(BATCH_LENGTHS[:B], device=device)[:, None] - T + torch.arange(T, device=device)
+            mask = position_mask(positions, torch.arange(rows, device=device), True, window)
+            spec = AttentionSpec(scale=D ** -0.5, softcap=softcap, window=window)
+            q = torch.randn(B, T, kv_heads * groups, D, generator=gen).to(device, dtype)
+            by_mask = attend_cache(q, cache.view(slots), rows, mask, spec, positions)
+            by_position = attend_cache(q, cache.view(slots), rows, None, spec, positions)
+            assert by_mask.shape == (B, T, kv_heads * groups * D) and by_mask.dtype == dtype
+            for b, (slot, end) in enumerate(zip(BATCH_SLOTS[:B], BATCH_LENGTHS[:B])):
+                alone = attend_cache(q[b:b + 1], cache.view(slot), rows, mask[b:b + 1], spec, positions[b:b + 1])
+                case = (D, k_type, v_type, T, B, window, b)
+                assert torch.equal(by_mask[b], alone[0]) and torch.equal(by_position[b], alone[0]), case
+                keys, values = cache.view(slot).read(end, torch.float32)
+                ref = grouped_attention(q[b].float(), keys[0], values[0], mask[b, :, :end], spec.scale, softcap)
+                err = (by_mask[b].float() - ref).abs().max().item()
+                assert err < tol, f"{case}: max error {err}"
+        check_batch_ring(device, dtype, gen)
+    finally:
+        kernel_module._partial_kernel = partial
+    # each batch of rows took one launch (none fell back to expanding the rows)
+    assert sum(B > 1 for B, _, _ in seen) == 2 * sum(case[4] > 1 for case in BATCH_CASES if case[0] in heads) + 1
+    return seen
+
+
+def check_batch_interpreted() -> None:
+    """check_batch on the CPU with the launch's program target scaled down to 4 (4 splits at most: the longest row's
+    splits take several tiles of keys, the shortest row's one) and FEWER_TILES_BELOW to 8, so that a verify step's row
+    alone takes one row tile a program and in a batch two (as on a GPU, where a batch has more programs): the rows'
+    bits do not depend on it."""
+    from flashdraft.kernels import split_attention as kernel_module
+    kept = kernel_module.TARGET_PROGRAMS, kernel_module.FEWER_TILES_BELOW
+    kernel_module.TARGET_PROGRAMS, kernel_module.FEWER_TILES_BELOW = 4, 8
+    try:
+        seen = check_batch("cpu", torch.float32, 1e-5)
+    finally:
+        kernel_module.TARGET_PROGRAMS, kernel_module.FEWER_TILES_BELOW = kept
+    assert (1, 16, 1) in seen and any(B > 1 and T == 16 and tiles > 1 for B, T, tiles in seen), seen
+
+
+def check_batch_ring(device: str, dtype: torch.dtype, gen: torch.Generator) -> None:
+    """A sliding layer's window ring (rows p % rows, not positions) for three slots in one launch, the mask saying
+    which rows a query sees: each row bit for bit as its slot alone."""
+    from flashdraft.layers.attention import AttentionSpec, attend_cache, position_mask
+    from flashdraft.layers.kv_cache import window_cache, window_positions
+    from flashdraft.layers.kv_quant import kv_codecs
+    window, T, D = 40, 5, 128
+    cache = window_cache(4, 1, window, 16, D, dtype, device, kv_codecs(("q4_1", "q8_0"), dtype))
+    ends = torch.tensor([90, 20, 61], device=device)  # each slot's last position
+    for slot in range(3):
+        n = int(ends[slot]) + 1
+        k, v = torch.randn(2, 1, n, 1, D, generator=gen).to(device, dtype)
+        cache.view(slot).write(torch.arange(n, device=device)[None], k, v)
+    positions = ends[:, None] - T + 1 + torch.arange(T, device=device)
+    key_pos = window_positions(ends, cache.rows)
+    mask = position_mask(positions, key_pos, True, window) & (key_pos >= 0)[:, None, :]
+    spec = AttentionSpec(scale=D ** -0.5, window=window)
+    q = torch.randn(3, T, 2, D, generator=gen).to(device, dtype)
+    batch = attend_cache(q, cache.view(torch.arange(3, device=device)), cache.rows, mask, spec)
+    for b in range(3):
+        alone = attend_cache(q[b:b + 1], cache.view(b), cache.rows, mask[b:b + 1], spec)
+        assert torch.equal(batch[b], alone[0]), b
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
                     reason="needs a GPU and triton")
@@ -441,6 +562,20 @@ def test_split_attention_rows_are_invariant_on_gpu():
     check_row_invariance("cuda", torch.bfloat16)
 
 
+@pytest.mark.skipif(INTERPRETER is not None, reason=str(INTERPRETER))
+def test_batch_of_slots_matches_each_slot_alone_interpreted():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, __file__, "batch"], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+                    reason="needs a GPU and triton")
+def test_batch_of_slots_matches_each_slot_alone_on_gpu():
+    check_batch("cuda", torch.bfloat16, 0.05, heads=(128, 256, 512), kv_heads=2, groups=4)  # (kernel_reads)
+
+
 if __name__ == "__main__":
     device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
     if device == "cpu":
@@ -449,6 +584,8 @@ if __name__ == "__main__":
         check_wide_heads("cpu", torch.float32, 1e-5)
     elif device == "whole-cache":
         check_whole_cache_interpreted()
+    elif device == "batch":
+        check_batch_interpreted()
     elif device == "engine-whole-cache":
         check_engine_whole_cache()
     elif device.startswith("engine"):

@@ -81,10 +81,11 @@ def attention_cases(kv_types: list[str]):
         row = codec.row_size(128)
         cache = "*u8" if row_type else "*bf16"
         sig = {"q_ptr": "*bf16", "k_ptr": cache, "v_ptr": cache, "mask_ptr": "*u8", "acc_ptr": "*fp32",
-               "m_ptr": "*fp32", "l_ptr": "*fp32", "signs_ptr": "*fp32", "pos_ptr": "*i64"}
-        sig |= {a: "i32" for a in ("stride_qt", "stride_qh", "stride_kh", "stride_vh", "stride_mt", "L",
-                                   "blocks_per_split", "n_kv")}
-        sig |= {"scale": "fp32", "softcap": "fp32", "T": "i32", "G": "i32", "n_rows": "i32"}
+               "m_ptr": "*fp32", "l_ptr": "*fp32", "signs_ptr": "*fp32", "pos_ptr": "*i64", "slots_ptr": "*i64"}
+        sig |= {a: "i32" for a in ("stride_qb", "stride_qt", "stride_qh", "stride_ks", "stride_kh", "stride_vs",
+                                   "stride_vh", "stride_mb", "stride_mt", "stride_pb", "L", "blocks_per_split",
+                                   "max_splits", "grid_splits", "n_kv")}
+        sig |= {"scale": "fp32", "softcap": "fp32", "window": "i32", "T": "i32", "G": "i32", "n_rows": "i32"}
         block_n, stages = (S.STORED_BLOCK_N, S.STORED_STAGES) if row_type else (S.BLOCK_N, S.NUM_STAGES)
         aligned = ("q_ptr", "k_ptr", "v_ptr", "mask_ptr", "acc_ptr", "m_ptr", "l_ptr", "signs_ptr", "stride_qt",
                    "stride_qh", "stride_kh", "stride_vh", "n_kv")
@@ -94,7 +95,7 @@ def attention_cases(kv_types: list[str]):
             const = dict(D=128, BLOCK_M=S.ROW_TILE, BLOCK_N=block_n, SOFTCAP=False, K_TYPE=row_type,
                          V_TYPE=row_type, K_ROW=row, V_ROW=row, K_PLANES=S.planes(row_type),
                          V_PLANES=S.planes(row_type), K_ROTATED=codec.rotates(128), TILES=tiles,
-                         POSITIONS=bounded, PDL=True)
+                         POSITIONS=bounded, SLOTS=False, MASK=True, WINDOW=False, PDL=True)
             yield (f"split attention over {name}, {block_n} keys, {tiles} row tiles{', positions' * bounded}",
                    S._partial_kernel,
                    sig | {k: "constexpr" for k in const}, const, aligned, S.NUM_WARPS, dict(num_stages=stages),

@@ -8,6 +8,11 @@ mask is an explicit bool [T, L] (True = attend), so causal, sliding-window and t
 all go through the same kernel; the score scale and an optional tanh softcap are arguments. Registered as a torch
 custom op, so torch.compile and CUDA graphs treat it as one opaque call.
 
+split_attention_batch runs a batch of such steps (one per cache slot, each at its own positions) in one launch over
+the whole cache: a grid axis over the batch rows, each row reading its own slot up to its own last position, with the
+arithmetic of a launch for that row alone; given the positions, no mask is needed (causal by position, an optional
+sliding window).
+
 K and V may be read as the cache stores them (quant/kv_types.py): float rows of any float dtype, llama.cpp's
 32-value blocks (q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl) or the rotated turbo types' codebook indices (their
 rotated-domain values: the caller rotates q and un-rotates the output). Each tile of keys is expanded in
@@ -271,8 +276,25 @@ def _empty_state(BLOCK_M: tl.constexpr, WV: tl.constexpr):
 
 
 @triton.jit
-def _softmax_tile(qs, state, ks, mask_ptr, tile, cols, col_ok, stride_mt, scale, softcap, T, G,
-                  BLOCK_M: tl.constexpr, SOFTCAP: tl.constexpr, K_PLANES: tl.constexpr):
+def _allowed(mask_ptr, pos_ptr, rows, cols, col_ok, stride_mt, window, T, G, MASK: tl.constexpr,
+             WINDOW: tl.constexpr):
+    """[rows, cols] True where query row `rows` attends key `cols`: the mask's entry (MASK), else by position (key j
+    is position j; query token t at pos_ptr[t]): the keys at or before it, less than `window` before it (WINDOW)."""
+    if MASK:
+        allowed = tl.load(mask_ptr + (rows % T)[:, None] * stride_mt + cols[None, :],
+                          mask=(rows < G * T)[:, None] & col_ok[None, :], other=0) != 0
+    else:
+        at = tl.load(pos_ptr + rows % T, mask=rows < G * T, other=-1).to(tl.int32)[:, None]
+        allowed = (cols[None, :] <= at) & col_ok[None, :]
+        if WINDOW:
+            allowed = allowed & (at - cols[None, :] < window)
+    return allowed
+
+
+@triton.jit
+def _softmax_tile(qs, state, ks, mask_ptr, pos_ptr, tile, cols, col_ok, stride_mt, window, scale, softcap, T, G,
+                  BLOCK_M: tl.constexpr, SOFTCAP: tl.constexpr, K_PLANES: tl.constexpr, MASK: tl.constexpr,
+                  WINDOW: tl.constexpr):
     """One row tile's scores against a tile of keys (planes ks, in registers), online softmax: (p, the factor the
     accumulators are rescaled by, the state with the new row maxima and sums). Every tile of a program runs this
     code and _accumulate_tile's, so a row's arithmetic does not depend on the tiles beside it."""
@@ -286,9 +308,8 @@ def _softmax_tile(qs, state, ks, mask_ptr, tile, cols, col_ok, stride_mt, scale,
     s = s * scale
     if SOFTCAP:  # softcap * tanh(s / softcap), tanh through exp (no libdevice call: the interpreter runs it too)
         s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)
-    allowed = tl.load(mask_ptr + (rows % T)[:, None] * stride_mt + cols[None, :],
-                      mask=(rows < G * T)[:, None] & col_ok[None, :], other=0)
-    s = tl.where(allowed != 0, s, float("-inf"))
+    allowed = _allowed(mask_ptr, pos_ptr, rows, cols, col_ok, stride_mt, window, T, G, MASK, WINDOW)
+    s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(s - m_new[:, None])
@@ -331,29 +352,38 @@ def _store_tile(state, acc_ptr, m_ptr, l_ptr, base, n_rows, tile, T, G, D: tl.co
 # Query count, group size, key count and the mask's row stride are runtime values, never specialised on, and every
 # row tile runs _softmax_tile's and _accumulate_tile's code: a plain step (T=1, one tile a program) and a verify
 # step (T=16, TILES tiles a program) compute a row the same way, bit for bit (tests/test_split_attention.py's row
-# invariance on the GPU).
-@triton.jit(do_not_specialize=["stride_mt", "L", "blocks_per_split", "max_splits", "T", "G", "n_rows"])
-def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, signs_ptr, pos_ptr,
-                    stride_qt, stride_qh, stride_kh, stride_vh, stride_mt,
-                    L, blocks_per_split, max_splits, n_kv, scale, softcap, T, G, n_rows,
-                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
+# invariance on the GPU). Batch rows only move pointers (program_id(1) = row * n_kv + KV head): a row computes
+# the same bits whatever rows share its launch.
+@triton.jit(do_not_specialize=["stride_qb", "stride_mb", "stride_mt", "stride_pb", "L", "blocks_per_split",
+                               "max_splits", "grid_splits", "window", "T", "G", "n_rows"])
+def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, signs_ptr, pos_ptr, slots_ptr,
+                    stride_qb, stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_mb, stride_mt,
+                    stride_pb, L, blocks_per_split, max_splits, grid_splits, n_kv, scale, softcap, window, T, G,
+                    n_rows, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
                     K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, K_ROW: tl.constexpr, V_ROW: tl.constexpr,
                     K_PLANES: tl.constexpr, V_PLANES: tl.constexpr, K_ROTATED: tl.constexpr, TILES: tl.constexpr,
-                    POSITIONS: tl.constexpr, PDL: tl.constexpr):
-    """TILES (1, 2 or 4) row tiles of BLOCK_M query rows of one (KV head, split): each tile of keys and values is
-    read once for all of them. Keys and values are read in planes (one for float rows and q8_0; low and high
-    nibbles; turbo3's four 2-bit fields): q is loaded once (K_ROTATED: rotated here) and cut into the planes' column
-    orders, the scores are the sum of the planes' products, and each plane of V has its own accumulator, stored to
-    its columns at the end. POSITIONS: pos_ptr holds the query tokens' positions (the last the largest), key j is
-    position j and no row attends a later key, so the tiles of keys past the last are skipped (a tile masked for
-    every row leaves the state exactly as it was: the same bits either way), and the keys are split as over the
-    last position's bucket (_bucket_partition, not blocks_per_split): the programs of splits past its last exit
-    at once, writing nothing (the merge takes the same splits)."""
+                    POSITIONS: tl.constexpr, SLOTS: tl.constexpr, MASK: tl.constexpr, WINDOW: tl.constexpr,
+                    PDL: tl.constexpr):
+    """TILES (1, 2 or 4) row tiles of BLOCK_M query rows of one (batch row, KV head, split): each tile of keys and
+    values is read once for all of them. Keys and values are read in planes (one for float rows and q8_0; low and
+    high nibbles; turbo3's four 2-bit fields): q is loaded once (K_ROTATED: rotated here) and cut into the planes'
+    column orders, the scores are the sum of the planes' products, and each plane of V has its own accumulator,
+    stored to its columns at the end. Batch row b reads cache slot slots_ptr[b] (SLOTS; else slot b). POSITIONS:
+    pos_ptr holds each batch row's query positions (the last the largest), key j is position j and no query attends
+    a later key, so the tiles of keys past the row's last are skipped (a tile masked for every query leaves the state
+    exactly as it was: the same bits either way), and its keys are split as over its last position's bucket
+    (_bucket_partition, not blocks_per_split): the programs of splits past its last exit at once, writing nothing
+    (the merge takes the same splits). MASK: the mask says which keys a query attends; else its position does
+    (_allowed)."""
     # programs of one (KV head, split) are neighbours in the launch order: they read the same keys together, so
     # where a launch keeps one tile a program (short contexts) the extra tiles find them in L2
     wait_for_inputs(PDL)
-    kv = tl.program_id(1)
+    kv = tl.program_id(1) % n_kv
+    b = (tl.program_id(1) // n_kv).to(tl.int64)
     split = tl.program_id(2)
+    q_ptr += b * stride_qb
+    mask_ptr += b * stride_mb
+    pos_ptr += b * stride_pb
     if POSITIONS:
         live, blocks_per_split, n_splits = _bucket_partition(pos_ptr, T, L, max_splits, BLOCK_N)
         if split >= n_splits:
@@ -374,7 +404,10 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, signs_
                            K_PLANES, K_ROTATED)
         sc = _empty_state(BLOCK_M, WV)
         sd = _empty_state(BLOCK_M, WV)
-    k_base, v_base = k_ptr + kv * stride_kh, v_ptr + kv * stride_vh
+    slot = b
+    if SLOTS:
+        slot = tl.load(slots_ptr + b).to(tl.int64)
+    k_base, v_base = k_ptr + slot * stride_ks + kv * stride_kh, v_ptr + slot * stride_vs + kv * stride_vh
     start = split * blocks_per_split * BLOCK_N
     dtype = qa[0].dtype
     n_blocks = blocks_per_split
@@ -385,16 +418,16 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, signs_
         col_ok = cols < L
         ks = _planes(k_base, cols, col_ok, K_TYPE, D, K_ROW, K_PLANES, dtype)
         # every tile's scores first, then the values: K's and V's tiles are not held at once
-        pa, aa, sa = _softmax_tile(qa, sa, ks, mask_ptr, first, cols, col_ok, stride_mt, scale, softcap, T, G,
-                                   BLOCK_M, SOFTCAP, K_PLANES)
+        pa, aa, sa = _softmax_tile(qa, sa, ks, mask_ptr, pos_ptr, first, cols, col_ok, stride_mt, window, scale,
+                                   softcap, T, G, BLOCK_M, SOFTCAP, K_PLANES, MASK, WINDOW)
         if TILES > 1:
-            pb, ab, sb = _softmax_tile(qb, sb, ks, mask_ptr, first + 1, cols, col_ok, stride_mt, scale, softcap, T,
-                                       G, BLOCK_M, SOFTCAP, K_PLANES)
+            pb, ab, sb = _softmax_tile(qb, sb, ks, mask_ptr, pos_ptr, first + 1, cols, col_ok, stride_mt, window,
+                                       scale, softcap, T, G, BLOCK_M, SOFTCAP, K_PLANES, MASK, WINDOW)
         if TILES > 2:
-            pc, ac, sc = _softmax_tile(qc, sc, ks, mask_ptr, first + 2, cols, col_ok, stride_mt, scale, softcap, T,
-                                       G, BLOCK_M, SOFTCAP, K_PLANES)
-            pd, ad, sd = _softmax_tile(qd, sd, ks, mask_ptr, first + 3, cols, col_ok, stride_mt, scale, softcap, T,
-                                       G, BLOCK_M, SOFTCAP, K_PLANES)
+            pc, ac, sc = _softmax_tile(qc, sc, ks, mask_ptr, pos_ptr, first + 2, cols, col_ok, stride_mt, window,
+                                       scale, softcap, T, G, BLOCK_M, SOFTCAP, K_PLANES, MASK, WINDOW)
+            pd, ad, sd = _softmax_tile(qd, sd, ks, mask_ptr, pos_ptr, first + 3, cols, col_ok, stride_mt, window,
+                                       scale, softcap, T, G, BLOCK_M, SOFTCAP, K_PLANES, MASK, WINDOW)
         vs = _planes(v_base, cols, col_ok, V_TYPE, D, V_ROW, V_PLANES, dtype)
         sa = _accumulate_tile(sa, pa, aa, vs, V_PLANES)
         if TILES > 1:
@@ -405,7 +438,7 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, signs_
     # the next kernel (the merge) is placed once every program got here, not at the start: a merge program placed
     # early waits on its SM through the whole loop, holding registers a program here could use
     start_dependents(PDL)
-    base = split * n_kv + kv
+    base = (b * grid_splits + split) * n_kv + kv
     _store_tile(sa, acc_ptr, m_ptr, l_ptr, base, n_rows, first, T, G, D, BLOCK_M, V_TYPE, V_PLANES)
     if TILES > 1:
         _store_tile(sb, acc_ptr, m_ptr, l_ptr, base, n_rows, first + 1, T, G, D, BLOCK_M, V_TYPE, V_PLANES)
@@ -414,25 +447,28 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, signs_
         _store_tile(sd, acc_ptr, m_ptr, l_ptr, base, n_rows, first + 3, T, G, D, BLOCK_M, V_TYPE, V_PLANES)
 
 
-@triton.jit(do_not_specialize=["stride_ot", "n_splits", "L", "max_splits", "T", "G", "n_rows"])
-def _merge_kernel(acc_ptr, m_ptr, l_ptr, signs_ptr, out_ptr, pos_ptr, stride_ot, stride_oh, n_splits, L, max_splits,
-                  n_kv, T, G, n_rows, D: tl.constexpr, DC: tl.constexpr, SPLITS: tl.constexpr,
-                  ROTATION: tl.constexpr, BLOCK_N: tl.constexpr, POSITIONS: tl.constexpr, PDL: tl.constexpr):
-    """Columns [DC * program_id(2), + DC) of one query row (program_id(1)) of one KV head's group (program_id(0)):
-    the splits' partial sums merged by their log-sum-exp, every split loaded at once (SPLITS: a power of two, at
-    least n_splits). ROTATION > 0: V was stored rotated in groups of that many values (layers/kv_quant.rotate;
-    DC is a multiple of it), so each group of the output is rotated back (x R; R's signs at signs_ptr).
-    POSITIONS: the splits are the last position's bucket's (_bucket_partition, as _partial_kernel took them), not
-    n_splits."""
+@triton.jit(do_not_specialize=["stride_ob", "stride_ot", "stride_pb", "n_splits", "L", "max_splits", "grid_splits",
+                               "T", "G", "n_rows"])
+def _merge_kernel(acc_ptr, m_ptr, l_ptr, signs_ptr, out_ptr, pos_ptr, stride_ob, stride_ot, stride_oh, stride_pb,
+                  n_splits, L, max_splits, grid_splits, n_kv, T, G, n_rows, D: tl.constexpr, DC: tl.constexpr,
+                  SPLITS: tl.constexpr, ROTATION: tl.constexpr, BLOCK_N: tl.constexpr, POSITIONS: tl.constexpr,
+                  PDL: tl.constexpr):
+    """Columns [DC * program_id(2), + DC) of one query row (program_id(1)) of one (batch row, KV head)'s group
+    (program_id(0) = batch row * n_kv + KV head): the splits' partial sums merged by their log-sum-exp, every split
+    loaded at once (SPLITS: a power of two, at least n_splits). ROTATION > 0: V was stored rotated in groups of that
+    many values (layers/kv_quant.rotate; DC is a multiple of it), so each group of the output is rotated back (x R;
+    R's signs at signs_ptr). POSITIONS: the splits are the batch row's last position's bucket's (_bucket_partition,
+    as _partial_kernel took them), not n_splits."""
     wait_for_inputs(PDL)
     start_dependents(PDL)
-    kv = tl.program_id(0)
+    kv = tl.program_id(0) % n_kv
+    b = (tl.program_id(0) // n_kv).to(tl.int64)
     row = tl.program_id(1)
     if POSITIONS:
-        live, per_split, n_splits = _bucket_partition(pos_ptr, T, L, max_splits, BLOCK_N)
+        live, per_split, n_splits = _bucket_partition(pos_ptr + b * stride_pb, T, L, max_splits, BLOCK_N)
     s = tl.arange(0, SPLITS)
     s_ok = s < n_splits
-    at = (s * n_kv + kv) * n_rows + row
+    at = ((b * grid_splits + s) * n_kv + kv) * n_rows + row
     m = tl.load(m_ptr + at, mask=s_ok, other=-1e30)
     weight = tl.where(s_ok, tl.exp(m - tl.max(m, 0)), 0.0)
     denom = tl.sum(tl.load(l_ptr + at, mask=s_ok, other=0.0) * weight, 0)
@@ -442,7 +478,7 @@ def _merge_kernel(acc_ptr, m_ptr, l_ptr, signs_ptr, out_ptr, pos_ptr, stride_ot,
     if ROTATION > 0:
         out = tl.reshape(rotated_group(tl.reshape(out, [DC // ROTATION, ROTATION]), signs_ptr, ROTATION, True), [DC])
     head = kv * G + row // T
-    tl.store(out_ptr + (row % T) * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + b * stride_ob + (row % T) * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
 @functools.cache
@@ -468,18 +504,70 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale
             raise ValueError("quantized KV rows need the Triton kernel (an Ampere or newer GPU)")
         from flashdraft.layers.attention import grouped_attention
         return grouped_attention(q, keys, values, mask, scale, softcap or None)
-    T, H, D = q.shape
-    KV, L = keys.shape[0], keys.shape[1]
+    return _launch(q[None], keys[None], values[None], None, mask[None], None if positions is None else positions[None],
+                   scale, softcap, k_type, v_type, v_rotated, k_rotated, 0)[0]
+
+
+@split_attention.register_fake
+def _(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float, softcap: float, k_type: int = 0,
+      v_type: int = 0, v_rotated: bool = False, k_rotated: bool = False, positions: Optional[Tensor] = None) -> Tensor:
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+@torch.library.custom_op("flashdraft::split_attention_batch", mutates_args=())
+def split_attention_batch(q: Tensor, keys: Tensor, values: Tensor, slots: Tensor, mask: Optional[Tensor],
+                          positions: Optional[Tensor], scale: float, softcap: float, k_type: int = 0, v_type: int = 0,
+                          v_rotated: bool = False, k_rotated: bool = False, window: int = 0) -> Tensor:
+    """split_attention for a batch of rows over a whole cache's slots, in one launch: q [B, T, H, D]; keys/values
+    [S, KV, L, D] or [S, KV, L, row bytes] (KVCache.k / .v, rows cut to L); slots [B] (integers): the slot batch row
+    b reads. mask [B, T, L] bool, or None: then the positions say which keys a query attends (key j is position j:
+    those at or before the query's, and less than `window` before it where window > 0; `window` is ignored beside a
+    mask). positions [B, T] as split_attention's, per batch row: row b reads no key past positions[b, -1] and splits
+    its keys by that position's bucket, so rows of any lengths share one launch (and one CUDA graph), and a row comes
+    out with the bits split_attention gives it alone. Returns [B, T, H*D] in q's dtype."""
+    if mask is None and positions is None:
+        raise ValueError("split_attention_batch needs a mask or the queries' positions")
+    if q.is_cuda and not triton_matmul_ready(torch.cuda.current_device() if q.device.index is None else q.device.index):
+        if k_type or v_type:
+            raise ValueError("quantized KV rows need the Triton kernel (an Ampere or newer GPU)")
+        return _matmul_batch(q, keys[slots], values[slots], mask, positions, scale, softcap, window)
+    return _launch(q, keys, values, slots, mask, positions, scale, softcap, k_type, v_type, v_rotated, k_rotated,
+                   window)
+
+
+@split_attention_batch.register_fake
+def _(q: Tensor, keys: Tensor, values: Tensor, slots: Tensor, mask: Optional[Tensor], positions: Optional[Tensor],
+      scale: float, softcap: float, k_type: int = 0, v_type: int = 0, v_rotated: bool = False, k_rotated: bool = False,
+      window: int = 0) -> Tensor:
+    return q.new_empty(q.shape[0], q.shape[1], q.shape[2] * q.shape[3])
+
+
+def _matmul_batch(q: Tensor, keys: Tensor, values: Tensor, mask: Optional[Tensor], positions: Optional[Tensor],
+                  scale: float, softcap: float, window: int) -> Tensor:
+    """Batch rows one at a time through the matmul attention (GPUs before Ampere): keys/values [B, KV, L, D]."""
+    from flashdraft.layers.attention import grouped_attention, position_mask
+    if mask is None:
+        mask = position_mask(positions, torch.arange(keys.shape[2], device=q.device), True, window or None)
+    return torch.stack([grouped_attention(q[b], keys[b], values[b], mask[b], scale, softcap or None)
+                        for b in range(q.shape[0])])
+
+
+def _launch(q: Tensor, keys: Tensor, values: Tensor, slots: Optional[Tensor], mask: Optional[Tensor],
+            positions: Optional[Tensor], scale: float, softcap: float, k_type: int, v_type: int, v_rotated: bool,
+            k_rotated: bool, window: int) -> Tensor:
+    """The two kernels over q [B, T, H, D] and keys/values [S, KV, L, row] (batch row b reads slot slots[b], or
+    slot b without slots); mask [B, T, L] or None (positions [B, T] then decide). Returns [B, T, H*D]."""
+    B, T, H, D = q.shape
+    KV, L = keys.shape[1], keys.shape[2]
     G = H // KV
     if q.stride(-1) != 1 or keys.stride(-1) != 1 or values.stride(-1) != 1:
         raise ValueError("split_attention needs the head dimension contiguous")
     if D & (D - 1) or D < 16:
         raise ValueError(f"split_attention needs a power-of-two head size >= 16, got {D}")
-    mask = mask.contiguous().view(torch.uint8)
     # One tile height for decode (T=1) and verify (T=16) rows, and one-tile splits until L passes BLOCK_N * max_splits
     # keys (4224 for 8 KV heads; beyond, the split length changes only where the context bucket doubles; given the
     # positions, L is the last position's bucket): a token's attention then comes out bit for bit the same whether a
-    # plain step or a verify step computes it.
+    # plain step or a verify step computes it. The partition does not depend on B: a batch row's neither.
     row_tiles = triton.cdiv(G * T, ROW_TILE)
     n_rows = row_tiles * ROW_TILE
     block_n, stages = (STORED_BLOCK_N, STORED_STAGES) if k_type or v_type else (BLOCK_N, NUM_STAGES)
@@ -489,45 +577,47 @@ def split_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale
     blocks_per_split, splits = split_partition(L, block_n, max_splits)
     if positions is not None:  # the kernel splits the keys up to the last position's bucket: room for the most
         splits = min(triton.cdiv(L, block_n), max_splits)  # splits any bucket up to L takes
+        positions = positions.contiguous()
     tiles = max(1, min(triton.next_power_of_2(row_tiles),
                        STORED_TILES // wide if k_type or v_type else FLOAT_TILES * 128 // D))
-    while tiles > 1 and triton.cdiv(row_tiles, tiles) * KV * splits < FEWER_TILES_BELOW:
+    while tiles > 1 and triton.cdiv(row_tiles, tiles) * B * KV * splits < FEWER_TILES_BELOW:
         tiles //= 2  # short contexts have few splits: keep the programs many
-    acc = torch.empty(splits, KV, n_rows, D, device=q.device, dtype=torch.float32)
-    m = torch.empty(splits, KV, n_rows, device=q.device, dtype=torch.float32)
+    acc = torch.empty(B, splits, KV, n_rows, D, device=q.device, dtype=torch.float32)
+    m = torch.empty(B, splits, KV, n_rows, device=q.device, dtype=torch.float32)
     lse = torch.empty_like(m)
-    if keys.stride(1) != keys.shape[2]:  # the kernel steps rows by their size (a compile-time constant)
+    if keys.stride(2) != keys.shape[3]:  # the kernel steps rows by their size (a compile-time constant)
         keys = keys.contiguous()
-    if values.stride(1) != values.shape[2]:
+    if values.stride(2) != values.shape[3]:
         values = values.contiguous()
-    out = torch.empty(T, H, D, device=q.device, dtype=q.dtype)
+    if mask is not None:
+        mask = mask.contiguous().view(torch.uint8)
+    if slots is not None:
+        slots = slots.contiguous()
+    out = torch.empty(B, T, H, D, device=q.device, dtype=q.dtype)
     group = rotation_group(D) if v_rotated else 0
     v_signs = rotation_signs(group, q.device) if group else acc
-    grid = (triton.cdiv(row_tiles, tiles), KV, splits)
-    _partial_kernel[grid](q, keys, values, mask, acc, m, lse,
+    grid = (triton.cdiv(row_tiles, tiles), B * KV, splits)
+    _partial_kernel[grid](q, keys, values, acc if mask is None else mask, acc, m, lse,
                           rotation_signs(rotation_group(D), q.device) if k_rotated else acc,
-                          acc if positions is None else positions,
-                          q.stride(0), q.stride(1), keys.stride(0), values.stride(0),
-                          mask.stride(0), L, blocks_per_split, max_splits, KV,
-                          scale, softcap or 1.0, T, G, n_rows, D=D,
-                          BLOCK_M=ROW_TILE, BLOCK_N=block_n, SOFTCAP=softcap > 0, K_TYPE=k_type,
-                          V_TYPE=v_type, K_ROW=keys.shape[2], V_ROW=values.shape[2],
+                          acc if positions is None else positions, acc if slots is None else slots,
+                          q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), values.stride(0),
+                          values.stride(1), 0 if mask is None else mask.stride(0),
+                          0 if mask is None else mask.stride(1), 0 if positions is None else positions.stride(0),
+                          L, blocks_per_split, max_splits, splits, KV, scale, softcap or 1.0, window, T, G, n_rows,
+                          D=D, BLOCK_M=ROW_TILE, BLOCK_N=block_n, SOFTCAP=softcap > 0, K_TYPE=k_type,
+                          V_TYPE=v_type, K_ROW=keys.shape[3], V_ROW=values.shape[3],
                           K_PLANES=planes(k_type), V_PLANES=planes(v_type), K_ROTATED=k_rotated,
-                          TILES=tiles, POSITIONS=positions is not None, num_warps=NUM_WARPS,
+                          TILES=tiles, POSITIONS=positions is not None, SLOTS=slots is not None,
+                          MASK=mask is not None, WINDOW=mask is None and window > 0, num_warps=NUM_WARPS,
                           num_stages=stages, **pdl.launch(q))
     # one program per query row and 128 columns, every split at once: 8 programs of 16 rows that took the splits in
     # turn ran a decode step's merges in 179 us against 86 (H200, 8B, 1k keys; docs/perf-history.md, 2026-12-05 H200)
     dc = min(D, MERGE_COLUMNS)
     merge_splits = max(2, triton.next_power_of_2(max_splits))  # one compiled variant for every length
-    _merge_kernel[(KV, G * T, D // dc)](acc, m, lse, v_signs, out, acc if positions is None else positions,
-                                        out.stride(0), out.stride(1), splits, L, max_splits, KV, T, G, n_rows, D=D,
-                                        DC=dc, SPLITS=merge_splits, ROTATION=group, BLOCK_N=block_n,
-                                        POSITIONS=positions is not None,
-                                        num_warps=8 if merge_splits * dc > 8192 else 4, **pdl.launch(q))
-    return out.view(T, H * D)
-
-
-@split_attention.register_fake
-def _(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float, softcap: float, k_type: int = 0,
-      v_type: int = 0, v_rotated: bool = False, k_rotated: bool = False, positions: Optional[Tensor] = None) -> Tensor:
-    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+    _merge_kernel[(B * KV, G * T, D // dc)](acc, m, lse, v_signs, out, acc if positions is None else positions,
+                                            out.stride(0), out.stride(1), out.stride(2),
+                                            0 if positions is None else positions.stride(0), splits, L, max_splits,
+                                            splits, KV, T, G, n_rows, D=D, DC=dc, SPLITS=merge_splits,
+                                            ROTATION=group, BLOCK_N=block_n, POSITIONS=positions is not None,
+                                            num_warps=8 if merge_splits * dc > 8192 else 4, **pdl.launch(q))
+    return out.view(B, T, H * D)

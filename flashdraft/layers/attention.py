@@ -1,7 +1,8 @@
 """Attention with what a family varies made explicit (`AttentionSpec`: scale, softcap, window, causality), and
-the dispatch between kernels: few query tokens (decode, verify and draft steps) over a cache take the split-K
-kernel of kernels/split_attention.py on a GPU with Triton, or two batched matrix products elsewhere (CPU, head
-sizes that are not a power of two, FLASHDRAFT_ATTENTION=matmul); longer chunks take SDPA."""
+the dispatch between kernels: few query tokens (decode, verify and draft steps) over a cache, one slot's or a
+batch of slots', take the split-K kernel of kernels/split_attention.py on a GPU with Triton, or two batched
+matrix products elsewhere (CPU, head sizes that are not a power of two, FLASHDRAFT_ATTENTION=matmul); longer chunks
+take SDPA."""
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -151,26 +152,44 @@ def kernel_reads(v_codec, head_dim: int, cuda: bool) -> bool:
     return not (cuda and head_dim < 128 and v_codec.qtype is not None and v_codec.name != "q8_0")
 
 
-def attend_cache(q: Tensor, cache, length: int, mask: Tensor, spec: AttentionSpec,
+def attend_cache(q: Tensor, cache, length: int, mask: Tensor | None, spec: AttentionSpec,
                  positions: Tensor | None = None) -> Tensor:
     """q [B, T, H, D] over the first `length` rows of a cache view (layers.kv_cache.KVSlots); mask [B, T, length];
     positions [B, T]: the queries' positions (the last the largest) where row j of the cache holds position j and
-    the mask hides every later key (the split kernel then reads no row past the last one, whatever the bucket).
-    The split kernel reads one slot's rows as stored (quantized types included: a rotated type's keys meet q in
-    the rotated domain, and the output is rotated back); elsewhere the rows are expanded first."""
-    if (mask is not None and q.shape[0] == 1 and q.shape[1] <= SMALL_QUERY and cache.single and uses_split_kernel(q[0])
-            and kernel_reads(cache.codecs[1], q.shape[-1], q.is_cuda)):
+    the mask hides every later key (the split kernel then reads no row past each batch row's last one, whatever the
+    bucket). Given positions and no mask (a cache by position), the positions decide: a query attends the keys at or
+    before it (spec.window: the last `window` of them). The split kernel reads the rows as stored (quantized types
+    included: a rotated type's keys meet q in the rotated domain, and the output is rotated back), one slot's, or
+    every batch row's slot in one launch; elsewhere the rows are expanded first."""
+    kernel = split_kernel_reads(q, cache)
+    if mask is None and positions is not None:
+        if cache.window:
+            raise ValueError("a window ring's rows are not positions: attending over it takes a mask")
+        if cache.single or not kernel or not spec.causal:
+            mask = spec_mask(spec, positions, torch.arange(length, device=q.device))
+    if kernel and (mask is not None or positions is not None):
         from flashdraft.kernels.split_attention import ROW_TYPES
         keys, values = cache.stored(length)
         k_codec, v_codec = cache.codecs
         head = q.shape[-1]  # the kernel rotates q and the output itself
-        out = torch.ops.flashdraft.split_attention(q[0], keys, values, mask[0], spec.scale, spec.softcap or 0.0,
-                                                   ROW_TYPES.get(k_codec.name, 0), ROW_TYPES.get(v_codec.name, 0),
-                                                   v_codec.rotates(head), k_codec.rotates(head),
-                                                   None if positions is None else positions[0].contiguous())
-        return out[None]
+        stored = (ROW_TYPES.get(k_codec.name, 0), ROW_TYPES.get(v_codec.name, 0), v_codec.rotates(head),
+                  k_codec.rotates(head))
+        if cache.single:
+            pos = None if positions is None else positions[0].contiguous()
+            out = torch.ops.flashdraft.split_attention(q[0], keys, values, mask[0], spec.scale, spec.softcap or 0.0,
+                                                       *stored, pos)
+            return out[None]
+        return torch.ops.flashdraft.split_attention_batch(q, keys, values, cache.index, mask, positions, spec.scale,
+                                                          spec.softcap or 0.0, *stored, spec.window or 0)
     keys, values = cache.read(length, q.dtype)
     return attend(q, keys, values, mask, spec)
+
+
+def split_kernel_reads(q: Tensor, cache) -> bool:
+    """Whether attend_cache's q [B, T, H, D] over this cache view takes the split kernel: few query tokens, a head
+    it takes, a V storage it reads, and one batch row per slot view (a batch over a range or a tensor of slots)."""
+    return ((q.shape[0] == 1 or not cache.single) and q.shape[1] <= SMALL_QUERY and uses_split_kernel(q[0])
+            and kernel_reads(cache.codecs[1], q.shape[-1], q.is_cuda))
 
 
 def attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, spec: AttentionSpec) -> Tensor:

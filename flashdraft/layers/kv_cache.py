@@ -62,9 +62,12 @@ class KVSlots:
         return slice(None) if self.window else slice(None, length)
 
     def stored(self, length: int) -> tuple[Tensor, Tensor]:
-        """One slot's rows as stored (keys minus `key_shift`): [KV, length, row size] views."""
+        """The rows as stored (keys minus `key_shift`), as views: one slot's [KV, length, row size], or (slots a
+        range or a tensor) every slot's [S, KV, length, row size], batch row b's slot being `index[b]`."""
         rows = self._rows(length)
-        return self.k[:, rows], self.v[:, rows]
+        if self.single:
+            return self.k[:, rows], self.v[:, rows]
+        return self.k[:, :, rows], self.v[:, :, rows]
 
     def read(self, length: int, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         """The rows expanded: [B, KV, length, D]."""
