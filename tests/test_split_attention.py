@@ -107,10 +107,15 @@ def test_turbo_level_polynomial_gives_the_codebook():
             assert abs(v * u - want) <= 2 * np.spacing(abs(want)), (bits, code, v * u, want)
 
 
-def test_split_attention_interpreted_matches_matmul_attention():
+def run_interpreted(mode: str, timeout: int) -> None:
+    """This file's checks of `mode` in a process of its own under Triton's interpreter."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, __file__, "cpu"], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, __file__, mode], env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_split_attention_interpreted_matches_matmul_attention():
+    run_interpreted("cpu", 600)
 
 
 @pytest.mark.gpu
@@ -564,9 +569,7 @@ def test_split_attention_rows_are_invariant_on_gpu():
 
 @pytest.mark.skipif(INTERPRETER is not None, reason=str(INTERPRETER))
 def test_batch_of_slots_matches_each_slot_alone_interpreted():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, __file__, "batch"], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_interpreted("batch", 900)
 
 
 @pytest.mark.gpu
