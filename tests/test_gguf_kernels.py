@@ -62,7 +62,7 @@ def check(device: str, dtype: torch.dtype = torch.float32, tol: float = 1e-5) ->
         assert torch.equal(got, want) if exact else torch.allclose(got, want, rtol=1e-6, atol=1e-7), \
             f"{qtype}: dequantize differs by {(got - want).abs().max()}"
         bias = torch.randn(n, generator=gen)
-        for rows in (1, 2, 5, 16, 64, 70):
+        for rows in (1, 2, 5, 16, 21):  # 21: 16 at a time where the exact kernels take the type
             x = torch.randn(rows, k, generator=gen)
             for b in (None, bias):
                 x = x.to(dtype)
@@ -73,9 +73,9 @@ def check(device: str, dtype: torch.dtype = torch.float32, tol: float = 1e-5) ->
                 assert err < tol, f"{qtype}, {rows} rows, bias {b is not None}: relative error {err}"
         # a row's result does not depend on how many rows share the call, whichever kernels take them (a decoded
         # row and the same row verified in a block, or in a batch of blocks: greedy speculation is lossless)
-        x = torch.randn(40, k, generator=gen).to(device, dtype)
+        x = torch.randn(21, k, generator=gen).to(device, dtype)
         alone = gguf_matmul(x[:1], qweight, qtype, k)[0]
-        for many in (2, 5, 16, 40):
+        for many in (2, 5, 16, 21):
             assert torch.equal(alone, gguf_matmul(x[:many], qweight, qtype, k)[0]), f"{qtype}: 1 row against {many}"
     # integer kernels whose splits end inside an iteration (2 super-blocks an iteration, 3 in the row): the
     # super-blocks past the end are read again (no masks) and must weigh nothing
