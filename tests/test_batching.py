@@ -8,6 +8,7 @@ import pytest
 from flashdraft.engine.engine import Completion, Engine, EngineConfig, Request
 from flashdraft.engine.grammar import Grammar
 from flashdraft.engine.sampling import SamplingParams
+from flashdraft.engine.steps import SpecBatchKey
 from test_server import DEVICE, PROMPTS, models  # noqa: F401  (models: a fixture shared by the run)
 
 SCHEMA = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
@@ -28,7 +29,9 @@ def mixed_requests(tokenizer) -> list[Request]:
 
 
 def answer(c: Completion) -> tuple:
-    return c.token_ids, c.finish_reason, [(t, round(lp, 5)) for t, lp, _ in (c.logprobs or [])]
+    """The answer, and the drafter's proposals at each step (output equality alone cannot see a drafter that reads
+    another slot's state: speculation is lossless whatever it proposes)."""
+    return c.token_ids, c.finish_reason, [(t, round(lp, 5)) for t, lp, _ in (c.logprobs or [])], c.spec.draft_steps
 
 
 def all_at_once(engine: Engine, requests: list[Request]) -> list[Completion]:
@@ -66,11 +69,15 @@ def test_requests_together_answer_as_alone(engine, monkeypatch, together):
     requests = mixed_requests(engine.tokenizer)
     alone = [answer(engine.generate(r)) for r in requests]
     seen = spy_batches(engine, monkeypatch)
+    keys, run = [], engine.steps.graphs.run
+    monkeypatch.setattr(engine.steps.graphs, "run", lambda key, *a, **kw: keys.append(key) or run(key, *a, **kw))
     for start in range(0, len(requests), together):
         group = [Request(r.prompt_ids, r.params, r.speculative, grammar=r.grammar)
                  for r in requests[start:start + together]]
         assert [answer(c) for c in all_at_once(engine, group)] == alone[start:start + together]
     assert {name for name, n in seen if n > 1} == {"plain_batch", "speculative_batch"}  # batching happened
+    batched = [k for k in keys if isinstance(k, SpecBatchKey)]  # DFlash takes its slots as a graph input
+    assert batched and all(k.slots is None for k in batched)
     assert engine.free_slot_count == 4
 
 

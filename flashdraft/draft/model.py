@@ -143,6 +143,7 @@ class DraftRings:
 
 class DFlashDraft(nn.Module):
     name = "dflash"
+    slot_tensors = True  # propose takes its slot as a [1] tensor too (draft/interface.Drafter)
 
     def __init__(self, cfg: DraftConfig):
         super().__init__()
@@ -217,7 +218,7 @@ class DFlashDraft(nn.Module):
             cache.write(slot, positions, *layer.self_attn.project_kv(context, cos_sin))
         rings.row_positions[slot, positions % rings.window] = positions  # the table all layers' rings share
 
-    def forward(self, noise_embedding: torch.Tensor, positions: torch.Tensor, slot: int = 0,
+    def forward(self, noise_embedding: torch.Tensor, positions: torch.Tensor, slot: int | torch.Tensor = 0,
                 live: torch.Tensor | None = None, context_rows: int | None = None) -> torch.Tensor:
         """noise_embedding [B, H] (block embeddings, already scaled), positions [B] (anchor first) -> hidden
         [B, H] after the final norm. Sees the ring rows holding positions before the anchor. `live` (a one-element
@@ -231,7 +232,8 @@ class DFlashDraft(nn.Module):
         ring = rings.window if context_rows is None else min(context_rows, rings.window)
         x = noise_embedding.to(self.norm.weight.dtype)
         cos_sin = self.rotary(positions, x.dtype)
-        row_positions = rings.row_positions[slot, :ring]
+        row_positions = (rings.row_positions.index_select(0, slot)[0] if isinstance(slot, torch.Tensor)
+                         else rings.row_positions[slot])[:ring]
         context_valid = (row_positions >= 0) & (row_positions < positions[:1])
         key_positions = torch.cat([positions, row_positions])
         block_valid = torch.ones_like(positions, dtype=torch.bool) if live is None else \
@@ -280,7 +282,7 @@ class DFlashDraft(nn.Module):
         """One row (B = 1, `slots` an int): its features go into the slot's rings (the tokens are in them)."""
         self.append_context(features[0], positions[0], slots)
 
-    def propose(self, target, anchors: torch.Tensor, positions: torch.Tensor, slots: int, k: int,
+    def propose(self, target, anchors: torch.Tensor, positions: torch.Tensor, slots: int | torch.Tensor, k: int,
                 live: torch.Tensor | None = None, block: int | None = None,
                 context_rows: int | None = None) -> torch.Tensor:
         """One row (B = 1): the block [anchor, MASK, ...] of `block` rows at the anchor's position on, through the

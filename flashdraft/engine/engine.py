@@ -523,7 +523,7 @@ class Engine:
         """Each candidate width's step time for every batch size 2..n_slots, relative to that batch's plain step
         (engine.adaptive.batch_width), on the slots 0..B-1, which must be free and are left holding nothing."""
         from flashdraft.engine.adaptive import candidate_widths, measure_costs
-        from flashdraft.engine.steps import BatchKey, SpecBatchKey, SpecKey
+        from flashdraft.engine.steps import BatchKey, SpecKey
         block = self.draft_block
         taken = [self.slots.acquire([], reuse=False)[0] for _ in range(self.n_slots)]
         try:
@@ -537,7 +537,7 @@ class Engine:
                             most = max(1, FEW_ROWS // w)
                             for first in range(0, rows, most):
                                 slots = tuple(range(first, min(rows, first + most)))
-                                self.steps.run_key(SpecBatchKey(slots, block, w) if len(slots) > 1 else
+                                self.steps.run_key(self.steps.spec_batch_key(slots, block, w) if len(slots) > 1 else
                                                    SpecKey(slots[0], self.steps.attended(64 + w), block, w))
 
                     widths = candidate_widths(block, self.steps.static)

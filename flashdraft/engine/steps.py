@@ -54,9 +54,11 @@ class BatchKey:
 
 @dataclass(frozen=True)
 class SpecBatchKey:
-    """A speculative step of several slots in one call: the drafter proposes for each (its state indexed by
-    these slots), the target verifies `width` rows of every slot at once."""
-    slots: tuple[int, ...]
+    """A speculative step of `rows` slots in one call: the drafter proposes for each, the target verifies `width`
+    rows of every slot at once. The slots are an input where the drafter takes them as tensors
+    (Drafter.slot_tensors); else the graph is the slot combination's (`slots`)."""
+    rows: int
+    slots: tuple[int, ...] | None
     block: int
     width: int
 
@@ -159,27 +161,31 @@ class Steps:
     def speculative_batch(self, states: list, lives: list[int], width: int,
                           block: int) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
         """One speculative step of several slots (each a full block ahead of it in the context), the target
-        verifying `width` rows of each in one call (`lives`: each block's rows that hold wanted tokens): (ids [B, width]: anchors and proposals, logits [B, width, V],
-        features [B, width, F] or None, positions [B, block]). The drafter reads its whole context window (one
-        graph for every length)."""
+        verifying `width` rows of each in one call (`lives`: each block's rows that hold wanted tokens): (ids
+        [B, width]: anchors and proposals, logits [B, width, V], features [B, width, F] or None, positions
+        [B, block]). The drafter reads its whole context window (one graph for every length)."""
         dev = self.device
         anchors = torch.cat([torch.full((1,), s.token, device=dev) for s in states])  # fills, no copies
         live = torch.cat([torch.full((1,), n, device=dev) for n in lives])
         positions = torch.stack([self.positions(s.pos, block) for s in states])
         slots = tuple(s.slot for s in states)
-        rows = self.slot_index(slots)
+        key = self.spec_batch_key(slots, block, width)
         attn_len = self.target_length(self.state.max_len)
 
-        def step(a, p, n):
-            drafted = torch.cat([self.draft.propose(self.target, a[i:i + 1], p[i, :1], slot, width - 1, n[i:i + 1],
-                                                    block, self.state.max_len) for i, slot in enumerate(slots)])
+        def step(a, p, n, rows):
+            drafted = torch.cat([self.draft.propose(self.target, a[i:i + 1], p[i, :1],
+                                                    rows[i:i + 1] if key.slots is None else key.slots[i], width - 1,
+                                                    n[i:i + 1], block, self.state.max_len) for i in range(key.rows)])
             checked = torch.cat([a[:, None], drafted], dim=1)
             logits, feats = self.target(checked, p[:, :width], self.state, rows, capture=self.draft.target_layers,
                                         attn_len=attn_len)
             return checked, logits, feats
 
-        ids, logits, feats = self.graphs.run(SpecBatchKey(slots, block, width), step, [anchors, positions, live])
+        ids, logits, feats = self.graphs.run(key, step, [anchors, positions, live, self.slot_index(slots)])
         return ids, logits, feats, positions
+
+    def spec_batch_key(self, slots: tuple[int, ...], block: int, width: int) -> SpecBatchKey:
+        return SpecBatchKey(len(slots), None if getattr(self.draft, "slot_tensors", False) else slots, block, width)
 
     def slot_index(self, slots: tuple[int, ...]) -> Tensor:
         """The slots as a [B] tensor on the device, made once per combination (no host-to-device copy per step)."""
@@ -270,7 +276,7 @@ class Steps:
         dev = self.device
         if isinstance(key, SpecBatchKey):
             pos = max(0, min(64, self.state.max_len - key.block))
-            states = [SimpleNamespace(token=0, pos=pos, slot=s) for s in key.slots]
+            states = [SimpleNamespace(token=0, pos=pos, slot=s) for s in key.slots or range(key.rows)]
             self.speculative_batch(states, [key.block] * len(states), key.width, key.block)
         elif isinstance(key, BatchKey):
             zero = torch.zeros(1, dtype=torch.long, device=dev)

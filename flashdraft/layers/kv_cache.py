@@ -170,10 +170,13 @@ class RingKVCache:
         self.k[slot, :, self.scratch + rows] = k.to(self.k.dtype)
         self.v[slot, :, self.scratch + rows] = v.to(self.v.dtype)
 
-    def block_view(self, slot: int, block_len: int, ring_rows: int) -> tuple[Tensor, Tensor]:
+    def block_view(self, slot: int | Tensor, block_len: int, ring_rows: int) -> tuple[Tensor, Tensor]:
         """One contiguous view [KV, block_len + ring_rows, D]: `block_len` scratch rows (for the step's own K/V),
-        then the first `ring_rows` rows of the ring."""
+        then the first `ring_rows` rows of the ring. `slot` a [1] tensor: a copy of those rows (one CUDA graph then
+        serves every slot), whose scratch rows the step may write as the view's."""
         rows = slice(self.scratch - block_len, self.scratch + ring_rows)
+        if isinstance(slot, Tensor):
+            return self.k[:, :, rows].index_select(0, slot)[0], self.v[:, :, rows].index_select(0, slot)[0]
         return self.k[slot, :, rows], self.v[slot, :, rows]
 
 
