@@ -1,6 +1,9 @@
-"""Plain and speculative decode loops on one cache slot, over the steps of engine/steps.py.
+"""A request's decode in its cache slot as data (`SlotState`) and the functions that step it: read the prompt
+(open_slot, prefill_slice, first_token), plan the next step, run it (step_plain, step_speculative; engine.Engine runs
+several slots' steps as one call and hands each slot its rows: advance_plain, advance_speculative), hand out the
+committed tokens. `decode` steps one slot alone (tensor parallelism, training data).
 
-Both loops yield the tokens each step commits. Target K/V beyond the committed length are stale and
+Target K/V beyond the committed length are stale and
 ignored (the cache is indexed by position), and a recurrent layer keeps its state after each token of a verify
 block (layers/kv_cache.RecurrentCache), so rejected draft tokens roll back by length alone. The drafter
 (draft/interface.Drafter) only ever observes committed positions, so it never rolls back.
@@ -204,6 +207,7 @@ class StepPlan:
     room: int  # positions left in the context
     attn_len: int
     follow: bool = False
+
 
 def open_slot(steps: Steps, s: SlotState, cached: int = 0) -> None:
     """Start the request in its slot, whose cache (and the drafter's state) hold the first `cached` prompt tokens."""
