@@ -15,13 +15,14 @@ from flashdraft.engine.config import EngineConfig, compile_enabled
 from flashdraft.layers.compile import preload_compiler
 from flashdraft.layers.quantized import FEW_ROWS
 from flashdraft.engine import synthetic
-from flashdraft.engine.generate import (SlotState, SpecStats, StepPlan, advance_plain, advance_speculative, decode,
-                                        finish, first_token, new_slot_state, open_slot, plan, prefill_slice,
+from flashdraft.engine.adaptive import WidthController, batch_width, candidate_widths, measure_costs
+from flashdraft.engine.generate import (SlotState, SpecStats, StepPlan, advance_plain, advance_speculative, finish,
+                                        first_token, new_slot_state, open_slot, plan, prefill_slice, run_slot,
                                         step_plain, step_speculative)
 from flashdraft.engine.grammar import Constraint, Grammar
 from flashdraft.engine.lockstep import from_rank0, in_lockstep
 from flashdraft.engine.sampling import SamplingParams, fresh_seed
-from flashdraft.engine.steps import Steps
+from flashdraft.engine.steps import BatchKey, PlainKey, SpecKey, Steps
 from flashdraft.quant.kv_types import FLOAT_KV_TYPES
 
 log = logging.getLogger("flashdraft")
@@ -503,8 +504,6 @@ class Engine:
                 return self.measure_width_costs(slot)
             finally:
                 self.slots.release(slot, [])
-        from flashdraft.engine.adaptive import candidate_widths, measure_costs
-        from flashdraft.engine.steps import PlainKey, SpecKey
         block = self.draft_block
         pos = max(0, min(64, self.ctx_size - block - 1))
 
@@ -522,8 +521,6 @@ class Engine:
     def measure_batch_costs(self) -> dict[int, dict[int, float]]:
         """Each candidate width's step time for every batch size 2..n_slots, relative to that batch's plain step
         (engine.adaptive.batch_width), on the slots 0..B-1, which must be free and are left holding nothing."""
-        from flashdraft.engine.adaptive import candidate_widths, measure_costs
-        from flashdraft.engine.steps import BatchKey, SpecKey
         block = self.draft_block
         taken = [self.slots.acquire([], reuse=False)[0] for _ in range(self.n_slots)]
         try:
@@ -621,11 +618,7 @@ class Engine:
 
     def _stream_in_slot(self, req: Request, seed: int | None) -> Iterator[Delta | Completion]:
         """Tensor parallelism: the request on this thread, every rank stepping in lockstep."""
-        speculative = req.speculative and self.draft is not None
-        if speculative and self.adaptive and self.width_costs is None:
-            self.measure_width_costs()  # before a slot's cache is taken for the prompt
-        slot, cached = self.slots.acquire(req.prompt_ids, req.cache_prompt, speculative=speculative)
-        req.slot = slot
+        slot, cached, speculative = self._take_slot(req)
         held: list[int] = list(req.prompt_ids[:cached])  # the tokens the slot's cache holds (grows as it runs)
         try:
             yield from self._run(req, slot, seed, cached, held)
@@ -633,6 +626,15 @@ class Engine:
             self.slots.release(slot, held, speculative)
             if self.free_slot_count == self.n_slots:  # idle: what the prompt's activations left cached goes back
                 self._release_cached()
+
+    def _take_slot(self, req: Request) -> tuple[int, int, bool]:
+        """The slot the request runs in (req.slot), how many prompt tokens its cache holds, whether it speculates;
+        a speculative request's width costs are measured first, before a slot's cache is taken for the prompt."""
+        speculative = req.speculative and self.draft is not None
+        if speculative and self.adaptive and self.width_costs is None:
+            self.measure_width_costs()
+        req.slot, cached = self.slots.acquire(req.prompt_ids, req.cache_prompt, speculative=speculative)
+        return req.slot, cached, speculative
 
     def generate(self, req: Request) -> Completion:
         for event in self.stream(req):
@@ -647,7 +649,6 @@ class Engine:
         stats = SpecStats()
         controller = None
         if speculative and self.adaptive and not req.block_size and req.draft_n_max is None:
-            from flashdraft.engine.adaptive import WidthController
             controller = WidthController(self.width_costs)  # measured before the slot was taken
         logprobs: list[TokenLogprob] | None = [] if p.logprobs is not None else None
         constraint = None if req.grammar is None else Constraint(self.tokenizer, req.grammar,
@@ -668,11 +669,7 @@ class Engine:
         """One request's steps on this thread (tensor parallelism). `cached`: leading prompt tokens the slot's
         cache already holds; `held` receives the tokens it holds when the run ends or is closed."""
         s, out = self._slot_state(req, slot, seed)
-        steps = decode(self.steps, s.prompt, s.params, slot=slot, speculative=s.speculative, block_size=s.block,
-                       stats=s.stats, max_len=self.ctx_size, seed=seed, controller=s.controller,
-                       logprobs=s.logprobs, cached=cached, constraint=s.constraint, max_width=s.max_width,
-                       accept_rule=s.accept_rule)
-        steps = in_lockstep(steps, self.device)
+        steps = in_lockstep(run_slot(self.steps, s, cached), self.device)
         out.begin(cached)
         try:
             for new in steps:
@@ -799,7 +796,6 @@ class Engine:
         controllers = [j.state.controller for j in running if j.state.controller is not None]
         if costs is None or len(controllers) < 2:
             return None
-        from flashdraft.engine.adaptive import batch_width
         return batch_width(controllers, costs)
 
     def _admit(self) -> None:
@@ -814,15 +810,12 @@ class Engine:
                 job.post(Completion("", [], list(req.prompt_ids), "cancelled", None, Timings(), SpecStats()))
                 continue
             try:
-                speculative = req.speculative and self.draft is not None
-                if speculative and self.adaptive and self.width_costs is None:
-                    self.measure_width_costs()  # before a slot's cache is taken for the prompt
-                slot, cached = self.slots.acquire(req.prompt_ids, req.cache_prompt, speculative=speculative)
+                slot, cached, _ = self._take_slot(req)
             except Exception as e:
                 job.released.set()
                 job.post(e)
                 continue
-            req.slot, job.cached = slot, cached
+            job.cached = cached
             job.held = list(req.prompt_ids[:cached])
             with self._wake:
                 self._active.append(job)
@@ -855,35 +848,34 @@ class Engine:
         job.out.t_first = time.perf_counter()
         self._hand_out(job, first)
 
-    def _plain_batch(self, batch: list[tuple["Task", StepPlan]]) -> None:
-        states = [job.state for job, _ in batch]
+    def _plain_batch(self, batch: list[tuple[Task, StepPlan]]) -> None:
         follow = any(p.follow for _, p in batch)
         attn_len = max(p.attn_len for _, p in batch)
-        try:
-            logits, features, positions = self.steps.plain_batch(states, attn_len, follow)
-        except Exception as e:
-            for job, _ in batch:
-                self._fail(job, e)
-            return
-        for i, (job, p) in enumerate(batch):
-            self._guarded(job, lambda: advance_plain(self.steps, job.state, p, logits[i:i + 1],
-                                                     None if features is None else features[i:i + 1],
-                                                     positions[i:i + 1]))
+        self._run_batch(batch, lambda states: self.steps.plain_batch(states, attn_len, follow),
+                        lambda s, p, i, logits, features, positions: advance_plain(
+                            self.steps, s, p, logits[i:i + 1], None if features is None else features[i:i + 1],
+                            positions[i:i + 1]))
 
     def _speculative_batch(self, batch: list[tuple[Task, StepPlan]]) -> None:
         for job, _ in batch:
             job.state.following.flush()  # the drafter proposes from every committed position
-        states = [job.state for job, _ in batch]
+        self._run_batch(batch, lambda states: self.steps.speculative_batch(states, [p.live for _, p in batch],
+                                                                           batch[0][1].width, states[0].block),
+                        lambda s, p, i, ids, logits, features, positions: advance_speculative(
+                            self.steps, s, p, ids[i], logits[i], None if features is None else features[i],
+                            positions[i]))
+
+    def _run_batch(self, batch: list[tuple[Task, StepPlan]], run: Callable, advance: Callable) -> None:
+        """One call for the batch's slots (`run`), then each slot's own acceptance and output (`advance` with its
+        row index); a failed call fails every request in it."""
         try:
-            ids, logits, features, positions = self.steps.speculative_batch(states, [p.live for _, p in batch],
-                                                                            batch[0][1].width, states[0].block)
+            out = run([job.state for job, _ in batch])
         except Exception as e:
             for job, _ in batch:
                 self._fail(job, e)
             return
         for i, (job, p) in enumerate(batch):
-            self._guarded(job, lambda: advance_speculative(self.steps, job.state, p, ids[i], logits[i],
-                                                           None if features is None else features[i], positions[i]))
+            self._guarded(job, lambda: advance(job.state, p, i, *out))
 
     def _guarded(self, job: "Task", run: Callable[[], list[int]]) -> None:
         try:

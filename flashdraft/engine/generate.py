@@ -408,6 +408,12 @@ def decode(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slot: int =
     steps over every active slot."""
     s = new_slot_state(steps, prompt_ids, params, slot, speculative, block_size, stats, max_len, accept_rule,
                        controller, logprobs, constraint, seed, max_width)
+    yield from run_slot(steps, s, cached, generator)
+
+
+def run_slot(steps: Steps, s: SlotState, cached: int = 0,
+             generator: torch.Generator | None = None) -> Iterator[list[int]]:
+    """The slot's steps one after another, yielding the tokens each hands out (see `decode`)."""
     if s.budget <= 0:
         return
     yield begin(steps, s, cached, generator)

@@ -106,6 +106,7 @@ class Steps:
     def __init__(self, target, state, draft=None, device: str = "cpu"):
         self.target, self.state, self.draft = target, state, draft
         self.capture = tuple(draft.target_layers) if draft is not None else ()  # read once
+        self.slot_inputs = getattr(draft, "slot_tensors", False)  # batched drafter steps take the slots as input
         if draft is not None:  # a verify step may be cut back to any of its lengths
             state.allow_rollback(draft.block_size)
         self.graphs = GraphCache(device)
@@ -185,7 +186,7 @@ class Steps:
         return ids, logits, feats, positions
 
     def spec_batch_key(self, slots: tuple[int, ...], block: int, width: int) -> SpecBatchKey:
-        return SpecBatchKey(len(slots), None if getattr(self.draft, "slot_tensors", False) else slots, block, width)
+        return SpecBatchKey(len(slots), None if self.slot_inputs else slots, block, width)
 
     def slot_index(self, slots: tuple[int, ...]) -> Tensor:
         """The slots as a [B] tensor on the device, made once per combination (no host-to-device copy per step)."""
