@@ -111,6 +111,7 @@ def test_a_long_prompt_is_read_between_the_steps_of_a_running_stream(engine, mon
     long = Request(tokenizer.encode(" ".join(PROMPTS) * 6)[:300], SamplingParams(max_tokens=8, ignore_eos=True))
     alone = [engine.generate(Request(r.prompt_ids, r.params, cache_prompt=False)).token_ids for r in (running, long)]
     events: list[str | tuple[int, int]] = []
+    monkeypatch.setattr(engine_mod, "INTERLEAVED_PREFILL", 16)
     slices = engine_mod.prefill_slice
     monkeypatch.setattr(engine_mod, "prefill_slice", lambda steps, s, most: events.append((len(s.prompt), most)) or
                         slices(steps, s, most))

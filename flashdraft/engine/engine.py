@@ -349,7 +349,9 @@ def module_bytes(module: torch.nn.Module) -> int:
 
 # Prompt tokens read per engine step while other slots decode: a slice costs about a verify step of that width, so
 # their inter-token latency stays within a few steps' (a whole 1024-token chunk of the 31B shape: ~70 steps)
-INTERLEAVED_PREFILL = 16
+# prompt tokens read in one engine step while other slots decode: their streams pause for one such step (llama.cpp's
+# -ub default); small slices cost a whole eager pass of the target each, so four prompts arriving at once took seconds
+INTERLEAVED_PREFILL = 512
 
 # GPU memory a context must leave for the step graphs, the drafter's state and the CUDA workspaces (what the 31B shape's
 # graphs and workspaces took beside its caches)
@@ -374,6 +376,9 @@ class Engine:
         self.config = config
         self.target, self.tokenizer, self.draft = target, tokenizer, draft
         self.device, self.ctx_size, self.n_slots = config.device, config.ctx_size, config.n_slots
+        if self.device.startswith("cuda"):
+            index = torch.device(self.device).index
+            self._cuda_index = torch.cuda.current_device() if index is None else index
         self.block_size = config.block_size
         if config.draft_n_max is not None and draft is not None and config.draft:
             self.block_size = min(config.draft_n_max, draft.block_size - 1) + 1
@@ -713,8 +718,8 @@ class Engine:
             return self._wake.wait_for(lambda: not self._incoming and not self._active, timeout)
 
     def _loop(self) -> None:
-        if self.device.startswith("cuda"):  # a new thread starts on device 0
-            torch.cuda.set_device(torch.device(self.device))
+        if self.device.startswith("cuda"):  # a new thread starts on device 0; "cuda" means the loading thread's
+            torch.cuda.set_device(self._cuda_index)
         with torch.inference_mode():
             while True:
                 with self._wake:
