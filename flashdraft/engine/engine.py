@@ -352,6 +352,7 @@ def module_bytes(module: torch.nn.Module) -> int:
 # prompt tokens read in one engine step while other slots decode: their streams pause for one such step (llama.cpp's
 # -ub default); small slices cost a whole eager pass of the target each, so four prompts arriving at once took seconds
 INTERLEAVED_PREFILL = 512
+SLOW_STEP_S = 1.0
 
 # GPU memory a context must leave for the step graphs, the drafter's state and the CUDA workspaces (what the 31B shape's
 # graphs and workspaces took beside its caches)
@@ -471,9 +472,10 @@ class Engine:
                      " over torch.compile'd layers" if compile_enabled(config) else "")
             engine.warmup()
             log.info("step graphs ready in %.1f s", engine.startup_s["warmup"])
-        if engine.adaptive and engine.width_costs is None:
-            engine.measure_width_costs()
-            if engine.n_slots > 1:
+        if engine.adaptive:  # warmup's speculative request may have timed the widths already, never the batches
+            if engine.width_costs is None:
+                engine.measure_width_costs()
+            if engine.n_slots > 1 and not engine.batch_costs:
                 engine.measure_batch_costs()
             engine._release_cached()
         return engine
@@ -752,6 +754,7 @@ class Engine:
         """One engine step: admit waiting requests into free slots, one decode step for every slot past its prompt
         (plain steps of several slots batched into one target call), then a slice of a prompt being read (its first
         token once it is all in)."""
+        started = time.perf_counter()
         self._admit()
         plans = []
         for job in [j for j in self._active if j.req.cancel.is_set()]:
@@ -772,6 +775,7 @@ class Engine:
                 self._hand_out(job, p)
             else:
                 plans.append((job, p))
+        marks = [time.perf_counter()]
         plain = [(job, p) for job, p in plans if p.width <= 1]
         if len(plain) > 1:
             self._plain_batch(plain)
@@ -792,7 +796,18 @@ class Engine:
                 else:
                     job, p = part[0]
                     self._guarded(job, lambda: step_speculative(self.steps, job.state, p))
+        marks.append(time.perf_counter())
+        reading = next((j.state for j in self._active if j.state is not None and j.state.token_t is None), None)
+        read_from = reading.prefilled if reading else 0
         self._prefill(decoding=bool(plans))
+        marks.append(time.perf_counter())
+        if marks[-1] - started > SLOW_STEP_S:  # a graph captured late, a compile, a long prompt: what streams waited for
+            plan_s, decode_s, read_s = (b - a for a, b in zip([started] + marks, marks))
+            log.warning("engine step took %.1f s: admitting and planning %.2f s; %d plain and speculative %s %.2f s; "
+                        "%s %.2f s", marks[-1] - started, plan_s, len(plain),
+                        {w: len(g) for (w, _), g in groups.items()} or "none", decode_s,
+                        f"prompt of slot {reading.slot} from {read_from} to {reading.prefilled} of {len(reading.prompt)}"
+                        if reading else "no prompt", read_s)
 
     def _batch_width(self, running: list[Task]) -> int | None:
         """The verify width for slots that step together (engine.adaptive.batch_width over their controllers and
