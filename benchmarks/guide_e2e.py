@@ -22,7 +22,9 @@ Configurations (--configs; default the first three): cmd1 = tests/test_server.py
 (L = 3, 5, 6.5) = LINE_2 with both engines drafting 15 tokens at llama.cpp's synthetic acceptance length L,
 cmd2-q51-synthL the same with q5_0/q4_1 KV, cmd2-falling = per-position rates 0.9, 0.8, ... (the adaptive width;
 fixed widths as flashdraft requests with --body '{"speculative.n_max": N}' --label wN+1). --depth 16384 pads each
-prompt to about that many tokens (a 16k context). llama-server of this sdist knows neither `--spec-type dflash` nor
+prompt to about that many tokens (a 16k context). --long-prompt N with --parallel P: P - 1 streams decode, then a
+prompt of about N tokens arrives; the streams' longest gap between tokens while it is read against their steady gap
+(issue 47's 2000-token prompt beside three streams: --parallel 4 --long-prompt 2000). llama-server of this sdist knows neither `--spec-type dflash` nor
 `--spec-dflash-cross-ctx` nor `--no-mmap`/`--mlock`: its cmd2 takes `--spec-type draft-dflash` and drops the rest
 (recorded as `adapted` in the result). A server is started, waited for (/health 200; --health-timeout), sent the
 guide's three prompts one at a time (/completion, raw text, n_predict 1200, ignore_eos, cache_prompt false, the
@@ -145,13 +147,15 @@ class Run:
     start: int
     depth: int = 0  # the prompts padded to about this many tokens (0: as they are)
     parallel: int = 1  # -np: slots, and requests sent at once
+    long_prompt: int = 0  # a prompt of about this many tokens sent while parallel - 1 streams decode (0: none)
 
     @property
     def key(self) -> str:
         label = [re.sub(r"[^A-Za-z0-9.=]+", "-", self.label).strip("-")] if self.label else []
         depth = [f"d{self.depth}"] if self.depth else []
         parallel = [f"np{self.parallel}"] if self.parallel > 1 else []
-        return "-".join([self.model, self.config, *depth, *parallel, self.engine, *label, f"s{self.start}"])
+        long = [f"long{self.long_prompt}"] if self.long_prompt else []
+        return "-".join([self.model, self.config, *depth, *parallel, *long, self.engine, *label, f"s{self.start}"])
 
 
 # ---- the work folder
@@ -580,6 +584,9 @@ def serve_and_measure(args, run: Run, files: Files, chat: bool, temperatures: li
         result["gpu_memory_idle"] = gpu_memory(proc.pid)
         extra = json.loads(args.body) if args.body else None
         for temperature in temperatures:
+            if run.long_prompt:
+                result.setdefault("stalls", []).append(long_prompt_round(url, run, args, extra, deadline))
+                continue
             if run.parallel > 1:
                 result.setdefault("rounds", []).append(concurrent_round(url, chat, run, args, temperature, extra,
                                                                         deadline, result["requests"]))
@@ -629,6 +636,61 @@ def concurrent_round(url: str, chat: bool, run: Run, args, temperature: float | 
     return dict(temperature=temperature, wall_s=wall, tokens=tokens, aggregate_tok_s=tokens / wall, errors=errors)
 
 
+def stream_times(url: str, prompt: str, n_predict: int, timeout: float, extra: dict | None,
+                 times: list[float]) -> None:
+    """A streamed /completion (the command line's sampling): the arrival time of each event that carries text goes
+    into `times` as it comes."""
+    body = {"prompt": prompt, "n_predict": n_predict, "ignore_eos": True, "cache_prompt": False, "stream": True}
+    body.update(extra or {})
+    req = urllib.request.Request(url + "/completion", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as reply:
+        for line in reply:
+            if not line.startswith(b"data: "):
+                continue
+            event = json.loads(line[6:])
+            if event.get("content"):
+                times.append(time.perf_counter())
+            if event.get("stop"):
+                return
+
+
+STEADY_TOKENS = 64  # each stream's events before the long prompt is sent
+
+
+def long_prompt_round(url: str, run: Run, args, extra: dict | None, deadline: float) -> dict:
+    """run.parallel - 1 streams decode; once each has sent STEADY_TOKENS events, a prompt of about
+    run.long_prompt tokens arrives (16 tokens asked of it). The streams' longest gap between events while it is
+    read (a gap that starts before its first token and ends after it was sent) against their median gap before
+    it was sent (issue 47: at most 3x)."""
+    import concurrent.futures
+    streams = run.parallel - 1
+    timeout = max(5.0, min(args.request_timeout, deadline - time.monotonic()))
+    times: list[list[float]] = [[] for _ in range(streams)]
+    long_times: list[float] = []
+    with concurrent.futures.ThreadPoolExecutor(streams + 1) as pool:
+        running = [pool.submit(stream_times, url, f"({i + 1}) " + SEED_PROMPTS[i % len(SEED_PROMPTS)],
+                               args.n_predict, timeout, extra, times[i]) for i in range(streams)]
+        while min(map(len, times)) < STEADY_TOKENS and not any(f.done() for f in running) and \
+                time.monotonic() < deadline:
+            time.sleep(0.005)
+        sent = time.perf_counter()
+        long = pool.submit(stream_times, url, padded("(long) " + SEED_PROMPTS[0], run.long_prompt), 16, timeout,
+                           extra, long_times)
+        errors = [str(f.exception())[:200] for f in running + [long] if f.exception() is not None]
+    first = long_times[0] if long_times else float("inf")
+    gaps = [(a, b) for t in times for a, b in zip(t, t[1:])]
+    steady = [b - a for a, b in gaps if b < sent]
+    during = [b - a for a, b in gaps if b > sent and a < first]
+    steady_ms = 1000 * statistics.median(steady) if steady else None
+    stall_ms = 1000 * max(during) if during else None
+    ratio = stall_ms / steady_ms if steady_ms and stall_ms else None
+    log(f"{run.key}: a {run.long_prompt}-token prompt beside {streams} streams: first token after "
+        f"{1000 * (first - sent):.0f} ms; the streams' longest gap meanwhile {fmt(stall_ms, 0)} ms, steady "
+        f"{fmt(steady_ms, 1)} ms (x{fmt(ratio, 2)})" + (f"; errors: {errors}" if errors else ""))
+    return dict(streams=streams, long_prompt=run.long_prompt, first_token_ms=1000 * (first - sent),
+                steady_gap_ms=steady_ms, longest_gap_ms=stall_ms, ratio=ratio, errors=errors)
+
+
 def save(args, result: dict) -> None:
     for folder in {Path(args.work) / "results", Path(args.out)}:
         folder.mkdir(parents=True, exist_ok=True)
@@ -658,7 +720,7 @@ def run_engine_phase(args, engines: list[str], model: str, chat: bool, temperatu
                 continue
             for start in range(1, 3 if args.restart else 2):
                 run = Run(model, config, engine, args.label if engine == "flashdraft" else "", start, args.depth,
-                          args.parallel)
+                          args.parallel, args.long_prompt)
                 if done(args, run):
                     log(f"{run.key}: done before (--redo runs it again)")
                     continue
@@ -767,12 +829,18 @@ def report(args) -> int:
             notes.append("widths " + ", ".join(f"{w}: {n}" for w, n in sorted(s["widths"].items())))
         if x.get("build_running"):
             notes.append("llama.cpp build running meanwhile")
-        if s["n"] < len(SEED_PROMPTS):
+        if s["n"] < len(SEED_PROMPTS) and not x.get("stalls"):
             notes.append(f"{s['n']} of {len(SEED_PROMPTS)} prompts")
         config = x["config"] + (f" @{x['depth']}" if x.get("depth") else "")
         if x.get("parallel", 1) > 1:
             config += f" -np {x['parallel']}"
-            notes.append(f"aggregate {fmt(s['aggregate'])} tok/s")
+            if s["aggregate"]:
+                notes.append(f"aggregate {fmt(s['aggregate'])} tok/s")
+        for st in x.get("stalls", []):
+            config += f", {st['long_prompt']}-token prompt arriving"
+            notes.append(f"streams' longest gap while it is read {fmt(st['longest_gap_ms'], 0)} ms, steady "
+                         f"{fmt(st['steady_gap_ms'], 1)} ms: x{fmt(st['ratio'], 2)}; its first token after "
+                         f"{fmt(st['first_token_ms'], 0)} ms")
         lines.append(f"| {x['model']} | {config} | {'-' if x['T'] is None else x['T']} | {engine} | "
                      f"{x['start']} | {fmt(s['decode'])} | {fmt(s['wall'])} | {fmt(s['prefill'], 0)} | {s['tokens']} | "
                      f"{mem} | {fmt(x.get('startup_s'))} | {ratio_s} | {'; '.join(notes)} |")
@@ -820,6 +888,9 @@ def main() -> int:
     ap.add_argument("--restart", action="store_true", help="start each server twice (the second: a warm start)")
     ap.add_argument("--depth", type=int, default=0,
                     help="pad each prompt with filler to about this many tokens (a context of that depth)")
+    ap.add_argument("--long-prompt", type=int, default=0,
+                    help="with --parallel P: P - 1 streams decode, then a prompt of about this many tokens arrives; "
+                         "their longest gap between tokens while it is read against the steady gap")
     ap.add_argument("--parallel", type=int, default=1,
                     help="-np N on both servers and N requests sent at once per round (aggregate tok/s)")
     ap.add_argument("--body", default="", help="JSON fields added to every request (e.g. '{\"speculative.n_max\": 7}'"
@@ -839,6 +910,8 @@ def main() -> int:
     ap.add_argument("--results", default="", help="report: result folders, comma-separated (default WORK/results)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes of the same files: a smoke test (CPU too)")
     args = ap.parse_args()
+    if args.long_prompt and args.parallel < 2:
+        ap.error("--long-prompt needs --parallel 2 or more (streams that decode while it is read)")
     args.out = args.out or os.environ.get("OUT") or str(Path(args.work) / "out")
     args.label = args.label if args.label is not None else " ".join(args.extra_flags.split())
     work = Path(args.work)

@@ -144,3 +144,40 @@ def test_ngram_drafter_batched_answers_as_alone(models, monkeypatch):
     together = all_at_once(engine, [Request(r.prompt_ids, r.params, cache_prompt=False) for r in requests])
     assert [c.token_ids for c in together] == alone
     assert any(name == "speculative_batch" and n > 1 for name, n in seen)
+
+
+def test_adaptive_load_measures_every_batch_size(models):
+    """The start-up times each verify width at every batch size 2..n_slots (what the batch width is chosen from),
+    also after the warm-up's own speculative request timed the single-slot widths."""
+    target, draft = models
+    engine = Engine.load(EngineConfig(str(target), str(draft), device=DEVICE, ctx_size=256, n_slots=3,
+                                      dtype="float32", adaptive=True))
+    assert engine.width_costs is not None and sorted(engine.batch_costs) == [2, 3]
+    assert all(costs[1] == 1.0 and len(costs) > 1 for costs in engine.batch_costs.values())
+
+
+def test_a_stopped_engine_fails_its_requests_and_later_ones(models, monkeypatch):
+    """The engine thread ending (an error outside any request's step) fails the requests waiting for it at once,
+    and every later one, rather than leaving them to wait forever."""
+    target, _ = models
+    engine = Engine.load(EngineConfig(str(target), device=DEVICE, ctx_size=128, n_slots=2, dtype="float32"))
+
+    def broken() -> None:
+        raise SystemExit("the device went away")  # not an Exception: past the step's own handler
+
+    monkeypatch.setattr(engine, "step", broken)
+    request = Request([5, 6, 7], SamplingParams(max_tokens=4))
+    for _ in range(2):
+        errors: list[str] = []
+
+        def call() -> None:
+            try:
+                engine.generate(request)
+            except RuntimeError as e:
+                errors.append(str(e))
+
+        caller = threading.Thread(target=call, daemon=True)
+        caller.start()
+        caller.join(60)
+        assert errors == ["the engine stopped: SystemExit: the device went away"]
+    assert engine.free_slot_count == 2

@@ -426,6 +426,7 @@ class Engine:
         self._incoming: collections.deque[Task] = collections.deque()
         self._active: list[Task] = []
         self._loop_thread: threading.Thread | None = None
+        self.stopped: RuntimeError | None = None  # set when the engine thread ends (it never should)
 
     def _synthetic_rates(self, config: EngineConfig) -> list[float]:
         """The synthetic acceptance rates the command line asks for ([]: real acceptance), resolved for this
@@ -707,6 +708,8 @@ class Engine:
                              f"context of {self.ctx_size} tokens")
         task = Task(req, sampling_seed(req.params), post)
         with self._wake:
+            if self.stopped is not None:
+                raise self.stopped
             if self._loop_thread is None:
                 self._loop_thread = threading.Thread(target=self._loop, name="engine", daemon=True)
                 self._loop_thread.start()
@@ -720,17 +723,33 @@ class Engine:
             return self._wake.wait_for(lambda: not self._incoming and not self._active, timeout)
 
     def _loop(self) -> None:
-        if self.device.startswith("cuda"):  # a new thread starts on device 0; "cuda" means the loading thread's
-            torch.cuda.set_device(self._cuda_index)
-        with torch.inference_mode():
-            while True:
-                with self._wake:
-                    self._wake.wait_for(lambda: self._incoming or self._active)
-                    alone = self._incoming.popleft() if self.world_size > 1 else None
-                try:
-                    self._run_alone(alone) if alone is not None else self.step()
-                except Exception:  # a request's own failure goes to it (_fail); this is the engine's
-                    log.exception("engine step failed")
+        try:
+            if self.device.startswith("cuda"):  # a new thread starts on device 0; "cuda" means the loading thread's
+                torch.cuda.set_device(self._cuda_index)
+            with torch.inference_mode():
+                while True:
+                    with self._wake:
+                        self._wake.wait_for(lambda: self._incoming or self._active)
+                        alone = self._incoming.popleft() if self.world_size > 1 else None
+                    try:
+                        self._run_alone(alone) if alone is not None else self.step()
+                    except Exception:  # a request's own failure goes to it (_fail); this is the engine's
+                        log.exception("engine step failed")
+        except BaseException as e:  # no request may wait for a thread that is gone
+            log.exception("the engine thread stopped")
+            self._stopped(e)
+
+    def _stopped(self, error: BaseException) -> None:
+        """The engine thread ended: every queued and running request fails with `error`, and so do later ones."""
+        with self._wake:
+            self.stopped = RuntimeError(f"the engine stopped: {type(error).__name__}: {error}")
+            tasks = list(self._incoming) + list(self._active)
+            self._incoming.clear()
+            self._active.clear()
+            self._wake.notify_all()
+        for task in tasks:
+            task.released.set()
+            task.post(self.stopped)
 
     def _run_alone(self, task: Task) -> None:
         """Tensor parallelism: one request at a time, every rank stepping in lockstep (Engine.follow)."""

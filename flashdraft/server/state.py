@@ -41,6 +41,8 @@ class ServerState:
             raise ApiError(500, f"the model failed to load: {self.load_error}")
         if self.engine is None or self.scheduler is None:
             raise ApiError(503, "Loading model")
+        if self.engine.stopped is not None:
+            raise ApiError(500, str(self.engine.stopped))
         return self.engine, self.scheduler
 
     @property
