@@ -1,14 +1,17 @@
 """The engine loop runs one step over every running slot (engine.Engine.step): plain steps of several slots in one
 target call, speculative steps of the same width in one call. A request's answer must not depend on what runs
 beside it: greedy, seeded sampling, grammar, penalties and log-probabilities, each equal to its solo run."""
+import queue
 import threading
 
 import pytest
+import torch
 
 from flashdraft.engine.engine import Completion, Engine, EngineConfig, Request
 from flashdraft.engine.grammar import Grammar
 from flashdraft.engine.sampling import SamplingParams
 from flashdraft.engine.steps import SpecBatchKey
+from test_engine import SAMPLING_CASES, chi_square_pvalue, exact_first_tokens, small_vocab_pair  # noqa: F401
 from test_server import DEVICE, PROMPTS, models  # noqa: F401  (models: a fixture shared by the run)
 
 SCHEMA = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
@@ -181,3 +184,37 @@ def test_a_stopped_engine_fails_its_requests_and_later_ones(models, monkeypatch)
         caller.join(60)
         assert errors == ["the engine stopped: SystemExit: the device went away"]
     assert engine.free_slot_count == 2
+
+
+class Digits:
+    """A tokenizer for a few-token vocabulary: each id reads as its number."""
+    eos_ids: list[int] = []
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        return " ".join(map(str, ids))
+
+
+@pytest.mark.parametrize("params", SAMPLING_CASES[2:])
+def test_sampling_distribution_is_lossless_in_batched_steps(small_vocab_pair, params, monkeypatch):
+    """Sampled speculative decoding stays lossless when slots step together: 1500 seeded requests queued at once
+    through four slots (batched speculative steps), their first three tokens against the target's exact
+    distribution (test_engine's chi-square test, there for one slot at a time)."""
+    target, draft = small_vocab_pair
+    engine = Engine(target, Digits(), draft, EngineConfig(device="cpu", ctx_size=16, n_slots=4, dtype="float32"))
+    prompt = [0, 1, 2, 1, 1]
+    expected = exact_first_tokens(target, torch.tensor(prompt), params, 3)
+    seen = spy_batches(engine, monkeypatch)
+    samples = 1500
+    answers: queue.Queue = queue.Queue()
+    for i in range(samples):
+        # eight tokens each, so that requests overlap; the first three are counted
+        p = SamplingParams(**{**params.__dict__, "max_tokens": 8, "seed": 10_000 + i})
+        engine.submit(Request(prompt, p), lambda e: isinstance(e, (Completion, Exception)) and answers.put(e))
+    counts: dict[tuple, int] = {}
+    for _ in range(samples):
+        c = answers.get(timeout=600)
+        assert isinstance(c, Completion), c
+        first = tuple(c.token_ids[:3])
+        counts[first] = counts.get(first, 0) + 1
+    assert any(name == "speculative_batch" and n > 1 for name, n in seen)
+    assert chi_square_pvalue(counts, expected, samples) > 1e-3
