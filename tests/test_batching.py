@@ -106,15 +106,15 @@ def test_cancel_mid_stream_frees_the_slot(engine):
 
 
 def test_a_long_prompt_is_read_between_the_steps_of_a_running_stream(engine, monkeypatch):
-    """A prompt that arrives while another request decodes is read INTERLEAVED_PREFILL tokens per engine step, the
-    running stream stepping in between, and both answer as alone."""
+    """A prompt that arrives while another request decodes is read in slices (the pacer's size) between the
+    running stream's steps, and both answer as alone."""
     from flashdraft.engine import engine as engine_mod
     tokenizer = engine.tokenizer
     running = Request(tokenizer.encode(PROMPTS[0]), SamplingParams(max_tokens=80, ignore_eos=True))
     long = Request(tokenizer.encode(" ".join(PROMPTS) * 6)[:300], SamplingParams(max_tokens=8, ignore_eos=True))
     alone = [engine.generate(Request(r.prompt_ids, r.params, cache_prompt=False)).token_ids for r in (running, long)]
     events: list[str | tuple[int, int]] = []
-    monkeypatch.setattr(engine_mod, "INTERLEAVED_PREFILL", 16)
+    monkeypatch.setattr(engine.pacer, "size", lambda: 16)
     slices = engine_mod.prefill_slice
     monkeypatch.setattr(engine_mod, "prefill_slice", lambda steps, s, most: events.append((len(s.prompt), most)) or
                         slices(steps, s, most))

@@ -16,6 +16,7 @@ from flashdraft.layers.compile import preload_compiler
 from flashdraft.layers.quantized import FEW_ROWS
 from flashdraft.engine import synthetic
 from flashdraft.engine.adaptive import WidthController, batch_width, candidate_widths, measure_costs
+from flashdraft.engine.pacing import SlicePacer
 from flashdraft.engine.generate import (SlotState, SpecStats, StepPlan, advance_plain, advance_speculative, finish,
                                         first_token, new_slot_state, open_slot, plan, prefill_slice, run_slot,
                                         step_plain, step_speculative)
@@ -349,8 +350,8 @@ def module_bytes(module: torch.nn.Module) -> int:
 
 # Prompt tokens read per engine step while other slots decode: a slice costs about a verify step of that width, so
 # their inter-token latency stays within a few steps' (a whole 1024-token chunk of the 31B shape: ~70 steps)
-# prompt tokens read in one engine step while other slots decode: their streams pause for one such step (llama.cpp's
-# -ub default); small slices cost a whole eager pass of the target each, so four prompts arriving at once took seconds
+# the most prompt tokens read in one engine step while other slots decode (llama.cpp's -ub default); engine.pacing
+# sizes each slice below it to keep the streams' pause within a share of their step
 INTERLEAVED_PREFILL = 512
 SLOW_STEP_S = 1.0
 
@@ -427,6 +428,8 @@ class Engine:
         self._active: list[Task] = []
         self._loop_thread: threading.Thread | None = None
         self.stopped: RuntimeError | None = None  # set when the engine thread ends (it never should)
+        self.pacer = SlicePacer(most=INTERLEAVED_PREFILL)
+        self._decode_started: float | None = None  # the last step that read no prompt began then
 
     def _synthetic_rates(self, config: EngineConfig) -> list[float]:
         """The synthetic acceptance rates the command line asks for ([]: real acceptance), resolved for this
@@ -820,6 +823,12 @@ class Engine:
         read_from = reading.prefilled if reading else 0
         self._prefill(decoding=bool(plans))
         marks.append(time.perf_counter())
+        if plans and reading is None:  # a decode step alone: the pacer's measure of what a slice delays
+            if self._decode_started is not None:
+                self.pacer.observe_step(started - self._decode_started)
+            self._decode_started = started
+        else:
+            self._decode_started = None
         if marks[-1] - started > SLOW_STEP_S:  # a graph captured late, a compile, a long prompt: what streams waited for
             plan_s, decode_s, read_s = (b - a for a, b in zip([started] + marks, marks))
             log.warning("engine step took %.1f s: admitting and planning %.2f s; %d plain and speculative %s %.2f s; "
@@ -869,14 +878,21 @@ class Engine:
                 self._fail(job, e)
 
     def _prefill(self, decoding: bool) -> None:
-        """The next slice of the first prompt still being read: all of it when no slot decodes, else
-        INTERLEAVED_PREFILL tokens, so that the running streams go on a step at a time meanwhile."""
+        """The next slice of the first prompt still being read: all of it when no slot decodes, else as many
+        tokens as the pacer allows, so that the running streams go on a step at a time meanwhile."""
         job = next((j for j in self._active if j.state is not None and j.state.token_t is None), None)
         if job is None:
             return
         s = job.state
         try:
-            logits = prefill_slice(self.steps, s, INTERLEAVED_PREFILL if decoding else len(s.prompt))
+            if decoding:
+                self._sync()  # the slice alone is timed
+                t, before = time.perf_counter(), s.prefilled
+                logits = prefill_slice(self.steps, s, self.pacer.size())
+                self._sync()
+                self.pacer.observe_slice(s.prefilled - before, time.perf_counter() - t)
+            else:
+                logits = prefill_slice(self.steps, s, len(s.prompt))
             if logits is None:
                 return
             first = first_token(self.steps, s, logits)
