@@ -135,18 +135,22 @@ def test_a_long_prompt_is_read_between_the_steps_of_a_running_stream(engine, mon
 
 
 def test_ngram_drafter_batched_answers_as_alone(models, monkeypatch):
-    """A drafter with no model (the n-gram lookup: int slots, no target layers) in batched speculative steps."""
+    """A drafter with no model (the n-gram lookup: no target layers) in batched speculative steps, its slots a
+    graph input as DFlash's."""
     target, _ = models
     engine = Engine.load(EngineConfig(str(target), spec_type="ngram-mod", device=DEVICE, ctx_size=256, n_slots=3,
                                       dtype="float32", draft_params=dict(n_match=3, n_max=8, n_min=3)))
     repeating = [40, 41, 42, 43, 44, 45, 40, 41, 42, 43, 44, 45, 40, 41]
     prompts = [repeating, [7, 100, 33, 250, 12, 90, 8, 61], repeating[3:] + [9, 40, 41]]
     requests = [Request(p, SamplingParams(max_tokens=30, ignore_eos=True)) for p in prompts]
-    alone = [engine.generate(Request(r.prompt_ids, r.params, cache_prompt=False)).token_ids for r in requests]
+    alone = [answer(engine.generate(Request(r.prompt_ids, r.params, cache_prompt=False))) for r in requests]
     seen = spy_batches(engine, monkeypatch)
+    keys, run = [], engine.steps.graphs.run
+    monkeypatch.setattr(engine.steps.graphs, "run", lambda key, *a, **kw: keys.append(key) or run(key, *a, **kw))
     together = all_at_once(engine, [Request(r.prompt_ids, r.params, cache_prompt=False) for r in requests])
-    assert [c.token_ids for c in together] == alone
+    assert [answer(c) for c in together] == alone  # the proposals too: each slot's own n-grams
     assert any(name == "speculative_batch" and n > 1 for name, n in seen)
+    assert all(k.slots is None for k in keys if isinstance(k, SpecBatchKey))
 
 
 def test_adaptive_load_measures_every_batch_size(models):

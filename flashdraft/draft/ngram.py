@@ -88,6 +88,7 @@ class NGramDrafter:
     """The Drafter (draft/interface.py) of `--spec-type ngram-mod` (chain) or `ngram-simple`: proposals of
     n_max tokens at most, so a verify block of n_max + 1."""
     target_layers = ()
+    slot_tensors = True  # propose takes its slot as a [1] tensor too: one batched graph for every slot combination
 
     def __init__(self, config: NGramConfig, device: str | torch.device = "cpu", name: str = "ngram-mod"):
         self.config, self.device, self.name = config, device, name
@@ -120,9 +121,10 @@ class NGramDrafter:
         s.prints[slots, rows] = self._prints_at(slots, positions[:, None] - n + 1 + self._span(n))
 
     def propose(self, target, anchors, positions, slots, k, live=None, block=None, context_rows=None):
-        """One row (B = 1): [1, k] tokens after anchors[0] at positions[0]."""
+        """One row (B = 1, `slots` an int or a [1] tensor): [1, k] tokens after anchors[0] at positions[0]."""
         s, cfg, n = self.state, self.config, self.config.n_match
-        tokens, held, prints = s.tokens[slots], s.held[slots], s.prints[slots]
+        tokens, held, prints = (t[slots] if isinstance(slots, int) else t.index_select(0, slots)[0]
+                                for t in (s.tokens, s.held, s.prints))
         n_max = min(cfg.n_max, (block or self.block_size) - 1)
         steps = min(n_max, max(k, cfg.n_min))  # enough for the n_min rule; the first k are the same for any k
         anchor, at = anchors[0], positions[0]
