@@ -3,7 +3,10 @@ by kernel, for the random-weight shapes of benchmarks/gpu.py. Prints one table p
 matrix-product time against everything else.
 
 Usage: python benchmarks/kernels/profile_steps.py [--model llama-3.1-8b | --file FILE.gguf [--draft FOLDER]] [--ctx 1024]
-           [--compile] [--cache-types K/V] [--out FILE.json]
+           [--compile] [--cache-types K/V] [--batch N] [--out FILE.json]
+
+--batch N adds "decode_batchN": one plain step of N slots at once (the engine's Steps.plain_batch: slots a [N]
+tensor), each slot holding ctx positions, beside the one-slot decode.
 """
 import argparse
 import collections
@@ -46,6 +49,7 @@ def main() -> int:
     ap.add_argument("--file", help="a GGUF file (matrices kept quantized) instead of a random --model")
     ap.add_argument("--draft", help="a DFlash draft folder (e.g. flashdraft/drafts/smollm2-135m) instead of a random one")
     ap.add_argument("--cache-types", default="auto/auto", help="the target's KV cache types, K/V")
+    ap.add_argument("--batch", type=int, default=1, help="also profile a plain step of this many slots at once")
     ap.add_argument("--out")
     args = ap.parse_args()
     dev, dtype = args.device, torch.bfloat16
@@ -66,13 +70,15 @@ def main() -> int:
             from flashdraft.draft.load import load_draft_folder
             draft = load_draft_folder(args.draft, dev, dtype).eval()
         max_len = ctx + 256
-        state = target.new_state(1, max_len, tuple(args.cache_types.split("/")))
-        draft.setup_cache(min(ctx, 1024))
+        slots = max(1, args.batch)
+        state = target.new_state(slots, max_len, tuple(args.cache_types.split("/")))
+        draft.setup_cache(min(ctx, 1024), slots)
         if args.compile:
             target.compile_layers((1, 16))
             draft.compile_layers()
         ids = draft.cfg.target_layer_ids
-        prefill(target, state, torch.randint(0, cfg.vocab_size - 1, (ctx,), device=dev), 0, draft=draft)
+        for slot in range(slots):
+            prefill(target, state, torch.randint(0, cfg.vocab_size - 1, (ctx,), device=dev), slot, draft=draft)
         bucket = bucket_for(ctx + 16, max_len)
         tok, pos = torch.tensor([5], device=dev), torch.tensor([ctx], device=dev)
         block = torch.randint(0, cfg.vocab_size - 1, (16,), device=dev)
@@ -82,6 +88,10 @@ def main() -> int:
             "verify16": lambda: target(block[None], positions[None], state, capture=ids, attn_len=bucket),
             "draft": lambda: argmax_rows(draft.compute_logits(draft(target.token_embedding(block), positions, 0, None, bucket)[1:], target.logits)),
         }
+        if slots > 1:
+            rows = torch.arange(slots, device=dev)
+            toks, poss = tok.repeat(slots)[:, None], pos.repeat(slots)[:, None]
+            steps[f"decode_batch{slots}"] = lambda: target(toks, poss, state, rows, attn_len=bucket)
         n = 5
         for name, fn in steps.items():
             for _ in range(3):
