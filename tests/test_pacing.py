@@ -12,43 +12,54 @@ def timed(pacer: SlicePacer, step_s: float, fixed: float, per_token: float, leng
     return pacer
 
 
-def test_before_anything_is_timed_it_reads_the_first_size():
-    assert SlicePacer(first=64).size() == 64
-    assert SlicePacer(first=64).size() == timed(SlicePacer(first=64), 0.02, 0, 0, []).size()
+def test_before_a_decode_step_is_timed_it_reads_the_most_then_the_first_size():
+    """Prompts that arrive together are read as fast as they can be until a decode step tells the budget."""
+    assert SlicePacer(first=32, most=512).size() == 512
+    assert timed(SlicePacer(first=32), 0.02, 0, 0, []).size() == 32
 
 
 def test_slices_fit_the_budget_of_a_step_from_their_fixed_and_per_token_parts():
-    pacer = timed(SlicePacer(ratio=2.5), step_s=0.020, fixed=0.008, per_token=0.0005, lengths=[64, 128, 32])
-    assert pacer.fit() == pytest.approx((0.008, 0.0005))
-    assert pacer.size() == 48  # (1.5 * 20 ms - 8 ms) / 0.5 ms = 44 tokens, the nearest multiple of 16
-    assert timed(SlicePacer(ratio=3.0), 0.020, 0.010, 0.0001, [64, 128]).size() == 304  # 300
+    # a step with a slice: the decode step (20 ms) and 8 ms more, and 0.5 ms a token
+    pacer = timed(SlicePacer(ratio=2.5), step_s=0.020, fixed=0.028, per_token=0.0005, lengths=[64, 128, 32])
+    assert pacer.fit() == pytest.approx((0.028, 0.0005))
+    assert pacer.size() == 32  # (2.5 * 20 ms - 28 ms) / 0.5 ms = 44 tokens, down to a multiple of 16
+    assert timed(SlicePacer(ratio=3.0), 0.020, 0.030, 0.0001, [64, 128]).size() == 288  # 300
 
 
 def test_one_length_counts_as_all_per_token():
     pacer = timed(SlicePacer(ratio=2.5), step_s=0.020, fixed=0.0, per_token=0.0002, lengths=[64])
     assert pacer.fit() == pytest.approx((0.0, 0.0002))
-    assert pacer.size() == 144  # 30 ms / 0.2 ms = 150
+    assert pacer.size() == 240  # 50 ms / 0.2 ms = 250
 
 
 def test_a_size_held_down_by_a_fixed_cost_it_does_not_know_yet_grows():
     """Timed at one length only, a slice counts as all per token, which a fixed part makes too short; the next
     size is then longer, and two lengths apart tell the parts apart."""
-    pacer = timed(SlicePacer(ratio=2.5), step_s=0.020, fixed=0.008, per_token=0.0001, lengths=[32])
+    pacer = timed(SlicePacer(ratio=2.5), step_s=0.020, fixed=0.028, per_token=0.0001, lengths=[32])
     sizes = []
     for _ in range(6):
         sizes.append(pacer.size())
-        pacer.observe_slice(sizes[-1], 0.008 + 0.0001 * sizes[-1])
-    assert sizes == [80, 224, 224, 224, 224, 224]  # 30 ms / 0.35 ms a token at 32; then (30 - 8) / 0.1 = 220
+        pacer.observe_slice(sizes[-1], 0.028 + 0.0001 * sizes[-1])
+    assert sizes == [48, 64, 208, 208, 208, 208]  # 50 / 0.975 ms, 50 / 0.683 ms; then (50 - 28) / 0.1 = 220
 
 
 def test_a_fixed_cost_past_the_budget_reads_the_most():
     """Where a slice costs a whole pass whatever its length, small slices only stretch the prompt out."""
-    assert timed(SlicePacer(ratio=2.5, most=512), 0.020, 0.050, 0.0001, [16, 64, 128]).size() == 512
-    assert timed(SlicePacer(ratio=2.5, most=512), 0.020, 0.040, 0.0, [16, 64]).size() == 512
+    assert timed(SlicePacer(ratio=2.5, most=512), 0.020, 0.060, 0.0001, [16, 64, 128]).size() == 512
+
+
+
+def test_a_longer_slice_timed_faster_counts_as_all_per_token():
+    """Noise (a shorter slice timed slower) must not read as no cost per token, which would read the most."""
+    pacer = timed(SlicePacer(ratio=2.5), step_s=0.020, fixed=0.0, per_token=0.0, lengths=[])
+    pacer.observe_slice(32, 0.030)
+    pacer.observe_slice(96, 0.029)
+    assert pacer.fit() == pytest.approx((0.0, 0.029 / 96))
+    assert pacer.size() == 160  # 50 ms at 0.30 ms a token
 
 
 def test_sizes_stay_between_least_and_most():
-    assert timed(SlicePacer(least=16), 0.020, 0.029, 0.001, [16, 32]).size() == 16
+    assert timed(SlicePacer(least=16), 0.020, 0.049, 0.001, [16, 32]).size() == 16
     assert timed(SlicePacer(most=256), 0.020, 0.0, 1e-6, [64, 128]).size() == 256
 
 

@@ -823,12 +823,14 @@ class Engine:
         read_from = reading.prefilled if reading else 0
         self._prefill(decoding=bool(plans))
         marks.append(time.perf_counter())
-        if plans and reading is None:  # a decode step alone: the pacer's measure of what a slice delays
+        if plans and reading is None:  # a decode step alone: the pacer's measure of what a slice may delay
             if self._decode_started is not None:
                 self.pacer.observe_step(started - self._decode_started)
             self._decode_started = started
         else:
             self._decode_started = None
+            if plans and reading is not None:  # decode steps and a slice, timed to the slice's end
+                self.pacer.observe_slice(reading.prefilled - read_from, marks[-1] - started)
         if marks[-1] - started > SLOW_STEP_S:  # a graph captured late, a compile, a long prompt: what streams waited for
             plan_s, decode_s, read_s = (b - a for a, b in zip([started] + marks, marks))
             log.warning("engine step took %.1f s: admitting and planning %.2f s; %d plain and speculative %s %.2f s; "
@@ -886,11 +888,8 @@ class Engine:
         s = job.state
         try:
             if decoding:
-                self._sync()  # the slice alone is timed
-                t, before = time.perf_counter(), s.prefilled
                 logits = prefill_slice(self.steps, s, self.pacer.size())
-                self._sync()
-                self.pacer.observe_slice(s.prefilled - before, time.perf_counter() - t)
+                self._sync()  # the step is timed whole (engine.pacing)
             else:
                 logits = prefill_slice(self.steps, s, len(s.prompt))
             if logits is None:
