@@ -118,3 +118,40 @@ def test_batch_width_speculates_only_where_the_batch_gains():
     for _ in range(40):
         sure.record(8, 0)
     assert batch_width([sure, unsure], costs) == 1  # nothing pays: plain, batched
+
+
+def test_a_request_starts_from_what_the_requests_before_it_learned():
+    from flashdraft.engine.adaptive import AcceptancePrior
+    prior = AcceptancePrior(weight=0.5)
+    first = prior.controller(COSTS)
+    assert first.width() == 8  # nothing learned yet: optimistic
+    prior.learn(WidthController(dict(COSTS)))  # a request that checked no drafted token teaches nothing
+    assert prior.survival is None
+    for _ in range(40):
+        first.record(first.width(), 0)
+    prior.learn(first)
+    after_nothing = prior.controller(COSTS)
+    assert after_nothing.width() == 1 and after_nothing.steps_at_current == 0  # plain, probing as usual
+    good = WidthController(dict(COSTS))
+    for _ in range(40):
+        good.record(8, 7)
+    prior.learn(good)
+    assert prior.survival == [0.5 * (a + b) for a, b in zip(first.survival, good.survival)]
+    assert prior.controller(COSTS).width() > 1  # half the drafts landing: speculating pays
+
+
+def test_the_engine_starts_a_request_plain_after_its_draft_accepted_nothing(tmp_path):
+    """A draft that accepts nothing costs its first request the steps that learn it; the next request starts plain
+    (probing), and a fresh engine's first request starts wide (the warm-up's made-up prompt teaches nothing)."""
+    from tiny import make_draft, make_target
+
+    from flashdraft.engine.engine import Engine, EngineConfig, Request
+    target = make_target(tmp_path / "target")
+    engine = Engine.load(EngineConfig(str(target), str(make_draft(tmp_path / "draft", target)), ctx_size=256,
+                                      dtype="float32", adaptive=True))
+    engine.warmup()  # (on CUDA, part of loading)
+    assert engine.prior.survival is None  # the warm-up's made-up prompt teaches nothing
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    runs = [engine.generate(Request(list(range(5 + i, 25 + i)), params)).spec for i in range(2)]
+    assert runs[0].draft_steps and len(runs[0].draft_steps[0]) == engine.draft_block - 1  # starts wide
+    assert len(runs[1].draft_steps) < len(runs[0].draft_steps) and runs[1].plain_steps > runs[0].plain_steps

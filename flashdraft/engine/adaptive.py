@@ -11,6 +11,10 @@ step every `probe_every` steps keeps the estimates fresh: that interval doubles 
 not pay for its cost (up to `probe_most`, so a draft that never fits, a random one, or one whose verify steps cost
 more than it brings, costs next to nothing) and falls back to `probe_every` once a probe pays. Decisions depend on
 acceptance alone, never on the clock during a request, so a seeded request repeats exactly.
+
+A request's estimates start from what the requests before it learned (`AcceptancePrior`: a draft that accepted
+nothing then starts plain, probing, instead of spending its first steps at full width); the probe interval starts
+afresh, so a request whose text the draft suits finds that out within `probe_every` steps.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ class WidthController:
     survival: list[float] = field(default_factory=list)
     current: int = 0
     steps_at_current: int = 0
+    checked: int = 0  # steps that checked drafted tokens (what the estimates learned from)
     probe_interval: int = 0  # plain steps before the next probe (probe_every, doubled by each fruitless probe)
 
     def __post_init__(self) -> None:
@@ -67,11 +72,35 @@ class WidthController:
             self.steps_at_current += 1
         if width == 1:
             return
+        self.checked += 1
         for k in range(width - 1):
             self.survival[k] += self.alpha * (float(accepted > k) - self.survival[k])
         best = max(self.costs, key=self.score)
         if self.score(best) > self.score(self.current) * (1 + self.margin):
             self.current, self.steps_at_current = best, 0
+
+
+@dataclass
+class AcceptancePrior:
+    """Where a request's acceptance estimates start: all accepted (optimistic) until a request has checked drafted
+    tokens, then a moving average of finished requests' estimates (`weight` on the latest)."""
+    weight: float = 0.5
+    survival: list[float] | None = None
+
+    def controller(self, costs: dict[int, float]) -> WidthController:
+        if self.survival is None:
+            return WidthController(dict(costs))
+        c = WidthController(dict(costs), survival=list(self.survival))
+        c.current = max(sorted(c.costs), key=c.score)
+        return c
+
+    def learn(self, c: WidthController) -> None:
+        if not c.checked:
+            return
+        if self.survival is None or len(self.survival) != len(c.survival):
+            self.survival = list(c.survival)
+        else:
+            self.survival = [p + self.weight * (s - p) for p, s in zip(self.survival, c.survival)]
 
 
 def batch_width(controllers: list[WidthController], costs: dict[int, float]) -> int:

@@ -15,7 +15,7 @@ from flashdraft.engine.config import EngineConfig, compile_enabled
 from flashdraft.layers.compile import preload_compiler
 from flashdraft.layers.quantized import FEW_ROWS
 from flashdraft.engine import synthetic
-from flashdraft.engine.adaptive import WidthController, batch_width, candidate_widths, measure_costs
+from flashdraft.engine.adaptive import AcceptancePrior, batch_width, candidate_widths, measure_costs
 from flashdraft.engine.pacing import SlicePacer
 from flashdraft.engine.generate import (SlotState, SpecStats, StepPlan, advance_plain, advance_speculative, finish,
                                         first_token, new_slot_state, open_slot, plan, prefill_slice, run_slot,
@@ -429,6 +429,7 @@ class Engine:
         self._loop_thread: threading.Thread | None = None
         self.stopped: RuntimeError | None = None  # set when the engine thread ends (it never should)
         self.pacer = SlicePacer(most=INTERLEAVED_PREFILL)
+        self.prior = AcceptancePrior()  # where a request's acceptance estimates start
         self._decode_started: float | None = None  # the last step that read no prompt began then
 
     def _synthetic_rates(self, config: EngineConfig) -> list[float]:
@@ -571,6 +572,7 @@ class Engine:
             for speculative in ([True] if self.draft is not None else [False]):  # as the server's requests
                 for params in [SamplingParams(max_tokens=max_tokens)] + ([defaults] if not defaults.greedy else []):
                     self.generate(Request(prompt_ids=[0, 1, 2, 3], params=params, speculative=speculative))
+        self.prior = AcceptancePrior()  # a made-up prompt's acceptance says nothing of the requests'
         self._sync()
         self._release_cached()
         self.startup_s["warmup"] = time.perf_counter() - t
@@ -660,7 +662,7 @@ class Engine:
         stats = SpecStats()
         controller = None
         if speculative and self.adaptive and not req.block_size and req.draft_n_max is None:
-            controller = WidthController(self.width_costs)  # measured before the slot was taken
+            controller = self.prior.controller(self.width_costs)  # costs measured before the slot was taken
         logprobs: list[TokenLogprob] | None = [] if p.logprobs is not None else None
         constraint = None if req.grammar is None else Constraint(self.tokenizer, req.grammar,
                                                                  self.target.cfg.vocab_size)
@@ -955,6 +957,8 @@ class Engine:
         try:
             if job.state is not None:
                 finish(job.state)
+                if job.state.controller is not None:
+                    self.prior.learn(job.state.controller)
             if job.out is not None and job.out.t_first is not None:
                 job.held = job.out.held()
             self._sync()
