@@ -353,7 +353,7 @@ def module_bytes(module: torch.nn.Module) -> int:
 # the most prompt tokens read in one engine step while other slots decode (llama.cpp's -ub default); engine.pacing
 # sizes each slice below it to keep the streams' pause within a share of their step
 INTERLEAVED_PREFILL = 512
-SLOW_STEP_S = 1.0
+SLOW_STEP_S = 1.0  # an engine step past this many seconds logs what it ran
 
 # GPU memory a context must leave for the step graphs, the drafter's state and the CUDA workspaces (what the 31B shape's
 # graphs and workspaces took beside its caches)
@@ -780,12 +780,23 @@ class Engine:
         token once it is all in)."""
         started = time.perf_counter()
         self._admit()
-        plans = []
         for job in [j for j in self._active if j.req.cancel.is_set()]:
             job.out.finish = "cancelled"
             self._finish(job)
-        running = [j for j in self._active if j.state.token_t is not None]  # past their prompts
+        plans = self._plan()
+        planned = time.perf_counter()
+        self._decode(plans)
+        decoded = time.perf_counter()
+        reading = self._reading()
+        read_from = reading.state.prefilled if reading else 0
+        self._prefill(reading, decoding=bool(plans))
+        self._timed(started, planned, decoded, plans, reading, read_from)
+
+    def _plan(self) -> list[tuple[Task, StepPlan]]:
+        """Each slot past its prompt: its step (a slot whose answer ends without one hands out its tokens here)."""
+        running = [j for j in self._active if j.state.token_t is not None]
         batch = self._batch_width(running)
+        plans = []
         for job in running:
             c = job.state.controller
             # a slot's own width where it has no controller, and for the probe it is due where nothing pays
@@ -799,7 +810,11 @@ class Engine:
                 self._hand_out(job, p)
             else:
                 plans.append((job, p))
-        marks = [time.perf_counter()]
+        return plans
+
+    def _decode(self, plans: list[tuple[Task, StepPlan]]) -> None:
+        """The plain steps as one call; the speculative ones grouped by (width, block), a group's slots in calls of
+        at most FEW_ROWS product rows (a row keeps its solo bits); a block cut short by the context's end alone."""
         plain = [(job, p) for job, p in plans if p.width <= 1]
         if len(plain) > 1:
             self._plain_batch(plain)
@@ -807,12 +822,11 @@ class Engine:
             for job, p in plain:
                 self._guarded(job, lambda: step_plain(self.steps, job.state, p))
         groups: dict[tuple[int, int], list[tuple[Task, StepPlan]]] = {}
-        for job, p in plans:  # a block cut short by the context's end runs alone
+        for job, p in plans:
             if p.width > 1:
                 key = (p.width, job.state.block) if p.room >= job.state.block else (-1, job.req.slot)
                 groups.setdefault(key, []).append((job, p))
         for (width, _), group in groups.items():
-            # no more rows than the exact product kernels take in one call: a row keeps its solo bits
             most = max(1, FEW_ROWS // max(width, 1))
             for part in (group[i:i + most] for i in range(0, len(group), most)):
                 if len(part) > 1:
@@ -820,26 +834,26 @@ class Engine:
                 else:
                     job, p = part[0]
                     self._guarded(job, lambda: step_speculative(self.steps, job.state, p))
-        marks.append(time.perf_counter())
-        reading = next((j.state for j in self._active if j.state is not None and j.state.token_t is None), None)
-        read_from = reading.prefilled if reading else 0
-        self._prefill(decoding=bool(plans))
-        marks.append(time.perf_counter())
-        if plans and reading is None:  # a decode step alone: the pacer's measure of what a slice may delay
+
+    def _timed(self, started: float, planned: float, decoded: float, plans: list[tuple[Task, StepPlan]],
+               reading: "Task | None", read_from: int) -> None:
+        """The step's times to the prompt pacer (engine.pacing), and a warning where it took long."""
+        ended = time.perf_counter()
+        if plans and reading is None:  # decode steps alone: the pacer's measure of what a slice may delay
             if self._decode_started is not None:
                 self.pacer.observe_step(started - self._decode_started)
             self._decode_started = started
         else:
             self._decode_started = None
             if plans and reading is not None:  # decode steps and a slice, timed to the slice's end
-                self.pacer.observe_slice(reading.prefilled - read_from, marks[-1] - started)
-        if marks[-1] - started > SLOW_STEP_S:  # a graph captured late, a compile, a long prompt: what streams waited for
-            plan_s, decode_s, read_s = (b - a for a, b in zip([started] + marks, marks))
-            log.warning("engine step took %.1f s: admitting and planning %.2f s; %d plain and speculative %s %.2f s; "
-                        "%s %.2f s", marks[-1] - started, plan_s, len(plain),
-                        {w: len(g) for (w, _), g in groups.items()} or "none", decode_s,
-                        f"prompt of slot {reading.slot} from {read_from} to {reading.prefilled} of {len(reading.prompt)}"
-                        if reading else "no prompt", read_s)
+                self.pacer.observe_slice(reading.state.prefilled - read_from, ended - started)
+        if ended - started > SLOW_STEP_S:  # a graph captured late, a compile, a long prompt: what streams waited for
+            widths = collections.Counter(p.width for _, p in plans)
+            s = reading.state if reading else None
+            log.warning("engine step took %.1f s: admitting and planning %.2f s; steps of widths %s %.2f s; %s %.2f s",
+                        ended - started, planned - started, dict(sorted(widths.items())) or "none", decoded - planned,
+                        f"prompt of slot {s.slot} from {read_from} to {s.prefilled} of {len(s.prompt)}" if s
+                        else "no prompt", ended - decoded)
 
     def _batch_width(self, running: list[Task]) -> int | None:
         """The verify width for slots that step together (engine.adaptive.batch_width over their controllers and
@@ -881,10 +895,13 @@ class Engine:
             except Exception as e:
                 self._fail(job, e)
 
-    def _prefill(self, decoding: bool) -> None:
-        """The next slice of the first prompt still being read: all of it when no slot decodes, else as many
-        tokens as the pacer allows, so that the running streams go on a step at a time meanwhile."""
-        job = next((j for j in self._active if j.state is not None and j.state.token_t is None), None)
+    def _reading(self) -> "Task | None":
+        """The first request whose prompt is still being read."""
+        return next((j for j in self._active if j.state is not None and j.state.token_t is None), None)
+
+    def _prefill(self, job: "Task | None", decoding: bool) -> None:
+        """The next slice of `job`'s prompt: all of it when no slot decodes, else as many tokens as the pacer
+        allows, so that the running streams go on a step at a time meanwhile."""
         if job is None:
             return
         s = job.state
