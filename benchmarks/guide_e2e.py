@@ -860,6 +860,19 @@ def report(args) -> int:
         who = " ".join(["flashdraft", x["label"]]).strip()
         lines.append(f"\n{x['model']}, {who}, start {x['start']}: greedy DFlash (cmd2) against plain (cmd1-f16) at "
                      f"T=0: {', '.join(same) or 'nothing to compare'}")
+    # a draft loaded (cmd2, f16 KV) against none (cmd1-f16): issue 47's "within 3%" when the draft accepts nothing
+    for x in rows:
+        if x["engine"] != "flashdraft" or x["config"] != "cmd2" or not speed(x["s"]):
+            continue
+        plain = next((y for y in rows if y["engine"] == "flashdraft" and y["config"] == "cmd1-f16" and
+                      (y["model"], y["label"], y["T"], y.get("parallel", 1), y.get("depth", 0)) ==
+                      (x["model"], x["label"], x["T"], x.get("parallel", 1), x.get("depth", 0)) and speed(y["s"])),
+                     None)
+        if plain is not None:
+            who = " ".join(["flashdraft", x["label"]]).strip()
+            lines.append(f"\n{x['model']}, {who}, -np {x.get('parallel', 1)}, T={x['T']}: the draft loaded (cmd2) "
+                         f"against none (cmd1-f16): {speed(x['s']):.1f} / {speed(plain['s']):.1f} tok/s = "
+                         f"x{speed(x['s']) / speed(plain['s']):.3f}")
     text = "\n".join(lines)
     print(text)
     out = Path(args.out)
