@@ -222,3 +222,34 @@ def test_sampling_distribution_is_lossless_in_batched_steps(small_vocab_pair, pa
         counts[first] = counts.get(first, 0) + 1
     assert any(name == "speculative_batch" and n > 1 for name, n in seen)
     assert chi_square_pvalue(counts, expected, samples) > 1e-3
+
+
+def test_the_pacer_is_fed_the_decode_steps_and_the_slices(models):
+    """A long prompt arriving while streams decode: the pacer gets the decode steps' times and, for each slice it
+    sized, the tokens read in that step; the slices cover the prompt."""
+    target, _ = models
+    engine = Engine.load(EngineConfig(str(target), device=DEVICE, ctx_size=512, n_slots=3, dtype="float32"))
+    tokenizer = engine.tokenizer
+    sizes: list[int] = []
+    size = engine.pacer.size
+    engine.pacer.size = lambda: sizes.append(size()) or sizes[-1]
+    streams = [engine.stream(Request(tokenizer.encode(PROMPTS[i]), SamplingParams(max_tokens=120, ignore_eos=True),
+                                     cache_prompt=False)) for i in range(2)]
+    for stream in streams:
+        for _ in range(4):
+            next(stream)
+    engine.pacer.slices.clear()  # the second stream's prompt was read beside the first's steps
+    sizes.clear()
+    long = tokenizer.encode(" ".join(PROMPTS) * 6)[:300]
+    done = []
+    thread = threading.Thread(target=lambda: done.append(engine.generate(
+        Request(long, SamplingParams(max_tokens=4, ignore_eos=True), cache_prompt=False))))
+    thread.start()
+    for stream in streams:
+        for _ in stream:
+            pass
+    thread.join()
+    assert done[0].token_ids and engine.pacer.step_s is not None
+    read = [n for n, _ in engine.pacer.slices]
+    assert sum(read) == len(long) and len(read) == len(sizes) >= 2
+    assert read[:-1] == sizes[:-1] and read[-1] <= sizes[-1]
