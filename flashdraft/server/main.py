@@ -268,6 +268,8 @@ def load_engine(s: Settings):
         if engine.adaptive:
             costs = ", ".join(f"{w}: {c:.2f}" for w, c in (engine.width_costs or {}).items())
             spec += ", adaptive verify width" + (f" (step cost by width: {costs})" if costs else "")
+            for rows, by_width in sorted(engine.batch_costs.items()):  # what a batch's width is chosen against
+                spec += f"; {rows} slots: " + ", ".join(f"{w}: {c:.2f}" for w, c in by_width.items())
     log.info("loaded in %.1f s: %d slot(s) of %d tokens%s%s", time.perf_counter() - t0, engine.n_slots,
              engine.ctx_size, spec, f", tensor-parallel over {engine.world_size} ranks" if engine.world_size > 1 else "")
     log.info("memory: %s", ", ".join(f"{name} {n} bytes" if name == "kv_per_token" else f"{name} {n / 2 ** 20:.1f} MiB"
