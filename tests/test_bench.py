@@ -198,7 +198,9 @@ def test_in_process_numbers_match_timings(capsys, tiny, tmp_path):
         assert rows[pid]["tps"] == pytest.approx(statistics.median(per_run["dflash"]))
         spec = [t for r in responses if r.system == "dflash" and r.prompt_id == pid for t in r.turns]
         steps, acc = sum(t.verify_steps for t in spec), sum(t.timings.get("draft_n_accepted", 0) for t in spec)
-        assert rows[pid]["mean_acceptance_length"] == pytest.approx(1 + acc / steps)
+        # a prompt may take no verify step: the random draft accepted nothing before it (engine.adaptive's prior)
+        expected = 1 + acc / steps if steps else None
+        assert rows[pid]["mean_acceptance_length"] == (pytest.approx(expected) if steps else None)
         assert rows[pid]["equal"] and not rows[pid]["mismatch"]
     assert rows["overall"]["prompts"] == 3 and rows["code"]["kind"] == "category"
     assert sum(comp["acceptance_histogram"]) == sum(t.verify_steps for r in responses for t in r.turns)
