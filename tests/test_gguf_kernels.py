@@ -252,9 +252,9 @@ def test_kernels_wait_before_they_start_dependents():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_int8_mma_kernels_on_gpu_match_gguf_reference():
-    """kernels/gguf_mma.py (Gluon: no interpreter) for 5-16 rows of each type it has a kernel for (through
+    """kernels/gguf_mma.py (Gluon: no interpreter) for MIN_ROWS-16 rows of each type it has a kernel for (through
     gguf_matmul for the types it takes, directly for those not yet timed), x rounded to 8 bits as they take
-    it; a token's result the same bits for 5 and for 16 rows."""
+    it; a token's result the same bits for one row (the integer kernels), MIN_ROWS, 5 and 16 rows."""
     from flashdraft.kernels import gguf_gemv, gguf_mma
     from flashdraft.kernels.gguf_matmul import gguf_matmul
     from flashdraft.quant.ggml import stored_blocks
@@ -268,13 +268,17 @@ def test_int8_mma_kernels_on_gpu_match_gguf_reference():
                 w = stored_blocks(torch.from_numpy(raw), qtype).cuda()
                 x = torch.randn(16, k, generator=gen)
                 product = gguf_matmul if qtype in gguf_mma.TIMED else gguf_mma.matmul
-                for rows in (5, 16):
+                for rows in (gguf_mma.MIN_ROWS, 5, 16):
                     out = product(x[:rows].cuda(), w, qtype, k).cpu().double()
                     ref = as_int8_rows(x[:rows], gguf_gemv.x_group(qtype, k)).double() @ want.T
                     err = ((out - ref).norm() / ref.norm()).item()
                     assert err < 1e-3, f"{qtype} {n}x{k}, {rows} rows: relative error {err}"
                 xb = x.cuda().to(torch.bfloat16)
-                assert torch.equal(product(xb[:5], w, qtype, k)[0], product(xb, w, qtype, k)[0])
+                for rows in (gguf_mma.MIN_ROWS, 5):
+                    assert torch.equal(product(xb[:rows], w, qtype, k)[0], product(xb, w, qtype, k)[0])
+                if qtype in gguf_mma.TIMED:  # a slot decoding alone and the same slot in a batch: the same bits
+                    batch = product(xb[:gguf_mma.MIN_ROWS], w, qtype, k)
+                    assert torch.equal(gguf_matmul(xb[:1], w, qtype, k)[0], batch[0])
     finally:
         gguf_mma.ENABLED = enabled
 

@@ -19,6 +19,7 @@ from gpu import graphed, timed  # noqa: E402
 from flashdraft.kernels import gguf_gemv as G  # noqa: E402
 from flashdraft.quant.ggml import stored_blocks  # noqa: E402
 from flashdraft.kernels import gguf_matmul as K  # noqa: E402
+from flashdraft.kernels import gguf_mma  # noqa: E402
 
 SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)]  # (N, K): q/o, k/v, gate/up, down
 
@@ -34,6 +35,8 @@ def main() -> int:
     ap.add_argument("--gemv-configs", default=None, help='integer-kernel configs, "BLOCK_N,SB,warps,programs;..."')
     ap.add_argument("--dot", action="store_true", help="the tensor-core kernel for every row count")
     ap.add_argument("--shapes", default=None, help='matrix shapes "N,K;..." (default: the 8B\'s four)')
+    ap.add_argument("--mma-min-rows", default=None,
+                    help='gguf_mma.MIN_ROWS values to time each row count with, "3,5" (default: as set)')
     ap.add_argument("--out")
     ap.add_argument("--best", help="write the fastest config (summed over types and rows) to this JSON")
     args = ap.parse_args()
@@ -45,7 +48,7 @@ def main() -> int:
     if args.configs:  # "BLOCK_N,warps,programs;..."
         configs = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";")]
     if args.dot:
-        G.MAX_ROWS = 0
+        K._route = lambda x, qtypes, k: "dot"  # noqa: E731
     gemv_configs = [tuple(G.CONFIG.values())]
     if args.gemv_sweep:
         gemv_configs = list(itertools.product((2, 4, 8), (4, 8, 16), (4,), (2112,)))
@@ -66,11 +69,13 @@ def main() -> int:
             xs = {s: torch.randn(m, s[1], device=dev, dtype=torch.bfloat16) for s in shapes}
             ref_ms = timed(graphed(lambda: [F.linear(xs[s], dense[s]) for s in shapes], dev), 20, dev)
             qbytes = sum(w.numel() for w in weights.values())
-            for bn, warps, target, *gemv in configs:
+            mma_from = [int(v) for v in args.mma_min_rows.split(",")] if args.mma_min_rows else [gguf_mma.MIN_ROWS]
+            for (bn, warps, target, *gemv), gguf_mma.MIN_ROWS in itertools.product(configs, mma_from):
                 K.BLOCK_N, K.NUM_WARPS, K.TARGET_PROGRAMS = bn, warps, target
                 G.CONFIG.update(zip(("BLOCK_N", "SB", "num_warps", "target_programs"), gemv))
                 sb = 0  # the tensor-core kernel's tile; an integer kernel's names its super-blocks too
-                if G.covers(qtype, shapes[0][1]) and m <= G.MAX_ROWS:
+                route = K._route(xs[shapes[0]], [qtype], shapes[0][1])
+                if route == "gemv":
                     bn, sb, warps, target = gemv
                 try:
                     ms = timed(graphed(lambda: [K.gguf_matmul(xs[s], weights[s], qtype, s[1]) for s in shapes], dev),
@@ -78,23 +83,23 @@ def main() -> int:
                 except Exception as e:  # a tile that does not fit: skip it
                     print(f"{qtype} M={m} BN={bn} warps={warps} target={target}: {type(e).__name__}", flush=True)
                     continue
-                r = dict(qtype=qtype, m=m, block_n=bn, sb=sb, warps=warps, target=target, ms=ms,
+                r = dict(qtype=qtype, m=m, route=route, block_n=bn, sb=sb, warps=warps, target=target, ms=ms,
                          bf16_ms=ref_ms,
                          GBps=qbytes / (ms * 1e-3) / 1e9, over_bf16=ms / ref_ms)
                 rows_out.append(r)
-                print(f"{qtype} M={m} BN={bn} SB={sb} warps={warps} target={target}: {ms:.3f} ms "
+                print(f"{qtype} M={m} {route} BN={bn} SB={sb} warps={warps} target={target}: {ms:.3f} ms "
                       f"for the four "
                       f"matrices "
                       f"({r['GBps']:.0f} GB/s of quantized bytes; bf16 F.linear {ref_ms:.3f} ms)", flush=True)
     best = {}
     for r in rows_out:
-        key = (r["qtype"], r["m"])
+        key = (r["qtype"], r["m"], r["route"])
         if key not in best or r["ms"] < best[key]["ms"]:
             best[key] = r
-    print("\n| type | M | best BLOCK_N | SB | warps | programs | ms | GB/s | / bf16 F.linear |\n"
-          "|---|---|---|---|---|---|---|---|---|")
+    print("\n| type | M | kernels | best BLOCK_N | SB | warps | programs | ms | GB/s | / bf16 F.linear |\n"
+          "|---|---|---|---|---|---|---|---|---|---|")
     for r in best.values():
-        print(f"| {r['qtype']} | {r['m']} | {r['block_n']} | {r['sb']} | {r['warps']} | {r['target']} | "
+        print(f"| {r['qtype']} | {r['m']} | {r['route']} | {r['block_n']} | {r['sb']} | {r['warps']} | {r['target']} | "
               f"{r['ms']:.3f} | {r['GBps']:.0f} | {r['over_bf16']:.2f} |")
     if args.out:
         Path(args.out).write_text(json.dumps(rows_out, indent=1))

@@ -10,7 +10,7 @@ Where x has one scale a super-block (rounded per 256) a super-block's sub-block 
 scales are summed exactly in int32 and converted once, with the minimum's term dmin * sum(m * sum(x)) (k_value);
 the 32-weight types' scales apply per 32 weights. Each super-block's (or block's) float32 value is added to int64
 fixed-point sums (kernels/split_k.to_fixed), exactly, so the order does not matter: each row of x goes through the
-same instructions whatever the row count (1-16), and the int8 mma kernels (kernels/gguf_mma.py: 5-16 rows, K tiled
+same instructions whatever the row count (1-16), and the int8 mma kernels (kernels/gguf_mma.py: 3-16 rows, K tiled
 otherwise) compute the same values, so a token's result has the same bits whichever kernel and row count computes
 it (a decoded row and a verified block: greedy speculation is lossless).
 
@@ -42,7 +42,7 @@ from flashdraft.quant.ggml import FIELD_PLANES
 QK8 = 32  # x values per 8-bit block
 GEMV_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
 BLOCK32_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "IQ4_NL": 20}  # GGML type ids
-# Row counts up to MAX_ROWS take the integer kernels; 5-16 rows the int8 mma kernels where they cover the type (each
+# Row counts from gguf_mma.MIN_ROWS take the int8 mma kernels where they cover the type, else up to MAX_ROWS these (each
 # row of x costs the integer kernels its own dot products and reductions: H200, the 8B's four matrices, Q4_K: 0.065 ms
 # for one row, 0.345 ms for 16, against 0.150 and 0.155 for a tensor-core kernel; docs/perf-history.md, 2026-12-03
 # H200), else these kernels up to ROWS, in groups of MAX_ROWS rows on the grid's third axis: a verified row then has

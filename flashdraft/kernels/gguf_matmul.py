@@ -349,7 +349,7 @@ def splits_for(n: int, k: int) -> tuple[int, int]:
 
 
 def _route(x: Tensor, qtypes: list[str], k: int) -> str:
-    """Which kernels take x [M, K] times matrices of these types: "mma" (5-16 rows, gguf_mma), "gemv" (up to
+    """Which kernels take x [M, K] times matrices of these types: "mma" (gguf_mma.MIN_ROWS-16 rows), "gemv" (up to
     gguf_gemv.MAX_ROWS rows, or up to gguf_gemv.ROWS where the mma kernels do not take them) or "dot" (the
     tensor-core kernel below: the other types and row counts). The integer and the mma kernels give a row the same
     bits (kernels/split_k.py), so a row verified in a block equals the row decoded alone; the tensor-core kernel

@@ -1,6 +1,7 @@
-"""Q4_K, Q5_K, Q6_K, IQ4_XS and Q8_0 products for verify widths (5-16 rows of x) on the int8 tensor cores, llama.cpp's
-mmq shape, in Gluon (Triton's dialect with explicit layouts): each thread loads the words its `mma.m16n8k32.s8`
-fragment needs, so the weights reach the tensor cores without shared memory or layout conversions.
+"""Q4_K, Q5_K, Q6_K, IQ4_XS and Q8_0 products for verify widths and batches of slots (MIN_ROWS-16 rows of x) on the
+int8 tensor cores, llama.cpp's mmq shape, in Gluon (Triton's dialect with explicit layouts): each thread loads the
+words its `mma.m16n8k32.s8` fragment needs, so the weights reach the tensor cores without shared memory or layout
+conversions.
 
 Q4_K: four consecutive bytes of a nibble group are four consecutive weights of sub-block 2g (low nibbles, one AND)
 and of 2g + 1 (high nibbles, a shift and an AND); Q5_K adds bit J of each qh byte as 16. Q6_K: a word of ql bytes
@@ -418,12 +419,15 @@ KERNELS = {"Q4_K": (_kquant_kernel, dict(FIVE_BITS=False, TILED=True)),  # k_wid
 assert TARGET_PROGRAMS.keys() == KERNELS.keys()
 X_ORDERS = {"IQ4_XS": gguf_gemv.IQ4_ORDER}  # x's values in a block as the kernel's A fragments hold the weights
 TIMED = {"Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q8_0"}  # types timed on a GPU and taken by covers(); see docs/PERF.md
+# Fewest rows these kernels take; fewer go to the integer kernels, whose cost grows with every row while these pad x
+# to 16 rows (TOKENS): a batch of 3-4 decoding slots costs them about what a 16-row verify block does.
+MIN_ROWS = 3
 
 
 def covers(qtype: str, m: int, x: Tensor) -> bool:
-    """Whether these kernels take the product: enabled, a type they read, 5-16 rows, K a multiple of 256 (Q8_0's
+    """Whether these kernels take the product: enabled, a type they read, MIN_ROWS-16 rows, K a multiple of 256 (Q8_0's
     rows need not be), an Ampere or newer GPU."""
-    return (ENABLED and qtype in TIMED and gguf_gemv.MAX_ROWS < m <= 16 and x.shape[1] % 256 == 0 and x.is_cuda
+    return (ENABLED and qtype in TIMED and MIN_ROWS <= m <= 16 and x.shape[1] % 256 == 0 and x.is_cuda
             and not gguf_gemv._emulate() and torch.cuda.get_device_capability(x.device) >= (8, 0))
 
 
