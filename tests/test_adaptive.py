@@ -13,10 +13,11 @@ def test_controller_narrows_on_rejections_probes_and_widens_on_acceptance():
     c = WidthController(dict(COSTS))
     assert c.width() == 8  # starts wide
     widths = []
-    for _ in range(30):
+    for _ in range(20):
         widths.append(c.width())
         c.record(widths[-1], 0)
-    assert widths[-17:] == [1] * 16 + [8]  # nothing accepted: plain decoding, and a probe after probe_every steps
+    # nothing accepted: three full-width steps, then plain decoding, and a probe after probe_every steps
+    assert widths == [8] * 3 + [1] * 16 + [8]
     for interval in (32, 64, 128, 256, 256):  # each probe that finds nothing doubles the wait for the next
         for _ in range(interval):
             assert c.width() == 1
@@ -41,6 +42,23 @@ def test_controller_narrows_on_rejections_probes_and_widens_on_acceptance():
         c.record(widths[-1], 1)  # exactly one draft accepted each time
     assert c.current == 2  # E_2 = 2 at cost 1.15 beats E_4 ~ 2 at 1.4
     assert 4 in widths[-20:]  # and a wider step now and then keeps checking
+
+
+def test_the_first_steps_outweigh_the_optimistic_start_but_not_a_learned_one():
+    from flashdraft.engine.adaptive import AcceptancePrior
+    fresh = WidthController({1: 1.0, 16: 2.5})  # a batch's full-width step against its plain step
+    widths = []
+    for _ in range(8):
+        widths.append(fresh.width())
+        fresh.record(widths[-1], 0)
+    assert widths == [16] * 4 + [1] * 4  # a draft that accepts nothing: four full-width steps, then plain
+    good = WidthController(dict(COSTS))
+    good.record(8, 3)  # one early rejection: halfway, so positions 4-7 still look worth checking
+    assert good.survival == [1.0] * 3 + [0.5] * 4 and good.width() == 8
+    prior = AcceptancePrior(survival=[0.6] * 7)
+    learned = prior.controller(COSTS)
+    learned.record(learned.width(), 0)  # one step weighs as in the moving average against a learned start
+    assert learned.survival == [0.6 * (1 - learned.alpha)] * 7
 
 
 def test_a_narrowed_probe_costs_as_the_next_measured_width():
