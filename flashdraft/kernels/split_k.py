@@ -6,7 +6,7 @@ graph, the graph's own additions (`add_splits`: fused into the kernel that reads
 Partial sums are float32 (the tensor-core kernel) or exact (the integer and int8 mma kernels): int64 fixed point,
 FIXED_BITS fractional bits (`to_fixed`), each super-block's (or block's) float32 value truncated to a multiple of
 2^-32 and then added exactly, so the sum does not depend on the order of the additions. The integer kernels (1-16
-rows) and the int8 mma kernels (5-16 rows) tile K differently, yet give a token's row the same bits: a greedy
+rows) and the int8 mma kernels (3-16 rows) tile K differently, yet give a token's row the same bits: a greedy
 speculative answer equals the plain one on every route (a decoded row and a verified block). Values up to 2^31 in
 magnitude fit; a projection's are many orders below.
 
