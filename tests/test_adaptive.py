@@ -173,3 +173,28 @@ def test_the_engine_starts_a_request_plain_after_its_draft_accepted_nothing(tmp_
     runs = [engine.generate(Request(list(range(5 + i, 25 + i)), params)).spec for i in range(2)]
     assert runs[0].draft_steps and len(runs[0].draft_steps[0]) == engine.draft_block - 1  # starts wide
     assert len(runs[1].draft_steps) < len(runs[0].draft_steps) and runs[1].plain_steps > runs[0].plain_steps
+
+
+def test_the_warm_up_reads_prompt_slices_and_leaves_the_answers_unchanged(tmp_path, monkeypatch):
+    """Start-up reads a made-up prompt in slices (a fresh one, then over the cache, through the drafter too), so the
+    kernels of a slice's shape compile before any stream waits on one; the answers after it are the answers before."""
+    from tiny import make_draft, make_target
+
+    from flashdraft.engine import engine as engine_module
+    from flashdraft.engine.engine import WARM_SLICES, Engine, EngineConfig, Request
+    target = make_target(tmp_path / "target")
+    engine = Engine.load(EngineConfig(str(target), str(make_draft(tmp_path / "draft", target)), ctx_size=256,
+                                      dtype="float32", n_slots=2))
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompts = [list(range(5 + i, 40 + i)) for i in range(2)]
+    before = [engine.generate(Request(p, params)).token_ids for p in prompts]
+    slices, prefill = [], engine_module.prefill
+
+    def recorded(target, state, ids, slot, cached=0, draft=None, end=None, chunk=0):
+        slices.append((cached, end, draft is not None))
+        return prefill(target, state, ids, slot, cached, draft, end, chunk)
+    monkeypatch.setattr(engine_module, "prefill", recorded)
+    engine.warmup()
+    starts = [sum(WARM_SLICES[:i]) for i in range(len(WARM_SLICES))]
+    assert slices == [(a, a + n, True) for a, n in zip(starts, WARM_SLICES)]
+    assert [engine.generate(Request(p, params)).token_ids for p in prompts] == before

@@ -112,12 +112,12 @@ def test_a_long_prompt_is_read_between_the_steps_of_a_running_stream(engine, mon
     tokenizer = engine.tokenizer
     running = Request(tokenizer.encode(PROMPTS[0]), SamplingParams(max_tokens=80, ignore_eos=True))
     long = Request(tokenizer.encode(" ".join(PROMPTS) * 6)[:300], SamplingParams(max_tokens=8, ignore_eos=True))
-    alone = [engine.generate(Request(r.prompt_ids, r.params, cache_prompt=False)).token_ids for r in (running, long)]
+    alone = [engine.generate(Request(r.prompt_ids, r.params, cache_prompt=False)) for r in (running, long)]
     events: list[str | tuple[int, int]] = []
     monkeypatch.setattr(engine.pacer, "size", lambda: 16)
     slices = engine_mod.prefill_slice
-    monkeypatch.setattr(engine_mod, "prefill_slice", lambda steps, s, most: events.append((len(s.prompt), most)) or
-                        slices(steps, s, most))
+    monkeypatch.setattr(engine_mod, "prefill_slice", lambda steps, s, most, beside=False: events.append(
+        (len(s.prompt), most)) or slices(steps, s, most, beside))
     stream = engine.stream(Request(running.prompt_ids, running.params, cache_prompt=False))
     next(stream)  # running
     done: list[Completion] = []
@@ -127,7 +127,8 @@ def test_a_long_prompt_is_read_between_the_steps_of_a_running_stream(engine, mon
     for event in stream:
         events.append("token")
     thread.join()
-    assert event.token_ids == alone[0] and done[0].token_ids == alone[1]
+    assert event.token_ids == alone[0].token_ids and done[0].token_ids == alone[1].token_ids
+    assert done[0].spec.draft_steps == alone[1].spec.draft_steps  # the drafter saw the prompt's slices
     slices_seen = [e for e in events if e != "token" and e[0] == len(long.prompt_ids)]
     assert len(slices_seen) >= len(long.prompt_ids) // 16 and all(most <= 16 for _, most in slices_seen)
     first, last = events.index(slices_seen[0]), len(events) - events[::-1].index(slices_seen[-1])
@@ -253,3 +254,35 @@ def test_the_pacer_is_fed_the_decode_steps_and_the_slices(models):
     read = [n for n, _ in engine.pacer.slices]
     assert sum(read) == len(long) and len(read) == len(sizes) >= 2
     assert read[:-1] == sizes[:-1] and read[-1] <= sizes[-1]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_prompt_slices_beside_a_stream_answer_as_alone(arch, monkeypatch):
+    """A prompt read in slices beside a running stream (16 tokens a slice: slice steps, the last padded past the
+    prompt's end; a recurrent target's slices eagerly), speculative, greedy: both answers and the drafter's
+    proposals equal the solo runs'."""
+    from test_engine import random_draft, random_hybrid_target, random_target
+    from flashdraft.engine import generate
+    make = random_target if arch == "llama" else random_hybrid_target
+    target = make(vocab=96, layers=4 if arch == "llama" else 3, hidden=32, seed=5, max_len=256)
+    draft = random_draft(target, block_size=4, seed=6)
+    draft.setup_cache(target.state.max_len)
+    engine = Engine(target, Digits(), draft, EngineConfig(device="cpu", ctx_size=128, n_slots=2, dtype="float32"))
+    running = Request(list(range(3, 20)), SamplingParams(max_tokens=60, ignore_eos=True), cache_prompt=False)
+    arriving = Request(list(range(20, 60)), SamplingParams(max_tokens=6, ignore_eos=True), cache_prompt=False)
+    alone = [engine.generate(r) for r in (running, arriving)]
+    eager_rest = []
+    prefill = generate.prefill
+    monkeypatch.setattr(generate, "prefill", lambda *a, **kw: len(a[2]) == 40 and eager_rest.append(a[4]) or
+                        prefill(*a, **kw))
+    monkeypatch.setattr(engine.pacer, "size", lambda: 16)
+    stream = engine.stream(running)
+    next(stream)
+    done: list[Completion] = []
+    thread = threading.Thread(target=lambda: done.append(engine.generate(arriving)))
+    thread.start()
+    for event in stream:
+        pass
+    thread.join()
+    assert answer(event)[:2] == answer(alone[0])[:2] and answer(done[0]) == answer(alone[1])
+    assert eager_rest == ([] if arch == "llama" else [0, 16, 32])

@@ -470,3 +470,24 @@ def test_graph_outputs_survive_replays_of_other_pools():
         graphs.run("sample", sampler_like, [torch.randn_like(x)], pool="sampler")
     torch.cuda.synchronize()
     assert all(torch.equal(o, w) for o, w in zip(outputs, want))
+
+
+def test_prompt_slices_run_eager_layers_and_steps_the_compiled_ones():
+    """The compiled layers serve the steps' shapes (widths CUDA graphs capture, bucketed attended lengths); a prompt's
+    slice of the same width attends an arbitrary length, which would compile anew while running streams wait on it
+    (1.4-3 s on the Gemma 4 31B shape, 2026-12-07 H100): slices run the layers eagerly."""
+    from flashdraft.engine.generate import prefill
+    target = random_target()
+    calls = []
+
+    def compiled(layer, *args):
+        calls.append(args[0].shape[1])
+        return layer(*args)
+    target.compiled_layer, target.compiled_widths = compiled, {16}
+    prompt = torch.randint(0, 90, (48,))
+    prefill(target, target.state, prompt, 0, 0, None, 16, 16)  # a fresh first slice
+    prefill(target, target.state, prompt, 0, 16, None, 32, 16)  # a slice over the cache, a compiled width
+    assert calls == []
+    positions = torch.arange(32, 48)[None]
+    target(prompt[None, 32:], positions, target.state, 0, attn_len=256)  # a verify-shaped step
+    assert calls == [16] * len(target.model.layers)

@@ -68,3 +68,12 @@ def test_the_decode_step_is_a_moving_average():
     pacer.observe_step(0.010)
     pacer.observe_step(0.030)
     assert pacer.step_s == pytest.approx(0.020)
+
+
+def test_a_slice_step_that_compiled_is_left_out_of_the_fit():
+    """A first slice of a new shape that waited on a compile (3 s beside 16 ms decode steps, 2026-12-07 H100) says
+    nothing of what slices cost: it would read as a fixed cost past the budget and make every slice the largest."""
+    pacer = timed(SlicePacer(ratio=2.5), step_s=0.016, fixed=0.012, per_token=0.0002, lengths=[32, 96])
+    pacer.observe_slice(16, 3.0)
+    assert pacer.fit() == pytest.approx((0.012, 0.0002))
+    assert pacer.size() == 128  # (40 ms - 12 ms) / 0.2 ms = 140, down to a multiple of 16

@@ -18,12 +18,12 @@ from flashdraft.engine import synthetic
 from flashdraft.engine.adaptive import AcceptancePrior, batch_width, candidate_widths, measure_costs
 from flashdraft.engine.pacing import SlicePacer
 from flashdraft.engine.generate import (SlotState, SpecStats, StepPlan, advance_plain, advance_speculative, finish,
-                                        first_token, new_slot_state, open_slot, plan, prefill_slice, run_slot,
+                                        first_token, new_slot_state, open_slot, plan, prefill, prefill_slice, run_slot,
                                         step_plain, step_speculative)
 from flashdraft.engine.grammar import Constraint, Grammar
 from flashdraft.engine.lockstep import from_rank0, in_lockstep
 from flashdraft.engine.sampling import SamplingParams, fresh_seed
-from flashdraft.engine.steps import BatchKey, PlainKey, SpecKey, Steps
+from flashdraft.engine.steps import SLICE_WIDTH, BatchKey, PlainKey, SpecKey, Steps
 from flashdraft.quant.kv_types import FLOAT_KV_TYPES
 
 log = logging.getLogger("flashdraft")
@@ -348,11 +348,13 @@ def module_bytes(module: torch.nn.Module) -> int:
     return sum({t.data_ptr(): t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()]}.values())
 
 
-# Prompt tokens read per engine step while other slots decode: a slice costs about a verify step of that width, so
-# their inter-token latency stays within a few steps' (a whole 1024-token chunk of the 31B shape: ~70 steps)
 # the most prompt tokens read in one engine step while other slots decode (llama.cpp's -ub default); engine.pacing
 # sizes each slice below it to keep the streams' pause within a share of their step
 INTERLEAVED_PREFILL = 512
+# slices of a made-up prompt read at start-up, a fresh one and then over the cache: the kernels a slice's shape takes
+# (row counts a multiple of 16 or not, up to FEW_ROWS and past it; the split kernel's query tiles) compile then, not
+# while streams wait on a slice (1.4-3 s a first slice on the Gemma 4 31B shape, 2026-12-07 H100)
+WARM_SLICES = (32, 16, 24, 48, FEW_ROWS + 8)
 SLOW_STEP_S = 1.0  # an engine step past this many seconds logs what it ran
 
 # GPU memory a context must leave for the step graphs, the drafter's state and the CUDA workspaces (what the 31B shape's
@@ -468,7 +470,8 @@ class Engine:
             # compiled kernels kept beside the models (not in /tmp): a later start, after a reboot too, reuses them
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
             compiler.join()
-            widths = {1} | ({engine.draft_block} if drafter is not None else set())
+            widths = ({1} | ({engine.draft_block} if drafter is not None else set())
+                      | ({SLICE_WIDTH} if engine.n_slots > 1 else set()))  # a prompt's slices beside other slots
             target.compile_layers(tuple(widths))
             if drafter is not None:
                 drafter.compile_layers((engine.draft_block,))
@@ -572,11 +575,30 @@ class Engine:
             for speculative in ([True] if self.draft is not None else [False]):  # as the server's requests
                 for params in [SamplingParams(max_tokens=max_tokens)] + ([defaults] if not defaults.greedy else []):
                     self.generate(Request(prompt_ids=[0, 1, 2, 3], params=params, speculative=speculative))
+            self._warm_prompt_slices()
         self.prior = AcceptancePrior()  # a made-up prompt's acceptance says nothing of the requests'
         self._sync()
         self._release_cached()
         self.startup_s["warmup"] = time.perf_counter() - t
         return self.startup_s["warmup"]
+
+    def _warm_prompt_slices(self) -> None:
+        """Read a made-up prompt in WARM_SLICES on a free slot (with the drafter observing, as a speculative request's
+        prompt), which is then left holding nothing to reuse."""
+        slot, _ = self.slots.acquire([], reuse=False)
+        try:
+            ids = torch.arange(sum(WARM_SLICES), device=self.device) % self.target.cfg.vocab_size
+            if self.draft is not None:
+                self.draft.reset(slot, keep=0)
+            self.state.resume(slot, 0)
+            start = 0
+            for size in WARM_SLICES:
+                if start + size >= self.ctx_size:
+                    break
+                prefill(self.target, self.state, ids, slot, start, self.draft, start + size, size)
+                start += size
+        finally:
+            self.slots.release(slot, [])
 
     @property
     def free_slot_count(self) -> int:
@@ -907,7 +929,7 @@ class Engine:
         s = job.state
         try:
             if decoding:
-                logits = prefill_slice(self.steps, s, self.pacer.size())
+                logits = prefill_slice(self.steps, s, self.pacer.size(), beside=True)
                 self._sync()  # the step is timed whole (engine.pacing)
             else:
                 logits = prefill_slice(self.steps, s, len(s.prompt))

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from flashdraft.engine.adaptive import WidthController
 from flashdraft.engine.sampling import SamplingParams, check_sampled, fresh_seed, token_logprobs
-from flashdraft.engine.steps import Steps
+from flashdraft.engine.steps import SLICE_WIDTH, Steps
 
 if TYPE_CHECKING:
     from flashdraft.engine.grammar import Constraint
@@ -81,7 +81,7 @@ def prefill(target, state, prompt_ids: Tensor, slot: int, cached: int = 0, draft
         part = prompt_ids[start:min(start + chunk, end)]
         positions = torch.arange(start, start + len(part), device=prompt_ids.device)
         logits, feats = target(part[None], positions[None], state, slot, capture=capture,
-                               attn_len=start + len(part), logits_at="last", fresh=start == 0)
+                               attn_len=start + len(part), logits_at="last", fresh=start == 0, eager=True)
         if draft is not None:
             draft.observe(part[None], feats, positions[None], slot)
     return logits[0]
@@ -220,17 +220,50 @@ def open_slot(steps: Steps, s: SlotState, cached: int = 0) -> None:
     s.prefilled = cached
 
 
-def prefill_slice(steps: Steps, s: SlotState, most: int = PREFILL_CHUNK) -> Tensor | None:
-    """Run up to `most` more prompt tokens; the last prompt position's logits [1, V] once the prompt is in."""
+def prefill_slice(steps: Steps, s: SlotState, most: int = PREFILL_CHUNK, beside: bool = False) -> Tensor | None:
+    """Run up to `most` more prompt tokens; the last prompt position's logits [1, V] once the prompt is in. `beside`
+    other slots' steps, through the slice graph (`read_in_slices`) where every cache is by position (a recurrent
+    state goes back only within a verify block: its slices run eagerly)."""
     n = len(s.prompt)
     end = min(n, s.prefilled + most)
-    logits = prefill(steps.target, steps.state, s.prompt, s.slot, s.prefilled, steps.draft if s.speculative else None,
-                     end, min(most, PREFILL_CHUNK))
-    s.prefilled = end
-    if end < n:
+    if beside and steps.state.by_position:
+        logits = read_in_slices(steps, s, end)
+    else:
+        logits = prefill(steps.target, steps.state, s.prompt, s.slot, s.prefilled,
+                         steps.draft if s.speculative else None, end, min(most, PREFILL_CHUNK))
+        s.prefilled = end
+    if s.prefilled < n:
         return None
     steps.state.checkpoint(s.slot, n)  # a recurrent state after the prompt, for a next turn that shares only it
     return logits
+
+
+def read_in_slices(steps: Steps, s: SlotState, end: int) -> Tensor | None:
+    """The prompt from s.prefilled to about `end` through steps.prompt_slice, SLICE_WIDTH tokens a graph replay (an
+    eager pass of a large target costs its thousands of launches, whatever its length): whole slices past `end`
+    where the prompt goes on, and its last slice padded past its end (the rows past it are stale, as a rejected
+    draft's; caches by position only), or where that passes the context, the rest in an eager pass. The prompt's
+    last logits [1, V] once it is in."""
+    n, slot, width = len(s.prompt), s.slot, SLICE_WIDTH
+    logits = None
+    while s.prefilled < min(n, end):
+        start = s.prefilled
+        piece = s.prompt[start:start + width]
+        real = len(piece)
+        if real < width and start + width > steps.state.max_len:
+            logits = prefill(steps.target, steps.state, s.prompt, slot, start, steps.draft if s.speculative else None,
+                             n, width)
+            s.prefilled = n
+            return logits
+        if real < width:
+            piece = torch.cat([piece, piece.new_zeros(width - real)])
+        rows, features = steps.prompt_slice(slot, piece, start, follow=s.speculative and bool(steps.capture))
+        if s.speculative:
+            steps.observe(slot, piece[:real], None if features is None else features[:real],
+                          steps.positions(start, real))
+        s.prefilled = start + real
+        logits = rows[real - 1:real]
+    return None if logits is None else logits.clone()  # the graph's buffer: the next slice overwrites it
 
 
 def first_token(steps: Steps, s: SlotState, logits: Tensor, generator: torch.Generator | None = None) -> list[int]:

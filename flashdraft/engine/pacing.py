@@ -6,7 +6,8 @@ fits the time of a step with a slice as a fixed part (the decode steps themselve
 (from the shortest and the longest of the last slices; the engine times those steps with the device
 synchronised) and takes the most tokens that fit, a decode step being the moving average of the steps that read
 no prompt. Where the fixed part alone overshoots (a slice costs a whole pass of the target whatever its length),
-small slices would only stretch the prompt out: it reads `most` then.
+small slices would only stretch the prompt out: it reads `most` then. A slice step slower than `outlier` decode
+steps is not a slice's cost (a kernel compiled or a graph captured on first use) and is left out of the fit.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ class SlicePacer:
     most: int = 512
     first: int = 32  # once a decode step is timed, before any slice is
     alpha: float = 0.2
+    outlier: float = 50.0  # a slice step slower than this many decode steps is not fitted
     step_s: float | None = None
     slices: deque = field(default_factory=lambda: deque(maxlen=32))  # (tokens, seconds)
 
@@ -31,7 +33,7 @@ class SlicePacer:
 
     def observe_slice(self, tokens: int, seconds: float) -> None:
         """A step that read `tokens` prompt tokens beside its decode steps, in `seconds`."""
-        if tokens > 0:
+        if tokens > 0 and (self.step_s is None or seconds <= self.outlier * self.step_s):
             self.slices.append((tokens, seconds))
 
     def fit(self) -> tuple[float, float]:

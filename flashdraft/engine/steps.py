@@ -4,9 +4,9 @@ warm-up captures, in one place (so warm-up cannot miss a key that decoding uses)
 A step attends over a fixed number of cache rows (a bucket: the next power of two that covers the needed
 length), so one graph serves every position inside its bucket, and attention never reads rows past the bucket.
 Kinds: a plain step (one token; with `follow` it also captures the drafter's features), a speculative step (the
-drafter proposes after its anchor, the target verifies the first `width` tokens), the drafter's observation of n
-committed rows, and the sampler (engine/sampling.DeviceSampler: a token per row of logits; one graph per
-SamplerKey). The drafter is read through draft/interface.Drafter only.
+drafter proposes after its anchor, the target verifies the first `width` tokens), a prompt's slice read beside
+other slots' steps, the drafter's observation of n committed rows, and the sampler (engine/sampling.DeviceSampler:
+a token per row of logits; one graph per SamplerKey). The drafter is read through draft/interface.Drafter only.
 """
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -20,6 +20,7 @@ from flashdraft.layers.kv_cache import KVCache
 from flashdraft.engine.sampling import DeviceSampler
 
 MIN_BUCKET = 256
+SLICE_WIDTH = 16  # prompt tokens a slice graph reads (engine/generate.prefill_slice): the mma kernels' 16 rows
 
 
 def bucket_for(length: int, max_len: int) -> int:
@@ -61,6 +62,14 @@ class SpecBatchKey:
     slots: tuple[int, ...] | None
     block: int
     width: int
+
+
+@dataclass(frozen=True)
+class SliceKey:
+    """`width` tokens of a prompt over the cache, read while other slots decode (the slot an input)."""
+    width: int
+    bucket: int
+    follow: bool
 
 
 @dataclass(frozen=True)
@@ -185,6 +194,22 @@ class Steps:
         ids, logits, feats = self.graphs.run(key, step, [anchors, positions, live, self.slot_index(slots)])
         return ids, logits, feats, positions
 
+    def prompt_slice(self, slot: int, ids: Tensor, start: int, follow: bool) -> tuple[Tensor, Tensor | None]:
+        """SLICE_WIDTH prompt tokens ids at positions start, ... over the slot's cache (a graph, its slot an input: a
+        slice costs about a verify step, where an eager pass of the target costs its launches): (logits
+        [SLICE_WIDTH, V], features [SLICE_WIDTH, F] when `follow`)."""
+        positions = self.positions(start, len(ids))
+        attn_len = self.target_length(self.attended(start + len(ids)))
+        capture = self.capture if follow else ()
+
+        def step(t, p, rows):
+            logits, feats = self.target(t[None], p[None], self.state, rows, attn_len=attn_len, capture=capture)
+            return logits[0], None if feats is None else feats[0]
+
+        logits, feats = self.graphs.run(SliceKey(len(ids), attn_len, follow), step,
+                                        [ids, positions, self.slot_index((slot,))])
+        return logits, feats if follow else None
+
     def spec_batch_key(self, slots: tuple[int, ...], block: int, width: int) -> SpecBatchKey:
         return SpecBatchKey(len(slots), None if self.slot_inputs else slots, block, width)
 
@@ -247,14 +272,14 @@ class Steps:
         return self.graphs.run(key, lambda: (sampler(key, x, at, before),), [], pool="sampler")[0]
 
     def warmup_keys(self, n_slots: int, block: int,
-                    adaptive: bool) -> list[PlainKey | SpecKey | ContextKey | BatchKey]:
+                    adaptive: bool) -> list[PlainKey | SpecKey | ContextKey | BatchKey | SliceKey]:
         """The keys the decode loop uses with this configuration (full-width verify; adaptive widths are captured
         as measure_width_costs times them). With a draft, plain steps that do not feed it (a request without
         speculation, the context's last position) are left to be captured on first use: the server's requests
         speculate, and each captured step costs start-up time (the Gemma 4 31B shape: 8 of its 40)."""
         max_len = self.state.max_len
         buckets = sorted({bucket_for(MIN_BUCKET * 2 ** i, max_len) for i in range(32) if MIN_BUCKET * 2 ** i < max_len * 2})
-        keys: list[PlainKey | SpecKey | ContextKey | BatchKey] = []
+        keys: list[PlainKey | SpecKey | ContextKey | BatchKey | SliceKey] = []
         for slot in range(n_slots):
             for b in buckets:
                 plain_bucket = self.target_length(b)  # one for every bucket with whole_cache
@@ -270,9 +295,11 @@ class Steps:
             follow = self.draft is not None
             if not follow or adaptive:
                 keys += [BatchKey(rows, self.target_length(b), follow) for rows in range(2, n_slots + 1)]
+            if n_slots > 1:  # a prompt read beside other slots' steps
+                keys.append(SliceKey(SLICE_WIDTH, self.target_length(b), follow))
         return list(dict.fromkeys(keys))  # with whole_cache, the buckets' plain keys are one
 
-    def run_key(self, key: PlainKey | SpecKey | ContextKey | BatchKey | SpecBatchKey) -> None:
+    def run_key(self, key: PlainKey | SpecKey | ContextKey | BatchKey | SpecBatchKey | SliceKey) -> None:
         """Run (on CUDA: capture) one key's step on placeholder inputs."""
         dev = self.device
         if isinstance(key, SpecBatchKey):
@@ -286,6 +313,9 @@ class Steps:
         elif isinstance(key, PlainKey):
             zero = torch.zeros(1, dtype=torch.long, device=dev)
             self.plain(key.slot, zero, zero.clone(), key.bucket, key.follow)
+        elif isinstance(key, SliceKey):
+            self.prompt_slice(0, torch.zeros(key.width, dtype=torch.long, device=dev),
+                              max(0, min(64, key.bucket - key.width)), key.follow)
         elif isinstance(key, SpecKey):
             pos = max(0, min(64, key.bucket - key.block))
             self.speculative(key.slot, torch.zeros(1, dtype=torch.long, device=dev),

@@ -95,7 +95,8 @@ class DecoderLM(nn.Module):
 
     def forward(self, ids: Tensor, positions: Tensor, state: KVState | None = None, slots: Slots = 0,
                 attn_len: int | None = None, capture: Sequence[int] = (), fresh: bool = False,
-                logits_at: LogitsAt = "all", last_layer: int | None = None) -> tuple[Tensor | None, Tensor | None]:
+                logits_at: LogitsAt = "all", last_layer: int | None = None,
+                eager: bool = False) -> tuple[Tensor | None, Tensor | None]:
         """See models.interface.CausalLM.forward."""
         if state is None and not fresh:
             raise ValueError("a forward over cached positions needs the model state")
@@ -107,7 +108,7 @@ class DecoderLM(nn.Module):
         inputs = self.layer_inputs(positions, attn_len, fresh)
         want = set(capture)
         captured = {}
-        compiled = self.compiled_layer if not fresh and ids.shape[1] in self.compiled_widths else None
+        compiled = self.compiled_layer if not (fresh or eager) and ids.shape[1] in self.compiled_widths else None
         layers = self.model.layers if last_layer is None else self.model.layers[:last_layer + 1]
         for i, layer in enumerate(layers):
             cache = None if state is None else state.layers[i].view(slots)

@@ -68,13 +68,15 @@ class CausalLM(Protocol):
 
     def forward(self, ids: Tensor, positions: Tensor, state: ModelState | None = None, slots: Slots = 0,
                 attn_len: int | None = None, capture: Sequence[int] = (), fresh: bool = False,
-                logits_at: LogitsAt = "all", last_layer: int | None = None) -> tuple[Tensor | None, Tensor | None]:
+                logits_at: LogitsAt = "all", last_layer: int | None = None,
+                eager: bool = False) -> tuple[Tensor | None, Tensor | None]:
         """ids, positions [B, T] -> (logits [B, T or 1, V] as `logits_at` asks, captured features [B, T, L*H]).
         With a state, K/V are written at the rows of `positions` in `slots` and attention reads the first
         `attn_len` rows (default: up to the largest position), masked by position. `fresh`: every row's
         positions are arange(T) (a first prefill chunk, or training with no state): plain causal attention.
         `capture`: decoder layer ids whose outputs (HF hidden_states[i + 1]) are concatenated, in that order.
-        `last_layer`: stop after that layer (features only; no logits)."""
+        `last_layer`: stop after that layer (features only; no logits). `eager`: no compiled layers whatever the
+        width (a prompt's slice: its attended length is no step's, and compiling for it would stall the streams)."""
         ...
 
     def embed(self, ids: Tensor) -> Tensor:
