@@ -198,3 +198,33 @@ def test_the_warm_up_reads_prompt_slices_and_leaves_the_answers_unchanged(tmp_pa
     starts = [sum(WARM_SLICES[:i]) for i in range(len(WARM_SLICES))]
     assert slices == [(a, a + n, True) for a, n in zip(starts, WARM_SLICES)]
     assert [engine.generate(Request(p, params)).token_ids for p in prompts] == before
+
+
+def test_a_slot_in_a_batch_probes_after_as_many_more_steps_as_slots_step_together(tmp_path, monkeypatch):
+    """A probe beside a plain batch runs alone and costs every slot a step: with B slots stepping together a slot's
+    probe comes after B times its interval of plain steps (alone: after its interval)."""
+    from types import SimpleNamespace
+
+    from tiny import make_draft, make_target
+
+    from flashdraft.engine import engine as engine_module
+    from flashdraft.engine.engine import Engine, EngineConfig
+    target = make_target(tmp_path / "target")
+    engine = Engine.load(EngineConfig(str(target), str(make_draft(tmp_path / "draft", target)), ctx_size=256,
+                                      dtype="float32", n_slots=2))
+    wants: list[int | None] = []
+    monkeypatch.setattr(engine_module, "plan", lambda steps, state, want: wants.append(want) or SimpleNamespace())
+    monkeypatch.setattr(engine, "_batch_width", lambda running: 1 if len(running) > 1 else None)
+
+    def slot(steps_plain: int) -> SimpleNamespace:
+        c = WidthController(dict(COSTS), current=1)
+        c.steps_at_current = steps_plain
+        return SimpleNamespace(state=SimpleNamespace(controller=c, token_t=torch.zeros(1)))
+    interval = WidthController(dict(COSTS)).probe_every
+    for plain_steps, want in ((interval, 1), (2 * interval - 1, 1), (2 * interval, None)):
+        engine._active, wants[:] = [slot(plain_steps), slot(0)], []
+        engine._plan()
+        assert wants == [want, 1], plain_steps
+    engine._active, wants[:] = [slot(interval)], []
+    engine._plan()
+    assert wants == [None]  # alone: its own width, the probe it is due
