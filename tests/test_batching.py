@@ -265,7 +265,7 @@ def test_prompt_slices_beside_a_stream_answer_as_alone(arch, monkeypatch):
     from flashdraft.engine import generate
     make = random_target if arch == "llama" else random_hybrid_target
     target = make(vocab=96, layers=4 if arch == "llama" else 3, hidden=32, seed=5, max_len=256)
-    draft = random_draft(target, block_size=4, seed=6)
+    draft = random_draft(target, block_size=16 if arch == "llama" else 4, seed=6)  # a slice's rows: one observation
     draft.setup_cache(target.state.max_len)
     engine = Engine(target, Digits(), draft, EngineConfig(device="cpu", ctx_size=128, n_slots=2, dtype="float32"))
     running = Request(list(range(3, 20)), SamplingParams(max_tokens=60, ignore_eos=True), cache_prompt=False)
