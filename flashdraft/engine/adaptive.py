@@ -5,15 +5,16 @@ where s_k, the chance that draft position k+1 is accepted, is an exponential mov
 that checked it. Each candidate width has a cost relative to a plain one-token step, measured once per engine
 (`measure_costs`). The controller keeps the width with the most expected tokens per unit of cost, and moves
 only when another width beats it by a margin. Estimates start optimistic (every position accepted), so a
-request starts at full width; that guess gives way fast: the first `fast_steps` steps that check drafted tokens move
-the estimates halfway to what they saw, so a draft that accepts nothing costs about four full-width steps, not the
+request starts at full width; that guess gives way fast: the first `fast_steps` steps that check drafted tokens
+move the estimates halfway to what they saw, so a draft that accepts nothing costs about four full-width steps, not the
 dozen the moving average alone takes to decay (four requests at once, each its first dozen steps at full width: most
-of a 5.5% loss, 2026-12-07 H100), while one early rejection does not narrow a good draft for long. A narrower width learns nothing of the positions it does not check, so every
-`explore_every` steps one step goes a candidate wider; width 1 is plain decoding, and from there a full-width
-step every `probe_every` steps keeps the estimates fresh: that interval doubles after each probe whose tokens did
-not pay for its cost (up to `probe_most`, so a draft that never fits, a random one, or one whose verify steps cost
-more than it brings, costs next to nothing) and falls back to `probe_every` once a probe pays. Decisions depend on
-acceptance alone, never on the clock during a request, so a seeded request repeats exactly.
+of a 5.5% loss, 2026-12-07 H100), while one early rejection does not narrow a good draft for long. A narrower
+width learns nothing of the positions it does not check, so every `explore_every` steps one step goes a candidate
+wider; width 1 is plain decoding, and from there a full-width step every `probe_every` steps keeps the estimates
+fresh: that interval doubles after each probe whose tokens did not pay for its cost (up to `probe_most`, so a draft
+that never fits, a random one, or one whose verify steps cost more than it brings, costs next to nothing) and falls
+back to `probe_every` once a probe pays. Decisions depend on acceptance alone, never on the clock during a request,
+so a seeded request repeats exactly.
 
 A request's estimates start from what the requests before it learned (`AcceptancePrior`: a draft that accepted
 nothing then starts plain, probing, instead of spending its first steps at full width); the probe interval starts
