@@ -207,7 +207,9 @@ def test_in_process_numbers_match_timings(capsys, tiny, tmp_path):
     assert (tmp_path / "chart.png").stat().st_size > 0 and (tmp_path / "table.csv").read_text().count("\n") == 7
     table = format_table(s)
     assert "OVERALL 3 prompts" in table and "DFlash tok/s" in table and "MISMATCH" not in table
-    assert "acceptance length histogram" in table and "median of 2 runs" in table
+    assert "median of 2 runs" in table
+    # (the random draft may have taken no verify step at all once its first checks found nothing)
+    assert ("acceptance length histogram" in table) == (sum(comp["acceptance_histogram"]) > 0)
 
 
 def test_broken_speculation_is_caught(capsys, tiny, monkeypatch):

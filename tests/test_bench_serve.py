@@ -20,6 +20,8 @@ def start_server(target: Path, draft: Path | None, log: Path) -> tuple[subproces
     port = free_port()
     cmd = [sys.executable, "-m", "flashdraft.cli", "serve", "-m", str(target), "--port", str(port),
            "--device", "cpu", "-c", "512", "--no-webui"] + (["-md", str(draft)] if draft else [])
+    if draft:  # every step verifies: the tiny random draft accepts next to nothing, and the adaptive width would stop
+        cmd.append("--no-spec-dm-adaptive")  # speculating within a request's first steps (no histogram to report)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     return proc, f"http://127.0.0.1:{port}"
