@@ -22,10 +22,13 @@ IGNORED_FLAGS = [
     (("-ngl", "--gpu-layers", "--n-gpu-layers"), True, "the whole model always runs on --device"),
     (("-ngld", "--spec-draft-ngl", "--gpu-layers-draft", "--n-gpu-layers-draft"), True,
      "the draft always runs on --device with the target"),
-    (("-b", "--batch-size"), True, "prompts are processed in the engine's own fixed-size chunks"),
-    (("-ub", "--ubatch-size"), True, "prompts are processed in the engine's own fixed-size chunks"),
+    (("-b", "--batch-size"), True, "prompts are processed in the engine's own chunks (1024 tokens; 16-token "
+                                   "slices beside other requests)"),
+    (("-ub", "--ubatch-size"), True, "prompts are processed in the engine's own chunks (1024 tokens; 16-token "
+                                     "slices beside other requests)"),
     (("-fa", "--flash-attn"), "?", "attention always takes fused kernels: the split-K kernel over the cache for "
-                                   "decode and verify steps, PyTorch's flash attention for prompts"),
+                                   "decode and verify steps and prompt slices, PyTorch's flash attention for "
+                                   "whole prompts"),
     (("--no-mmap",), False, "weights are read into PyTorch tensors, never memory-mapped"),
     (("--mlock",), False, "weights are read into PyTorch tensors, never memory-mapped"),
     (("--no-host",), False, "there are no host-side weight buffers to place"),
