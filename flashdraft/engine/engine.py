@@ -590,7 +590,6 @@ class Engine:
             ids = torch.arange(sum(WARM_SLICES), device=self.device) % self.target.cfg.vocab_size
             if self.draft is not None:
                 self.draft.reset(slot, keep=0)
-            self.state.resume(slot, 0)
             start = 0
             for size in WARM_SLICES:
                 if start + size >= self.ctx_size:

@@ -258,12 +258,9 @@ def read_in_slices(steps: Steps, s: SlotState, end: int) -> Tensor | None:
         if real < width:
             piece = torch.cat([piece, piece.new_zeros(width - real)])
         rows, features = steps.prompt_slice(slot, piece, start, follow=s.speculative and bool(steps.capture))
-        if s.speculative and real <= steps.draft.block_size:  # the observation graphs' row counts
+        if s.speculative:
             steps.observe(slot, piece[:real], None if features is None else features[:real],
                           steps.positions(start, real))
-        elif s.speculative:
-            steps.draft.observe(piece[None, :real], None if features is None else features[None, :real],
-                                steps.positions(start, real)[None], slot)
         s.prefilled = start + real
         logits = rows[real - 1:real]
     return None if logits is None else logits.clone()  # the graph's buffer: the next slice overwrites it

@@ -233,12 +233,16 @@ class Steps:
 
     def observe(self, slot: int, tokens: Tensor, features: Tensor | None, positions: Tensor) -> None:
         """Hand the drafter the tokens [n] (and features [n, L*H]) of newly committed positions [n] (a graph per
-        row count on CUDA)."""
+        row count up to the drafter's block on CUDA, the counts warm-up captures; more rows, a prompt's slice
+        beside a smaller block, eagerly)."""
         def step(t, p, *f):
             return (self.draft.observe(t[None], f[0][None] if f else None, p[None], slot),)
 
-        self.graphs.run(ContextKey(slot, len(positions)), step,
-                        [tokens, positions] + ([] if features is None else [features]), pool="observe")
+        inputs = [tokens, positions] + ([] if features is None else [features])
+        if len(positions) > self.draft.block_size:
+            step(*inputs)
+            return
+        self.graphs.run(ContextKey(slot, len(positions)), step, inputs, pool="observe")
 
     def sampler(self, slot: int, vocab: int) -> DeviceSampler:
         """The slot's sampler (its state stays on the device, overwritten by each request: DeviceSampler.begin)."""
