@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from flashdraft.engine.engine import Completion, Engine, EngineConfig, Request
+from flashdraft.engine.engine import YOUNG_TOKENS, Completion, Engine, EngineConfig, Request
 from flashdraft.engine.grammar import Grammar
 from flashdraft.engine.sampling import SamplingParams
 from flashdraft.engine.steps import SpecBatchKey
@@ -49,6 +49,14 @@ def all_at_once(engine: Engine, requests: list[Request]) -> list[Completion]:
     for t in threads:
         t.join()
     return out
+
+
+def until_steady(stream) -> None:
+    """Read a stream until it has handed out YOUNG_TOKENS tokens: a prompt arriving beside it is then read in slices
+    (beside younger streams, whole)."""
+    seen = 0
+    while seen < YOUNG_TOKENS:
+        seen += len(next(stream).token_ids)
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +127,7 @@ def test_a_long_prompt_is_read_between_the_steps_of_a_running_stream(engine, mon
     monkeypatch.setattr(engine_mod, "prefill_slice", lambda steps, s, most, beside=False: events.append(
         (len(s.prompt), most)) or slices(steps, s, most, beside))
     stream = engine.stream(Request(running.prompt_ids, running.params, cache_prompt=False))
-    next(stream)  # running
+    until_steady(stream)
     done: list[Completion] = []
     thread = threading.Thread(target=lambda: done.append(engine.generate(Request(long.prompt_ids, long.params,
                                                                                  cache_prompt=False))))
@@ -133,6 +141,27 @@ def test_a_long_prompt_is_read_between_the_steps_of_a_running_stream(engine, mon
     assert len(slices_seen) >= len(long.prompt_ids) // 16 and all(most <= 16 for _, most in slices_seen)
     first, last = events.index(slices_seen[0]), len(events) - events[::-1].index(slices_seen[-1])
     assert events[first:last].count("token") >= len(slices_seen) // 3  # the stream went on between the slices
+
+
+def test_prompts_beside_young_streams_are_read_whole(engine, monkeypatch):
+    """Requests that come together: each prompt is read whole (no stream has a pace to keep yet), so every slot
+    decodes sooner; the answers equal the solo runs'."""
+    from flashdraft.engine import engine as engine_mod
+    tokenizer = engine.tokenizer
+    requests = [Request(tokenizer.encode(PROMPTS[i] * 3), SamplingParams(max_tokens=24, ignore_eos=True),
+                        cache_prompt=False) for i in range(4)]
+    alone = [answer(engine.generate(r)) for r in requests]
+    reads: list[tuple[int, bool]] = []
+    slices = engine_mod.prefill_slice
+    monkeypatch.setattr(engine_mod, "prefill_slice", lambda steps, s, most, beside=False: reads.append(
+        (most >= len(s.prompt) - s.prefilled, beside)) or slices(steps, s, most, beside))
+    monkeypatch.setattr(engine.pacer, "size", lambda: 16)
+    done: list[queue.Queue] = [queue.Queue() for _ in requests]
+    with engine._wake:  # all four queued before the engine admits any (its lock is re-entrant)
+        for r, q in zip(requests, done):
+            engine.submit(r, lambda e, q=q: isinstance(e, (Completion, Exception)) and q.put(e))
+    assert [answer(q.get(timeout=600)) for q in done] == alone
+    assert reads == [(True, False)] * 4
 
 
 def test_ngram_drafter_batched_answers_as_alone(models, monkeypatch):
@@ -237,8 +266,7 @@ def test_the_pacer_is_fed_the_decode_steps_and_the_slices(models):
     streams = [engine.stream(Request(tokenizer.encode(PROMPTS[i]), SamplingParams(max_tokens=120, ignore_eos=True),
                                      cache_prompt=False)) for i in range(2)]
     for stream in streams:
-        for _ in range(4):
-            next(stream)
+        until_steady(stream)
     engine.pacer.slices.clear()  # the second stream's prompt was read beside the first's steps
     sizes.clear()
     long = tokenizer.encode(" ".join(PROMPTS) * 6)[:300]
@@ -277,7 +305,7 @@ def test_prompt_slices_beside_a_stream_answer_as_alone(arch, monkeypatch):
                         prefill(*a, **kw))
     monkeypatch.setattr(engine.pacer, "size", lambda: 16)
     stream = engine.stream(running)
-    next(stream)
+    until_steady(stream)
     done: list[Completion] = []
     thread = threading.Thread(target=lambda: done.append(engine.generate(arriving)))
     thread.start()

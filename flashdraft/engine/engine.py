@@ -356,6 +356,10 @@ INTERLEAVED_PREFILL = 512
 # while streams wait on a slice (1.4-3 s a first slice on the Gemma 4 31B shape, 2026-12-07 H100)
 WARM_SLICES = (32, 16, 24, 48, FEW_ROWS + 8)
 SLOW_STEP_S = 1.0  # an engine step past this many seconds logs what it ran
+# A stream that has handed out fewer tokens than this keeps no pace yet: a prompt is read whole beside such streams
+# only (prompts that come together, an agent's parallel calls, all start decoding sooner; -np 8 on the Gemma 4 31B
+# shape: 5.3 s of a 16.7 s round went to reading eight prompts in slices beside the first streams, 2026-12-07 H100)
+YOUNG_TOKENS = 16
 
 # GPU memory a context must leave for the step graphs, the drafter's state and the CUDA workspaces (what the 31B shape's
 # graphs and workspaces took beside its caches)
@@ -810,8 +814,9 @@ class Engine:
         decoded = time.perf_counter()
         reading = self._reading()
         read_from = reading.state.prefilled if reading else 0
-        self._prefill(reading, decoding=bool(plans))
-        self._timed(started, planned, decoded, plans, reading, read_from)
+        steady = any(job.state.produced >= YOUNG_TOKENS for job, _ in plans)
+        self._prefill(reading, decoding=steady)
+        self._timed(started, planned, decoded, plans, reading, read_from, steady)
 
     def _plan(self) -> list[tuple[Task, StepPlan]]:
         """Each slot past its prompt: its step (a slot whose answer ends without one hands out its tokens here)."""
@@ -861,8 +866,9 @@ class Engine:
                     self._guarded(job, lambda: step_speculative(self.steps, job.state, p))
 
     def _timed(self, started: float, planned: float, decoded: float, plans: list[tuple[Task, StepPlan]],
-               reading: "Task | None", read_from: int) -> None:
-        """The step's times to the prompt pacer (engine.pacing), and a warning where it took long."""
+               reading: "Task | None", read_from: int, sliced: bool) -> None:
+        """The step's times to the prompt pacer (engine.pacing), and a warning where it took long. `sliced`: the
+        prompt read was a paced slice (not a whole prompt beside young streams)."""
         ended = time.perf_counter()
         if plans and reading is None:  # decode steps alone: the pacer's measure of what a slice may delay
             if self._decode_started is not None:
@@ -870,7 +876,7 @@ class Engine:
             self._decode_started = started
         else:
             self._decode_started = None
-            if plans and reading is not None:  # decode steps and a slice, timed to the slice's end
+            if plans and reading is not None and sliced:  # decode steps and a slice, timed to the slice's end
                 self.pacer.observe_slice(reading.state.prefilled - read_from, ended - started)
         if ended - started > SLOW_STEP_S:  # a graph captured late, a compile, a long prompt: what streams waited for
             widths = collections.Counter(p.width for _, p in plans)
