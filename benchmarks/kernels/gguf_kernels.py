@@ -37,6 +37,10 @@ def main() -> int:
     ap.add_argument("--shapes", default=None, help='matrix shapes "N,K;..." (default: the 8B\'s four)')
     ap.add_argument("--mma-min-rows", default=None,
                     help='gguf_mma.MIN_ROWS values to time each row count with, "3,5" (default: as set)')
+    ap.add_argument("--mma-few-tokens", default=None,
+                    help='gguf_mma.FEW_TOKENS values to time each row count with, "0,8" (default: as set)')
+    ap.add_argument("--mma-programs", default=None,
+                    help="gguf_mma.TARGET_PROGRAMS (every type) to time each row count with, \"264,396\"")
     ap.add_argument("--out")
     ap.add_argument("--best", help="write the fastest config (summed over types and rows) to this JSON")
     args = ap.parse_args()
@@ -70,7 +74,12 @@ def main() -> int:
             ref_ms = timed(graphed(lambda: [F.linear(xs[s], dense[s]) for s in shapes], dev), 20, dev)
             qbytes = sum(w.numel() for w in weights.values())
             mma_from = [int(v) for v in args.mma_min_rows.split(",")] if args.mma_min_rows else [gguf_mma.MIN_ROWS]
-            for (bn, warps, target, *gemv), gguf_mma.MIN_ROWS in itertools.product(configs, mma_from):
+            few = [int(v) for v in args.mma_few_tokens.split(",")] if args.mma_few_tokens else [gguf_mma.FEW_TOKENS]
+            programs = [int(v) for v in args.mma_programs.split(",")] if args.mma_programs else [None]
+            for (bn, warps, target, *gemv), gguf_mma.MIN_ROWS, gguf_mma.FEW_TOKENS, mma_programs in itertools.product(
+                    configs, mma_from, few, programs):
+                if mma_programs is not None:
+                    gguf_mma.TARGET_PROGRAMS.update(dict.fromkeys(gguf_mma.TARGET_PROGRAMS, mma_programs))
                 K.BLOCK_N, K.NUM_WARPS, K.TARGET_PROGRAMS = bn, warps, target
                 G.CONFIG.update(zip(("BLOCK_N", "SB", "num_warps", "target_programs"), gemv))
                 sb = 0  # the tensor-core kernel's tile; an integer kernel's names its super-blocks too
@@ -83,6 +92,9 @@ def main() -> int:
                 except Exception as e:  # a tile that does not fit: skip it
                     print(f"{qtype} M={m} BN={bn} warps={warps} target={target}: {type(e).__name__}", flush=True)
                     continue
+                if route == "mma":
+                    route += "8" if m <= gguf_mma.FEW_TOKENS else "16"
+                    target = gguf_mma.TARGET_PROGRAMS[qtype]
                 r = dict(qtype=qtype, m=m, route=route, block_n=bn, sb=sb, warps=warps, target=target, ms=ms,
                          bf16_ms=ref_ms,
                          GBps=qbytes / (ms * 1e-3) / 1e9, over_bf16=ms / ref_ms)

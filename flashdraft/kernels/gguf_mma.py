@@ -49,7 +49,10 @@ TARGET_PROGRAMS = {"Q4_K": 264, "Q5_K": 264, "Q6_K": 264, "IQ4_XS": 264, "Q8_0":
 # also plain Triton's software-pipelined int8 wgmma (Q8_0 x0.64-0.71, IQ4_XS x0.54; H100, 2026-12-06).
 
 
-TOKENS = gl.constexpr(16)  # the mma's N: rows of x, padded
+TOKENS = 16  # the mma's N: rows of x, padded
+# Up to this many rows the kernels pad x to 8 rows (one n8 mma a 16-row tile, not two): half the products, the
+# accumulators' registers and the float conversions; each token's sums are the same exact integers (0: always 16).
+FEW_TOKENS = 8
 FIXED_ONE = gl.constexpr(split_k.FIXED_ONE)  # kernels/split_k.py's fixed-point scale
 
 
@@ -123,7 +126,8 @@ def _sub_block(isum, msum, w, zero, scales, b_ptr, block0, J: gl.constexpr, a_l:
 
 @gluon.jit
 def _tile(w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N: gl.constexpr,
-          NUM_WARPS: gl.constexpr, K_WIDTH: gl.constexpr, TILED: gl.constexpr, PDL: gl.constexpr):
+          NUM_WARPS: gl.constexpr, K_WIDTH: gl.constexpr, TILED: gl.constexpr, PDL: gl.constexpr,
+          TOKENS: gl.constexpr):
     """A program's super-blocks [first, last) (grid axis 1 splits K) and its operands in the mma fragments'
     layouts: a_row [BLOCK_N, 1] (its weight rows' starts, in the A layout: plus a_col, or a function of it that
     keeps runs of K_WIDTH, for word loads), a_col [1, 32] (k); b_ptr [32, TOKENS] (x's block 0 + k, in the B
@@ -232,7 +236,7 @@ def _groups(q, a_l: gl.constexpr, BLOCK_N: gl.constexpr):
 @gluon.jit
 def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn, stride_os,
                    stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, FIVE_BITS: gl.constexpr,
-                   TILED: gl.constexpr, PDL: gl.constexpr):
+                   TILED: gl.constexpr, PDL: gl.constexpr, TOKENS: gl.constexpr):
     """xq_ptr: x's 8-bit values as bytes [M, K]; xds [M, K / 32] int64: each block's float32 scale (low half) and
     scaled sum (high half); w: Q4_K rows as bytes (144 per super-block: d, dmin, 12 scale bytes, 128 nibble bytes)
     or Q5_K's (176: the same with 32 bytes of fifth bits before the nibbles, bit J of byte l for sub-block J's
@@ -241,7 +245,7 @@ def _kquant_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
     WORDS: gl.constexpr = 44 if FIVE_BITS else 36
     NIBBLES: gl.constexpr = 48 if FIVE_BITS else 16
     first, last, a_row, a_col, b_ptr, s_ptr, x_toks, rows, row_ok, toks, tok_ok, acc, zero = _tile(
-        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, 8, TILED, PDL)
+        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, 8, TILED, PDL, TOKENS)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
     q_ptr = _lane_piece_ptrs(w_ptr + NIBBLES, N, stride_wn, BLOCK_N, NUM_WARPS)
@@ -313,11 +317,11 @@ def _q6_values(ql0, ql1, qh, Q: gl.constexpr):
 @gluon.jit
 def _q6k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn, stride_os,
                 stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, K_WIDTH: gl.constexpr, TILED: gl.constexpr,
-                PDL: gl.constexpr):
+                PDL: gl.constexpr, TOKENS: gl.constexpr):
     """Q6_K (kept padded to 212 bytes: ql 128, qh 64, 16 int8 scales, d): each 32 weights are one int8 mma per
     16-weight scale, the other half's weights zeroed, the two exact int32 products scaled in float32."""
     first, last, a_row, a_col, b_ptr, s_ptr, x_toks, rows, row_ok, toks, tok_ok, acc, zero = _tile(
-        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, K_WIDTH, TILED, PDL)
+        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, K_WIDTH, TILED, PDL, TOKENS)
     a_ptr = a_row + a_col
     first_half = a_col < 16
     for c in range(first, last):
@@ -343,7 +347,8 @@ def _q6k_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_x
 
 @gluon.jit
 def _iq4_xs_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn, stride_os,
-                   stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, TILED: gl.constexpr, PDL: gl.constexpr):
+                   stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, TILED: gl.constexpr, PDL: gl.constexpr,
+                   TOKENS: gl.constexpr):
     """IQ4_XS as quant/ggml.field_planes keeps it: a row's super-blocks' 128 nibble bytes by lane
     (quant/ggml.by_lane: sub-block j's word t at 32t + 4j, so a thread's eight words are one 32-byte run; byte
     l of a sub-block: weight l in the low nibble, l + 16 in the high), then their 8-byte headers (d, the scales'
@@ -352,7 +357,7 @@ def _iq4_xs_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
     order x is quantized in for them (gguf_gemv.IQ4_ORDER). Each 32 weights are one mma; a super-block's eight,
     times their scales (6-bit - 32), summed in int32."""
     first, last, a_row, a_col, b_ptr, s_ptr, x_toks, rows, row_ok, toks, tok_ok, acc, zero = _tile(
-        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, 8, TILED, PDL)
+        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, 8, TILED, PDL, TOKENS)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
     q_ptr = _lane_piece_ptrs(w_ptr, N, stride_wn, BLOCK_N, NUM_WARPS).to(gl.pointer_type(gl.int8))
@@ -383,12 +388,12 @@ def _iq4_xs_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, strid
 @gluon.jit
 def _q8_0_kernel(xq_ptr, xds_ptr, w_ptr, out_ptr, M, N, K, sb_per_split, stride_xq, stride_xds, stride_wn, stride_os,
                  stride_om, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, K_WIDTH: gl.constexpr, TILED: gl.constexpr,
-                 PDL: gl.constexpr):
+                 PDL: gl.constexpr, TOKENS: gl.constexpr):
     """Q8_0 as quant/ggml.field_planes keeps it (a row's K int8 values, then its K / 32 fp16 scales), K a
     multiple of 256, x rounded per 256: each block's exact int32 product times d(row), the eight blocks' sum (in
     gguf_gemv.q8_0_chain's order) times xd(token)."""
     first, last, a_row, a_col, b_ptr, s_ptr, x_toks, rows, row_ok, toks, tok_ok, acc, zero = _tile(
-        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, K_WIDTH, TILED, PDL)
+        w_ptr, xq_ptr, M, N, K, sb_per_split, stride_xq, stride_wn, BLOCK_N, NUM_WARPS, K_WIDTH, TILED, PDL, TOKENS)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     a_ptr = (a_row + a_col).to(gl.pointer_type(gl.int8))
     d_ptr = (w_ptr + gl.minimum(rows, N - 1).to(gl.int64) * stride_wn + K).to(gl.pointer_type(gl.int64))
@@ -420,7 +425,7 @@ assert TARGET_PROGRAMS.keys() == KERNELS.keys()
 X_ORDERS = {"IQ4_XS": gguf_gemv.IQ4_ORDER}  # x's values in a block as the kernel's A fragments hold the weights
 TIMED = {"Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q8_0"}  # types timed on a GPU and taken by covers(); see docs/PERF.md
 # Fewest rows these kernels take; fewer go to the integer kernels, whose cost grows with every row while these pad x
-# to 16 rows (TOKENS): a batch of 3-4 decoding slots costs them about what a 16-row verify block does.
+# to 8 or 16 rows (FEW_TOKENS, TOKENS): a batch of 3-4 decoding slots costs them about what an 8-row block does.
 MIN_ROWS = 3
 
 
@@ -475,9 +480,10 @@ def _matmul_into(out: Tensor | None, x: Tensor, xq: Tensor, xds: Tensor, stride_
     splits, per_split = splits_for(n, k, qtype)
     out, partial = split_k.outputs(x, n, splits, out, summed=out is not None, exact=True)
     grid = (triton.cdiv(n, BLOCK_N), splits)
+    tokens = 8 if m <= FEW_TOKENS else TOKENS
     kernel[grid](xq, xds, qweight, partial, M=m, N=n, K=k, sb_per_split=per_split, stride_xq=stride_xq,
                  stride_xds=stride_xds, stride_wn=qweight.stride(0), stride_os=partial.stride(0),
                  stride_om=partial.stride(1), BLOCK_N=BLOCK_N, NUM_WARPS=NUM_WARPS, num_warps=NUM_WARPS,
-                 **constants, **pdl.launch(x))
+                 TOKENS=tokens, **constants, **pdl.launch(x))
     split_k.finish(partial, out)
     return partial
