@@ -446,6 +446,30 @@ def test_warmup_also_runs_the_servers_default_sampling(tmp_path):
         assert seen[-1].top_k == (64 if len(greedy) == 2 else 0)
 
 
+def test_warmup_readies_every_slots_sampler(tmp_path, monkeypatch):
+    """With captured steps, warm-up also runs every slot's sampler for the greedy and the default sampling (a slot's
+    sampler graphs are its own: a first request in a slot no request had used captured them while other streams
+    waited); the requests after it answer as before it."""
+    from tiny import make_target
+
+    from flashdraft.engine.engine import Engine, EngineConfig, Request
+    from flashdraft.engine.sampling import SamplingParams
+    engine = Engine.load(EngineConfig(model=str(make_target(tmp_path / "t", layers=1)), ctx_size=64, n_slots=3,
+                                      warmup_sampling=dict(temperature=0.7, top_k=64)))
+    requests = [Request([3, 4, 5], SamplingParams(max_tokens=6, temperature=0.8, seed=1)),
+                Request([3, 4, 5], SamplingParams(max_tokens=6, temperature=0.8, seed=2, repeat_penalty=1.3))]
+    before = [engine.generate(r).token_ids for r in requests]
+    engine.steps.samplers.clear()
+    with monkeypatch.context() as m:  # the CUDA path's warm-up, its graph captures and generations left out
+        m.setattr(engine.steps, "static", True)
+        m.setattr(engine.steps, "warmup_keys", lambda *a: [])
+        m.setattr(engine, "generate", lambda req: None)
+        m.setattr(engine, "_warm_prompt_slices", lambda: None)
+        engine.warmup(max_tokens=2)
+    assert sorted(engine.steps.samplers) == [0, 1, 2]
+    assert [engine.generate(r).token_ids for r in requests] == before
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_graph_outputs_survive_replays_of_other_pools():

@@ -48,6 +48,13 @@ def test_a_fixed_cost_past_the_budget_reads_the_most():
     assert timed(SlicePacer(ratio=2.5, most=512), 0.020, 0.060, 0.0001, [16, 64, 128]).size() == 512
 
 
+def test_graph_slices_past_the_budget_read_the_least():
+    """Read in graph replays of `least` tokens (not whole passes), a slice step over the budget takes one replay: the
+    most would pause the streams for dozens of replays."""
+    pacer = timed(SlicePacer(ratio=2.5, least=16, most=512, whole_pass=False), 0.013, 0.035, 0.0001, [16, 32])
+    assert pacer.fit()[0] >= 2.5 * 0.013 and pacer.size() == 16
+
+
 
 def test_a_longer_slice_timed_faster_counts_as_all_per_token():
     """Noise (a shorter slice timed slower) must not read as no cost per token, which would read the most."""

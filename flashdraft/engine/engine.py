@@ -434,7 +434,9 @@ class Engine:
         self._active: list[Task] = []
         self._loop_thread: threading.Thread | None = None
         self.stopped: RuntimeError | None = None  # set when the engine thread ends (it never should)
-        self.pacer = SlicePacer(most=INTERLEAVED_PREFILL)
+        # prompt slices beside other slots: graph replays of SLICE_WIDTH tokens where every cache is by position
+        self.pacer = SlicePacer(least=SLICE_WIDTH, first=SLICE_WIDTH, most=INTERLEAVED_PREFILL,
+                                whole_pass=not self.state.by_position)
         self.prior = AcceptancePrior()  # where a request's acceptance estimates start
         self._decode_started: float | None = None  # the last step that read no prompt began then
 
@@ -576,9 +578,12 @@ class Engine:
                     if i == 0 or (i + 1) % 8 == 0 or i + 1 == len(keys):  # the first: compiled layers loaded
                         log.info("captured %d of %d step graphs (%.1f s)", i + 1, len(keys), time.perf_counter() - t)
             defaults = SamplingParams(max_tokens=max_tokens, **(self.config.warmup_sampling or {}))
+            params = [SamplingParams(max_tokens=max_tokens)] + ([defaults] if not defaults.greedy else [])
             for speculative in ([True] if self.draft is not None else [False]):  # as the server's requests
-                for params in [SamplingParams(max_tokens=max_tokens)] + ([defaults] if not defaults.greedy else []):
-                    self.generate(Request(prompt_ids=[0, 1, 2, 3], params=params, speculative=speculative))
+                for p in params:
+                    self.generate(Request(prompt_ids=[0, 1, 2, 3], params=p, speculative=speculative))
+            if self.steps.static:
+                self.steps.warm_samplers(range(self.n_slots), params, sorted({1, block}))
             self._warm_prompt_slices()
         self.prior = AcceptancePrior()  # a made-up prompt's acceptance says nothing of the requests'
         self._sync()

@@ -5,9 +5,11 @@ delays every stream's next token by the slice's time. The pacer keeps such a ste
 fits the time of a step with a slice as a fixed part (the decode steps themselves among it) plus a part per token
 (from the shortest and the longest of the last slices; the engine times those steps with the device
 synchronised) and takes the most tokens that fit, a decode step being the moving average of the steps that read
-no prompt. Where the fixed part alone overshoots (a slice costs a whole pass of the target whatever its length),
-small slices would only stretch the prompt out: it reads `most` then. A slice step slower than `outlier` decode
-steps is not a slice's cost (a kernel compiled or a graph captured on first use) and is left out of the fit.
+no prompt. Where the fixed part alone overshoots: if a slice costs a whole pass of the target whatever its length
+(`whole_pass`: eager slices), small slices would only stretch the prompt out, and it reads `most`; read in graph
+replays of `least` tokens each, it reads `least` (a replay is the smallest pause there is). A slice step slower
+than `outlier` decode steps is not a slice's cost (a kernel compiled or a graph captured on first use) and is left
+out of the fit.
 """
 from __future__ import annotations
 
@@ -21,7 +23,10 @@ class SlicePacer:
     ratio: float = 2.5  # a step with a slice against a decode step (issue 47: inter-token latency at most 3x)
     least: int = 16  # slices are multiples of this (fewer shapes to plan and compile)
     most: int = 512
-    first: int = 32  # once a decode step is timed, before any slice is
+    # once a decode step is timed, before any slice is: one slice graph replay (two beside three streams of the Gemma 4
+    # 31B shape: ~49 ms against 13 ms steps, 2026-12-07 H100)
+    first: int = 16
+    whole_pass: bool = True
     alpha: float = 0.2
     outlier: float = 50.0  # a slice step slower than this many decode steps is not fitted
     step_s: float | None = None
@@ -57,6 +62,6 @@ class SlicePacer:
         fixed, per_token = self.fit()
         budget = self.ratio * self.step_s
         if fixed >= budget or per_token == 0:
-            return self.most
+            return self.most if self.whole_pass else self.least
         tokens = int((budget - fixed) / per_token) // self.least * self.least
         return min(self.most, max(self.least, tokens))
