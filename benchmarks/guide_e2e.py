@@ -684,11 +684,17 @@ def long_prompt_round(url: str, run: Run, args, extra: dict | None, deadline: fl
     steady_ms = 1000 * statistics.median(steady) if steady else None
     stall_ms = 1000 * max(during) if during else None
     ratio = stall_ms / steady_ms if steady_ms and stall_ms else None
+    # whether the longest gap is one pause or the read's pace: the gaps before it, and those during it in order
+    over = sum(g > 3 * steady_ms / 1000 for g in during) if steady_ms else None
     log(f"{run.key}: a {run.long_prompt}-token prompt beside {streams} streams: first token after "
         f"{1000 * (first - sent):.0f} ms; the streams' longest gap meanwhile {fmt(stall_ms, 0)} ms, steady "
-        f"{fmt(steady_ms, 1)} ms (x{fmt(ratio, 2)})" + (f"; errors: {errors}" if errors else ""))
+        f"{fmt(steady_ms, 1)} ms (x{fmt(ratio, 2)}); {over} of {len(during)} gaps over 3x; longest before it "
+        f"{fmt(1000 * max(steady) if steady else None, 0)} ms" + (f"; errors: {errors}" if errors else ""))
     return dict(streams=streams, long_prompt=run.long_prompt, first_token_ms=1000 * (first - sent),
-                steady_gap_ms=steady_ms, longest_gap_ms=stall_ms, ratio=ratio, errors=errors)
+                steady_gap_ms=steady_ms, longest_gap_ms=stall_ms, ratio=ratio, errors=errors,
+                longest_steady_gap_ms=1000 * max(steady) if steady else None, gaps_over_3x=over,
+                gaps_during_ms=[round(1000 * g, 1) for a, b in sorted(gaps) if b > sent and a < first
+                                for g in [b - a]])
 
 
 def save(args, result: dict) -> None:
