@@ -326,3 +326,20 @@ def test_load_draft_folder_errors(tmp_path):
     save_checkpoint(tmp_path / "shape", model, config=wider)
     with pytest.raises(ValueError, match=r"wrong shapes: .*mlp\.down_proj\.weight"):
         load_draft_folder(tmp_path / "shape")
+
+
+def test_dflash_observe_takes_its_slot_as_a_tensor():
+    """One observe graph serves every slot (engine/steps.Steps.observe): the slot as a [1] tensor writes the rings
+    the int slot writes, into that slot only."""
+    from test_engine import random_draft, random_target
+    target = random_target(vocab=64, layers=4, hidden=32, seed=3, max_len=64)
+    draft = random_draft(target, block_size=4, seed=4)
+    width = len(draft.target_layers) * target.cfg.hidden_size
+    feats = torch.randn(1, 5, width, generator=torch.Generator().manual_seed(5))
+    rings = []
+    for slot in (2, torch.tensor([2])):
+        draft.setup_cache(32, n_slots=3)
+        draft.observe(torch.zeros(1, 5, dtype=torch.long), feats, torch.arange(7, 12)[None], slot)
+        rings.append([t.clone() for c in draft.state.caches for t in (c.k, c.v)] + [draft.state.row_positions.clone()])
+    assert all(torch.equal(a, b) for a, b in zip(*rings))
+    assert rings[0][0][2].abs().sum() > 0 and rings[0][0][:2].abs().sum() == 0  # slot 2's rows, no other's

@@ -155,8 +155,9 @@ def ngram_lookup(history: list[int], anchor: int, n: int, n_max: int, n_min: int
 
 
 def test_ngram_proposals_equal_the_plain_lookup():
-    """Random histories over small vocabularies (many repeats), observed in chunks as the engine does, some of
-    them cut back by a prompt-cache reset and continued otherwise, in either of two slots."""
+    """Random histories over small vocabularies (many repeats), observed in chunks as the engine does (the slot an
+    int or a [1] tensor), some of them cut back by a prompt-cache reset and continued otherwise, in either of two
+    slots."""
     rng = random.Random(0)
     for trial in range(300):
         cfg = NGramConfig(n_match=rng.choice([1, 2, 3, 4]), n_max=rng.choice([1, 3, 6, 10]),
@@ -176,7 +177,8 @@ def test_ngram_proposals_equal_the_plain_lookup():
             at = 0
         while at < anchor_at:
             chunk = tokens[at:min(anchor_at, at + rng.randint(1, 7))]
-            drafter.observe(torch.tensor([chunk]), None, torch.arange(at, at + len(chunk))[None], slot)
+            slot_arg = torch.tensor([slot]) if rng.random() < 0.5 else slot  # as a graph for every slot takes it
+            drafter.observe(torch.tensor([chunk]), None, torch.arange(at, at + len(chunk))[None], slot_arg)
             at += len(chunk)
         k = rng.randint(1, cfg.n_max)
         proposed = drafter.propose(None, torch.tensor([tokens[anchor_at]]), torch.tensor([anchor_at]), slot, k)

@@ -39,8 +39,9 @@ class Drafter(Protocol):
     block_size: int  # the most tokens one step verifies: the anchor and up to block_size - 1 proposed
     target_layers: tuple[int, ...]  # decoder layers whose outputs `observe` receives, concatenated (() for none)
     state: DrafterState | None  # set by setup_cache
-    # (optional, default False) `propose` also takes its slot as a [1] tensor, so that one CUDA graph of a batched
-    # step serves every combination of slots (engine/steps.Steps.speculative_batch)
+    # (optional, default False) `propose` and `observe` also take the slot as a [1] tensor, so that one CUDA graph
+    # serves every slot (engine/steps.Steps.observe) and every combination of slots in a batched step
+    # (engine/steps.Steps.speculative_batch)
     slot_tensors: bool
 
     def setup_cache(self, window: int, n_slots: int = 1,

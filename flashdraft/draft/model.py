@@ -143,7 +143,7 @@ class DraftRings:
 
 class DFlashDraft(nn.Module):
     name = "dflash"
-    slot_tensors = True  # propose takes its slot as a [1] tensor too (draft/interface.Drafter)
+    slot_tensors = True  # propose and observe take the slot as a [1] tensor too (draft/interface.Drafter)
 
     def __init__(self, cfg: DraftConfig):
         super().__init__()
@@ -206,9 +206,9 @@ class DFlashDraft(nn.Module):
         """Target features [..., L*H] -> context vectors [..., H]."""
         return self.hidden_norm(self.fc(features.to(self.norm.weight.dtype)))
 
-    def append_context(self, features: torch.Tensor, positions: torch.Tensor, slot: int = 0) -> None:
+    def append_context(self, features: torch.Tensor, positions: torch.Tensor, slot: int | torch.Tensor = 0) -> None:
         """Write the context K/V of committed positions (increasing) into the slot's ring at rows p % window.
-        `slot` is a Python int (a fixed index, so the writes stay static for CUDA graphs)."""
+        `slot` an int or a [1] tensor (one CUDA graph then serves every slot)."""
         rings = self.state
         if features.shape[0] > rings.window:  # earlier rows would be overwritten anyway
             features, positions = features[-rings.window :], positions[-rings.window :]
@@ -278,8 +278,9 @@ class DFlashDraft(nn.Module):
 
     # ---------------------------------------------------------------- the engine's Drafter (draft/interface.py)
     def observe(self, tokens: torch.Tensor, features: torch.Tensor | None, positions: torch.Tensor,
-                slots: int = 0) -> None:
-        """One row (B = 1, `slots` an int): its features go into the slot's rings (the tokens are in them)."""
+                slots: int | torch.Tensor = 0) -> None:
+        """One row (B = 1, `slots` an int or a [1] tensor): its features go into the slot's rings (the tokens are
+        in them)."""
         self.append_context(features[0], positions[0], slots)
 
     def propose(self, target, anchors: torch.Tensor, positions: torch.Tensor, slots: int | torch.Tensor, k: int,

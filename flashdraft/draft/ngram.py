@@ -88,7 +88,7 @@ class NGramDrafter:
     """The Drafter (draft/interface.py) of `--spec-type ngram-mod` (chain) or `ngram-simple`: proposals of
     n_max tokens at most, so a verify block of n_max + 1."""
     target_layers = ()
-    slot_tensors = True  # propose takes its slot as a [1] tensor too: one batched graph for every slot combination
+    slot_tensors = True  # propose and observe take the slot as a [1] tensor too: one graph for every slot
 
     def __init__(self, config: NGramConfig, device: str | torch.device = "cpu", name: str = "ngram-mod"):
         self.config, self.device, self.name = config, device, name
@@ -112,7 +112,7 @@ class NGramDrafter:
         s.prints[slot].masked_fill_(gone, -1)
 
     def observe(self, tokens, features, positions, slots=0):
-        """One row (B = 1, `slots` an int)."""
+        """One row (B = 1, `slots` an int or a [1] tensor)."""
         s, n = self.state, self.config.n_match
         tokens, positions = tokens[0, -s.window:], positions[0, -s.window:]  # earlier rows would be overwritten
         rows = positions % s.window
@@ -123,8 +123,7 @@ class NGramDrafter:
     def propose(self, target, anchors, positions, slots, k, live=None, block=None, context_rows=None):
         """One row (B = 1, `slots` an int or a [1] tensor): [1, k] tokens after anchors[0] at positions[0]."""
         s, cfg, n = self.state, self.config, self.config.n_match
-        tokens, held, prints = (t[slots] if isinstance(slots, int) else t.index_select(0, slots)[0]
-                                for t in (s.tokens, s.held, s.prints))
+        tokens, held, prints = (_slot_row(t, slots) for t in (s.tokens, s.held, s.prints))
         n_max = min(cfg.n_max, (block or self.block_size) - 1)
         steps = min(n_max, max(k, cfg.n_min))  # enough for the n_min rule; the first k are the same for any k
         anchor, at = anchors[0], positions[0]
@@ -177,11 +176,11 @@ class NGramDrafter:
         a, b = (((grams * f) % _PRIME).sum(-1) % _PRIME for f in self.factors)
         return a * 2 ** 31 + b
 
-    def _prints_at(self, slot: int, grams: Tensor) -> Tensor:
+    def _prints_at(self, slot: int | Tensor, grams: Tensor) -> Tensor:
         """Fingerprints of the n-grams at positions [T, n] of a slot (-1 where one of them is not held)."""
         s = self.state
-        complete = self._holds(s.held[slot], grams).all(-1)
-        return torch.where(complete, self._print(self._gather(s.tokens[slot], grams)), -1)
+        complete = self._holds(_slot_row(s.held, slot), grams).all(-1)
+        return torch.where(complete, self._print(self._gather(_slot_row(s.tokens, slot), grams)), -1)
 
     @staticmethod
     def _latest(prints: Tensor, candidates: Tensor, key_print: Tensor) -> Tensor:
@@ -193,3 +192,8 @@ class NGramDrafter:
 def create(spec_type: str, target, options) -> NGramDrafter:
     """The registry's constructor (draft/registry.py): no files, `options.params` the flags' values by name."""
     return NGramDrafter(config_for(spec_type, options.params), options.device, name=spec_type)
+
+
+def _slot_row(table: Tensor, slot: int | Tensor) -> Tensor:
+    """A slot's row of a per-slot table, the slot an int or a [1] tensor (one CUDA graph for every slot)."""
+    return table[slot] if isinstance(slot, int) else table.index_select(0, slot)[0]

@@ -74,7 +74,7 @@ class SliceKey:
 
 @dataclass(frozen=True)
 class ContextKey:
-    slot: int
+    slot: int | None  # None: the slot is an input (Drafter.slot_tensors)
     rows: int
 
 
@@ -235,14 +235,14 @@ class Steps:
         """Hand the drafter the tokens [n] (and features [n, L*H]) of newly committed positions [n] (a graph per
         row count up to the drafter's block on CUDA, the counts warm-up captures; more rows, a prompt's slice
         beside a smaller block, eagerly)."""
-        def step(t, p, *f):
-            return (self.draft.observe(t[None], f[0][None] if f else None, p[None], slot),)
+        def step(t, p, at, *f):  # the slot an input (one graph for every slot), or the graph the slot's own
+            return (self.draft.observe(t[None], f[0][None] if f else None, p[None], at if self.slot_inputs else slot),)
 
-        inputs = [tokens, positions] + ([] if features is None else [features])
+        inputs = [tokens, positions, self.slot_index((slot,))] + ([] if features is None else [features])
         if len(positions) > self.draft.block_size:
             step(*inputs)
             return
-        self.graphs.run(ContextKey(slot, len(positions)), step, inputs, pool="observe")
+        self.graphs.run(ContextKey(None if self.slot_inputs else slot, len(positions)), step, inputs, pool="observe")
 
     def sampler(self, slot: int, vocab: int) -> DeviceSampler:
         """The slot's sampler (its state stays on the device, overwritten by each request: DeviceSampler.begin)."""
@@ -310,7 +310,7 @@ class Steps:
                 if self.draft is not None and block > 1 and b >= block:
                     keys.append(SpecKey(slot, b, block, block))
             if self.draft is not None and block > 1:
-                keys += [ContextKey(slot, n) for n in range(1, block + 1)]
+                keys += [ContextKey(None if self.slot_inputs else slot, n) for n in range(1, block + 1)]
         for b in buckets:  # plain steps of several slots at once (a graph per batch size)
             follow = self.draft is not None
             if not follow or adaptive:
@@ -344,5 +344,5 @@ class Steps:
         else:
             width = len(self.capture) * self.target.cfg.hidden_size
             feats = torch.zeros(key.rows, width, dtype=self.target.dtype, device=dev) if self.capture else None
-            self.observe(key.slot, torch.zeros(key.rows, dtype=torch.long, device=dev), feats,
+            self.observe(key.slot or 0, torch.zeros(key.rows, dtype=torch.long, device=dev), feats,
                          torch.arange(key.rows, device=dev))

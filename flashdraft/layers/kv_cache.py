@@ -163,12 +163,17 @@ class RingKVCache:
         self.row_positions = row_positions if row_positions is not None else \
             torch.full((n_slots, window), -1, device=device, dtype=torch.long)
 
-    def write(self, slot: int, positions: Tensor, k: Tensor, v: Tensor) -> None:
-        """k/v [KV, n, D] of increasing positions [n] (n <= window) into the ring rows p % window. The owner of
-        `row_positions` records the positions (once for all the rings that share the table)."""
-        rows = positions % self.window
-        self.k[slot, :, self.scratch + rows] = k.to(self.k.dtype)
-        self.v[slot, :, self.scratch + rows] = v.to(self.v.dtype)
+    def write(self, slot: int | Tensor, positions: Tensor, k: Tensor, v: Tensor) -> None:
+        """k/v [KV, n, D] of increasing positions [n] (n <= window) into the ring rows p % window of `slot` (an int
+        or a [1] tensor). The owner of `row_positions` records the positions (once for all the rings that share
+        the table)."""
+        rows = self.scratch + positions % self.window
+        if isinstance(slot, Tensor):  # (slot, rows) index [n] entries of [KV, D]
+            self.k[slot.expand(len(rows)), :, rows] = k.transpose(0, 1).to(self.k.dtype)
+            self.v[slot.expand(len(rows)), :, rows] = v.transpose(0, 1).to(self.v.dtype)
+            return
+        self.k[slot, :, rows] = k.to(self.k.dtype)
+        self.v[slot, :, rows] = v.to(self.v.dtype)
 
     def block_view(self, slot: int | Tensor, block_len: int, ring_rows: int) -> tuple[Tensor, Tensor]:
         """One contiguous view [KV, block_len + ring_rows, D]: `block_len` scratch rows (for the step's own K/V),
