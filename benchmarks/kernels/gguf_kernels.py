@@ -79,7 +79,8 @@ def main() -> int:
             for (bn, warps, target, *gemv), gguf_mma.MIN_ROWS, gguf_mma.FEW_TOKENS, mma_programs in itertools.product(
                     configs, mma_from, few, programs):
                 if mma_programs is not None:
-                    gguf_mma.TARGET_PROGRAMS.update(dict.fromkeys(gguf_mma.TARGET_PROGRAMS, mma_programs))
+                    for table in (gguf_mma.TARGET_PROGRAMS, gguf_mma.FEW_TARGET_PROGRAMS):
+                        table.update(dict.fromkeys(table, mma_programs))
                 K.BLOCK_N, K.NUM_WARPS, K.TARGET_PROGRAMS = bn, warps, target
                 G.CONFIG.update(zip(("BLOCK_N", "SB", "num_warps", "target_programs"), gemv))
                 sb = 0  # the tensor-core kernel's tile; an integer kernel's names its super-blocks too
@@ -94,7 +95,9 @@ def main() -> int:
                     continue
                 if route == "mma":
                     route += "8" if m <= gguf_mma.FEW_TOKENS else "16"
-                    target = gguf_mma.TARGET_PROGRAMS[qtype]
+                    few = m <= gguf_mma.FEW_TOKENS
+                    target = (gguf_mma.FEW_TARGET_PROGRAMS if few else gguf_mma.TARGET_PROGRAMS).get(
+                        qtype, gguf_mma.TARGET_PROGRAMS[qtype])
                 r = dict(qtype=qtype, m=m, route=route, block_n=bn, sb=sb, warps=warps, target=target, ms=ms,
                          bf16_ms=ref_ms,
                          GBps=qbytes / (ms * 1e-3) / 1e9, over_bf16=ms / ref_ms)

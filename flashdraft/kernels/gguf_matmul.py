@@ -473,7 +473,7 @@ def split_counts(x: Tensor, qweights: list[Tensor], qtypes: list[str], k: int) -
         return [1] * len(qweights)
     route = _route(x, qtypes, k)
     if route == "mma":
-        return [gguf_mma.splits_for(w.shape[0], k, q)[0] for w, q in zip(qweights, qtypes)]
+        return [gguf_mma.splits_for(w.shape[0], k, q, x.shape[0])[0] for w, q in zip(qweights, qtypes)]
     if route == "gemv":
         return [gguf_gemv.splits_for(w.shape[0], k, gguf_gemv.config(q, k))[0] for w, q in zip(qweights, qtypes)]
     return [splits_for(w.shape[0], k)[0] for w in qweights]

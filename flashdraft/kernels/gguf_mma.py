@@ -43,6 +43,10 @@ BLOCK_N, NUM_WARPS = 128, 4  # 64 and 32 rows, 8 warps: slower at 16 rows (H200,
 # 1.5-2.4% faster than at 264 in two H100 leases, Q4_K_M 2% slower (docs/perf-history.md, 2026-12-06 H100). IQ4_XS by
 # lane: 0.089 ms at 264 against 0.095 at 396 (16 rows of the 8B's four matrices, H100, 2026-12-06).
 TARGET_PROGRAMS = {"Q4_K": 264, "Q5_K": 264, "Q6_K": 264, "IQ4_XS": 264, "Q8_0": 396}
+# With x padded to 8 rows (FEW_TOKENS) fewer registers: 396 against 264, 3-8 rows of the Gemma 4 31B's four matrices,
+# Q4_K 0.142-0.145 ms against 0.146-0.149, Q5_K 0.165-0.173 against 0.169-0.177, Q6_K 0.302-0.311 against
+# 0.311-0.317 (benchmarks/results/2026-12-07-h100-kernels-mma8.json, H100); other types as at 16 rows
+FEW_TARGET_PROGRAMS = {"Q4_K": 396, "Q5_K": 396, "Q6_K": 396}
 # Ran slower on an H100 at 8 and 16 rows (docs/perf-history.md, 2026-12-05 H100): super-blocks staged
 # through shared memory by cp.async 2-4 deep (x0.73-0.93), registers capped for three or four programs per SM
 # (x0.52-0.98), the next super-block's words loaded before this one's products, and float conversion by 2^23;
@@ -455,10 +459,11 @@ def _rounding(qtype: str, k: int) -> tuple[bool, int, int]:
     return KERNELS[qtype][1]["TILED"], gguf_gemv.x_group(qtype, k), X_ORDERS.get(qtype, 0)
 
 
-def splits_for(n: int, k: int, qtype: str) -> tuple[int, int]:
-    """(splits of K, super-blocks per split) for an [n, k] matrix of qtype, from its shape alone."""
+def splits_for(n: int, k: int, qtype: str, m: int = TOKENS) -> tuple[int, int]:
+    """(splits of K, super-blocks per split) for an [n, k] matrix of qtype and m rows of x, from their shapes."""
     sbs = k // 256
-    per_split = triton.cdiv(sbs, max(1, min(sbs, TARGET_PROGRAMS[qtype] // triton.cdiv(n, BLOCK_N))))
+    target = FEW_TARGET_PROGRAMS.get(qtype, TARGET_PROGRAMS[qtype]) if m <= FEW_TOKENS else TARGET_PROGRAMS[qtype]
+    per_split = triton.cdiv(sbs, max(1, min(sbs, target // triton.cdiv(n, BLOCK_N))))
     return triton.cdiv(sbs, per_split), per_split
 
 
@@ -477,7 +482,7 @@ def _matmul_into(out: Tensor | None, x: Tensor, xq: Tensor, xds: Tensor, stride_
     """The product into out (columns of a wider output), or None: its partial sums, returned unsummed."""
     m, n = x.shape[0], qweight.shape[0]
     kernel, constants = KERNELS[qtype]
-    splits, per_split = splits_for(n, k, qtype)
+    splits, per_split = splits_for(n, k, qtype, m)
     out, partial = split_k.outputs(x, n, splits, out, summed=out is not None, exact=True)
     grid = (triton.cdiv(n, BLOCK_N), splits)
     tokens = 8 if m <= FEW_TOKENS else TOKENS
