@@ -145,23 +145,32 @@ def test_a_long_prompt_is_read_between_the_steps_of_a_running_stream(engine, mon
 
 def test_prompts_beside_young_streams_are_read_whole(engine, monkeypatch):
     """Requests that come together: each prompt is read whole (no stream has a pace to keep yet), so every slot
-    decodes sooner; the answers equal the solo runs'."""
+    decodes sooner, unless it is long (past INTERLEAVED_PREFILL); the answers equal the solo runs'."""
     from flashdraft.engine import engine as engine_mod
     tokenizer = engine.tokenizer
     requests = [Request(tokenizer.encode(PROMPTS[i] * 3), SamplingParams(max_tokens=24, ignore_eos=True),
                         cache_prompt=False) for i in range(4)]
     alone = [answer(engine.generate(r)) for r in requests]
-    reads: list[tuple[int, bool]] = []
+    reads: list[tuple[int, bool, bool]] = []  # (tokens left, read to the end, beside other steps)
     slices = engine_mod.prefill_slice
     monkeypatch.setattr(engine_mod, "prefill_slice", lambda steps, s, most, beside=False: reads.append(
-        (most >= len(s.prompt) - s.prefilled, beside)) or slices(steps, s, most, beside))
+        (len(s.prompt) - s.prefilled, most >= len(s.prompt) - s.prefilled, beside)) or slices(steps, s, most, beside))
     monkeypatch.setattr(engine.pacer, "size", lambda: 16)
     done: list[queue.Queue] = [queue.Queue() for _ in requests]
     with engine._wake:  # all four queued before the engine admits any (its lock is re-entrant)
         for r, q in zip(requests, done):
             engine.submit(r, lambda e, q=q: isinstance(e, (Completion, Exception)) and q.put(e))
     assert [answer(q.get(timeout=600)) for q in done] == alone
-    assert reads == [(True, False)] * 4
+    assert [(whole, beside) for _, whole, beside in reads] == [(True, False)] * 4
+    # a prompt longer than INTERLEAVED_PREFILL is paced beside any stream
+    reads.clear()
+    monkeypatch.setattr(engine_mod, "INTERLEAVED_PREFILL", 8)
+    with engine._wake:
+        for r, q in zip(requests, done):
+            engine.submit(r, lambda e, q=q: isinstance(e, (Completion, Exception)) and q.put(e))
+    assert [answer(q.get(timeout=600)) for q in done] == alone
+    assert reads[0][1:] == (True, False) and all(beside for left, _, beside in reads[1:] if left > 8), reads
+    assert sum(beside for _, _, beside in reads) >= 3
 
 
 def test_ngram_drafter_batched_answers_as_alone(models, monkeypatch):

@@ -356,9 +356,10 @@ INTERLEAVED_PREFILL = 512
 # while streams wait on a slice (1.4-3 s a first slice on the Gemma 4 31B shape, 2026-12-07 H100)
 WARM_SLICES = (32, 16, 24, 48, FEW_ROWS + 8)
 SLOW_STEP_S = 1.0  # an engine step past this many seconds logs what it ran
-# A stream that has handed out fewer tokens than this keeps no pace yet: a prompt is read whole beside such streams
-# only (prompts that come together, an agent's parallel calls, all start decoding sooner; -np 8 on the Gemma 4 31B
-# shape: 5.3 s of a 16.7 s round went to reading eight prompts in slices beside the first streams, 2026-12-07 H100)
+# A stream that has handed out fewer tokens than this keeps no pace yet: a prompt of at most INTERLEAVED_PREFILL
+# tokens is read whole beside such streams only (prompts that come together, an agent's parallel calls, all start
+# decoding sooner; -np 8 on the Gemma 4 31B shape: 5.3 s of a 16.7 s round went to reading eight prompts in slices
+# beside the first streams, 2026-12-07 H100)
 YOUNG_TOKENS = 16
 
 # GPU memory a context must leave for the step graphs, the drafter's state and the CUDA workspaces (what the 31B shape's
@@ -819,9 +820,18 @@ class Engine:
         decoded = time.perf_counter()
         reading = self._reading()
         read_from = reading.state.prefilled if reading else 0
-        steady = any(job.state.produced >= YOUNG_TOKENS for job, _ in plans)
-        self._prefill(reading, decoding=steady)
-        self._timed(started, planned, decoded, plans, reading, read_from, steady)
+        paced = self._paced(plans, reading)
+        self._prefill(reading, decoding=paced)
+        self._timed(started, planned, decoded, plans, reading, read_from, paced)
+
+    @staticmethod
+    def _paced(plans: list[tuple[Task, StepPlan]], reading: "Task | None") -> bool:
+        """Whether the prompt being read goes in paced slices: beside a stream that keeps a pace (YOUNG_TOKENS out),
+        or beside any stream where more than INTERLEAVED_PREFILL of its tokens are left."""
+        if not plans or reading is None:
+            return False
+        long = len(reading.state.prompt) - reading.state.prefilled > INTERLEAVED_PREFILL
+        return long or any(job.state.produced >= YOUNG_TOKENS for job, _ in plans)
 
     def _plan(self) -> list[tuple[Task, StepPlan]]:
         """Each slot past its prompt: its step (a slot whose answer ends without one hands out its tokens here)."""
