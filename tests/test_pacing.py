@@ -48,6 +48,18 @@ def test_a_fixed_cost_past_the_budget_reads_the_most():
     assert timed(SlicePacer(ratio=2.5, most=512), 0.020, 0.060, 0.0001, [16, 64, 128]).size() == 512
 
 
+def test_eager_slices_of_a_whole_pass_find_their_fixed_part():
+    """Eager slices costing a pass whatever their length (a recurrent target's): the first slice and the next differ
+    in length, so the fit sees the fixed part and the pacer reads the most, not `least` a pass for ever."""
+    pacer = SlicePacer(ratio=2.5, least=16, most=512)
+    pacer.observe_step(0.013)
+    sizes = []
+    for _ in range(4):
+        sizes.append(pacer.size())
+        pacer.observe_slice(sizes[-1], 0.3 + 1e-5 * sizes[-1])
+    assert sizes[0] != sizes[1] and sizes[-1] == 512, sizes
+
+
 def test_graph_slices_past_the_budget_read_the_least():
     """Read in graph replays of `least` tokens (not whole passes), a slice step over the budget takes one replay: the
     most would pause the streams for dozens of replays."""

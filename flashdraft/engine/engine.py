@@ -435,9 +435,12 @@ class Engine:
         self._active: list[Task] = []
         self._loop_thread: threading.Thread | None = None
         self.stopped: RuntimeError | None = None  # set when the engine thread ends (it never should)
-        # prompt slices beside other slots: graph replays of SLICE_WIDTH tokens where every cache is by position
-        self.pacer = SlicePacer(least=SLICE_WIDTH, first=SLICE_WIDTH, most=INTERLEAVED_PREFILL,
-                                whole_pass=not self.state.by_position)
+        # prompt slices beside other slots: graph replays of SLICE_WIDTH tokens where every cache is by position and
+        # steps are captured (the first slice one replay), else eager passes (the first two lengths tell the fixed
+        # part of a pass from its part per token)
+        replays = self.state.by_position and self.steps.static
+        self.pacer = SlicePacer(least=SLICE_WIDTH, most=INTERLEAVED_PREFILL, whole_pass=not replays,
+                                **(dict(first=SLICE_WIDTH) if replays else {}))
         self.prior = AcceptancePrior()  # where a request's acceptance estimates start
         self._decode_started: float | None = None  # the last step that read no prompt began then
 

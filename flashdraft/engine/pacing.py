@@ -23,10 +23,10 @@ class SlicePacer:
     ratio: float = 2.5  # a step with a slice against a decode step (issue 47: inter-token latency at most 3x)
     least: int = 16  # slices are multiples of this (fewer shapes to plan and compile)
     most: int = 512
-    # once a decode step is timed, before any slice is: one slice graph replay (two beside three streams of the Gemma 4
-    # 31B shape: ~49 ms against 13 ms steps, 2026-12-07 H100)
-    first: int = 16
-    whole_pass: bool = True
+    # once a decode step is timed, before any slice is (a slice graph's replays take one: two beside three streams of
+    # the Gemma 4 31B shape, ~49 ms against 13 ms steps, 2026-12-07 H100)
+    first: int = 32
+    whole_pass: bool = True  # a slice costs a whole pass (eager); False: graph replays of `least` tokens
     alpha: float = 0.2
     outlier: float = 50.0  # a slice step slower than this many decode steps is not fitted
     step_s: float | None = None
