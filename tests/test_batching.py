@@ -10,7 +10,7 @@ import torch
 from flashdraft.engine.engine import YOUNG_TOKENS, Completion, Engine, EngineConfig, Request
 from flashdraft.engine.grammar import Grammar
 from flashdraft.engine.sampling import SamplingParams
-from flashdraft.engine.steps import SpecBatchKey
+from flashdraft.engine.steps import BatchKey, SpecBatchKey
 from test_engine import SAMPLING_CASES, chi_square_pvalue, exact_first_tokens, small_vocab_pair  # noqa: F401
 from test_server import DEVICE, PROMPTS, models  # noqa: F401  (models: a fixture shared by the run)
 
@@ -75,7 +75,7 @@ def spy_batches(engine: Engine, monkeypatch) -> list[tuple[str, int]]:
     return seen
 
 
-@pytest.mark.parametrize("together", [2, 4])
+@pytest.mark.parametrize("together", [2, 3, 4])
 def test_requests_together_answer_as_alone(engine, monkeypatch, together):
     requests = mixed_requests(engine.tokenizer)
     alone = [answer(engine.generate(r)) for r in requests]
@@ -89,7 +89,24 @@ def test_requests_together_answer_as_alone(engine, monkeypatch, together):
     assert {name for name, n in seen if n > 1} == {"plain_batch", "speculative_batch"}  # batching happened
     batched = [k for k in keys if isinstance(k, SpecBatchKey)]  # DFlash takes its slots as a graph input
     assert batched and all(k.slots is None for k in batched)
+    assert {k.rows for k in keys if isinstance(k, BatchKey)} <= {2, 4}  # three slots' plain steps run padded to four
     assert engine.free_slot_count == 4
+
+
+def test_three_plain_slots_step_padded_to_four(engine, monkeypatch):
+    """Three slots decoding plain run the four-row step (a graph per padded batch size; the fourth row repeats the
+    third, writing the same keys and values again), and each answers as alone, logprobs and sampling included."""
+    tokenizer = engine.tokenizer
+    requests = [Request(tokenizer.encode(PROMPTS[i]), SamplingParams(max_tokens=12, ignore_eos=True, **params),
+                        speculative=False, cache_prompt=False)
+                for i, params in enumerate([{}, dict(logprobs=2), dict(temperature=0.8, seed=3)])]
+    alone = [answer(engine.generate(r)) for r in requests]
+    seen = spy_batches(engine, monkeypatch)
+    keys, run = [], engine.steps.graphs.run
+    monkeypatch.setattr(engine.steps.graphs, "run", lambda key, *a, **kw: keys.append(key) or run(key, *a, **kw))
+    assert [answer(c) for c in all_at_once(engine, requests)] == alone
+    assert ("plain_batch", 3) in seen and BatchKey in map(type, keys)
+    assert {k.rows for k in keys if isinstance(k, BatchKey)} <= {2, 4}
 
 
 def test_cancel_mid_stream_frees_the_slot(engine):

@@ -426,7 +426,7 @@ class Engine:
                              f"({config.cache_type_k}/{config.cache_type_v}) do not fit {room}: lower --ctx-size"
                              f"{hint} or --parallel, or take a smaller --cache-type-k/--cache-type-v (q8_0, q5_0, "
                              "q4_1, ...)") from None
-        self.steps = Steps(target, self.state, draft, config.device)
+        self.steps = Steps(target, self.state, draft, config.device, config.n_slots)
         self.synth_rates = self._synthetic_rates(config)
         self.startup_s = {}
         self.slots = SlotPool(config.n_slots, config.slot_prompt_similarity, self.state.reusable)

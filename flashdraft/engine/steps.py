@@ -47,7 +47,8 @@ class SpecKey:
 
 @dataclass(frozen=True)
 class BatchKey:
-    """A plain step of `rows` slots in one target call (the slots an input: one graph serves any of them)."""
+    """A plain step of `rows` slots in one target call (the slots an input: one graph serves any of them; `rows`
+    padded, Steps.padded_rows)."""
     rows: int
     bucket: int
     follow: bool
@@ -112,8 +113,8 @@ class Steps:
     target's part of a step attends over the whole cache and one graph serves every bucket (the draft's context
     read stays bounded by the bucket: speculative steps keep a key per bucket)."""
 
-    def __init__(self, target, state, draft=None, device: str = "cpu"):
-        self.target, self.state, self.draft = target, state, draft
+    def __init__(self, target, state, draft=None, device: str = "cpu", n_slots: int = 1):
+        self.target, self.state, self.draft, self.n_slots = target, state, draft, n_slots
         self.capture = tuple(draft.target_layers) if draft is not None else ()  # read once
         self.slot_inputs = getattr(draft, "slot_tensors", False)  # batched drafter steps take the slots as input
         if draft is not None:  # a verify step may be cut back to any of its lengths
@@ -151,9 +152,19 @@ class Steps:
 
         return self.graphs.run(PlainKey(slot, attn_len, follow), step, [token, pos])
 
+    def padded_rows(self, rows: int) -> int:
+        """The rows a plain step of `rows` slots runs: the next power of two, at most the slots (a graph per padded
+        size, as nano-vllm captures them: 2, 4, 8 at -np 8, not 2..8), where every cache is by position (a padded
+        row repeats the last one, which writes the same keys and values to the same rows again); else `rows`."""
+        if rows <= 2 or not self.state.by_position:
+            return rows
+        return min(1 << (rows - 1).bit_length(), max(self.n_slots, rows))
+
     def plain_batch(self, states: list, attn_len: int, follow: bool) -> tuple[Tensor, Tensor | None, Tensor]:
         """One plain step of several slots (engine/generate.SlotState: each its last token at its position) in one
         target call: (logits [B, V], features [B, F] when `follow`, the positions [B])."""
+        rows = len(states)
+        states = states + states[-1:] * (self.padded_rows(rows) - rows)
         tokens = torch.cat([s.token_t for s in states])
         positions = torch.cat([self.positions(s.pos) for s in states])
         slots = self.slot_index(tuple(s.slot for s in states))
@@ -166,7 +177,7 @@ class Steps:
             return logits[:, 0], None if feats is None else feats[:, 0]
 
         logits, feats = self.graphs.run(BatchKey(len(states), attn_len, follow), step, [tokens, positions, slots])
-        return logits, feats if follow else None, positions
+        return logits[:rows], feats[:rows] if follow else None, positions[:rows]
 
     def speculative_batch(self, states: list, lives: list[int], width: int,
                           block: int) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
@@ -314,7 +325,8 @@ class Steps:
         for b in buckets:  # plain steps of several slots at once (a graph per batch size)
             follow = self.draft is not None
             if not follow or adaptive:
-                keys += [BatchKey(rows, self.target_length(b), follow) for rows in range(2, n_slots + 1)]
+                keys += [BatchKey(rows, self.target_length(b), follow)
+                         for rows in sorted({self.padded_rows(r) for r in range(2, n_slots + 1)})]
             if n_slots > 1:  # a prompt read beside other slots' steps
                 keys.append(SliceKey(SLICE_WIDTH, self.target_length(b), follow))
         return list(dict.fromkeys(keys))  # with whole_cache, the buckets' plain keys are one
