@@ -678,9 +678,9 @@ def long_prompt_round(url: str, run: Run, args, extra: dict | None, deadline: fl
                            extra, long_times)
         errors = [str(f.exception())[:200] for f in running + [long] if f.exception() is not None]
     first = long_times[0] if long_times else float("inf")
-    gaps = [(a, b) for t in times for a, b in zip(t, t[1:])]
+    gaps = sorted((a, b) for t in times for a, b in zip(t, t[1:]))
     steady = [b - a for a, b in gaps if b < sent]
-    during = [b - a for a, b in gaps if b > sent and a < first]
+    during = [b - a for a, b in gaps if b > sent and a < first]  # in the order they began
     steady_ms = 1000 * statistics.median(steady) if steady else None
     stall_ms = 1000 * max(during) if during else None
     ratio = stall_ms / steady_ms if steady_ms and stall_ms else None
@@ -693,8 +693,7 @@ def long_prompt_round(url: str, run: Run, args, extra: dict | None, deadline: fl
     return dict(streams=streams, long_prompt=run.long_prompt, first_token_ms=1000 * (first - sent),
                 steady_gap_ms=steady_ms, longest_gap_ms=stall_ms, ratio=ratio, errors=errors,
                 longest_steady_gap_ms=1000 * max(steady) if steady else None, gaps_over_3x=over,
-                gaps_during_ms=[round(1000 * g, 1) for a, b in sorted(gaps) if b > sent and a < first
-                                for g in [b - a]])
+                gaps_during_ms=[round(1000 * g, 1) for g in during])
 
 
 def save(args, result: dict) -> None:

@@ -61,8 +61,9 @@ def test_eager_slices_of_a_whole_pass_find_their_fixed_part():
 
 
 def test_graph_slices_past_the_budget_read_the_least():
-    """Read in graph replays of `least` tokens (not whole passes), a slice step over the budget takes one replay: the
-    most would pause the streams for dozens of replays."""
+    """Read in graph replays of `least` tokens (not whole passes), the first slice and a slice step over the budget
+    take one replay: the most would pause the streams for dozens of replays."""
+    assert timed(SlicePacer(least=16, first=32, whole_pass=False), 0.013, 0, 0, []).size() == 16  # one replay first
     pacer = timed(SlicePacer(ratio=2.5, least=16, most=512, whole_pass=False), 0.013, 0.035, 0.0001, [16, 32])
     assert pacer.fit()[0] >= 2.5 * 0.013 and pacer.size() == 16
 

@@ -436,11 +436,9 @@ class Engine:
         self._loop_thread: threading.Thread | None = None
         self.stopped: RuntimeError | None = None  # set when the engine thread ends (it never should)
         # prompt slices beside other slots: graph replays of SLICE_WIDTH tokens where every cache is by position and
-        # steps are captured (the first slice one replay), else eager passes (the first two lengths tell the fixed
-        # part of a pass from its part per token)
-        replays = self.state.by_position and self.steps.static
-        self.pacer = SlicePacer(least=SLICE_WIDTH, most=INTERLEAVED_PREFILL, whole_pass=not replays,
-                                **(dict(first=SLICE_WIDTH) if replays else {}))
+        # steps are captured, else eager passes
+        self.pacer = SlicePacer(least=SLICE_WIDTH, most=INTERLEAVED_PREFILL,
+                                whole_pass=not (self.state.by_position and self.steps.static))
         self.prior = AcceptancePrior()  # where a request's acceptance estimates start
         self._decode_started: float | None = None  # the last step that read no prompt began then
 
@@ -884,9 +882,9 @@ class Engine:
                     self._guarded(job, lambda: step_speculative(self.steps, job.state, p))
 
     def _timed(self, started: float, planned: float, decoded: float, plans: list[tuple[Task, StepPlan]],
-               reading: "Task | None", read_from: int, sliced: bool) -> None:
-        """The step's times to the prompt pacer (engine.pacing), and a warning where it took long. `sliced`: the
-        prompt read was a paced slice (not a whole prompt beside young streams)."""
+               reading: "Task | None", read_from: int, paced: bool) -> None:
+        """The step's times to the prompt pacer (engine.pacing), and a warning where it took long. `paced`: the
+        prompt read was a paced slice (Engine._paced)."""
         ended = time.perf_counter()
         if plans and reading is None:  # decode steps alone: the pacer's measure of what a slice may delay
             if self._decode_started is not None:
@@ -894,7 +892,7 @@ class Engine:
             self._decode_started = started
         else:
             self._decode_started = None
-            if plans and reading is not None and sliced:  # decode steps and a slice, timed to the slice's end
+            if plans and reading is not None and paced:  # decode steps and a slice, timed to the slice's end
                 self.pacer.observe_slice(reading.state.prefilled - read_from, ended - started)
         if ended - started > SLOW_STEP_S:  # a graph captured late, a compile, a long prompt: what streams waited for
             widths = collections.Counter(p.width for _, p in plans)

@@ -229,12 +229,19 @@ def prefill_slice(steps: Steps, s: SlotState, most: int = PREFILL_CHUNK, beside:
     if beside and steps.state.by_position:
         logits = read_in_slices(steps, s, end)
     else:
-        logits = prefill(steps.target, steps.state, s.prompt, s.slot, s.prefilled,
-                         steps.draft if s.speculative else None, end, min(most, PREFILL_CHUNK))
-        s.prefilled = end
+        logits = read_eagerly(steps, s, end, min(most, PREFILL_CHUNK))
     if s.prefilled < n:
         return None
     steps.state.checkpoint(s.slot, n)  # a recurrent state after the prompt, for a next turn that shares only it
+    return logits
+
+
+def read_eagerly(steps: Steps, s: SlotState, end: int, chunk: int) -> Tensor:
+    """The prompt from s.prefilled to `end` in eager passes of `chunk` tokens (the drafter observing where the slot
+    speculates): the last position's logits [1, V]."""
+    logits = prefill(steps.target, steps.state, s.prompt, s.slot, s.prefilled, steps.draft if s.speculative else None,
+                     end, chunk)
+    s.prefilled = end
     return logits
 
 
@@ -251,10 +258,7 @@ def read_in_slices(steps: Steps, s: SlotState, end: int) -> Tensor | None:
         piece = s.prompt[start:start + width]
         real = len(piece)
         if real < width and start + width > steps.state.max_len:
-            logits = prefill(steps.target, steps.state, s.prompt, slot, start, steps.draft if s.speculative else None,
-                             n, width)
-            s.prefilled = n
-            return logits
+            return read_eagerly(steps, s, n, width)
         if real < width:
             piece = torch.cat([piece, piece.new_zeros(width - real)])
         rows, features = steps.prompt_slice(slot, piece, start, follow=s.speculative and bool(steps.capture))

@@ -23,8 +23,8 @@ class SlicePacer:
     ratio: float = 2.5  # a step with a slice against a decode step (issue 47: inter-token latency at most 3x)
     least: int = 16  # slices are multiples of this (fewer shapes to plan and compile)
     most: int = 512
-    # once a decode step is timed, before any slice is (a slice graph's replays take one: two beside three streams of
-    # the Gemma 4 31B shape, ~49 ms against 13 ms steps, 2026-12-07 H100)
+    # eager slices, once a decode step is timed, before any slice is (graph replays start at `least`: two beside
+    # three streams of the Gemma 4 31B shape took ~49 ms against 13 ms steps, 2026-12-07 H100)
     first: int = 32
     whole_pass: bool = True  # a slice costs a whole pass (eager); False: graph replays of `least` tokens
     alpha: float = 0.2
@@ -58,7 +58,7 @@ class SlicePacer:
         if self.step_s is None:  # no decode step timed yet (prompts that arrived together): nothing to weigh against
             return self.most
         if not self.slices:
-            return self.first
+            return self.first if self.whole_pass else self.least
         fixed, per_token = self.fit()
         budget = self.ratio * self.step_s
         if fixed >= budget or per_token == 0:
