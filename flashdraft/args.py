@@ -109,7 +109,8 @@ def add_speculation_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--spec-type", default=None, metavar="TYPE",
                     help="none (plain decoding, a draft is not loaded), dflash or draft-dflash (a DFlash draft, "
                          "-md; implied by one), ngram-mod or ngram-simple (n-gram lookup over the request's prompt "
-                         "and output: no draft model)")
+                         "and output: no draft model), mtp or draft-mtp (the target checkpoint's own MTP block: "
+                         "Qwen3.5/3.6/3.8)")
     ngram = ap.add_argument_group("n-gram lookup (--spec-type ngram-mod / ngram-simple, as llama.cpp's)")
     ngram.add_argument("--spec-ngram-mod-n-match", type=int, default=None, metavar="N",
                        help="ngram-mod lookup length: the tokens matched, the last committed one included "
@@ -162,7 +163,10 @@ def speculation(args: argparse.Namespace, draft: str | None) -> tuple[str | None
     for flag, _, _, least, value in given:
         if not least <= value <= ngram.LIMIT:
             raise ValueError(f"{flag} {value}: must be between {least} and {ngram.LIMIT}")
-    return spec_type, {name: value for _, _, name, _, value in given if name != "min_hits"}
+    params = {name: value for _, _, name, _, value in given if name != "min_hits"}
+    if kind.n_max_param and args.draft_n_max is not None:
+        params[kind.n_max_param] = args.draft_n_max
+    return spec_type, params
 
 
 # llama.cpp's spellings; the flashdraft command resolves them into -m/-md before a subcommand parses its arguments

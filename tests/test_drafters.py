@@ -293,4 +293,11 @@ def test_an_unknown_spec_type_exits_1(models):
                           "ngram-nope"], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert out.returncode == 1 and out.stderr.strip().splitlines() == [
         "flashdraft serve: error: --spec-type ngram-nope: unknown type (types: none, dflash, draft-dflash, ngram-mod, "
-        "ngram-simple)"]
+        "ngram-simple, mtp, draft-mtp)"]
+
+
+def test_mtp_on_a_model_without_one_is_one_line(models, capsys):
+    target, _ = models
+    assert cli.main(["generate", "-m", str(target), "--prompt", "hi", "--spec-type", "draft-mtp"]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1] == "flashdraft generate: error: --spec-type draft-mtp: llama models have no MTP block", lines

@@ -407,6 +407,37 @@ def test_conditional_generation_checkpoint_loads_its_language_model(folder, hf_r
     assert relative_error(got[0], ref) < 1e-4
 
 
+def test_greedy_speculative_with_the_mtp_head_equals_plain(folder):
+    """`--spec-type mtp`: the checkpoint's own MTP block drafts (read beside the target from the same folder, not
+    part of it), and greedy answers equal plain ones; chained proposals of n_max tokens (--spec-draft-n-max)."""
+    engine = Engine.load(EngineConfig(model=str(folder), spec_type="mtp", draft_params={"n_max": 2}, ctx_size=512))
+    assert engine.draft.name == "mtp" and engine.draft.block_size == 3 and engine.memory["draft_weights"] > 0
+    assert engine.memory["weights"] == Engine.load(EngineConfig(model=str(folder), ctx_size=64)).memory["weights"]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    prompt = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(5)).tolist()
+    plain = engine.generate(Request(prompt, params, speculative=False))
+    spec = engine.generate(Request(prompt, params))
+    assert spec.token_ids == plain.token_ids and spec.spec.draft_steps
+    assert max(len(d) for d in spec.spec.draft_steps) == 2
+
+
+def test_mtp_needs_a_checkpoint_that_has_one(folder, tmp_path):
+    from flashdraft.formats.loader import create_drafter
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in folder.iterdir():
+        (bare / f.name).write_bytes(f.read_bytes())
+    config = json.loads((bare / "config.json").read_text())
+    (bare / "config.json").write_text(json.dumps(config | {"mtp_num_hidden_layers": 0}))
+    target, _, path = load_target(str(bare))
+    with pytest.raises(ValueError, match="this checkpoint holds no MTP block"):
+        create_drafter("mtp", target, source=path)
+    from tiny import make_target
+    llama, _, llama_path = load_target(str(make_target(tmp_path / "llama")))
+    with pytest.raises(ValueError, match="llama models have no MTP block"):
+        create_drafter("draft-mtp", llama, source=llama_path)
+
+
 @pytest.mark.parametrize("model_type", ["qwen3_5_moe", "qwen3_5_moe_text"])
 def test_moe_variants_are_not_supported_yet(model_type):
     with pytest.raises(ValueError, match=f"mixture-of-experts models \\({model_type}\\) are not supported yet"):
@@ -443,6 +474,29 @@ def test_gguf_from_llama_cpp_converter(converter, folder, hf_reference):  # noqa
     prompt = torch.randint(0, VOCAB, (25,)).tolist()
     done = engine.generate(Request(prompt, SamplingParams(max_tokens=32, ignore_eos=True)))
     assert done.token_ids == hf_greedy(hf_reference, prompt, 32)
+
+
+def test_mtp_head_of_a_gguf_from_llama_cpp_converter(converter, folder):  # noqa: F811
+    """The MTP block of llama.cpp's converted file (blk.4.nextn.* and blk.4.attn_*, norms stored as 1 + w) drafts
+    as the HF folder's: the same K/V from the same committed positions, the same chained proposals."""
+    from flashdraft.formats.loader import create_drafter
+    gguf = convert(converter, folder)
+    drafters = []
+    for source in (folder, gguf):
+        target, _, path = load_target(str(source))
+        drafter = create_drafter("mtp", target, params={"n_max": 4}, source=path)
+        drafter.setup_cache(64)
+        ids = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(6))
+        with torch.no_grad():
+            _, features = target(ids, torch.arange(20)[None], target.new_state(1, 64), 0,
+                                 capture=drafter.target_layers, fresh=True)
+            drafter.observe(ids[:, :19], features[:, :19], torch.arange(19)[None], 0)
+            proposed = drafter.propose(target, ids[0, 19:], torch.tensor([19]), 0, 4)
+        drafters.append((drafter, proposed))
+    (hf, hf_proposed), (gg, gg_proposed) = drafters
+    assert torch.equal(hf_proposed, gg_proposed)
+    assert relative_error(gg.state.cache.k, hf.state.cache.k) < 1e-5
+    assert relative_error(gg.state.cache.v, hf.state.cache.v) < 1e-5
 
 
 def test_moe_gguf_is_not_supported_yet(converter, folder):  # noqa: F811

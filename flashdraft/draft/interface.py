@@ -10,6 +10,7 @@ the anchor and them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -32,6 +33,7 @@ class LoadOptions:
     quantized: bool = False  # GGUF matrices stay in their block format (engine.keep_quantized)
     embed_scale: float | None = None  # token embedding rows times this (--spec-draft-embed-scale; None: the draft's)
     params: dict[str, Any] = field(default_factory=dict)  # a kind's own settings (--spec-ngram-mod-n-max: n_max)
+    target_source: Path | None = None  # the target's file or folder (a drafter inside the checkpoint: MTP)
 
 
 class Drafter(Protocol):

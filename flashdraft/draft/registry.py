@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from flashdraft.draft.config import DRAFT_ARCHITECTURE
 from flashdraft.draft.interface import Drafter, LoadOptions
-from flashdraft.draft import ngram
+from flashdraft.draft import mtp, ngram
 from flashdraft.draft.load import load_dflash
 from flashdraft.formats.gguf_draft import is_draft_architecture
 
@@ -46,21 +46,23 @@ class DrafterKind:
     hf_architectures: tuple[str, ...] = ()  # a folder's config.json "architectures" this kind reads
     gguf_architecture: Callable[[str], bool] = field(default=_no_gguf)  # a GGUF general.architecture it reads
     spec_types: tuple[str, ...] = ()  # the --spec-type names that choose this kind
-    # (spec type, target, options) -> the drafter of a kind that needs no files (None: it loads from files)
+    # (spec type, target, options) -> the drafter of a kind that needs no draft file (None: it loads from one)
     create: Callable[[str, Any, LoadOptions], Drafter] | None = None
+    # the setting that --spec-draft-n-max gives a kind without a draft file (None: it has its own flags)
+    n_max_param: str | None = None
 
 
 DFLASH = DrafterKind(name="dflash", load=load_dflash, hf_architectures=(DRAFT_ARCHITECTURE,),
                      gguf_architecture=is_draft_architecture, spec_types=("dflash", "draft-dflash"))
 NGRAM = DrafterKind(name="ngram", spec_types=("ngram-mod", "ngram-simple"), create=ngram.create)
+MTP = DrafterKind(name="mtp", spec_types=("mtp", "draft-mtp"), create=mtp.create, n_max_param="n_max")
 
-KINDS: list[DrafterKind] = [DFLASH, NGRAM]
+KINDS: list[DrafterKind] = [DFLASH, NGRAM, MTP]
 
 # llama.cpp's other --spec-type names, and why flashdraft does not take them
 NOT_BUILT = {
     "draft-simple": "a separate small draft model; flashdraft's model drafters are DFlash drafts (-md)",
     "draft-eagle3": "EAGLE-3 drafts are not read yet",
-    "draft-mtp": "MTP heads are not read yet",
     "draft-dspark": "DSpark drafts are not read yet",
     "ngram-map-k": "its n-gram map with hit counts is not built; ngram-mod and ngram-simple look up the prompt and "
                    "output",
@@ -93,7 +95,7 @@ def kind_named(spec_type: str) -> DrafterKind | None:
 
 
 def create(spec_type: str, target, options: LoadOptions) -> Drafter:
-    """The drafter of a kind that needs no files, chosen by its --spec-type name."""
+    """The drafter of a kind that needs no draft file, chosen by its --spec-type name."""
     kind = kind_named(spec_type)
     if kind is None or kind.create is None:
         raise ValueError(f"--spec-type {spec_type} needs a draft model (--spec-draft-model)")

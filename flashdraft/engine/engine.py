@@ -468,7 +468,8 @@ class Engine:
         log.info("model read in %.1f s", time.perf_counter() - t)
         drafter = (load_draft(config.draft, target, config.device, torch_dtype, quantized=quantized,
                               embed_scale=config.draft_embed_scale) if config.draft
-                   else create_drafter(config.spec_type, target, config.device, torch_dtype, config.draft_params)
+                   else create_drafter(config.spec_type, target, config.device, torch_dtype, config.draft_params,
+                                       source=model_path, quantized=quantized)
                    if config.spec_type else None)
         engine = Engine(target, tokenizer, drafter, dataclasses.replace(config, model=str(model_path)))
         engine.startup_s["load"] = time.perf_counter() - t

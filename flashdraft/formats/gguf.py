@@ -338,13 +338,27 @@ def mapped_bytes(t: GGUFTensor) -> torch.Tensor:
         return torch.from_numpy(np.asarray(t.data).view(np.uint8).reshape(-1))
 
 
+def mtp_name(gguf_name: str, first: int, family: Family) -> str | None:
+    """The name inside the family's MTP block of a tensor of the file's MTP layers (blk.N with N >= `first`, the
+    model's layer count): its `nextn` parts by the family's table, the layer's own as in layer N - first."""
+    m = _LAYER.match(gguf_name)
+    rest = gguf_name[m.end():]
+    if rest.startswith("nextn."):
+        base, _, kind = rest.rpartition(".")
+        name = family.gguf_mtp_names.get(base)
+        return None if name is None else f"{name}.{kind}"
+    name = hf_name(f"blk.{int(m[1]) - first}.{rest}", family)
+    return None if name is None else name.replace("model.layers.", "layers.", 1)
+
+
 def iter_gguf_tensors(gguf: GGUFFile | str | Path, dtype: torch.dtype = torch.float32,
                       device: str | torch.device = "cpu", progress: bool = False,
-                      keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
+                      keep_quantized: bool = False, mtp: bool = False) -> Iterator[tuple[str, Any]]:
     """(HF name, tensor) pairs in HF layout, dequantised one at a time straight into `dtype` on `device`.
     keep_quantized: matrices of a type the GPU kernels read come as `layers.quantized.QuantizedWeight` (their
     file bytes in HF row order, still on the host: the module that reads them puts them on `device`); the rest
-    are dequantised as before."""
+    are dequantised as before. mtp: only the file's MTP (nextn) layers, named as in the family's MTP block
+    (`mtp_name`); otherwise they are left out."""
     from flashdraft.layers.quantized import kernel_types
     kept = kernel_types() if keep_quantized else ()
     if not isinstance(gguf, GGUFFile):
@@ -359,10 +373,12 @@ def iter_gguf_tensors(gguf: GGUFFile | str | Path, dtype: torch.dtype = torch.fl
     if progress:
         from tqdm import tqdm
         items = tqdm(items, desc=f"loading {gguf.path.name}", unit="tensor")
+    first_mtp = config["num_hidden_layers"]
     for t in items:
-        if (m := _LAYER.match(t.name)) and int(m[1]) >= config["num_hidden_layers"]:
-            continue  # the file's MTP (nextn) layers, after the model's
-        name = hf_name(t.name, family)
+        in_mtp = (m := _LAYER.match(t.name)) is not None and int(m[1]) >= first_mtp  # the layers after the model's
+        if in_mtp != mtp:
+            continue
+        name = mtp_name(t.name, first_mtp, family) if mtp else hf_name(t.name, family)
         if name is None:
             continue
         convert = family.gguf_values(name) if family.gguf_values is not None else None

@@ -35,20 +35,28 @@ def build_target(cfg, tensors, device: str, dtype: torch.dtype, rank: int = 0, w
         state["lm_head.weight"] = shard("lm_head.weight", state["model.embed_tokens.weight"])
     if cfg.tie_word_embeddings and "model.embed_tokens.weight" in quantized:
         quantized["lm_head.weight"] = quantized["model.embed_tokens.weight"]  # the same bytes, read by both
-    swap_quantized(model, quantized, dtype, device)
-    try:
-        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    except RuntimeError as e:  # size mismatches
-        raise ValueError(str(e).splitlines()[-1].strip()) from None
-    if unexpected:
-        raise ValueError(f"unexpected tensors for a {cfg.arch} model: {', '.join(sorted(unexpected)[:5])}")
-    if missing:
-        raise ValueError(f"missing tensors: {', '.join(sorted(missing)[:5])}{' ...' if len(missing) > 5 else ''}")
+    load_into(model, state, quantized, dtype, device, f"a {cfg.arch} model")
     if cfg.tie_word_embeddings and world_size == 1 and isinstance(model.lm_head, torch.nn.Linear):
         model.lm_head.weight = model.model.embed_tokens.weight
     for p in model.parameters():
         p.requires_grad_(False)
     return model.eval()
+
+
+def load_into(module: torch.nn.Module, state: dict, quantized: dict, dtype: torch.dtype, device: str,
+              what: str) -> None:
+    """Fill a module built on the meta device: `quantized` (HF name -> QuantizedWeight) become GGUF modules, the
+    rest is assigned; ValueError naming the first missing or unexpected tensors."""
+    swap_quantized(module, quantized, dtype, device)
+    try:
+        missing, unexpected = module.load_state_dict(state, strict=False, assign=True)
+    except RuntimeError as e:  # size mismatches
+        raise ValueError(str(e).splitlines()[-1].strip()) from None
+    if unexpected:
+        raise ValueError(f"unexpected tensors for {what}: {', '.join(sorted(unexpected)[:5])}")
+    if missing:
+        raise ValueError(f"missing tensors for {what}: {', '.join(sorted(missing)[:5])}"
+                         f"{' ...' if len(missing) > 5 else ''}")
 
 
 def load_target(model: str, device: str = "cpu", dtype: torch.dtype = torch.float32, progress: bool = False,
@@ -99,10 +107,12 @@ def load_draft(path: str, target, device: str = "cpu", dtype: torch.dtype = torc
 
 
 def create_drafter(spec_type: str, target, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                   params: dict | None = None):
-    """The drafter of a kind that needs no files (draft/registry.py), chosen by its --spec-type name: the n-gram
-    lookup. `params`: the kind's own settings by name."""
+                   params: dict | None = None, source: str | Path | None = None, quantized: bool = False):
+    """The drafter of a kind that needs no draft file (draft/registry.py), chosen by its --spec-type name: the
+    n-gram lookup, or the target checkpoint's MTP block (read from `source`, the target's file or folder).
+    `params`: the kind's own settings by name."""
     from flashdraft.draft import registry
     from flashdraft.draft.interface import LoadOptions
 
-    return registry.create(spec_type, target, LoadOptions(device, dtype, params=dict(params or {})))
+    return registry.create(spec_type, target, LoadOptions(device, dtype, quantized, params=dict(params or {}),
+                                                          target_source=None if source is None else Path(source)))

@@ -1,6 +1,6 @@
 """HF model folders: config.json plus one or several *.safetensors files."""
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -33,14 +33,16 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def iter_tensors(folder: Path, dtype: torch.dtype | None, device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+def iter_tensors(folder: Path, dtype: torch.dtype | None, device: str | torch.device = "cpu",
+                 keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Tensors one at a time, converted to dtype (None: the file's) on device, so only one extra tensor is alive
-    at once."""
+    at once; `keep`: only the names it accepts are read."""
     for path in safetensors_files(folder):
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name).to(device=device, dtype=dtype or None)
+                    if keep is None or keep(name):
+                        yield name, f.get_tensor(name).to(device=device, dtype=dtype or None)
         except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
             if isinstance(e, ValueError) and str(path) in str(e):
                 raise

@@ -9,7 +9,9 @@ norm is (1 + w) with w stored, as HF's checkpoints hold it; llama.cpp's converte
 head, which the model then reads as they lie (`tiled_value_heads`).
 
 Module names mirror HF's Qwen3_5ForCausalLM; a Qwen3_5ForConditionalGeneration checkpoint's language model loads
-too (its vision tower and MTP head are left out)."""
+too (its vision tower is left out). The checkpoint's multi-token-prediction block (HF `mtp.*`, GGUF `nextn`
+layers) is not part of the target: `Qwen35MTP` is that block, which the MTP drafter (draft/mtp.py) loads on its own
+(`mtp_tensors`) when `--spec-type mtp` asks for it."""
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +60,7 @@ class Qwen35Config:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     tiled_value_heads: bool = False  # llama.cpp's order of the DeltaNet's value heads
+    mtp_layers: int = 0  # the checkpoint's MTP blocks (HF mtp_num_hidden_layers, GGUF nextn_predict_layers)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -94,6 +97,7 @@ class Qwen35Config:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
             tiled_value_heads=bool(cfg.get("tiled_value_heads", False)), bos_token_id=cfg.get("bos_token_id"),
+            mtp_layers=int(cfg.get("mtp_num_hidden_layers") or 0),
             eos_token_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos))
 
     @property
@@ -115,15 +119,30 @@ class Qwen35Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset=1.0)
         self.spec = AttentionSpec(scale=cfg.head_dim ** -0.5)
 
-    def forward(self, x: Tensor, cache: KVSlots | None, positions: Tensor, cos_sin: Tensor,
-                mask: Tensor | None, attn_len: int) -> Tensor:
-        """As llama.LlamaAttention: mask None for a fresh prefill (causal over the chunk's own keys)."""
+    def project(self, x: Tensor, cos_sin: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """x [B, T, hidden] -> q [B, T, H, D], k and v [B, T, KV, D], the gates [B, T, H * D]."""
         H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
         proj = self.qkv_proj(x)
         q_gate = proj[..., :2 * H * D].unflatten(-1, (H, 2 * D))
         q = apply_rope(self.q_norm(q_gate[..., :D]), cos_sin)
         k = apply_rope(self.k_norm(proj[..., 2 * H * D:(2 * H + KV) * D].unflatten(-1, (KV, D))), cos_sin)
         v = proj[..., (2 * H + KV) * D:].unflatten(-1, (KV, D))
+        return q, k, v, q_gate[..., D:].flatten(-2)
+
+    def project_kv(self, x: Tensor, cos_sin: Tensor) -> tuple[Tensor, Tensor]:
+        """x [B, T, hidden] -> k and v [B, T, KV, D] alone (no query rows computed)."""
+        KV, D = self.num_kv_heads, self.head_dim
+        kv = self.qkv_proj.part(x, 2 * self.num_heads * D, self.qkv_proj.out_features).unflatten(-1, (2 * KV, D))
+        return apply_rope(self.k_norm(kv[..., :KV, :]), cos_sin), kv[..., KV:, :]
+
+    def gated_output(self, out: Tensor, gate: Tensor) -> Tensor:
+        """Attention output [..., H * D] -> the layer's output: gated by sigmoid(gate), then o_proj."""
+        return self.o_proj(out * torch.sigmoid(gate))
+
+    def forward(self, x: Tensor, cache: KVSlots | None, positions: Tensor, cos_sin: Tensor,
+                mask: Tensor | None, attn_len: int) -> Tensor:
+        """As llama.LlamaAttention: mask None for a fresh prefill (causal over the chunk's own keys)."""
+        q, k, v, gate = self.project(x, cos_sin)
         if cache is not None:
             cache.write(positions, k, v)
         if mask is None or cache is None:
@@ -132,15 +151,15 @@ class Qwen35Attention(nn.Module):
             out = attend(q, k.transpose(1, 2), v.transpose(1, 2), mask, self.spec)
         else:
             out = attend_cache(q, cache, attn_len, mask, self.spec, positions)
-        return self.o_proj(out * torch.sigmoid(q_gate[..., D:].flatten(-2)))
+        return self.gated_output(out, gate)
 
 
 class Qwen35DecoderLayer(nn.Module):
     """A Gated DeltaNet (`linear_attn`) or gated attention (`self_attn`) layer, then the MLP; pre-norm."""
 
-    def __init__(self, cfg: Qwen35Config, i: int):
+    def __init__(self, cfg: Qwen35Config, i: int, layer_type: str | None = None):
         super().__init__()
-        self.recurrent = cfg.layer_types[i] == LINEAR
+        self.recurrent = (layer_type or cfg.layer_types[i]) == LINEAR
         if self.recurrent:
             self.linear_attn = GatedDeltaNet(cfg.deltanet)
         else:
@@ -161,6 +180,53 @@ class Qwen35Model(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Qwen35DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=1.0)
+
+
+class Qwen35MTP(nn.Module):
+    """The checkpoint's MTP block (HF names under `mtp.`): the pair (h, t) of a target hidden state after the final
+    norm and the embedding of the token after it -> fc([norm(embedding); norm(h)]) -> one gated-attention decoder
+    layer -> norm: the hidden state the LM head reads for the token after t, and the next chained step's h."""
+
+    def __init__(self, cfg: Qwen35Config):
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.fc = Linear(2 * h, h, bias=False)
+        self.pre_fc_norm_embedding = RMSNorm(h, eps, offset=1.0)
+        self.pre_fc_norm_hidden = RMSNorm(h, eps, offset=1.0)
+        self.layers = nn.ModuleList(Qwen35DecoderLayer(cfg, 0, FULL) for _ in range(max(cfg.mtp_layers, 1)))
+        self.norm = RMSNorm(h, eps, offset=1.0)
+
+    def pair(self, embedding: Tensor, hidden: Tensor) -> Tensor:
+        """The layer's input for pairs (embedding of token t, h before it) [..., H] -> [..., H]."""
+        return self.fc(torch.cat([self.pre_fc_norm_embedding(embedding), self.pre_fc_norm_hidden(hidden)], dim=-1))
+
+    def keys_values(self, x: Tensor, cos_sin: Tensor) -> tuple[Tensor, Tensor]:
+        """The attention's K and V [B, T, KV, D] of pair inputs x [B, T, H] (all a committed position keeps)."""
+        layer = self.layers[0]
+        return layer.self_attn.project_kv(layer.input_layernorm(x), cos_sin)
+
+    def forward(self, x: Tensor, cos_sin: Tensor, attend: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+        """Pair inputs x [B, T, H] -> [B, T, H] after the block's final norm. `attend(q, k, v)`: the attention over
+        the drafter's own K/V, given the new rows' q [B, T, H, D], k and v [B, T, KV, D] -> [B, T, H * D]."""
+        layer = self.layers[0]
+        q, k, v, gate = layer.self_attn.project(layer.input_layernorm(x), cos_sin)
+        x = x + layer.self_attn.gated_output(attend(q, k, v), gate)
+        return self.norm(x + layer.mlp(layer.post_attention_layernorm(x)))
+
+
+def mtp_tensors(path, dtype: torch.dtype, device, quantized: bool = False):
+    """(name inside Qwen35MTP, tensor) of a checkpoint's MTP block: an HF folder's `mtp.*` (or `model.mtp.*`), a
+    `qwen35` GGUF's layers from blk.{num_layers} on (its `nextn` tensors and the layer's own), their norms back to
+    HF's w as the trunk's. quantized: GGUF matrices stay in their block format where kernels read them."""
+    from pathlib import Path
+    path = Path(path)
+    if path.is_dir():
+        from flashdraft.formats.safetensors import iter_tensors
+        for name, tensor in iter_tensors(path, dtype, device, keep=lambda n: n.startswith(("mtp.", "model.mtp."))):
+            yield name.removeprefix("model.").removeprefix("mtp."), tensor
+        return
+    from flashdraft.formats import gguf
+    yield from gguf.iter_gguf_tensors(path, dtype, device, keep_quantized=quantized, mtp=True)
 
 
 class Qwen35(DecoderLM):
@@ -232,7 +298,7 @@ def gguf_config(metadata: dict[str, Any], tensors: dict[str, Any], base: dict) -
         "linear_value_head_dim": int(get("ssm.inner_size")) // value_heads,
         "rope_parameters": {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 1e7)),
                             "partial_rotary_factor": int(get("rope.dimension_count", head_dim // 4)) / head_dim},
-        "tiled_value_heads": True,
+        "tiled_value_heads": True, "mtp_num_hidden_layers": int(get("nextn_predict_layers", 0)),
     }
 
 
@@ -242,7 +308,8 @@ def gguf_values(name: str) -> Callable[[Tensor], Tensor] | None:
         return lambda a: torch.log(-a)
     if name.endswith("linear_attn.conv1d.weight"):  # stored squeezed: [channels, kernel]
         return lambda w: w[:, None, :]
-    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):  # stored as 1 + w
+    if (name.endswith(("norm.weight", "norm_embedding.weight", "norm_hidden.weight"))  # stored as 1 + w
+            and not name.endswith("linear_attn.norm.weight")):
         return lambda w: w - 1.0
     return None
 
@@ -254,3 +321,7 @@ GGUF_LAYER_NAMES = {
     "ssm_conv1d": "linear_attn.conv1d", "ssm_dt.bias": "linear_attn.dt_bias", "ssm_a": "linear_attn.A_log",
     "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj",
 }
+
+# GGUF blk.N.nextn.<name> (N from the model's layer count on) -> the name inside Qwen35MTP
+GGUF_MTP_NAMES = {"nextn.eh_proj": "fc", "nextn.enorm": "pre_fc_norm_embedding",
+                  "nextn.hnorm": "pre_fc_norm_hidden", "nextn.shared_head_norm": "norm"}

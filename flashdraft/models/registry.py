@@ -1,6 +1,6 @@
 """Model families by HF `model_type` and GGUF `general.architecture`: config reader, model class, GGUF tensor
 names and tensor-parallel rules. A new family is its own file plus an entry here; nothing else changes."""
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -8,6 +8,7 @@ from flashdraft.models import gemma, llama, qwen3_5
 
 if TYPE_CHECKING:
     from torch import Tensor
+    from torch.nn import Module
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,11 @@ class Family:
     # (changes that a table of names cannot say; such a tensor is always dequantised)
     gguf_values: Callable[[str], Callable[["Tensor"], "Tensor"] | None] | None = None
     refused: dict[str, str] = field(default_factory=dict)  # model_type or GGUF architecture -> why it does not load
+    # the checkpoint's multi-token-prediction block, for the MTP drafter (draft/mtp.py): (cfg) -> module, and
+    # (checkpoint path, dtype, device, quantized) -> its (name, tensor) pairs; None: the family has none
+    mtp_block: Callable[[object], "Module"] | None = None
+    mtp_tensors: Callable[..., Iterator] | None = None
+    gguf_mtp_names: dict[str, str] = field(default_factory=dict)  # GGUF blk.N.nextn.<name> -> name in the block
 
     @property
     def model_types(self) -> tuple[str, ...]:
@@ -83,6 +89,9 @@ QWEN3_5 = Family(
     gguf_config=qwen3_5.gguf_config,
     gguf_values=qwen3_5.gguf_values,
     refused=qwen3_5.REFUSED,
+    mtp_block=qwen3_5.Qwen35MTP,
+    mtp_tensors=qwen3_5.mtp_tensors,
+    gguf_mtp_names=qwen3_5.GGUF_MTP_NAMES,
 )
 
 FAMILIES: list[Family] = [LLAMA, GEMMA, QWEN3_5]
