@@ -235,7 +235,7 @@ def test_default_invocation_resolves_default_model(monkeypatch):
     with pytest.raises(ValueError, match="no DFlash draft for smollm2-135m.*-md DRAFT"):
         resolve_pair(parse_args([]))
     monkeypatch.setattr(M, "default_draft", lambda model: f"{model}-dflash" if model == "smollm2-135m" else None)
-    assert resolve_pair(parse_args([])) == ("smollm2-135m", "smollm2-135m-dflash")
+    assert resolve_pair(parse_args([])) == ("smollm2-135m", "smollm2-135m-dflash", ["dflash"])
 
 
 def test_default_invocation_message(capsys, monkeypatch):
@@ -264,3 +264,30 @@ def test_default_invocation_runs_smollm2(smollm2_file, tmp_path, monkeypatch, ca
     s = json.loads(out.out)
     assert seen == ["smollm2-135m"] and s["settings"]["model"] == "smollm2-135m"
     assert s["comparisons"][0]["rows"][-1]["prompts"] == 1
+
+
+def test_in_process_compares_every_drafter_named(capsys, tiny):
+    """--drafters: plain, then each drafter through its own engine over the same weights, in one table; greedy
+    answers the same through all of them."""
+    rc, out, err = run_bench(capsys, tiny, "--json", "--drafters", "dflash,ngram-simple")
+    assert rc == 0, err
+    s = json.loads(out)
+    assert s["systems"] == ["baseline", "dflash", "ngram-simple"]
+    assert [c["system"] for c in s["comparisons"]] == ["dflash", "ngram-simple"]
+    assert all(not c["mismatches"] for c in s["comparisons"]) and "MISMATCH" not in err
+
+
+def test_in_process_drafters_without_a_draft_file(capsys, tmp_path):
+    """A Qwen3.5 checkpoint with an MTP block and no DFlash draft: the bench compares plain with its MTP block by
+    default, and with any drafter named that needs no file."""
+    from test_mtp_reference import make_qwen35_mtp_folder
+    folder = make_qwen35_mtp_folder(tmp_path)
+    common = ["-m", str(folder), "--prompts", "seed", "--num-prompts", "1", "--max-tokens", "6", "--device", "cpu",
+              "--ctx-size", "256", "--json", "--warmup", "0"]
+    assert main(common) == 0
+    assert json.loads(capsys.readouterr().out)["systems"] == ["baseline", "mtp"]
+    assert main([*common, "--drafters", "ngram-mod,mtp"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["systems"] == ["baseline", "ngram-mod", "mtp"] and all(not c["mismatches"] for c in s["comparisons"])
+    with pytest.raises(ValueError, match="no DFlash draft"):
+        resolve_pair(parse_args(["-m", str(folder), "--drafters", "dflash"]))

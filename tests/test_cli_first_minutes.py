@@ -230,7 +230,7 @@ def test_serve_draft_only_when_asked(captured, caplog, extra, want):
 def test_bench_keeps_the_shipped_draft_by_default():
     from flashdraft.bench.main import parse_args, resolve_pair
     from flashdraft.formats.named import SHIPPED_DRAFTS
-    assert resolve_pair(parse_args([])) == ("smollm2-135m", str(SHIPPED_DRAFTS / "smollm2-135m"))
+    assert resolve_pair(parse_args([])) == ("smollm2-135m", str(SHIPPED_DRAFTS / "smollm2-135m"), ["dflash"])
     assert resolve_pair(parse_args(["-md", "smollm2-135m"]))[1] == str(SHIPPED_DRAFTS / "smollm2-135m")
 
 

@@ -1,4 +1,5 @@
-"""In process: one engine, every prompt with speculation off (baseline) and on (DFlash)."""
+"""In process: every prompt with speculation off (baseline), then through each drafter's engine (DFlash, MTP,
+n-gram lookup: engines over the same target weights)."""
 import sys
 
 from flashdraft.bench.results import RequestFailed, System, Turn
@@ -38,11 +39,13 @@ def engine_system(engine: Engine, name: str, speculative: bool, params: Sampling
     return System(name, generate)
 
 
-def engine_systems(engine: Engine, params: SamplingParams, reasoning: str | None) -> list[System]:
-    if not engine.tokenizer.chat_template:
+def engine_systems(engines: list[tuple[str, Engine]], params: SamplingParams, reasoning: str | None) -> list[System]:
+    """Plain decoding (through the first engine, speculation off), then each (drafter name, engine)."""
+    first = engines[0][1]
+    if not first.tokenizer.chat_template:
         print("note: the model has no chat template; prompts are sent as raw text", file=sys.stderr)
-    return [engine_system(engine, "baseline", False, params, reasoning),
-            engine_system(engine, "dflash", True, params, reasoning)]
+    return [engine_system(first, "baseline", False, params, reasoning),
+            *(engine_system(engine, name, True, params, reasoning) for name, engine in engines)]
 
 
 def warm_up(systems: list[System], text: str, n: int = 1) -> None:

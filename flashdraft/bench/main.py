@@ -29,6 +29,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("-md", "--draft", default=None,
                     help="DFlash draft: a folder, a draft GGUF, or a named draft (flashdraft pull --list); default: "
                          "the draft shipped for a named model")
+    ap.add_argument("--drafters", default=None,
+                    help="in process: the drafters compared with plain decoding, comma-separated --spec-type names "
+                         "(dflash, mtp, ngram-mod, ngram-simple), each through its own engine over the same weights "
+                         "(default: dflash where a draft is given or ships with the model, and mtp where the "
+                         "target's checkpoint holds an MTP block)")
     ap.add_argument("--url", action="append", default=[], help="server base URL; repeat it, the first is the baseline")
     ap.add_argument("--prompts", default="seed", help=f"{', '.join(BUILTIN)}, or a JSONL file with 'prompt' or "
                                                       "'turns' (default: seed, the guide's three coding prompts)")
@@ -53,22 +58,53 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.runs < 1 or args.max_tokens < 1 or (args.num_prompts is not None and args.num_prompts < 1):
         ap.error("--runs, --max-tokens and --num-prompts must be at least 1")
-    if args.url and args.draft:
-        ap.error("-md is for the in-process bench; with --url, start the servers with and without their draft")
+    if args.url and (args.draft or args.drafters):
+        ap.error("-md and --drafters are for the in-process bench; with --url, start the servers with and without "
+                 "their drafts")
     return args
 
 
-def resolve_pair(args: argparse.Namespace) -> tuple[str, str]:
+def resolve_pair(args: argparse.Namespace) -> tuple[str, str | None, list[str]]:
+    """(model, DFlash draft or None, the drafters compared: --spec-type names)."""
+    from flashdraft.draft import registry
     model = args.model or DEFAULT_MODEL
     check_exists(model, "model")  # a mistyped path is named as such, not as a model without a draft
     if args.draft:
         check_exists(args.draft, "draft")
     draft = resolve_draft(args.draft) or default_draft(model)
-    if not draft:
+    if args.drafters:
+        drafters = list(dict.fromkeys(d.strip() for d in args.drafters.split(",") if d.strip()))
+        for name in drafters:
+            if name == "none" or registry.kind_named(name) is None:
+                raise ValueError(f"--drafters {name}: plain decoding is always the baseline; give drafters "
+                                 f"({', '.join(registry.spec_types()[1:])})")
+        if any(registry.kind_named(d).create is None for d in drafters) and not draft:
+            raise ValueError(f"--drafters {args.drafters}: no DFlash draft for {model}; pass one with -md DRAFT")
+        return model, draft, drafters
+    drafters = (["dflash"] if draft else []) + (["mtp"] if holds_mtp(model) else [])
+    if not drafters:
         raise ValueError(f"no DFlash draft for {model}: no draft ships with flashdraft for it yet. Pass one with "
                          f"-md DRAFT_FOLDER (a z-lab style HF folder), e.g. `flashdraft bench -m {model} -md DRAFT`, "
-                         "or compare two servers with --url BASELINE_URL --url DFLASH_URL")
-    return model, draft
+                         "name drafters without a file with --drafters ngram-mod, or compare two servers with --url "
+                         "BASELINE_URL --url DFLASH_URL")
+    return model, draft, drafters
+
+
+def holds_mtp(model: str) -> bool:
+    """Whether the target's checkpoint holds an MTP block (read from its config or GGUF metadata only)."""
+    from flashdraft.formats.named import resolve_model
+    from flashdraft.models.registry import read_config
+    path = Path(resolve_model(model))
+    try:
+        if path.is_dir():
+            from flashdraft.formats.safetensors import read_config as read_hf_config
+            _, cfg = read_config(read_hf_config(path))
+        else:
+            from flashdraft.formats.gguf import gguf_to_hf_config, read_gguf
+            _, cfg = read_config(gguf_to_hf_config(read_gguf(path)))
+    except (ValueError, OSError):
+        return False
+    return getattr(cfg, "mtp_layers", 0) > 0
 
 
 def settings_of(args: argparse.Namespace, model: str | None, draft: str | None) -> dict:
@@ -80,7 +116,8 @@ def settings_of(args: argparse.Namespace, model: str | None, draft: str | None) 
                 draft_window=args.draft_window, adaptive=args.adaptive, compile=args.compile)
 
 
-def engine_setup(args: argparse.Namespace, model: str, draft: str) -> tuple[list[System], list[System]]:
+def engine_setup(args: argparse.Namespace, model: str, draft: str | None,
+                 drafters: list[str]) -> tuple[list[System], list[System]]:
     import torch
 
     from flashdraft.bench.inprocess import engine_systems
@@ -97,12 +134,32 @@ def engine_setup(args: argparse.Namespace, model: str, draft: str) -> tuple[list
                             top_p=args.top_p if args.top_p is not None else 1.0,
                             min_p=args.min_p or 0.0, seed=args.seed, max_tokens=args.max_tokens)
     params.validate()
-    print(f"loading {model} with draft {draft} on {args.device}, {threads} CPU thread{'s' if threads > 1 else ''}",
-          file=sys.stderr)
-    engine = Engine.load(engine_config(args, draft, args.device, model=model, progress=not args.json))
+    print(f"loading {model} with {', '.join(f'draft {draft}' if d == 'dflash' else d for d in drafters)} on "
+          f"{args.device}, {threads} CPU thread{'s' if threads > 1 else ''}", file=sys.stderr)
+    from flashdraft.engine.engine import keep_quantized
+    from flashdraft.formats.loader import create_drafter
+    first = "dflash" if "dflash" in drafters else drafters[0]
+    extra = dict(model=model, progress=not args.json)
+    if first != "dflash":
+        extra.update(spec_type=first, draft_params=bench_params(args, first))
+    engine = Engine.load(engine_config(args, draft if first == "dflash" else None, args.device, **extra))
+    engines = {first: engine}
+    for name in drafters:
+        if name not in engines:  # (dflash, when named, is the first)
+            drafter = create_drafter(name, engine.target, args.device, engine.target.dtype, bench_params(args, name),
+                                     source=engine.config.model, quantized=keep_quantized(engine.config))
+            engines[name] = engine.with_drafter(drafter, draft=None, spec_type=name)
     warm = dataclasses.replace(params, max_tokens=min(WARMUP_TOKENS, args.max_tokens))
     reasoning = None if args.reasoning == "auto" else args.reasoning
-    return engine_systems(engine, params, reasoning), engine_systems(engine, warm, reasoning)
+    named = [(name, engines[name]) for name in drafters]
+    return engine_systems(named, params, reasoning), engine_systems(named, warm, reasoning)
+
+
+def bench_params(args: argparse.Namespace, spec_type: str) -> dict:
+    """A drafter kind's settings from the shared flags (--spec-draft-n-max for the MTP block)."""
+    from flashdraft.draft import registry
+    kind = registry.kind_named(spec_type)
+    return {kind.n_max_param: args.draft_n_max} if kind.n_max_param and args.draft_n_max is not None else {}
 
 
 def server_setup(args: argparse.Namespace) -> tuple[list[System], list[System]]:
@@ -131,17 +188,17 @@ def run(args: argparse.Namespace) -> int:
 
     data_dir = args.data_dir or (Path(os.environ["FLASHDRAFT_DATA"]) if os.environ.get("FLASHDRAFT_DATA") else None)
     prompts = load_prompts(args.prompts, data_dir, args.category, args.num_prompts)
-    model, draft = (args.model, None) if args.url else resolve_pair(args)
+    model, draft, drafters = (args.model, None, []) if args.url else resolve_pair(args)
     settings = settings_of(args, model, draft)
     gathered: list[Result] = []
-    names = url_labels(args.url) if args.url else ["baseline", "dflash"]
+    names = url_labels(args.url) if args.url else ["baseline", *drafters]
     aborted = None
     responses = None
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         responses = open(args.out / "responses.jsonl", "w")
     try:
-        systems, warm = server_setup(args) if args.url else engine_setup(args, model, draft)
+        systems, warm = server_setup(args) if args.url else engine_setup(args, model, draft, drafters)
         names = [s.name for s in systems]
         settings.update(device=args.device, systems=names)
         if args.warmup:

@@ -474,14 +474,27 @@ class Engine:
         engine = Engine(target, tokenizer, drafter, dataclasses.replace(config, model=str(model_path)))
         engine.startup_s["load"] = time.perf_counter() - t
         log.info("weights and caches ready in %.1f s", engine.startup_s["load"])
+        if compile_enabled(config):
+            compiler.join()
+        return engine._ready()
+
+    def with_drafter(self, drafter, **config) -> "Engine":
+        """Another engine over the same target weights (caches of its own) with this drafter (None: plain), ready
+        as Engine.load's: `flashdraft bench` compares drafters in one run."""
+        engine = Engine(self.target, self.tokenizer, drafter, dataclasses.replace(self.config, **config))
+        engine.startup_s["load"] = 0.0
+        return engine._ready()
+
+    def _ready(self) -> "Engine":
+        """Compiled layers, captured step graphs and measured step costs, as the configuration asks."""
+        engine, target, drafter, config = self, self.target, self.draft, self.config
         if compile_enabled(config):  # shapes are static only where graphs bucket them
             from flashdraft.formats.named import cache_dir
             # compiled kernels kept beside the models (not in /tmp): a later start, after a reboot too, reuses them
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
-            compiler.join()
             widths = ({1} | ({engine.draft_block} if drafter is not None else set())
                       | ({SLICE_WIDTH} if engine.n_slots > 1 else set()))  # a prompt's slices beside other slots
-            target.compile_layers(tuple(widths))
+            target.compile_layers(tuple(widths | target.compiled_widths))
             if drafter is not None:
                 drafter.compile_layers((engine.draft_block,))
         if engine.steps.static:
