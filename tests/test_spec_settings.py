@@ -1,5 +1,6 @@
 """How much a step drafts, as llama.cpp's flags and requests say it: `--spec-draft-n-max` on the command line and
-`speculative.n_max` / `speculative.n_min` per request (0 turns speculation off for that request)."""
+`speculative.n_max` / `speculative.n_min` per request (0 turns speculation off for that request), and
+`speculative.type` ("none": off for that request)."""
 import httpx
 import pytest
 
@@ -51,8 +52,17 @@ def test_speculative_n_max_per_request(models):
             assert max(map(int, spec["verify_widths"])) == most + 1 and "1" not in spec["verify_widths"]
         off = complete(**{"speculative.n_max": 0}).json()
         assert off["tokens"] == plain.token_ids and "draft_n" not in off["timings"]
+        # speculative.type: "none" turns it off for this request, the server's own type (or an alias) keeps it on
+        off = complete(**{"speculative.type": "none"}).json()
+        assert off["tokens"] == plain.token_ids and "draft_n" not in off["timings"]
+        for same in ("dflash", "draft-dflash"):
+            on = complete(**{"speculative.type": same}).json()
+            assert on["tokens"] == plain.token_ids and on["speculative"]["verify_steps"] > 0
         for bad, words in (({"speculative.n_max": -1}, "'speculative.n_max' must be >= 0"),
                            ({"speculative.n_max": "4"}, "'speculative.n_max' must be an integer"),
-                           ({"speculative.n_max": 2, "speculative.n_min": 3}, "'speculative.n_min' (3) must not")):
+                           ({"speculative.n_max": 2, "speculative.n_min": 3}, "'speculative.n_min' (3) must not"),
+                           ({"speculative.type": "ngram-mod"}, "'speculative.type' 'ngram-mod' is not available: "
+                                                               "this server drafts with dflash"),
+                           ({"speculative.type": 3}, "'speculative.type' must be a string")):
             r = complete(**bad)
             assert r.status_code == 400 and words in r.json()["error"]["message"], r.text

@@ -166,6 +166,23 @@ def draft_n_max(body: dict, most: int | None) -> int | None:
     return n_max if n_max is None or most is None else min(n_max, most)
 
 
+def speculation_type(body: dict, drafting: tuple[str, ...]) -> bool:
+    """Per-request `speculative.type` (llama.cpp's --spec-type names): "none" turns speculation off for this
+    request; one of `drafting` (the names of the server's drafter: its --spec-type and aliases) keeps it on; any
+    other is refused naming the field. Absent: on. Returns whether the request may speculate."""
+    value = body.get("speculative.type")
+    if value is None:
+        return True
+    if not isinstance(value, str):
+        raise ApiError(400, f"'speculative.type' must be a string, got {_type_name(value)}")
+    if value == "none":
+        return False
+    if value in drafting:
+        return True
+    served = f"this server drafts with {drafting[0]}" if drafting else "this server has no drafter"
+    raise ApiError(400, f"'speculative.type' {_short(value)} is not available: {served} (\"none\" turns it off)")
+
+
 def logit_bias(body: dict, tokenizer, vocab_size: int) -> dict[int, float]:
     """OpenAI's `{"token id": bias}` or llama.cpp's `[[token id or text, bias], ...]`; a bias of `false` bans the
     token (-inf), a text biases each of its tokens."""

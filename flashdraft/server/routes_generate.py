@@ -93,8 +93,19 @@ def engine_request(state: ServerState, ids: list[int], body: dict, limit_names: 
         raise ApiError(400, str(e)) from None
     P.check_fits(ids, engine.ctx_size)
     n_max = P.draft_n_max(body, engine.draft_block - 1 if engine.draft is not None else None)
-    return EngineRequest(prompt_ids=ids, params=params, speculative=state.settings.speculative and n_max != 0,
+    wanted = P.speculation_type(body, drafter_names(engine.draft) if state.settings.speculative else ())
+    return EngineRequest(prompt_ids=ids, params=params,
+                         speculative=state.settings.speculative and n_max != 0 and wanted,
                          cache_prompt=P.get_bool(body, "cache_prompt", True), grammar=grammar, draft_n_max=n_max)
+
+def drafter_names(draft) -> tuple[str, ...]:
+    """The --spec-type names that choose this drafter's kind, its own name first."""
+    if draft is None:
+        return ()
+    from flashdraft.draft import registry
+    kind = next((k for k in registry.KINDS if draft.name in (k.name, *k.spec_types)), None)
+    return tuple(dict.fromkeys([draft.name, *(kind.spec_types if kind else ())]))
+
 
 async def generate(request: Request, req: EngineRequest) -> tuple[Job, Completion] | None:
     async def run() -> tuple[Job, Completion]:
