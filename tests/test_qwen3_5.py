@@ -7,6 +7,7 @@ without a model, over the adaptive width and the static step shapes), an HF Qwen
 checkpoint, and GGUF files written by llama.cpp's own convert_hf_to_gguf.py (sdist fixture of test_gemma_gguf.py).
 The MoE variants are refused with their reason."""
 import json
+import queue
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ from tiny import decode_tokens, forward1, loaded_from_hf, make_draft, write_toke
 from flashdraft.engine import generate
 from flashdraft.engine.adaptive import WidthController
 from flashdraft.engine.config import EngineConfig
-from flashdraft.engine.engine import Engine, Request
+from flashdraft.engine.engine import Completion, Engine, Request
 from flashdraft.engine.generate import SpecStats
 from flashdraft.engine.sampling import SamplingParams
 from flashdraft.formats.gguf import gguf_to_hf_config, read_gguf
@@ -419,6 +420,27 @@ def test_greedy_speculative_with_the_mtp_head_equals_plain(folder):
     spec = engine.generate(Request(prompt, params))
     assert spec.token_ids == plain.token_ids and spec.spec.draft_steps
     assert max(len(d) for d in spec.spec.draft_steps) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("n_slots", [1, 2])
+def test_mtp_head_in_cuda_graphs_equals_plain(folder, n_slots):
+    """The MTP drafter's chained steps captured in the step graphs (slots as tensors), one slot and two at once:
+    greedy answers equal plain ones."""
+    engine = Engine.load(EngineConfig(model=str(folder), spec_type="mtp", device="cuda", dtype="float32",
+                                      ctx_size=256, n_slots=n_slots))
+    assert engine.steps.static
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    prompts = [torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(7 + i)).tolist()
+               for i in range(n_slots)]
+    plain = [engine.generate(Request(p, params, speculative=False)).token_ids for p in prompts]
+    done: list[queue.Queue] = [queue.Queue() for _ in prompts]
+    with engine._wake:  # all queued before the engine admits any: batched steps
+        for p, q in zip(prompts, done):
+            engine.submit(Request(p, params), lambda e, q=q: isinstance(e, (Completion, Exception)) and q.put(e))
+    spec = [q.get(timeout=600) for q in done]
+    assert [s.token_ids for s in spec] == plain and all(s.spec.draft_steps for s in spec)
 
 
 def test_mtp_needs_a_checkpoint_that_has_one(folder, tmp_path):
