@@ -147,19 +147,22 @@ def speculation(args: argparse.Namespace, draft: str | None) -> tuple[str | None
             raise ValueError(f"--spec-draft-n-max {args.draft_n_max}: invalid value")
         if getattr(args, "block_size", None) is not None:
             raise ValueError("--spec-draft-n-max and --block-size both set the verify block: give one")
-    kind = registry.kind_named(spec_type) if spec_type is not None else None
+    kind = registry.kind_named(spec_type) if spec_type is not None else None  # a chain's: its last
+    chained = spec_type is not None and "," in spec_type
+    named = [n.strip() for n in spec_type.split(",")] if spec_type else []
     for flag, for_type, _, _, _ in given:
-        if spec_type != for_type:
+        if for_type not in named:
             raise ValueError(f"{flag} is for --spec-type {for_type}" + (f", not {spec_type}" if spec_type else ""))
     if kind is None:
         return None, {}
     if kind.create is None:
         if not draft:
             raise ValueError(f"--spec-type {spec_type} needs a draft model (-md / --spec-draft-model)")
-        return None, {}
-    if draft:
-        raise ValueError(f"--spec-type {spec_type} takes no draft model: drop -md (an n-gram lookup chained before "
-                         "a draft model is not supported yet)")
+        if not chained:
+            return None, {}
+    elif draft:
+        raise ValueError(f"--spec-type {spec_type} takes no draft model: drop -md (to chain an n-gram lookup before "
+                         "a draft model: --spec-type ngram-mod,draft-dflash -md DRAFT)")
     for flag, _, _, least, value in given:
         if not least <= value <= ngram.LIMIT:
             raise ValueError(f"{flag} {value}: must be between {least} and {ngram.LIMIT}")

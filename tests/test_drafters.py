@@ -270,7 +270,11 @@ def test_ngram_drafter_generates_from_the_command_line(models, capsys):
 @pytest.mark.parametrize("flags, words", [
     (["--spec-type", "ngram-bogus"], ["--spec-type ngram-bogus: unknown type", "ngram-mod"]),
     (["--spec-type", "ngram-cache"], ["--spec-type ngram-cache: not supported"]),
-    (["--spec-type", "ngram-mod,draft-dflash"], ["chains of speculators"]),
+    (["--spec-type", "ngram-mod,draft-dflash"], ["--spec-type ngram-mod,draft-dflash needs a draft model"]),
+    (["--spec-type", "draft-dflash,ngram-mod"], ["a chain is n-gram lookups first, then one model drafter"]),
+    (["--spec-type", "ngram-mod,ngram-simple"], ["a chain is n-gram lookups first"]),
+    (["--spec-type", "ngram-mod,ngram-mod,draft-mtp"], ["a chain names each drafter once"]),
+    (["--spec-type", "ngram-mod,draft-simple"], ["--spec-type draft-simple: not supported"]),
     (["--spec-type", "ngram-mod", "--spec-ngram-mod-n-match", "0"], ["--spec-ngram-mod-n-match 0", "1 and 1024"]),
     (["--spec-type", "ngram-mod", "--spec-ngram-mod-n-max", "1025"], ["--spec-ngram-mod-n-max 1025"]),
     (["--spec-type", "ngram-simple", "--spec-ngram-mod-n-min", "4"], ["--spec-ngram-mod-n-min is for --spec-type "
@@ -301,3 +305,49 @@ def test_mtp_on_a_model_without_one_is_one_line(models, capsys):
     assert cli.main(["generate", "-m", str(target), "--prompt", "hi", "--spec-type", "draft-mtp"]) == 1
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines[-1] == "flashdraft generate: error: --spec-type draft-mtp: llama models have no MTP block", lines
+
+
+def test_a_chain_takes_the_lookup_where_it_found_a_run_else_the_model(models):
+    """--spec-type ngram-mod,draft-dflash: each proposal is the lookup's where the lookup found a run, else the
+    DFlash draft's (padded with the anchor past its block), the members' own proposals from the same history;
+    greedy answers equal plain ones, and lookups are accepted on a prompt that repeats itself."""
+    target, draft = models
+    engine = Engine.load(EngineConfig(model=str(target), draft=str(draft), spec_type="ngram-mod,draft-dflash",
+                                      draft_params=dict(n_match=2, n_max=20, n_min=2), device=DEVICE, dtype=DTYPE,
+                                      ctx_size=256))
+    chain = engine.draft
+    lookup, model = chain.lookups[0], chain.model
+    assert chain.name == "ngram-mod,dflash" and chain.block_size == 21 and chain.target_layers == model.target_layers
+    sampling = SamplingParams(max_tokens=40, ignore_eos=True)
+    repeating = [40, 41, 42, 43, 44, 45, 40, 41, 42, 43, 44, 45, 40, 41]
+    found = {True: 0, False: 0}
+    for prompt in (repeating, [7, 100, 33, 250, 12, 90, 8, 61]):
+        plain = engine.generate(Request(prompt, sampling, speculative=False))
+        spec = engine.generate(Request(prompt, sampling))
+        assert spec.token_ids == plain.token_ids and spec.spec.draft_steps
+        if prompt is repeating:
+            assert spec.spec.draft_n_accepted > 0
+        # each member's proposal now, after the slot's history: the chain's is the lookup's or the model's
+        slot, at = 0, len(prompt) + len(spec.token_ids) - 1
+        pos = torch.tensor([at], device=engine.device)
+        for k, last in ((3, spec.token_ids[-1]), (20, spec.token_ids[-1]), (3, 319), (20, 319)):  # 319: unseen
+            anchor = torch.tensor([last], device=engine.device)
+            tokens, run = lookup.lookup(anchor, pos, slot, k)
+            mine = model.propose(engine.target, anchor, pos, slot, min(k, model.block_size - 1))
+            proposed = chain.propose(engine.target, anchor, pos, slot, k)
+            want = tokens if int(run) > 0 else torch.cat([mine, anchor[:, None].expand(1, k - mine.shape[1])], 1)
+            assert torch.equal(proposed, want)
+            found[int(run) > 0] += 1
+    assert found[True] and found[False]
+
+
+def test_a_chain_from_the_command_line(models, capsys):
+    target, draft = models
+    common = ["generate", "-m", str(target), "--prompt-ids", "40,41,42,43,40,41,42,43,40", "-n", "24", "--json",
+              "--device", DEVICE, "--dtype", DTYPE]
+    assert cli.main(common) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert cli.main([*common, "-md", str(draft), "--spec-type", "ngram-mod,draft-dflash",
+                     "--spec-ngram-mod-n-match", "2", "--spec-ngram-mod-n-min", "1"]) == 0
+    chained = json.loads(capsys.readouterr().out)
+    assert chained["token_ids"] == plain["token_ids"] and chained["speculative"]["block_size"] == 65

@@ -394,7 +394,7 @@ def test_mtp_drafter_proposals_equal_the_reference(mtp_drafter_module, tmp_path,
     tokens = torch.randint(0, VOCAB, (n + 1,), generator=g)
 
     target, _, path = load_target(str(folder))
-    drafter = create_drafter("mtp", target, params={"n_max": K}, source=path)
+    drafter = create_drafter("mtp", target, params={"draft_n_max": K}, source=path)
     assert tuple(drafter.target_layers) == (cfg["num_hidden_layers"] - 1,), drafter.target_layers
     drafter.setup_cache(window=64, n_slots=1)
     state = target.new_state(1, 64)

@@ -411,7 +411,8 @@ def test_conditional_generation_checkpoint_loads_its_language_model(folder, hf_r
 def test_greedy_speculative_with_the_mtp_head_equals_plain(folder):
     """`--spec-type mtp`: the checkpoint's own MTP block drafts (read beside the target from the same folder, not
     part of it), and greedy answers equal plain ones; chained proposals of n_max tokens (--spec-draft-n-max)."""
-    engine = Engine.load(EngineConfig(model=str(folder), spec_type="mtp", draft_params={"n_max": 2}, ctx_size=512))
+    engine = Engine.load(EngineConfig(model=str(folder), spec_type="mtp", draft_params={"draft_n_max": 2},
+                                      ctx_size=512))
     assert engine.draft.name == "mtp" and engine.draft.block_size == 3 and engine.memory["draft_weights"] > 0
     assert engine.memory["weights"] == Engine.load(EngineConfig(model=str(folder), ctx_size=64)).memory["weights"]
     params = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -506,7 +507,7 @@ def test_mtp_head_of_a_gguf_from_llama_cpp_converter(converter, folder):  # noqa
     drafters = []
     for source in (folder, gguf):
         target, _, path = load_target(str(source))
-        drafter = create_drafter("mtp", target, params={"n_max": 4}, source=path)
+        drafter = create_drafter("mtp", target, params={"draft_n_max": 4}, source=path)
         drafter.setup_cache(64)
         ids = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(6))
         with torch.no_grad():

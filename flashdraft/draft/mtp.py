@@ -164,6 +164,6 @@ def create(spec_type: str, target, options) -> MTPDrafter:
     load_into(block, state, quantized, options.dtype, options.device, "the MTP block")
     for p in block.parameters():
         p.requires_grad_(False)
-    drafter = MTPDrafter(block.eval(), target, int(options.params.get("n_max", N_MAX)))
+    drafter = MTPDrafter(block.eval(), target, int(options.params.get("draft_n_max", N_MAX)))
     drafter.name = spec_type
     return drafter

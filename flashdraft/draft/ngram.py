@@ -122,6 +122,12 @@ class NGramDrafter:
 
     def propose(self, target, anchors, positions, slots, k, live=None, block=None, context_rows=None):
         """One row (B = 1, `slots` an int or a [1] tensor): [1, k] tokens after anchors[0] at positions[0]."""
+        return self.lookup(anchors, positions, slots, k, block)[0]
+
+    def lookup(self, anchors: Tensor, positions: Tensor, slots, k: int, block: int | None = None
+               ) -> tuple[Tensor, Tensor]:
+        """propose's [1, k] tokens, and the run found ([], 0: nothing proposed; the tokens past it are the anchor):
+        a chain (draft/chain.py) takes the lookup's tokens where it found a run, else its model drafter's."""
         s, cfg, n = self.state, self.config, self.config.n_match
         tokens, held, prints = (_slot_row(t, slots) for t in (s.tokens, s.held, s.prints))
         n_max = min(cfg.n_max, (block or self.block_size) - 1)
@@ -155,7 +161,7 @@ class NGramDrafter:
         run = ok.long().cumprod(0).sum()
         run = torch.where(run >= min(cfg.n_min, n_max), run, 0)
         proposed = torch.where(index < run, self._gather(tokens, ends + 1), anchor)
-        return proposed[:k][None]
+        return proposed[:k][None], run
 
     def compile_layers(self, block_sizes=None):
         pass

@@ -50,12 +50,14 @@ class DrafterKind:
     create: Callable[[str, Any, LoadOptions], Drafter] | None = None
     # the setting that --spec-draft-n-max gives a kind without a draft file (None: it has its own flags)
     n_max_param: str | None = None
+    lookup: bool = False  # proposes from the request's own tokens (no model): may come first in a chain
 
 
 DFLASH = DrafterKind(name="dflash", load=load_dflash, hf_architectures=(DRAFT_ARCHITECTURE,),
                      gguf_architecture=is_draft_architecture, spec_types=("dflash", "draft-dflash"))
-NGRAM = DrafterKind(name="ngram", spec_types=("ngram-mod", "ngram-simple"), create=ngram.create)
-MTP = DrafterKind(name="mtp", spec_types=("mtp", "draft-mtp"), create=mtp.create, n_max_param="n_max")
+NGRAM = DrafterKind(name="ngram", spec_types=("ngram-mod", "ngram-simple"), create=ngram.create, lookup=True)
+MTP = DrafterKind(name="mtp", spec_types=("mtp", "draft-mtp"), create=mtp.create,
+                  n_max_param="draft_n_max")
 
 KINDS: list[DrafterKind] = [DFLASH, NGRAM, MTP]
 
@@ -86,12 +88,33 @@ def kind_named(spec_type: str) -> DrafterKind | None:
     if spec_type == "none":
         return None
     if "," in spec_type:
-        raise ValueError(f"--spec-type {spec_type}: chains of speculators are not supported yet, give one type")
+        return chain_kinds(spec_type)[-1]
     for kind in KINDS:
         if spec_type in kind.spec_types:
             return kind
     why = f"not supported: {NOT_BUILT[spec_type]}" if spec_type in NOT_BUILT else "unknown type"
     raise ValueError(f"--spec-type {spec_type}: {why} (types: {', '.join(spec_types())})")
+
+
+def chain_kinds(spec_type: str) -> list[DrafterKind]:
+    """The kinds of a chain, `--spec-type ngram-mod,draft-dflash` (llama.cpp's): lookups first, then one model
+    drafter. ValueError, in one line, for a chain in another order or with an unknown type."""
+    names = [n.strip() for n in spec_type.split(",")]
+    kinds = [kind_named(n) for n in names]
+    if "none" in names or len(set(names)) < len(names):
+        raise ValueError(f"--spec-type {spec_type}: a chain names each drafter once, and not none")
+    if any(not k.lookup for k in kinds[:-1]) or kinds[-1].lookup:
+        raise ValueError(f"--spec-type {spec_type}: a chain is n-gram lookups first, then one model drafter last "
+                         "(e.g. ngram-mod,draft-dflash)")
+    return kinds
+
+
+def chain(spec_type: str, model: Drafter, target, options: LoadOptions) -> Drafter:
+    """The chain `spec_type` names, its model drafter given (loaded from a draft file or created)."""
+    from flashdraft.draft.chain import ChainDrafter
+    names = [n.strip() for n in spec_type.split(",")]
+    lookups = [k.create(n, target, options) for k, n in zip(chain_kinds(spec_type)[:-1], names)]
+    return ChainDrafter(lookups, model)
 
 
 def create(spec_type: str, target, options: LoadOptions) -> Drafter:

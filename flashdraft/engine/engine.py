@@ -458,7 +458,7 @@ class Engine:
 
     @staticmethod
     def load(config: EngineConfig) -> "Engine":
-        from flashdraft.formats.loader import create_drafter, load_draft, load_target
+        from flashdraft.formats.loader import load_target, make_drafter
         torch_dtype = resolve_dtype(config.dtype, config.device)
         quantized = keep_quantized(config)
         t = time.perf_counter()
@@ -466,11 +466,8 @@ class Engine:
         target, tokenizer, model_path = load_target(config.model, config.device, torch_dtype, progress=config.progress,
                                                     quantized=quantized)
         log.info("model read in %.1f s", time.perf_counter() - t)
-        drafter = (load_draft(config.draft, target, config.device, torch_dtype, quantized=quantized,
-                              embed_scale=config.draft_embed_scale) if config.draft
-                   else create_drafter(config.spec_type, target, config.device, torch_dtype, config.draft_params,
-                                       source=model_path, quantized=quantized)
-                   if config.spec_type else None)
+        drafter = make_drafter(config.spec_type, config.draft, target, config.device, torch_dtype, quantized,
+                               config.draft_params, config.draft_embed_scale, source=model_path)
         engine = Engine(target, tokenizer, drafter, dataclasses.replace(config, model=str(model_path)))
         engine.startup_s["load"] = time.perf_counter() - t
         log.info("weights and caches ready in %.1f s", engine.startup_s["load"])

@@ -106,6 +106,29 @@ def load_draft(path: str, target, device: str = "cpu", dtype: torch.dtype = torc
     return registry.load(source, target, LoadOptions(device, dtype, quantized, embed_scale))
 
 
+def make_drafter(spec_type: str | None, draft: str | None, target, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32, quantized: bool = False, params: dict | None = None,
+                 embed_scale: float | None = None, source: str | Path | None = None):
+    """The drafter a command line asks for (None: plain decoding): a draft file's (-md), a kind without a draft
+    file (--spec-type ngram-mod, mtp), or a chain (--spec-type ngram-mod,draft-dflash: lookups, then the draft
+    file's drafter or the last kind's)."""
+    from flashdraft.draft import registry
+    from flashdraft.draft.interface import LoadOptions
+
+    chained = spec_type is not None and "," in spec_type
+    if draft:
+        model = load_draft(draft, target, device, dtype, quantized=quantized, embed_scale=embed_scale)
+    elif spec_type:
+        last = spec_type.split(",")[-1].strip() if chained else spec_type
+        model = create_drafter(last, target, device, dtype, params, source=source, quantized=quantized)
+    else:
+        return None
+    if not chained:
+        return model
+    options = LoadOptions(device, dtype, quantized, params=dict(params or {}))
+    return registry.chain(spec_type, model, target, options)
+
+
 def create_drafter(spec_type: str, target, device: str = "cpu", dtype: torch.dtype = torch.float32,
                    params: dict | None = None, source: str | Path | None = None, quantized: bool = False):
     """The drafter of a kind that needs no draft file (draft/registry.py), chosen by its --spec-type name: the
