@@ -291,3 +291,17 @@ def test_in_process_drafters_without_a_draft_file(capsys, tmp_path):
     assert s["systems"] == ["baseline", "ngram-mod", "mtp"] and all(not c["mismatches"] for c in s["comparisons"])
     with pytest.raises(ValueError, match="no DFlash draft"):
         resolve_pair(parse_args(["-m", str(folder), "--drafters", "dflash"]))
+
+
+def test_drafters_named_wrongly_or_with_a_fixed_block(capsys, tiny, tmp_path):
+    target, draft, prompts = tiny
+    with pytest.raises(ValueError, match="--drafters eagle: not a drafter"):
+        resolve_pair(parse_args(["-m", str(target), "-md", str(draft), "--drafters", "eagle"]))
+    model, used, drafters = resolve_pair(parse_args(["-m", str(target), "-md", str(draft), "--drafters",
+                                                     "ngram-mod,draft-dflash"]))
+    assert (used, drafters) == (str(draft), ["ngram-mod", "dflash"])
+    assert resolve_pair(parse_args(["-m", str(target), "-md", str(draft), "--drafters", "ngram-mod"]))[1] is None
+    # --block-size is the DFlash draft's verify block; the other drafters keep their own
+    rc, out, err = run_bench(capsys, tiny, "--json", "--drafters", "dflash,ngram-mod", "--block-size", "4")
+    assert rc == 0, err
+    assert json.loads(out)["systems"] == ["baseline", "dflash", "ngram-mod"]

@@ -248,6 +248,9 @@ def test_ngram_drafter_serves_as_plain(models):
         assert props["speculative"] == {"type": "ngram-mod", "block_size": 7, "draft_window": None}
         r = httpx.post(url + "/completion", json={"prompt": prompt, "n_predict": 32, "temperature": 0,
                                                   "return_tokens": True}, timeout=60).json()
+        other = httpx.post(url + "/completion", json={"prompt": prompt, "n_predict": 4,
+                                                      "speculative.type": "ngram-simple"}, timeout=60)
+        assert other.status_code == 400 and "this server drafts with ngram-mod" in other.text, other.text
     assert r["tokens"] == plain.token_ids and r["content"] == plain.text
     assert r["speculative"]["draft_n"] > 0 and r["speculative"]["draft_n_accepted"] > 0
 

@@ -429,3 +429,58 @@ def test_mtp_drafter_proposals_equal_the_reference(mtp_drafter_module, tmp_path,
                                   k=K)
             proposals = assert_proposals(got, sd, cfg, hidden, tokens, f"round {round_ + 1}, anchor {new_anchor}")
             anchor = new_anchor
+
+
+def test_engine_proposals_equal_the_reference_over_requests_and_slots(tmp_path):
+    """Every verify step's proposals through the engine, over several requests in the same slots (each new prompt
+    resets its slot: position 0 pairs with zeros again, never with the last request's h) and two slots at once,
+    equal the reference chain over the tokens committed before it."""
+    import queue
+
+    from flashdraft.engine.config import EngineConfig
+    from flashdraft.engine.engine import Completion, Engine, Request
+    from flashdraft.engine.sampling import SamplingParams
+    folder = make_qwen35_mtp_folder(tmp_path, seed=4)
+    sd, cfg = read_folder(folder)
+    hf = hf_model(folder)
+    engine = Engine.load(EngineConfig(model=str(folder), spec_type="mtp", ctx_size=128, n_slots=2, adaptive=False))
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (9, 14, 6, 11)]
+    done = [engine.generate(Request(p, params, cache_prompt=False)) for p in prompts[:2]]  # one after the other
+    answers: list[queue.Queue] = [queue.Queue() for _ in prompts[2:]]
+    with engine._wake:  # two at once
+        for p, q in zip(prompts[2:], answers):
+            engine.submit(Request(p, params, cache_prompt=False),
+                          lambda e, q=q: isinstance(e, (Completion, Exception)) and q.put(e))
+    done += [q.get(timeout=600) for q in answers]
+    checked = 0
+    for prompt, c in zip(prompts, done):
+        tokens = torch.tensor(prompt + c.token_ids)
+        hidden = hf_hidden(hf, tokens)
+        at = len(prompt)  # the anchor of the first verify step: the first token out, sampled after the prompt
+        for proposed, accepted in zip(c.spec.draft_steps, c.spec.acceptance_lengths):
+            want, _ = reference_mtp_chain(sd, cfg, hidden, tokens[:at + 1], len(proposed))
+            assert proposed == want, (prompt, at)
+            checked += 1
+            at += accepted
+    assert checked > 20
+
+
+def test_observing_twice_reads_the_same_predecessor(tmp_path):
+    """A CUDA graph's capture runs observe once before its replay runs it again: the second run must write what
+    the first did (the h before its first position is kept, not overwritten by its own last)."""
+    from flashdraft.formats.loader import create_drafter, load_target
+    folder = make_qwen35_mtp_folder(tmp_path, seed=5)
+    target, _, path = load_target(str(folder))
+    drafter = create_drafter("mtp", target, source=path)
+    drafter.setup_cache(window=64, n_slots=1)
+    tokens = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        _, features = target.forward(tokens[None], torch.arange(12)[None], target.new_state(1, 64),
+                                     capture=drafter.target_layers, fresh=True)
+        drafter.observe(tokens[None, :7], features[:, :7], torch.arange(7)[None], 0)
+        drafter.observe(tokens[None, 7:], features[:, 7:], torch.arange(7, 12)[None], 0)
+        once = drafter.state.cache.k.clone()
+        drafter.observe(tokens[None, 7:], features[:, 7:], torch.arange(7, 12)[None], torch.tensor([0]))
+    assert torch.equal(drafter.state.cache.k, once)

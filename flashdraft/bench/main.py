@@ -74,13 +74,16 @@ def resolve_pair(args: argparse.Namespace) -> tuple[str, str | None, list[str]]:
     draft = resolve_draft(args.draft) or default_draft(model)
     if args.drafters:
         drafters = list(dict.fromkeys(d.strip() for d in args.drafters.split(",") if d.strip()))
+        kinds = registry.spec_types()[1:]
         for name in drafters:
-            if name == "none" or registry.kind_named(name) is None:
-                raise ValueError(f"--drafters {name}: plain decoding is always the baseline; give drafters "
-                                 f"({', '.join(registry.spec_types()[1:])})")
-        if any(registry.kind_named(d).create is None for d in drafters) and not draft:
+            if name not in kinds:
+                raise ValueError(f"--drafters {name}: not a drafter (plain decoding is always the baseline; "
+                                 f"drafters: {', '.join(kinds)})")
+        drafters = list(dict.fromkeys("dflash" if registry.kind_named(d).create is None else d for d in drafters))
+        with_file = "dflash" in drafters
+        if with_file and not draft:
             raise ValueError(f"--drafters {args.drafters}: no DFlash draft for {model}; pass one with -md DRAFT")
-        return model, draft, drafters
+        return model, draft if with_file else None, drafters
     drafters = (["dflash"] if draft else []) + (["mtp"] if holds_mtp(model) else [])
     if not drafters:
         raise ValueError(f"no DFlash draft for {model}: no draft ships with flashdraft for it yet. Pass one with "
@@ -92,9 +95,10 @@ def resolve_pair(args: argparse.Namespace) -> tuple[str, str | None, list[str]]:
 
 def holds_mtp(model: str) -> bool:
     """Whether the target's checkpoint holds an MTP block (read from its config or GGUF metadata only)."""
-    from flashdraft.formats.named import resolve_model
     from flashdraft.models.registry import read_config
-    path = Path(resolve_model(model))
+    path = Path(model)  # a named model is none of Qwen3.5's (and would be downloaded to find out)
+    if not path.exists():
+        return False
     try:
         if path.is_dir():
             from flashdraft.formats.safetensors import read_config as read_hf_config
@@ -148,7 +152,8 @@ def engine_setup(args: argparse.Namespace, model: str, draft: str | None,
         if name not in engines:  # (dflash, when named, is the first)
             drafter = create_drafter(name, engine.target, args.device, engine.target.dtype, bench_params(args, name),
                                      source=engine.config.model, quantized=keep_quantized(engine.config))
-            engines[name] = engine.with_drafter(drafter, draft=None, spec_type=name)
+            engines[name] = engine.with_drafter(drafter, draft=None, spec_type=name, block_size=None,
+                                                draft_params=bench_params(args, name))
     warm = dataclasses.replace(params, max_tokens=min(WARMUP_TOKENS, args.max_tokens))
     reasoning = None if args.reasoning == "auto" else args.reasoning
     named = [(name, engines[name]) for name in drafters]

@@ -10,6 +10,7 @@ from flashdraft.layers.rope import ROPE_TYPES
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 DRAFT_ARCHITECTURE = "DFlashDraftModel"
+DRAFT2_ARCHITECTURE = "DFlash2DraftModel"  # DFlash2: local convolutions and a candidate selector
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -44,6 +45,16 @@ class DraftConfig:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    # DFlash2 (None: DFlash v1): taps of the dynamic causal convolutions around each layer's attention and MLP,
+    # the channels sharing one dynamic coefficient, and the candidate selector's rank and candidates per row
+    conv_kernel_size: int | None = None
+    conv_group_size: int = 16
+    selector_rank: int | None = None
+    selector_top_k: int = 16
+
+    @property
+    def dflash2(self) -> bool:
+        return self.conv_kernel_size is not None
 
     @property
     def context_width(self) -> int:
@@ -109,6 +120,12 @@ class DraftConfig:
             for name in ("is_causal", "causal"):
                 if is_causal is None and source.get(name) is not None:
                     is_causal = bool(source[name])
+        conv = value("conv_kernel_size")
+        if DRAFT2_ARCHITECTURE in (config.get("architectures") or []) and conv is None:
+            conv = 2  # speculators' default
+        selector_rank = value("selector_rank", 256 if conv is not None else None)
+        if conv is not None and is_causal is None and value("sliding_window_non_causal", True):
+            is_causal = False  # DFlash2's sliding layers are bidirectional inside the block too
 
         rope_theta, rope_scaling = _read_rope(value)
         softcap = value("final_logit_softcapping")
@@ -136,6 +153,10 @@ class DraftConfig:
             input_embedding_scale=float(value("input_embedding_scale") or 1.0),
             output_multiplier=float(value("output_multiplier") or 1.0),
             final_logit_softcapping=float(softcap) if softcap is not None and float(softcap) > 0 else None,
+            conv_kernel_size=None if conv is None else int(conv),
+            conv_group_size=int(value("conv_group_size") or 16),
+            selector_rank=None if selector_rank is None else int(selector_rank),
+            selector_top_k=int(value("selector_top_k") or 16),
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -147,8 +168,11 @@ class DraftConfig:
             dflash["output_multiplier"] = self.output_multiplier
         if self.final_logit_softcapping is not None:
             dflash["final_logit_softcapping"] = self.final_logit_softcapping
+        if self.dflash2:
+            dflash.update(conv_kernel_size=self.conv_kernel_size, conv_group_size=self.conv_group_size,
+                          selector_rank=self.selector_rank, selector_top_k=self.selector_top_k)
         config: dict[str, Any] = {
-            "architectures": [DRAFT_ARCHITECTURE],
+            "architectures": [DRAFT2_ARCHITECTURE if self.dflash2 else DRAFT_ARCHITECTURE],
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,

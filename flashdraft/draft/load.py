@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from flashdraft.draft.config import DRAFT_ARCHITECTURE, DraftConfig
+from flashdraft.draft.config import DRAFT2_ARCHITECTURE, DRAFT_ARCHITECTURE, DraftConfig
 from flashdraft.draft.interface import LoadOptions
 from flashdraft.draft.model import DFlashDraft
 from flashdraft.formats.safetensors import iter_tensors
@@ -89,8 +89,9 @@ def load_draft_folder(
         raise ValueError(f"{folder}: no config.json, not a DFlash draft folder")
     config = json.loads(config_file.read_text())
     architectures = config.get("architectures") or []
-    if DRAFT_ARCHITECTURE not in architectures:
-        raise ValueError(f"{folder}: architectures {architectures} is not {DRAFT_ARCHITECTURE!r}")
+    if not {DRAFT_ARCHITECTURE, DRAFT2_ARCHITECTURE} & set(architectures):
+        raise ValueError(f"{folder}: architectures {architectures} is not {DRAFT_ARCHITECTURE!r} or "
+                         f"{DRAFT2_ARCHITECTURE!r}")
     cfg = DraftConfig.from_hf(config)
 
     # BeeLlama's converter strips a `model.` prefix when present; accept checkpoints that have one.

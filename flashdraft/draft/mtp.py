@@ -24,17 +24,22 @@ from flashdraft.layers.rope import rope_cos_sin, rope_inv_freq
 N_MAX = 3  # proposals per step unless --spec-draft-n-max says otherwise
 
 
+NONE = -2  # hidden_at of a row holding no h (-1 would match position 0's predecessor)
+
+
 class MTPState:
     """Per slot: the block's K/V ring (and its scratch rows for a proposal's steps), the position each ring row
-    holds (-1: none), and the target's h at the last observed position (`hidden_at`, -1: none)."""
+    holds (-1: none), and two rows of the target's h at an observed position (`hidden_at`: which; NONE): an
+    observe reads the row of the position before its first and writes the other, so running it twice (a CUDA
+    graph's capture, then its replay) reads the same h both times."""
 
     def __init__(self, cfg, window: int, n_slots: int, scratch: int, device, k_dtype: torch.dtype,
                  v_dtype: torch.dtype, dtype: torch.dtype):
         self.row_positions = torch.full((n_slots, window), -1, dtype=torch.long, device=device)
         self.cache = RingKVCache(n_slots, cfg.num_kv_heads, window, scratch, cfg.head_dim, k_dtype, device,
                                  self.row_positions, v_dtype)
-        self.hidden = torch.zeros(n_slots, cfg.hidden_size, dtype=dtype, device=device)
-        self.hidden_at = torch.full((n_slots,), -1, dtype=torch.long, device=device)
+        self.hidden = torch.zeros(n_slots, 2, cfg.hidden_size, dtype=dtype, device=device)
+        self.hidden_at = torch.full((n_slots, 2), NONE, dtype=torch.long, device=device)
         self.window = window
 
     @property
@@ -75,7 +80,7 @@ class MTPDrafter(nn.Module):
     def reset(self, slot: int = 0, keep: int = 0) -> None:
         s = self.state
         s.row_positions[slot].masked_fill_(s.row_positions[slot] >= keep, -1)
-        s.hidden_at[slot : slot + 1].masked_fill_(s.hidden_at[slot : slot + 1] >= keep, -1)
+        s.hidden_at[slot].masked_fill_(s.hidden_at[slot] >= keep, NONE)
 
     def observe(self, tokens: Tensor, features: Tensor | None, positions: Tensor, slots: int | Tensor = 0) -> None:
         """One row (B = 1): the K/V of each committed position's pair (h before it, its token) into the ring; the
@@ -84,15 +89,17 @@ class MTPDrafter(nn.Module):
         embed, final_norm = self.target_parts
         hidden = final_norm(features[0]).to(s.hidden.dtype)  # [T, H]: the target's h at each position
         positions = positions[0]
-        before = torch.where(_row(s.hidden_at, slots) == positions[0] - 1, _row(s.hidden, slots), 0)
-        pairs_h = torch.cat([before[None], hidden[:-1]])[-s.window:]  # earlier rows would be overwritten anyway
+        before, read = self._hidden_before(slots, positions[:1])
+        pairs_h = torch.cat([before, hidden[:-1]])[-s.window:]  # earlier rows would be overwritten anyway
         tokens, at = tokens[0, -s.window:], positions[-s.window:]
         x = self.block.pair(embed(tokens).to(s.hidden.dtype), pairs_h)
         k, v = self.block.keys_values(x[None], self._rope(at)[:, None])
         s.cache.write(slots, at, k[0].transpose(0, 1), v[0].transpose(0, 1))
         s.row_positions[slots, at % s.window] = at
-        s.hidden[slots] = hidden[-1:] if isinstance(slots, Tensor) else hidden[-1]
-        s.hidden_at[slots] = positions[-1:] if isinstance(slots, Tensor) else positions[-1]
+        slot = slots if isinstance(slots, Tensor) else torch.tensor([slots], device=at.device)
+        other = 1 - read  # [1]
+        s.hidden.index_put_((slot, other), hidden[-1:])
+        s.hidden_at.index_put_((slot, other), positions[-1:])
 
     def propose(self, target, anchors: Tensor, positions: Tensor, slots: int | Tensor, k: int,
                 live: Tensor | None = None, block: int | None = None,
@@ -105,7 +112,7 @@ class MTPDrafter(nn.Module):
         at = positions[:1]
         context = _row(s.row_positions, slots)[:ring]
         context_valid = (context >= 0) & (context < at)
-        h = torch.where(_row(s.hidden_at, slots) == at - 1, _row(s.hidden, slots), 0)[None]  # [1, H]
+        h = self._hidden_before(slots, at)[0]  # [1, H]
         token, proposed = anchors[:1], []
         embed = self.target_parts[0]
         steps = torch.arange(k, device=at.device)
@@ -126,6 +133,13 @@ class MTPDrafter(nn.Module):
 
     def compile_layers(self, block_sizes: tuple[int, ...] | None = None) -> None:
         pass
+
+    def _hidden_before(self, slots: int | Tensor, first: Tensor) -> tuple[Tensor, Tensor]:
+        """The slot's h at position first - 1 ([1, H]; zeros where neither row holds it) and the row read ([1])."""
+        s = self.state
+        match = _row(s.hidden_at, slots) == first - 1  # [2]
+        h = (match[:, None].to(s.hidden.dtype) * _row(s.hidden, slots)).sum(0, keepdim=True)
+        return h, match[1:].long()  # row 1 where it matched, else row 0 (its write goes to the other)
 
     def _rope(self, positions: Tensor) -> Tensor:
         return rope_cos_sin(self.inv_freq, positions, self.rope_scaling)

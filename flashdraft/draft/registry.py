@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flashdraft.draft.config import DRAFT_ARCHITECTURE
+from flashdraft.draft.config import DRAFT2_ARCHITECTURE, DRAFT_ARCHITECTURE
 from flashdraft.draft.interface import Drafter, LoadOptions
 from flashdraft.draft import mtp, ngram
 from flashdraft.draft.load import load_dflash
@@ -53,7 +53,8 @@ class DrafterKind:
     lookup: bool = False  # proposes from the request's own tokens (no model): may come first in a chain
 
 
-DFLASH = DrafterKind(name="dflash", load=load_dflash, hf_architectures=(DRAFT_ARCHITECTURE,),
+DFLASH = DrafterKind(name="dflash", load=load_dflash,
+                     hf_architectures=(DRAFT_ARCHITECTURE, DRAFT2_ARCHITECTURE),
                      gguf_architecture=is_draft_architecture, spec_types=("dflash", "draft-dflash"))
 NGRAM = DrafterKind(name="ngram", spec_types=("ngram-mod", "ngram-simple"), create=ngram.create, lookup=True)
 MTP = DrafterKind(name="mtp", spec_types=("mtp", "draft-mtp"), create=mtp.create,

@@ -99,12 +99,15 @@ def engine_request(state: ServerState, ids: list[int], body: dict, limit_names: 
                          cache_prompt=P.get_bool(body, "cache_prompt", True), grammar=grammar, draft_n_max=n_max)
 
 def drafter_names(draft) -> tuple[str, ...]:
-    """The --spec-type names that choose this drafter's kind, its own name first."""
+    """The --spec-type names of this drafter: its own, and its llama.cpp spelling (dflash and draft-dflash, mtp
+    and draft-mtp), not its kind's other types (an ngram-mod server is no ngram-simple one)."""
     if draft is None:
         return ()
     from flashdraft.draft import registry
     kind = next((k for k in registry.KINDS if draft.name in (k.name, *k.spec_types)), None)
-    return tuple(dict.fromkeys([draft.name, *(kind.spec_types if kind else ())]))
+    same = [n for n in (kind.spec_types if kind else ()) if n.removeprefix("draft-") == draft.name.removeprefix("draft-")]
+    return tuple(dict.fromkeys([draft.name, *same]))
+
 
 
 async def generate(request: Request, req: EngineRequest) -> tuple[Job, Completion] | None:
