@@ -1,5 +1,8 @@
 """DFlash draft: target features fused into one context vector per token, injected as extra K/V into every
-layer of a small Qwen3-style stack that denoises a block [anchor, MASK, ...] in one non-causal pass.
+layer of a small Qwen3-style stack that denoises a block [anchor, MASK, ...] in one non-causal pass. DFlash2
+(z-lab, 2026; speculators' `dflash2`, llama.cpp's `dflash` with convolution and selector tensors) adds a pair of
+dynamic causal convolutions over the block's rows around each layer's attention and MLP (`LocalConv`), and picks
+the drafted path with a candidate selector (`CandidateSelector`) instead of each row's argmax.
 
 `DFlashDraft` is the network and the engine's `Drafter` (draft/interface.py); its per-slot context rings are a
 `DraftRings`. State dict names are z-lab's (`fc.weight`, `layers.{i}.self_attn.q_proj.weight`, ...).
@@ -12,6 +15,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from flashdraft.draft.config import DraftConfig
 from flashdraft.engine.sampling import argmax_rows
@@ -100,6 +104,64 @@ class DraftAttention(nn.Module):
         return self.o_proj(masked_attention(q, keys.to(q.dtype), values.to(q.dtype), mask, self.scale))
 
 
+class LocalConv(nn.Module):
+    """DFlash2's pair of dynamic causal convolutions around a sublayer (its input and its output), over the rows
+    of a draft block: row i mixes rows i, i - 1, ..., i - K + 1 of the block (none before its first), tap t
+    weighing channel c by base_kernel[side, t, c] plus a per-row change shared by each group of `group` channels,
+    which a projection of the sublayer's normed input gives for both sides at once."""
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int):
+        super().__init__()
+        if hidden_size % group_size:
+            raise ValueError(f"DFlash2: hidden size {hidden_size} is not a multiple of conv_group_size {group_size}")
+        self.kernel_size, self.groups = kernel_size, hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.zeros(2, kernel_size, hidden_size))
+        self.kernel_projection = Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
+
+    def changes(self, normed: torch.Tensor) -> torch.Tensor:
+        """[..., T, H] -> the per-row coefficient changes [..., T, 2 (input, output), K, groups]."""
+        return self.kernel_projection(normed).unflatten(-1, (2, self.kernel_size, self.groups))
+
+    def forward(self, x: torch.Tensor, changes: torch.Tensor, side: int) -> torch.Tensor:
+        """x [..., T, H], the block's rows from its first."""
+        rows = x.shape[-2]
+        grouped = x.unflatten(-1, (self.groups, -1))  # [..., T, groups, group]
+        out = torch.zeros_like(grouped)
+        for tap in range(min(self.kernel_size, rows)):
+            shifted = grouped if tap == 0 else F.pad(grouped[..., :rows - tap, :, :], (0, 0, 0, 0, tap, 0))
+            weight = (self.base_kernel[side, tap].to(x.dtype).view(self.groups, -1)
+                      + changes[..., side, tap, :, None])
+            out = out + shifted * weight
+        return out.flatten(-2)
+
+
+class CandidateSelector(nn.Module):
+    """DFlash2's path selector: each drafted row's top-k tokens by the draft's logits, rescored by a low-rank
+    bilinear term between the token before it (the anchor for the first row, else the row before's choice), the
+    row's hidden state and the candidate; the best of each row in turn."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.predecessor_codebook = nn.Parameter(torch.zeros(vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.zeros(vocab_size, rank))
+        self.hidden_projection = Linear(hidden_size, rank, bias=False)
+
+    def walk(self, logits: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        """logits [k, V] and final-normed hidden [k, H] of rows 1..k, the anchor [1] -> [k] chosen tokens."""
+        candidates = logits.topk(self.top_k, dim=-1).indices  # [k, top_k]
+        unary = logits.gather(-1, candidates)
+        gates = self.hidden_projection(hidden).to(self.predecessor_codebook.dtype)  # [k, R]
+        successors = self.successor_codebook[candidates]  # [k, top_k, R]
+        chosen, before = [], anchor[:1]
+        for row in range(logits.shape[0]):
+            context = self.predecessor_codebook[before][0] * gates[row]  # [R]
+            scores = unary[row] + (successors[row] * context).sum(-1).to(unary.dtype)
+            before = candidates[row, argmax_rows(scores[None])]
+            chosen.append(before)
+        return torch.cat(chosen)
+
+
 class DraftLayer(nn.Module):
     def __init__(self, cfg: DraftConfig, layer_id: int):
         super().__init__()
@@ -107,6 +169,10 @@ class DraftLayer(nn.Module):
         self.self_attn = DraftAttention(cfg, layer_id)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.convolved = cfg.dflash2
+        if cfg.dflash2:
+            self.attention_conv = LocalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+            self.mlp_conv = LocalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
 
     def forward(
         self,
@@ -116,8 +182,16 @@ class DraftLayer(nn.Module):
         values: torch.Tensor,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, keys, values, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.input_layernorm(x)
+        if not self.convolved:
+            x = x + self.self_attn(h, cos_sin, keys, values, mask)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        changes = self.attention_conv.changes(h)
+        out = self.self_attn(self.attention_conv(h, changes, 0), cos_sin, keys, values, mask)
+        x = x + self.attention_conv(out, changes, 1)
+        h = self.post_attention_layernorm(x)
+        changes = self.mlp_conv.changes(h)
+        return x + self.mlp_conv(self.mlp(self.mlp_conv(h, changes, 0)), changes, 1)
 
 
 class DraftRings:
@@ -152,6 +226,9 @@ class DFlashDraft(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.dflash2:
+            self.candidate_selector = CandidateSelector(cfg.vocab_size, cfg.hidden_size, cfg.selector_rank,
+                                                        cfg.selector_top_k)
         self.rotary = Rotary(cfg)
         self.layer_attention = [cfg.layer_attention(i) for i in range(cfg.num_hidden_layers)]
         self.attention_kinds = list(dict.fromkeys(self.layer_attention))  # one mask per distinct kind
@@ -292,4 +369,7 @@ class DFlashDraft(nn.Module):
         ids = torch.cat([anchors[:1], anchors.new_full((block - 1,), self.cfg.mask_token_id)])
         noise = target.token_embedding(ids) * self.cfg.input_embedding_scale
         hidden = self(noise, positions[:1] + torch.arange(block, device=positions.device), slots, live, context_rows)
-        return argmax_rows(self.compute_logits(hidden[1:k + 1], target.logits))[None]
+        logits = self.compute_logits(hidden[1:k + 1], target.logits)
+        if self.cfg.dflash2:
+            return self.candidate_selector.walk(logits, hidden[1:k + 1], anchors)[None]
+        return argmax_rows(logits)[None]

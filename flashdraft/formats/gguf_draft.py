@@ -24,8 +24,16 @@ LAYER_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "at
                "attn_k_norm": "self_attn.k_norm", "post_attention_norm": "post_attention_layernorm",
                "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                "ffn_down": "mlp.down_proj"}
+# DFlash2 (llama.cpp's `dflash` with convolutions and a selector): per layer, without `.weight` where z-lab's
+# names have none
+LAYER_PARAMETERS = {"attn_conv_base": "attention_conv.base_kernel", "ffn_conv_base": "mlp_conv.base_kernel"}
+LAYER_NAMES |= {"attn_conv_proj": "attention_conv.kernel_projection", "ffn_conv_proj": "mlp_conv.kernel_projection"}
+GLOBAL_PARAMETERS = {"selector_predecessor": "candidate_selector.predecessor_codebook",
+                     "selector_successor": "candidate_selector.successor_codebook"}
+GLOBAL_NAMES |= {"selector_hidden": "candidate_selector.hidden_projection"}
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 SHARED_WITH_TARGET = {"token_embd", "output"}
-_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_LAYER = re.compile(r"blk\.(\d+)\.(\w+)(\.weight)?")
 
 
 def is_draft_architecture(arch: str) -> bool:
@@ -46,8 +54,6 @@ def draft_hf_config(g: GGUFFile) -> dict[str, Any]:
     def get(*keys: str, default: Any = None) -> Any:
         return next((md[k] for k in keys if md.get(k) is not None), default)
 
-    if get(f"{arch}.conv_kernel_size", f"{arch}.dflash.conv_kernel_size", f"{arch}.selector_rank") is not None:
-        raise ValueError(f"{g.path.name}: DFlash2 drafts (convolution / selector) are not supported yet")
     if arch == "dflash":
         stored = get(f"{arch}.target_layers")
         if stored is None:
@@ -79,8 +85,15 @@ def draft_hf_config(g: GGUFFile) -> dict[str, Any]:
         dflash["final_logit_softcapping"] = float(softcap)
     if get(f"{arch}.logit_scale") not in (None, 1.0):
         dflash["output_multiplier"] = float(get(f"{arch}.logit_scale"))
-    return {
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": hidden,
+    dflash2 = {name: get(f"{arch}.{name}", f"{arch}.dflash.{name}") for name in DFLASH2_KEYS}
+    if dflash2["conv_kernel_size"] is not None:  # DFlash2: convolutions and the candidate selector
+        dflash.update({name: int(v) for name, v in dflash2.items() if v is not None})
+    extra = {}
+    if "conv_kernel_size" in dflash and (causal := get(f"{arch}.attention.causal")) is not None:
+        extra["is_causal"] = bool(causal)  # (DFlash2's own default: bidirectional, as llama.cpp's)
+    return extra | {
+        "architectures": ["DFlash2DraftModel" if "conv_kernel_size" in dflash else "DFlashDraftModel"],
+        "model_type": "qwen3", "hidden_size": hidden,
         "intermediate_size": int(get(f"{arch}.feed_forward_length")), "num_hidden_layers": n_layers,
         "num_attention_heads": heads, "num_key_value_heads": int(get(f"{arch}.attention.head_count_kv", default=heads)),
         "head_dim": int(get(f"{arch}.attention.key_length", default=hidden // heads)), "hidden_act": "silu",
@@ -98,13 +111,17 @@ def draft_hf_config(g: GGUFFile) -> dict[str, Any]:
 def draft_tensor_name(name: str) -> str | None:
     """z-lab's state-dict name of a draft GGUF tensor (None: shared with the target, not loaded)."""
     if m := _LAYER.fullmatch(name):
-        layer, part = m.groups()
-        if part in LAYER_NAMES:
+        layer, part, weight = m.groups()
+        if weight and part in LAYER_NAMES:
             return f"layers.{layer}.{LAYER_NAMES[part]}.weight"
+        if not weight and part in LAYER_PARAMETERS:
+            return f"layers.{layer}.{LAYER_PARAMETERS[part]}"
     else:
         base = name.removesuffix(".weight")
         if base in GLOBAL_NAMES:
             return f"{GLOBAL_NAMES[base]}.weight"
+        if base in GLOBAL_PARAMETERS:
+            return GLOBAL_PARAMETERS[base]
         if base in SHARED_WITH_TARGET:
             return None
     raise ValueError(f"unexpected tensor {name!r} in a DFlash draft GGUF")
@@ -125,7 +142,7 @@ def iter_draft_tensors(g: GGUFFile, dtype: torch.dtype | None, device: torch.dev
         name = draft_tensor_name(t.name)
         if name is None:
             continue
-        if keeps_quantized(t, kept):
+        if name.endswith(".weight") and keeps_quantized(t, kept):  # (a bare parameter is no module's weight)
             yield name, stored_weight(t, mapped_bytes(t))
             continue
         try:
