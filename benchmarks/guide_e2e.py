@@ -638,9 +638,11 @@ def concurrent_round(url: str, chat: bool, run: Run, args, temperature: float | 
 
 def stream_times(url: str, prompt: str, n_predict: int, timeout: float, extra: dict | None,
                  times: list[float]) -> None:
-    """A streamed /completion (the command line's sampling): the arrival time of each event that carries text goes
-    into `times` as it comes."""
-    body = {"prompt": prompt, "n_predict": n_predict, "ignore_eos": True, "cache_prompt": False, "stream": True}
+    """A streamed /completion (the command line's sampling): the arrival time of each event that carries a token
+    (return_tokens: both servers send one per token, text or not: random weights often sample tokens without text
+    of their own, which would read as steps that never came) goes into `times` as it comes."""
+    body = {"prompt": prompt, "n_predict": n_predict, "ignore_eos": True, "cache_prompt": False, "stream": True,
+            "return_tokens": True}
     body.update(extra or {})
     req = urllib.request.Request(url + "/completion", json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as reply:
@@ -648,7 +650,7 @@ def stream_times(url: str, prompt: str, n_predict: int, timeout: float, extra: d
             if not line.startswith(b"data: "):
                 continue
             event = json.loads(line[6:])
-            if event.get("content"):
+            if event.get("tokens") or event.get("content"):
                 times.append(time.perf_counter())
             if event.get("stop"):
                 return

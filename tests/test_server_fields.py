@@ -332,3 +332,23 @@ def test_penalty_window_never_wider_than_the_history():
                                                                                  repeat_last_n=2), 10)
     assert short[0].tolist() == [0, 0, 1, 1, 0, 0, 0, 0, 0, 0]
     assert short[2].tolist() == [0, 0, 0, 0, 2, 0, 0, 0, 0, 0]
+
+
+def test_a_stream_with_return_tokens_carries_every_token(models):
+    """As llama-server's: one event per token, also for a token with no text of its own (a special token here,
+    forced by logit_bias), so the streamed ids are the answer's ids and a client sees every step."""
+    import json as json_module
+    engine = load(models, n_slots=1, slot_ctx=512, dtype="float32")
+    special = 1  # <|im_start|>: skipped in the text
+    with serving(create_app(engine, settings())) as url:
+        body = {"prompt": PROMPT, "n_predict": 12, "ignore_eos": True, "temperature": 0, "return_tokens": True,
+                "logit_bias": {str(special): 100}}
+        final = httpx.post(url + "/completion", json=body, timeout=60).json()
+        events = []
+        with httpx.stream("POST", url + "/completion", json={**body, "stream": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(json_module.loads(line[6:]))
+    assert final["tokens"] == [special] * 12 and final["content"] == ""
+    streamed = [t for e in events if not e.get("stop") for t in e["tokens"]]
+    assert streamed == final["tokens"] and sum(not e.get("stop") for e in events) == 12

@@ -203,11 +203,13 @@ class Output:
         if hit is not None:
             self.text, self.stop_word, self.finish = self.text[:hit[0]], hit[1], "stop"
         safe = len(self.text) if self.finish == "stop" else len(self.text) - self.stops.held
-        if safe <= self.emitted:
+        if not new and safe <= self.emitted:
             return None
-        delta = Delta(self.text[self.emitted:safe], new, self.logprobs[self.reported:] if self.logprobs is not None
-                      else [])
-        self.emitted, self.reported = safe, len(self.logprobs or ())
+        # every step's tokens go out, with the text they let out (none: an incomplete character, a special token,
+        # a stop string's possible start), as llama-server's stream has an event per token
+        delta = Delta(self.text[self.emitted:max(safe, self.emitted)], new,
+                      self.logprobs[self.reported:] if self.logprobs is not None else [])
+        self.emitted, self.reported = max(safe, self.emitted), len(self.logprobs or ())
         return delta
 
     def held(self) -> list[int]:

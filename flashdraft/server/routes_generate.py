@@ -294,7 +294,7 @@ async def native_completion(request: Request) -> Response:
     async def chunks() -> AsyncIterator[bytes]:
         async for job, event in stream_events(request, req):
             if isinstance(event, Delta):
-                if event.text or event.logprobs:
+                if event.text or event.logprobs or (return_tokens and event.token_ids):
                     probs = P.native_probs(engine.tokenizer, event.logprobs) if with_probs else None
                     chunk = P.native_chunk(event.text, event.token_ids if return_tokens else [], job.slot,
                                            job.n_decoded, len(ids), probs)
