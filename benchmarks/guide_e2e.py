@@ -638,9 +638,10 @@ def concurrent_round(url: str, chat: bool, run: Run, args, temperature: float | 
 
 def stream_times(url: str, prompt: str, n_predict: int, timeout: float, extra: dict | None,
                  times: list[float]) -> None:
-    """A streamed /completion (the command line's sampling): the arrival time of each event that carries a token
-    (return_tokens: both servers send one per token, text or not: random weights often sample tokens without text
-    of their own, which would read as steps that never came) goes into `times` as it comes."""
+    """A streamed /completion (the command line's sampling): the arrival time of each event that carries tokens
+    (return_tokens: both servers send one per step, text or not: random weights often sample tokens without text
+    of their own, which would read as steps that never came; a speculative step's tokens come in one event) goes
+    into `times` as it comes; the final event (no tokens) does not count."""
     body = {"prompt": prompt, "n_predict": n_predict, "ignore_eos": True, "cache_prompt": False, "stream": True,
             "return_tokens": True}
     body.update(extra or {})
@@ -650,10 +651,10 @@ def stream_times(url: str, prompt: str, n_predict: int, timeout: float, extra: d
             if not line.startswith(b"data: "):
                 continue
             event = json.loads(line[6:])
-            if event.get("tokens") or event.get("content"):
-                times.append(time.perf_counter())
             if event.get("stop"):
                 return
+            if event.get("tokens") or event.get("content"):
+                times.append(time.perf_counter())
 
 
 STEADY_TOKENS = 64  # each stream's events before the long prompt is sent

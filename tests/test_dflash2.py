@@ -219,3 +219,18 @@ def test_dflash2_drafts_through_the_engine(tmp_path):
         plain = engine.generate(Request(prompt, params, speculative=False))
         spec = engine.generate(Request(prompt, params))
         assert spec.token_ids == plain.token_ids and spec.spec.draft_steps
+
+
+def test_training_a_dflash2_draft_is_refused(tmp_path):
+    """The training forward (train/blocks.py) has no convolutions or selector: a DFlash2 --init is refused."""
+    from safetensors.torch import save_file
+
+    from flashdraft.train.main import load_or_build_draft
+    _, _, ours = make_pair(DFLASH2, seed=2)
+    folder = tmp_path / "dflash2"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(DFLASH2))
+    save_file({k: v.contiguous() for k, v in ours.state_dict().items()}, str(folder / "model.safetensors"))
+    args = types.SimpleNamespace(resume=False, init=str(folder))
+    with pytest.raises(ValueError, match="training DFlash2 drafts .* is not supported yet"):
+        load_or_build_draft(args, None, None, tmp_path / "out", "cpu")

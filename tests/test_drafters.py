@@ -320,7 +320,8 @@ def test_a_chain_takes_the_lookup_where_it_found_a_run_else_the_model(models):
                                       ctx_size=256))
     chain = engine.draft
     lookup, model = chain.lookups[0], chain.model
-    assert chain.name == "ngram-mod,dflash" and chain.block_size == 21 and chain.target_layers == model.target_layers
+    assert chain.name == "ngram-mod,dflash" and chain.target_layers == model.target_layers
+    assert chain.block_size == model.block_size  # the lookup's runs cut to the model's block
     sampling = SamplingParams(max_tokens=40, ignore_eos=True)
     repeating = [40, 41, 42, 43, 44, 45, 40, 41, 42, 43, 44, 45, 40, 41]
     found = {True: 0, False: 0}
@@ -328,18 +329,25 @@ def test_a_chain_takes_the_lookup_where_it_found_a_run_else_the_model(models):
         plain = engine.generate(Request(prompt, sampling, speculative=False))
         spec = engine.generate(Request(prompt, sampling))
         assert spec.token_ids == plain.token_ids and spec.spec.draft_steps
+        # each step's proposal counted under the member that made it
+        by = spec.spec.drafted_by
+        assert set(by) <= {"ngram-mod", "dflash"} and sum(by.values()) == spec.spec.draft_n
+        assert sum(spec.spec.accepted_by.values()) == spec.spec.draft_n_accepted
+        assert spec.timings.to_dict()["draft_n_accepted_by"] == spec.spec.accepted_by
         if prompt is repeating:
-            assert spec.spec.draft_n_accepted > 0
+            assert spec.spec.draft_n_accepted > 0 and spec.spec.accepted_by.get("ngram-mod", 0) > 0
         # each member's proposal now, after the slot's history: the chain's is the lookup's or the model's
         slot, at = 0, len(prompt) + len(spec.token_ids) - 1
         pos = torch.tensor([at], device=engine.device)
-        for k, last in ((3, spec.token_ids[-1]), (20, spec.token_ids[-1]), (3, 319), (20, 319)):  # 319: unseen
+        most = chain.block_size - 1
+        for k, last in ((3, spec.token_ids[-1]), (most, spec.token_ids[-1]), (3, 319), (most, 319)):  # 319: unseen
             anchor = torch.tensor([last], device=engine.device)
             tokens, run = lookup.lookup(anchor, pos, slot, k)
             mine = model.propose(engine.target, anchor, pos, slot, min(k, model.block_size - 1))
             proposed = chain.propose(engine.target, anchor, pos, slot, k)
             want = tokens if int(run) > 0 else torch.cat([mine, anchor[:, None].expand(1, k - mine.shape[1])], 1)
             assert torch.equal(proposed, want)
+            assert chain.proposed_by(slot) == ("ngram-mod" if int(run) > 0 else "dflash")
             found[int(run) > 0] += 1
     assert found[True] and found[False]
 
@@ -353,4 +361,27 @@ def test_a_chain_from_the_command_line(models, capsys):
     assert cli.main([*common, "-md", str(draft), "--spec-type", "ngram-mod,draft-dflash",
                      "--spec-ngram-mod-n-match", "2", "--spec-ngram-mod-n-min", "1"]) == 0
     chained = json.loads(capsys.readouterr().out)
-    assert chained["token_ids"] == plain["token_ids"] and chained["speculative"]["block_size"] == 65
+    assert chained["token_ids"] == plain["token_ids"] and chained["speculative"]["block_size"] == 8  # the draft's
+
+
+def test_a_lookup_pads_past_its_n_max():
+    """A chain asks its lookup for as many tokens as the model drafter's block holds, which may be more than the
+    lookup's n_max: the tokens past it are the anchor, as past a run (a chain with --spec-ngram-mod-n-max 3 before
+    a draft of block 8 failed on the shapes)."""
+    drafter = NGramDrafter(NGramConfig(n_match=2, n_max=3, n_min=1))
+    drafter.setup_cache(64)
+    history = [5, 6, 7, 8, 9, 5, 6]
+    drafter.observe(torch.tensor([history]), None, torch.arange(len(history))[None], 0)
+    tokens, run = drafter.lookup(torch.tensor([7]), torch.tensor([len(history)]), 0, 7)
+    assert tokens[0].tolist() == [8, 9, 5, 7, 7, 7, 7] and int(run) == 3
+
+
+def test_a_chain_whose_lookup_is_shorter_than_the_draft_block(models):
+    target, draft = models
+    engine = Engine.load(EngineConfig(model=str(target), draft=str(draft), spec_type="ngram-mod,draft-dflash",
+                                      draft_params=dict(n_match=2, n_max=3, n_min=1), device=DEVICE, dtype=DTYPE,
+                                      ctx_size=256))
+    prompt = [40, 41, 42, 43, 44, 45, 40, 41, 42, 43, 44, 45, 40, 41]
+    sampling = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = engine.generate(Request(prompt, sampling, speculative=False))
+    assert engine.generate(Request(prompt, sampling)).token_ids == plain.token_ids

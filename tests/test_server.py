@@ -317,6 +317,9 @@ def test_metrics(spec, plain):
                if k.startswith("llamacpp:spec_decode_num_accepted_tokens_per_pos_total")}
     assert len(per_pos) == 7 and 'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="0"}' in per_pos
     assert sum(per_pos.values()) == values["llamacpp:spec_decode_num_accepted_tokens_total"]
+    by = 'flashdraft:spec_decode_num_{}_tokens_by_drafter_total{{drafter="dflash"}}'  # every token its drafter's
+    assert values[by.format("draft")] == values["llamacpp:spec_decode_num_draft_tokens_total"]
+    assert values[by.format("accepted")] == values["llamacpp:spec_decode_num_accepted_tokens_total"]
     assert values["llamacpp:requests_processing"] == 0 and values["llamacpp:requests_deferred"] == 0
 
 

@@ -88,6 +88,15 @@ def test_openai_logprobs_chat_and_completions_streamed_and_not(urls):
                                            stream=True, extra_body={"ignore_eos": True}))
     assert [t for p in parts if p.choices[0].logprobs for t in p.choices[0].logprobs.tokens] == lp.tokens
     assert [o for p in parts if p.choices[0].logprobs for o in p.choices[0].logprobs.text_offset] == lp.text_offset
+    # a stop string that never matches but whose first character comes: the text after it is held a step, the
+    # held tokens' offsets still count from where their own text starts
+    held = next(ch for ch in c.choices[0].text[1:] if ch.isascii() and ch.isprintable())
+    kw = dict(model="x", prompt=PROMPT, temperature=0, max_tokens=12, logprobs=3, stop=[held + "\x01"],
+              extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw).choices[0].logprobs
+    parts = list(client.completions.create(**kw, stream=True))
+    assert [o for p in parts if p.choices[0].logprobs for o in p.choices[0].logprobs.text_offset] == \
+        whole.text_offset == lp.text_offset
 
 
 ADJUSTED = [{"logit_bias": {"0": False}},  # placeholder, replaced by the greedy tokens below

@@ -29,7 +29,9 @@ class ChainDrafter(nn.Module):
         self.lookups, self.model = lookups, model
         self.members = [*lookups, model]
         self.name = ",".join(m.name for m in self.members)
-        self.block_size = max(m.block_size for m in self.members)
+        # the model drafter's block: a lookup's longer runs are cut to it (verify steps as wide as the longest
+        # lookup, 65 rows by default, would mostly check repeated anchors wherever the lookup finds nothing)
+        self.block_size = model.block_size
         self.target_layers = tuple(model.target_layers)  # lookups read none
         self.slot_tensors = all(getattr(m, "slot_tensors", False) for m in self.members)
         self.state: ChainState | None = None
@@ -42,6 +44,12 @@ class ChainDrafter(nn.Module):
         for m in self.members:
             m.setup_cache(window, n_slots, cache_dtypes)
         self.state = ChainState(self.members)
+        # the member that proposed each slot's last step
+        self.sources = torch.zeros(n_slots, dtype=torch.long, device=self.lookups[0].device)
+
+    def proposed_by(self, slot: int) -> str:
+        """The member that proposed the slot's last step (read on the host, after the step)."""
+        return self.members[int(self.sources[slot])].name
 
     def reset(self, slot=0, keep=0):
         for m in self.members:
@@ -60,9 +68,15 @@ class ChainDrafter(nn.Module):
         chosen = self.model.propose(target, anchors, positions, slots, model_k, live, model_block, context_rows)
         if model_k < k:
             chosen = torch.cat([chosen, anchors[:1, None].expand(1, k - model_k)], dim=1)
-        for lookup in reversed(self.lookups):  # the first lookup with a run wins
-            tokens, run = lookup.lookup(anchors, positions, slots, k, block)
+        source = torch.full((1,), len(self.lookups), dtype=torch.long, device=chosen.device)
+        for i in reversed(range(len(self.lookups))):  # the first lookup with a run wins
+            tokens, run = self.lookups[i].lookup(anchors, positions, slots, k, block)
             chosen = torch.where(run > 0, tokens, chosen)
+            source = torch.where(run > 0, i, source)
+        if isinstance(slots, Tensor):
+            self.sources.index_put_((slots,), source)
+        else:
+            self.sources[slots:slots + 1].copy_(source)
         return chosen
 
     def compile_layers(self, block_sizes=None):

@@ -161,6 +161,8 @@ class NGramDrafter:
         run = ok.long().cumprod(0).sum()
         run = torch.where(run >= min(cfg.n_min, n_max), run, 0)
         proposed = torch.where(index < run, self._gather(tokens, ends + 1), anchor)
+        if steps < k:  # past n_max (a chain's block may be a wider drafter's): the anchor, as past a run
+            proposed = torch.cat([proposed, anchor.expand(k - steps)])
         return proposed[:k][None], run
 
     def compile_layers(self, block_sizes=None):

@@ -111,6 +111,7 @@ class Timings:
     draft_n: int = 0
     draft_n_accepted: int = 0
     synthetic: bool = False  # drafts accepted at random (engine/synthetic.py): the text is not the model's output
+    draft_n_accepted_by: dict | None = None  # per drafter (a chain's members): which proposed the accepted tokens
 
     def to_dict(self) -> dict:
         d = dict(cache_n=self.cache_n, prompt_n=self.prompt_n, prompt_ms=self.prompt_ms,
@@ -121,6 +122,8 @@ class Timings:
                  predicted_per_second=1e3 * self.predicted_n / self.predicted_ms if self.predicted_ms > 0 else 0.0)
         if self.draft_n > 0:
             d.update(draft_n=self.draft_n, draft_n_accepted=self.draft_n_accepted)
+            if self.draft_n_accepted_by:
+                d.update(draft_n_accepted_by=dict(self.draft_n_accepted_by))
         if self.synthetic:
             d.update(synthetic_acceptance=True)
         return d
@@ -164,6 +167,7 @@ class Completion:
             # the widths the steps took (the anchor and the drafted tokens checked), plain steps as width 1
             verify_widths={str(w): n for w, n in sorted(collections.Counter(
                 [len(d) + 1 for d in s.draft_steps] + [1] * s.plain_steps).items())},
+            drafted_by=dict(s.drafted_by), accepted_by=dict(s.accepted_by),
         )
 
 
@@ -206,7 +210,8 @@ class Output:
         if not new and safe <= self.emitted:
             return None
         # every step's tokens go out, with the text they let out (none: an incomplete character, a special token,
-        # a stop string's possible start), as llama-server's stream has an event per token
+        # a stop string's possible start), as llama-server's stream has an event per token (here per step: a
+        # verify step's accepted tokens come together)
         delta = Delta(self.text[self.emitted:max(safe, self.emitted)], new,
                       self.logprobs[self.reported:] if self.logprobs is not None else [])
         self.emitted, self.reported = max(safe, self.emitted), len(self.logprobs or ())
@@ -224,7 +229,8 @@ class Output:
         timings = Timings(prompt_n=len(prompt) - self.cached, cache_n=self.cached,
                           prompt_ms=1e3 * (t_first - self.t0), predicted_n=len(self.tokens),
                           predicted_ms=1e3 * (t_end - t_first), draft_n=self.stats.draft_n,
-                          draft_n_accepted=self.stats.draft_n_accepted, synthetic=self.synthetic)
+                          draft_n_accepted=self.stats.draft_n_accepted, synthetic=self.synthetic,
+                          draft_n_accepted_by=dict(self.stats.accepted_by))
         logprobs = self.logprobs
         if logprobs is not None:
             del logprobs[len(self.tokens):]  # a cancelled step may have reported tokens it never handed out

@@ -32,6 +32,9 @@ class SpecStats:
     draft_steps: list[list[int]] = field(default_factory=list)  # tokens proposed at each verify step
     accepted_per_position: list[int] = field(default_factory=list)  # [k] = steps whose draft token k+1 was accepted
     plain_steps: int = 0  # steps of one token the adaptive width took in between (the drafter following)
+    # by the drafter that proposed each verify step (a chain's member; else the one drafter): tokens drafted, accepted
+    drafted_by: dict[str, int] = field(default_factory=dict)
+    accepted_by: dict[str, int] = field(default_factory=dict)
 
     @property
     def draft_n(self) -> int:
@@ -41,7 +44,10 @@ class SpecStats:
     def draft_n_accepted(self) -> int:
         return sum(a - 1 for a in self.acceptance_lengths)
 
-    def record(self, proposed: list[int], accepted: int) -> None:
+    def record(self, proposed: list[int], accepted: int, source: str | None = None) -> None:
+        if source is not None:
+            self.drafted_by[source] = self.drafted_by.get(source, 0) + len(proposed)
+            self.accepted_by[source] = self.accepted_by.get(source, 0) + accepted
         self.draft_steps.append(proposed)
         self.acceptance_lengths.append(accepted + 1)
         if len(self.accepted_per_position) < len(proposed):
@@ -378,7 +384,7 @@ def advance_speculative(steps: Steps, s: SlotState, p: StepPlan, ids: Tensor, lo
     accepted, bonus = s.accept_rule(drafted, rows, s.params, posterior)
     proposed = drafted.tolist()
     if s.stats is not None:
-        s.stats.record(proposed, accepted)
+        s.stats.record(proposed, accepted, steps.proposed_by(s.slot))
     if s.controller is not None:
         s.controller.record(p.width, accepted)
     n_new = accepted + 1

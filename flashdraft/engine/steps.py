@@ -242,6 +242,14 @@ class Steps:
             return step(anchor, positions, live)
         return self.graphs.run(SpecKey(slot, attn_len, block, width), step, [anchor, positions, live])
 
+    def proposed_by(self, slot: int) -> str | None:
+        """The name of the drafter that proposed the slot's last verify step: a chain's member that did
+        (`proposed_by`, read after the step), else the drafter's own."""
+        if self.draft is None:
+            return None
+        by = getattr(self.draft, "proposed_by", None)
+        return by(slot) if by is not None else self.draft.name
+
     def observe(self, slot: int, tokens: Tensor, features: Tensor | None, positions: Tensor) -> None:
         """Hand the drafter the tokens [n] (and features [n, L*H]) of newly committed positions [n] (a graph per
         row count up to the drafter's block on CUDA, the counts warm-up captures; more rows, a prompt's slice

@@ -18,6 +18,8 @@ class Metrics:
     spec_draft_tokens_total: int = 0
     spec_accepted_tokens_total: int = 0
     spec_accepted_per_position: list[int] = field(default_factory=list)
+    spec_draft_tokens_by: dict[str, int] = field(default_factory=dict)  # per drafter (a chain's members)
+    spec_accepted_tokens_by: dict[str, int] = field(default_factory=dict)
 
     def record(self, c: Completion) -> None:
         t, s = c.timings, c.spec
@@ -33,6 +35,9 @@ class Metrics:
         self.spec_drafts_total += len(s.draft_steps)
         self.spec_draft_tokens_total += s.draft_n
         self.spec_accepted_tokens_total += s.draft_n_accepted
+        for total, part in ((self.spec_draft_tokens_by, s.drafted_by), (self.spec_accepted_tokens_by, s.accepted_by)):
+            for name, n in part.items():
+                total[name] = total.get(name, 0) + n
         per_pos = s.accepted_per_position
         if len(self.spec_accepted_per_position) < len(per_pos):
             self.spec_accepted_per_position += [0] * (len(per_pos) - len(self.spec_accepted_per_position))
@@ -71,6 +76,14 @@ class Metrics:
         name = "llamacpp:spec_decode_num_accepted_tokens_per_pos_total"
         lines += [f"# HELP {name} Number of accepted draft tokens at each draft position.", f"# TYPE {name} counter"]
         lines += [f'{name}{{position="{i}"}} {n}' for i, n in enumerate(self.spec_accepted_per_position)]
+        for name, help_text, values in (
+                ("flashdraft:spec_decode_num_draft_tokens_by_drafter_total", "Draft tokens proposed, by drafter.",
+                 self.spec_draft_tokens_by),
+                ("flashdraft:spec_decode_num_accepted_tokens_by_drafter_total", "Draft tokens accepted, by drafter.",
+                 self.spec_accepted_tokens_by)):
+            if values:
+                lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
+                lines += [f'{name}{{drafter="{d}"}} {n}' for d, n in sorted(values.items())]
         for key, value in (memory or {}).items():
             lines += [f"# HELP flashdraft:{key}_bytes GPU/CPU memory: {key.replace('_', ' ')} (bytes).",
                       f"# TYPE flashdraft:{key}_bytes gauge", f"flashdraft:{key}_bytes {value}"]

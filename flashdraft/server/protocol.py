@@ -285,16 +285,29 @@ def chat_logprobs(tokenizer, entries: list[TokenLogprob]) -> dict:
     return {"content": _items(tokenizer, entries, with_id=False)}
 
 
-def text_logprobs(tokenizer, entries: list[TokenLogprob], offset: int = 0) -> dict:
-    """OpenAI completions' `logprobs` object; text_offset counts characters from `offset` (the text before)."""
-    detok, tokens, offsets = IncrementalDetokenizer(tokenizer), [], []
-    for t, _, _ in entries:
-        offsets.append(offset)
-        tokens.append(_piece(tokenizer, t)[0])
-        offset += len(detok.push(t))
+class TextOffsets:
+    """Where each token's text starts in the whole output (OpenAI's text_offset), over one detokenizer of every
+    token so far: a stream's chunks carry their tokens' offsets whatever text is still held back."""
+
+    def __init__(self, tokenizer):
+        self.detok, self.at = IncrementalDetokenizer(tokenizer), 0
+
+    def of(self, tokens: list[int]) -> list[int]:
+        out = []
+        for t in tokens:
+            out.append(self.at)
+            self.at += len(self.detok.push(t))
+        return out
+
+
+def text_logprobs(tokenizer, entries: list[TokenLogprob], offsets: TextOffsets | None = None) -> dict:
+    """OpenAI completions' `logprobs` object; text_offset from `offsets` (a stream's, kept across its chunks;
+    None: these entries are the whole output)."""
+    tokens = [_piece(tokenizer, t)[0] for t, _, _ in entries]
+    starts = (offsets or TextOffsets(tokenizer)).of([t for t, _, _ in entries])
     return {"tokens": tokens, "token_logprobs": [_lp(lp) for _, lp, _ in entries],
             "top_logprobs": [{_piece(tokenizer, i)[0]: _lp(v) for i, v in top} for _, _, top in entries],
-            "text_offset": offsets}
+            "text_offset": starts}
 
 
 def native_probs(tokenizer, entries: list[TokenLogprob]) -> list[dict]:
@@ -504,7 +517,9 @@ def native_chunk(text: str, tokens: list[int], slot: int, n_predicted: int, n_pr
 
 def native_final(c: Completion, slot: int, model: str, settings: dict, prompt: str, with_text: bool,
                  return_tokens: bool, probs: list[dict] | None = None) -> dict:
-    obj = {"index": 0, "content": c.text if with_text else "", "tokens": c.token_ids if return_tokens else [],
+    # a stream's final event carries no tokens (its chunks did), as llama-server's
+    obj = {"index": 0, "content": c.text if with_text else "", "tokens": c.token_ids if return_tokens and with_text
+           else [],
            "id_slot": slot, "stop": True, "model": model, "tokens_predicted": len(c.token_ids),
            "tokens_evaluated": len(c.prompt_ids), "generation_settings": settings, "prompt": prompt,
            "has_new_line": "\n" in c.text, "truncated": False, "stop_type": stop_type(c),

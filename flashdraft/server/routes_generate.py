@@ -255,12 +255,11 @@ async def completions(request: Request) -> Response:
         c = done[1]
         logprobs = P.text_logprobs(engine.tokenizer, c.logprobs) if with_logprobs else None
         return JSONResponse(P.text_response(env, c, logprobs))
-    sent = [0]  # characters of text sent so far (text_offset of the next chunk)
+    offsets = P.TextOffsets(engine.tokenizer)
 
     def pieces(event: Delta | Completion) -> Iterator[dict]:
         if isinstance(event, Delta) and (event.text or event.logprobs):
-            logprobs = P.text_logprobs(engine.tokenizer, event.logprobs, sent[0]) if with_logprobs else None
-            sent[0] += len(event.text)
+            logprobs = P.text_logprobs(engine.tokenizer, event.logprobs, offsets) if with_logprobs else None
             yield P.text_chunk(env, event.text, logprobs=logprobs)
 
     return openai_stream(request, req, env, body, pieces, lambda reason: P.text_chunk(env, "", reason))

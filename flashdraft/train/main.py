@@ -215,6 +215,8 @@ def load_or_build_draft(args: argparse.Namespace, target, tokenizer, out: Path, 
         draft, state, optim_state = DFlashDraft(cfg), {}, None
         init_weights(draft, args.seed)
         draft.to(device)
+    if draft.cfg.dflash2:  # (the training forward, train/blocks.py, has no convolutions or selector)
+        raise ValueError("training DFlash2 drafts (convolutions, path selector) is not supported yet")
     check_compatible(draft.cfg, target.cfg.hidden_size, target.cfg.vocab_size, target.cfg.num_layers)
     return draft.train(), state, optim_state
 
