@@ -167,9 +167,7 @@ def speculation(args: argparse.Namespace, draft: str | None) -> tuple[str | None
         if not least <= value <= ngram.LIMIT:
             raise ValueError(f"{flag} {value}: must be between {least} and {ngram.LIMIT}")
     params = {name: value for _, _, name, _, value in given if name != "min_hits"}
-    if kind.n_max_param and args.draft_n_max is not None:
-        params[kind.n_max_param] = args.draft_n_max
-    return spec_type, params
+    return spec_type, params | registry.shared_settings(spec_type, args.draft_n_max)
 
 
 # llama.cpp's spellings; the flashdraft command resolves them into -m/-md before a subcommand parses its arguments

@@ -95,17 +95,12 @@ def resolve_pair(args: argparse.Namespace) -> tuple[str, str | None, list[str]]:
 
 def holds_mtp(model: str) -> bool:
     """Whether the target's checkpoint holds an MTP block (read from its config or GGUF metadata only)."""
-    from flashdraft.models.registry import read_config
+    from flashdraft.formats.loader import model_config
     path = Path(model)  # a named model is none of Qwen3.5's (and would be downloaded to find out)
     if not path.exists():
         return False
     try:
-        if path.is_dir():
-            from flashdraft.formats.safetensors import read_config as read_hf_config
-            _, cfg = read_config(read_hf_config(path))
-        else:
-            from flashdraft.formats.gguf import gguf_to_hf_config, read_gguf
-            _, cfg = read_config(gguf_to_hf_config(read_gguf(path)))
+        _, cfg = model_config(path)
     except (ValueError, OSError):
         return False
     return getattr(cfg, "mtp_layers", 0) > 0
@@ -163,8 +158,7 @@ def engine_setup(args: argparse.Namespace, model: str, draft: str | None,
 def bench_params(args: argparse.Namespace, spec_type: str) -> dict:
     """A drafter kind's settings from the shared flags (--spec-draft-n-max for the MTP block)."""
     from flashdraft.draft import registry
-    kind = registry.kind_named(spec_type)
-    return {kind.n_max_param: args.draft_n_max} if kind.n_max_param and args.draft_n_max is not None else {}
+    return registry.shared_settings(spec_type, args.draft_n_max)
 
 
 def server_setup(args: argparse.Namespace) -> tuple[list[System], list[System]]:

@@ -73,10 +73,7 @@ class ChainDrafter(nn.Module):
             tokens, run = self.lookups[i].lookup(anchors, positions, slots, k, block)
             chosen = torch.where(run > 0, tokens, chosen)
             source = torch.where(run > 0, i, source)
-        if isinstance(slots, Tensor):
-            self.sources.index_put_((slots,), source)
-        else:
-            self.sources[slots:slots + 1].copy_(source)
+        self.sources[slots] = source
         return chosen
 
     def compile_layers(self, block_sizes=None):

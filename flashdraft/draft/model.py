@@ -21,7 +21,7 @@ from flashdraft.draft.config import DraftConfig
 from flashdraft.engine.sampling import argmax_rows
 from flashdraft.layers.attention import few_query_attention, masked_attention, position_mask, uses_split_kernel
 from flashdraft.layers.compile import compile_layer_forward
-from flashdraft.layers.kv_cache import RingKVCache
+from flashdraft.layers.kv_cache import RingKVCache, slot_row
 from flashdraft.layers.linear import Linear, fuse_linears_on_load
 from flashdraft.layers.mlp import GatedMLP
 from flashdraft.layers.norm import RMSNorm
@@ -309,8 +309,7 @@ class DFlashDraft(nn.Module):
         ring = rings.window if context_rows is None else min(context_rows, rings.window)
         x = noise_embedding.to(self.norm.weight.dtype)
         cos_sin = self.rotary(positions, x.dtype)
-        row_positions = (rings.row_positions.index_select(0, slot)[0] if isinstance(slot, torch.Tensor)
-                         else rings.row_positions[slot])[:ring]
+        row_positions = slot_row(rings.row_positions, slot)[:ring]
         context_valid = (row_positions >= 0) & (row_positions < positions[:1])
         key_positions = torch.cat([positions, row_positions])
         block_valid = torch.ones_like(positions, dtype=torch.bool) if live is None else \

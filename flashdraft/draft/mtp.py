@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from flashdraft.engine.sampling import argmax_rows
 from flashdraft.layers.attention import masked_attention
-from flashdraft.layers.kv_cache import RingKVCache
+from flashdraft.layers.kv_cache import RingKVCache, slot_row
 from flashdraft.layers.quantized import QuantizedWeight
 from flashdraft.layers.rope import rope_cos_sin, rope_inv_freq
 
@@ -96,10 +96,8 @@ class MTPDrafter(nn.Module):
         k, v = self.block.keys_values(x[None], self._rope(at)[:, None])
         s.cache.write(slots, at, k[0].transpose(0, 1), v[0].transpose(0, 1))
         s.row_positions[slots, at % s.window] = at
-        slot = slots if isinstance(slots, Tensor) else torch.tensor([slots], device=at.device)
-        other = 1 - read  # [1]
-        s.hidden.index_put_((slot, other), hidden[-1:])
-        s.hidden_at.index_put_((slot, other), positions[-1:])
+        s.hidden[slots, 1 - read] = hidden[-1:]  # the row not read (read: [1])
+        s.hidden_at[slots, 1 - read] = positions[-1:]
 
     def propose(self, target, anchors: Tensor, positions: Tensor, slots: int | Tensor, k: int,
                 live: Tensor | None = None, block: int | None = None,
@@ -110,7 +108,7 @@ class MTPDrafter(nn.Module):
         ring = s.window if context_rows is None else min(context_rows, s.window)
         keys, values = s.cache.block_view(slots, k, ring)  # [KV, k + ring, D]: k scratch rows, then the ring
         at = positions[:1]
-        context = _row(s.row_positions, slots)[:ring]
+        context = slot_row(s.row_positions, slots)[:ring]
         context_valid = (context >= 0) & (context < at)
         h = self._hidden_before(slots, at)[0]  # [1, H]
         token, proposed = anchors[:1], []
@@ -137,17 +135,12 @@ class MTPDrafter(nn.Module):
     def _hidden_before(self, slots: int | Tensor, first: Tensor) -> tuple[Tensor, Tensor]:
         """The slot's h at position first - 1 ([1, H]; zeros where neither row holds it) and the row read ([1])."""
         s = self.state
-        match = _row(s.hidden_at, slots) == first - 1  # [2]
-        h = (match[:, None].to(s.hidden.dtype) * _row(s.hidden, slots)).sum(0, keepdim=True)
+        match = slot_row(s.hidden_at, slots) == first - 1  # [2]
+        h = (match[:, None].to(s.hidden.dtype) * slot_row(s.hidden, slots)).sum(0, keepdim=True)
         return h, match[1:].long()  # row 1 where it matched, else row 0 (its write goes to the other)
 
     def _rope(self, positions: Tensor) -> Tensor:
         return rope_cos_sin(self.inv_freq, positions, self.rope_scaling)
-
-
-def _row(table: Tensor, slot: int | Tensor) -> Tensor:
-    """A slot's row of a per-slot table, the slot an int or a [1] tensor (one CUDA graph for every slot)."""
-    return table[slot] if isinstance(slot, int) else table.index_select(0, slot)[0]
 
 
 def create(spec_type: str, target, options) -> MTPDrafter:

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from flashdraft.layers.kv_cache import slot_row
+
 # llama.cpp's defaults (common/common.h: common_params_speculative_ngram_mod, ngram_simple)
 NGRAM_MOD = dict(n_match=24, n_max=64, n_min=48)
 NGRAM_SIMPLE = dict(size_n=12, size_m=48)
@@ -129,7 +131,7 @@ class NGramDrafter:
         """propose's [1, k] tokens, and the run found ([], 0: nothing proposed; the tokens past it are the anchor):
         a chain (draft/chain.py) takes the lookup's tokens where it found a run, else its model drafter's."""
         s, cfg, n = self.state, self.config, self.config.n_match
-        tokens, held, prints = (_slot_row(t, slots) for t in (s.tokens, s.held, s.prints))
+        tokens, held, prints = (slot_row(t, slots) for t in (s.tokens, s.held, s.prints))
         n_max = min(cfg.n_max, (block or self.block_size) - 1)
         steps = min(n_max, max(k, cfg.n_min))  # enough for the n_min rule; the first k are the same for any k
         anchor, at = anchors[0], positions[0]
@@ -187,8 +189,8 @@ class NGramDrafter:
     def _prints_at(self, slot: int | Tensor, grams: Tensor) -> Tensor:
         """Fingerprints of the n-grams at positions [T, n] of a slot (-1 where one of them is not held)."""
         s = self.state
-        complete = self._holds(_slot_row(s.held, slot), grams).all(-1)
-        return torch.where(complete, self._print(self._gather(_slot_row(s.tokens, slot), grams)), -1)
+        complete = self._holds(slot_row(s.held, slot), grams).all(-1)
+        return torch.where(complete, self._print(self._gather(slot_row(s.tokens, slot), grams)), -1)
 
     @staticmethod
     def _latest(prints: Tensor, candidates: Tensor, key_print: Tensor) -> Tensor:
@@ -200,8 +202,3 @@ class NGramDrafter:
 def create(spec_type: str, target, options) -> NGramDrafter:
     """The registry's constructor (draft/registry.py): no files, `options.params` the flags' values by name."""
     return NGramDrafter(config_for(spec_type, options.params), options.device, name=spec_type)
-
-
-def _slot_row(table: Tensor, slot: int | Tensor) -> Tensor:
-    """A slot's row of a per-slot table, the slot an int or a [1] tensor (one CUDA graph for every slot)."""
-    return table[slot] if isinstance(slot, int) else table.index_select(0, slot)[0]

@@ -97,6 +97,21 @@ def kind_named(spec_type: str) -> DrafterKind | None:
     raise ValueError(f"--spec-type {spec_type}: {why} (types: {', '.join(spec_types())})")
 
 
+def shared_settings(spec_type: str, draft_n_max: int | None) -> dict:
+    """The settings the drafter flags shared by every kind give `spec_type`'s kind (a chain's: its model drafter's):
+    --spec-draft-n-max as the MTP block's proposals; {} where the kind has its own flags."""
+    kind = kind_named(spec_type)
+    return {kind.n_max_param: draft_n_max} if kind.n_max_param and draft_n_max is not None else {}
+
+
+def spec_type_names(name: str) -> tuple[str, ...]:
+    """A drafter's --spec-type names: its own, then its llama.cpp spelling (dflash and draft-dflash, mtp and
+    draft-mtp), not its kind's other types (an ngram-mod drafter is no ngram-simple one)."""
+    kind = next((k for k in KINDS if name in (k.name, *k.spec_types)), None)
+    same = [n for n in (kind.spec_types if kind else ()) if n.removeprefix("draft-") == name.removeprefix("draft-")]
+    return tuple(dict.fromkeys([name, *same]))
+
+
 def chain_kinds(spec_type: str) -> list[DrafterKind]:
     """The kinds of a chain, `--spec-type ngram-mod,draft-dflash` (llama.cpp's): lookups first, then one model
     drafter. ValueError, in one line, for a chain in another order or with an unknown type."""

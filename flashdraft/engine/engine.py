@@ -492,28 +492,28 @@ class Engine:
 
     def _ready(self) -> "Engine":
         """Compiled layers, captured step graphs and measured step costs, as the configuration asks."""
-        engine, target, drafter, config = self, self.target, self.draft, self.config
+        target, drafter, config = self.target, self.draft, self.config
         if compile_enabled(config):  # shapes are static only where graphs bucket them
             from flashdraft.formats.named import cache_dir
             # compiled kernels kept beside the models (not in /tmp): a later start, after a reboot too, reuses them
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
-            widths = ({1} | ({engine.draft_block} if drafter is not None else set())
-                      | ({SLICE_WIDTH} if engine.n_slots > 1 else set()))  # a prompt's slices beside other slots
+            widths = ({1} | ({self.draft_block} if drafter is not None else set())
+                      | ({SLICE_WIDTH} if self.n_slots > 1 else set()))  # a prompt's slices beside other slots
             target.compile_layers(tuple(widths | target.compiled_widths))
             if drafter is not None:
-                drafter.compile_layers((engine.draft_block,))
-        if engine.steps.static:
+                drafter.compile_layers((self.draft_block,))
+        if self.steps.static:
             log.info("capturing the decode steps' CUDA graphs%s (--no-compile: a faster first start)",
                      " over torch.compile'd layers" if compile_enabled(config) else "")
-            engine.warmup()
-            log.info("step graphs ready in %.1f s", engine.startup_s["warmup"])
-        if engine.adaptive:  # warmup's speculative request may have timed the widths already, never the batches
-            if engine.width_costs is None:
-                engine.measure_width_costs()
-            if engine.n_slots > 1 and not engine.batch_costs:
-                engine.measure_batch_costs()
-            engine._release_cached()
-        return engine
+            self.warmup()
+            log.info("step graphs ready in %.1f s", self.startup_s["warmup"])
+        if self.adaptive:  # warmup's speculative request may have timed the widths already, never the batches
+            if self.width_costs is None:
+                self.measure_width_costs()
+            if self.n_slots > 1 and not self.batch_costs:
+                self.measure_batch_costs()
+            self._release_cached()
+        return self
 
     def resized(self, ctx_size: int) -> "Engine":
         """The same weights with caches for another context size per slot."""

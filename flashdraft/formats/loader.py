@@ -59,6 +59,16 @@ def load_into(module: torch.nn.Module, state: dict, quantized: dict, dtype: torc
                          f"{' ...' if len(missing) > 5 else ''}")
 
 
+def model_config(path: Path, gguf_file=None):
+    """(family, config) of a target's HF folder or GGUF file (`gguf_file`: the file as read_gguf read it), from its
+    config or metadata alone."""
+    if path.is_dir():
+        from flashdraft.formats.safetensors import read_config as read_hf_config
+        return read_config(read_hf_config(path))
+    from flashdraft.formats import gguf
+    return read_config(gguf.gguf_to_hf_config(gguf_file or gguf.read_gguf(path)))
+
+
 def load_target(model: str, device: str = "cpu", dtype: torch.dtype = torch.float32, progress: bool = False,
                 quantized: bool = False):
     """Returns (model, Tokenizer, resolved path). Under torch.distributed, this rank's share of the target.
@@ -69,14 +79,14 @@ def load_target(model: str, device: str = "cpu", dtype: torch.dtype = torch.floa
 
     path = Path(resolve_model(model))
     if path.is_dir():
-        from flashdraft.formats.safetensors import iter_tensors, read_config as read_hf_config
-        family, cfg = read_config(read_hf_config(path))
+        from flashdraft.formats.safetensors import iter_tensors
+        family, cfg = model_config(path)
         tokenizer = Tokenizer.from_hf_folder(path)
         tensors = iter_tensors(path, dtype, device)
     elif path.is_file():
         from flashdraft.formats import gguf
         reader = gguf.read_gguf(path)
-        family, cfg = read_config(gguf.gguf_to_hf_config(reader))
+        family, cfg = model_config(path, reader)
         tokenizer = Tokenizer.from_gguf(reader)
         rank, world_size = rank_and_world()
         if quantized and world_size > 1:

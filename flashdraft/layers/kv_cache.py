@@ -22,6 +22,12 @@ from flashdraft.layers.kv_quant import KVCodec, kv_codecs
 Slots = int | slice | Tensor  # one slot (a Python int: a fixed index for CUDA graphs), a range, or one per batch row
 
 
+def slot_row(table: Tensor, slot: int | Tensor) -> Tensor:
+    """A slot's row of a per-slot table, the slot an int or a [1] tensor (a copy then: one CUDA graph serves every
+    slot)."""
+    return table[slot] if isinstance(slot, int) else table.index_select(0, slot)[0]
+
+
 class KVSlots:
     """One layer's cache as one forward sees it: the rows of its slots. Made outside compiled layers, so that a
     compiled layer receives the slot's own view as an input and writes it in place (indexing a slot out of the
@@ -180,9 +186,7 @@ class RingKVCache:
         then the first `ring_rows` rows of the ring. `slot` a [1] tensor: a copy of those rows (one CUDA graph then
         serves every slot), whose scratch rows the step may write as the view's."""
         rows = slice(self.scratch - block_len, self.scratch + ring_rows)
-        if isinstance(slot, Tensor):
-            return self.k[:, :, rows].index_select(0, slot)[0], self.v[:, :, rows].index_select(0, slot)[0]
-        return self.k[slot, :, rows], self.v[slot, :, rows]
+        return slot_row(self.k[:, :, rows], slot), slot_row(self.v[:, :, rows], slot)
 
 
 class RecurrentSlots:

@@ -193,7 +193,7 @@ class Qwen35MTP(nn.Module):
         self.fc = Linear(2 * h, h, bias=False)
         self.pre_fc_norm_embedding = RMSNorm(h, eps, offset=1.0)
         self.pre_fc_norm_hidden = RMSNorm(h, eps, offset=1.0)
-        self.layers = nn.ModuleList(Qwen35DecoderLayer(cfg, 0, FULL) for _ in range(max(cfg.mtp_layers, 1)))
+        self.layers = nn.ModuleList([Qwen35DecoderLayer(cfg, 0, FULL)])  # (checkpoints with more: refused)
         self.norm = RMSNorm(h, eps, offset=1.0)
 
     def pair(self, embedding: Tensor, hidden: Tensor) -> Tensor:

@@ -8,6 +8,7 @@ import jinja2
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from flashdraft.draft import registry
 from flashdraft.engine.engine import Completion, Delta, Engine
 from flashdraft.engine.engine import Request as EngineRequest
 from flashdraft.formats.chat import chat_ids
@@ -93,20 +94,11 @@ def engine_request(state: ServerState, ids: list[int], body: dict, limit_names: 
         raise ApiError(400, str(e)) from None
     P.check_fits(ids, engine.ctx_size)
     n_max = P.draft_n_max(body, engine.draft_block - 1 if engine.draft is not None else None)
-    wanted = P.speculation_type(body, drafter_names(engine.draft) if state.settings.speculative else ())
+    wanted = P.speculation_type(body, registry.spec_type_names(engine.draft.name)
+                                if engine.draft is not None and state.settings.speculative else ())
     return EngineRequest(prompt_ids=ids, params=params,
                          speculative=state.settings.speculative and n_max != 0 and wanted,
                          cache_prompt=P.get_bool(body, "cache_prompt", True), grammar=grammar, draft_n_max=n_max)
-
-def drafter_names(draft) -> tuple[str, ...]:
-    """The --spec-type names of this drafter: its own, and its llama.cpp spelling (dflash and draft-dflash, mtp
-    and draft-mtp), not its kind's other types (an ngram-mod server is no ngram-simple one)."""
-    if draft is None:
-        return ()
-    from flashdraft.draft import registry
-    kind = next((k for k in registry.KINDS if draft.name in (k.name, *k.spec_types)), None)
-    same = [n for n in (kind.spec_types if kind else ()) if n.removeprefix("draft-") == draft.name.removeprefix("draft-")]
-    return tuple(dict.fromkeys([draft.name, *same]))
 
 
 
