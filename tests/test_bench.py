@@ -266,15 +266,22 @@ def test_default_invocation_runs_smollm2(smollm2_file, tmp_path, monkeypatch, ca
     assert s["comparisons"][0]["rows"][-1]["prompts"] == 1
 
 
-def test_in_process_compares_every_drafter_named(capsys, tiny):
-    """--drafters: plain, then each drafter through its own engine over the same weights, in one table; greedy
-    answers the same through all of them."""
-    rc, out, err = run_bench(capsys, tiny, "--json", "--drafters", "dflash,ngram-simple")
+def test_in_process_compares_every_drafter_named(capsys, tiny, tmp_path):
+    """--drafters: plain, then each drafter through its own engine over the same weights, in one table (each
+    system's answers drafted by its own drafter, as their timings name it); greedy answers the same through all
+    of them."""
+    rc, out, err = run_bench(capsys, tiny, "--json", "--drafters", "dflash,ngram-simple", "--out", str(tmp_path),
+                             "--no-spec-dm-adaptive")  # every step drafts
     assert rc == 0, err
     s = json.loads(out)
     assert s["systems"] == ["baseline", "dflash", "ngram-simple"]
     assert [c["system"] for c in s["comparisons"]] == ["dflash", "ngram-simple"]
     assert all(not c["mismatches"] for c in s["comparisons"]) and "MISMATCH" not in err
+    responses = [Result.from_dict(json.loads(line)) for line in (tmp_path / "responses.jsonl").read_text().splitlines()]
+    for system in ("dflash", "ngram-simple"):
+        named = [set(t.timings.get("draft_n_accepted_by", {})) for r in responses if r.system == system
+                 for t in r.turns]
+        assert named and all(n == {system} for n in named), (system, named)
 
 
 def test_in_process_drafters_without_a_draft_file(capsys, tmp_path):
