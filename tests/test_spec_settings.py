@@ -1,5 +1,5 @@
 """How much a step drafts, as llama.cpp's flags and requests say it: `--spec-draft-n-max` on the command line and
-`speculative.n_max` / `speculative.n_min` per request (0 turns speculation off for that request), and
+`speculative.n_max` / `speculative.n_min` / `speculative.p_min` per request (0 turns speculation off for that request), and
 `speculative.type` ("none": off for that request)."""
 import httpx
 import pytest
@@ -16,9 +16,11 @@ def test_spec_draft_n_max_sets_the_block_as_llama_cpp(models, caplog):
     llama.cpp's warning to the draft's trained block; synthetic lengths resolve against it."""
     target, draft = models
     s, notes = parse_settings(["-m", str(target), "-md", str(draft), "--device", DEVICE, "-c", "512",
-                               "--spec-draft-n-max", "3", "--spec-synth-len", "4", "--spec-draft-n-min", "2"])
-    assert s.draft_n_max == 3 and notes == ["ignoring --spec-draft-n-min 2: the adaptive verify width "
-                                            "(--spec-dm-adaptive) decides when drafting pays"]
+                               "--spec-draft-n-max", "3", "--spec-synth-len", "4", "--spec-draft-n-min", "2",
+                               "--draft-p-min", "0.75"])
+    assert s.draft_n_max == 3 and notes[0] == ("ignoring --spec-draft-n-min 2: the adaptive verify width "
+                                               "(--spec-dm-adaptive) decides when drafting pays")
+    assert len(notes) == 2 and notes[1].startswith("ignoring --draft-p-min 0.75: a step's drafted tokens")
     engine = load_engine(s)
     assert engine.draft_block == 4 and engine.synth_rates == [1.0, 1.0, 1.0]
     done = engine.generate(Request(list(range(3, 20)), SamplingParams(max_tokens=40, ignore_eos=True)))
@@ -44,7 +46,7 @@ def test_speculative_n_max_per_request(models):
             return httpx.post(url + "/completion", json={**body, **extra}, timeout=60)
 
         for n_max, most in ((2, 2), (3, 3), (99, engine.draft_block - 1)):
-            r = complete(**{"speculative.n_max": n_max, "speculative.n_min": 1}).json()
+            r = complete(**{"speculative.n_max": n_max, "speculative.n_min": 1, "speculative.p_min": 0.5}).json()
             spec = r["speculative"]
             assert r["tokens"] == plain.token_ids
             assert spec["verify_steps"] > 0 and spec["draft_n"] <= most * spec["verify_steps"]
@@ -61,6 +63,8 @@ def test_speculative_n_max_per_request(models):
         for bad, words in (({"speculative.n_max": -1}, "'speculative.n_max' must be >= 0"),
                            ({"speculative.n_max": "4"}, "'speculative.n_max' must be an integer"),
                            ({"speculative.n_max": 2, "speculative.n_min": 3}, "'speculative.n_min' (3) must not"),
+                           ({"speculative.p_min": 1.5}, "'speculative.p_min' must be between 0.0 and 1.0"),
+                           ({"speculative.p_min": "0.5"}, "'speculative.p_min' must be a number"),
                            ({"speculative.type": "ngram-mod"}, "'speculative.type' 'ngram-mod' is not available: "
                                                                "this server drafts with dflash"),
                            ({"speculative.type": 3}, "'speculative.type' must be a string")):

@@ -35,6 +35,9 @@ IGNORED_FLAGS = [
     (("-kvu", "--kv-unified"), False, "each slot has its own KV cache of ctx-size / parallel tokens"),
     (("-cram", "--cache-ram"), True, "there is no host-RAM prompt cache"),
     (("--spec-draft-n-min",), True, "the adaptive verify width (--spec-dm-adaptive) decides when drafting pays"),
+    (("--spec-draft-p-min", "--draft-p-min"), True, "a step's drafted tokens are all verified in one captured "
+                                                     "graph, so a low-confidence tail costs no extra pass; the "
+                                                     "adaptive verify width decides how much a step drafts"),
     (("-fitt", "--fit-target"), True, "--fit leaves 1 GiB of GPU memory beside the caches (llama.cpp's default)"),
 ]
 ON, OFF = ("on", "enabled", "true", "1"), ("off", "disabled", "false", "0")  # llama.cpp's is_truthy / is_falsey

@@ -158,8 +158,10 @@ def sampling_params(body: dict, settings: Settings, token_limit_names: tuple[str
 def draft_n_max(body: dict, most: int | None) -> int | None:
     """llama.cpp's per-request `speculative.n_max` (the most tokens a step drafts; 0: no speculation for this
     request), clamped to the draft's block less its anchor (`most`; None: no draft, nothing to clamp), and
-    `speculative.n_min`, checked and accepted (the draft always fills its block)."""
+    `speculative.n_min` and `speculative.p_min`, checked and accepted (the draft always fills its block, and the
+    adaptive verify width decides how much of it a step checks)."""
     n_max = get_int(body, "speculative.n_max", None, 0, 2 ** 31 - 1)
+    get_number(body, "speculative.p_min", 0.0, 0.0, 1.0)
     n_min = get_int(body, "speculative.n_min", None, 0, 2 ** 31 - 1)
     if n_min is not None and n_max is not None and n_min > n_max:
         raise ApiError(400, f"'speculative.n_min' ({n_min}) must not exceed 'speculative.n_max' ({n_max})")
