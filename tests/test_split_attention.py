@@ -255,10 +255,19 @@ QUANTIZED_PAIRS = [("q8_0", "q4_0"), ("q4_1", "q5_0"), ("q5_1", "iq4_nl"), ("tur
                    ("f16", "turbo3"), ("bf16", "q4_1")]
 
 
-def check_quantized(device: str, dtype: torch.dtype, tol: float) -> None:
+QUANTIZED_CASES = list(zip([(1, 8, 2, 64, 150), (16, 8, 4, 128, 333), (3, 4, 1, 32, 100)] * 3, QUANTIZED_PAIRS))
+# small heads, K and V both in nibble types (SmolLM2's guide cache, q5_0 / q4_1): the kernel reads them on the GPU
+SMALL_NIBBLE_CASES = [((1, 8, 2, 64, 150), ("q5_0", "q4_1")), ((16, 8, 2, 64, 333), ("q4_1", "q5_0")),
+                      ((3, 4, 1, 32, 100), ("q5_1", "iq4_nl")), ((16, 8, 4, 64, 200), ("q4_0", "q5_1"))]
+# small heads, K in one plane (float or q8_0) beside a nibble V: expanded on the GPU (layers.attention.kernel_reads)
+SMALL_ONE_PLANE_K_CASES = [((1, 8, 2, 64, 150), ("q8_0", "q4_0")), ((3, 4, 1, 32, 100), ("bf16", "q4_1")),
+                           ((16, 8, 2, 64, 333), ("f16", "q5_0"))]
+
+
+def check_quantized(device: str, dtype: torch.dtype, tol: float, cases=QUANTIZED_CASES) -> None:
     """The kernel reading each stored KV type (through attend_cache, which rotates q and the output for the
     rotated types; quantized keys as stored, minus the cache's key shift) against attention over the cache's
-    expansion (KVSlots.read, the shift added back, + the matmul path)."""
+    expansion (KVSlots.read, the shift added back, + the matmul path). cases: ((T, H, KV, D, L), (K type, V type))."""
     from flashdraft.layers import attention
     from flashdraft.layers.attention import AttentionSpec, attend_cache, grouped_attention
     from flashdraft.layers.kv_cache import KVCache
@@ -266,8 +275,7 @@ def check_quantized(device: str, dtype: torch.dtype, tol: float) -> None:
     assert attention.SPLIT_KERNEL_LOADED
     all_tiles_together()
     gen = torch.Generator().manual_seed(2)
-    for (T, H, KV, D, L), types in zip([(1, 8, 2, 64, 150), (16, 8, 4, 128, 333), (3, 4, 1, 32, 100)] * 3,
-                                       QUANTIZED_PAIRS):
+    for (T, H, KV, D, L), types in cases:
         cache = KVCache(1, KV, L + 20, D, dtype, device, kv_codecs(types, dtype))
         k, v = torch.randn(2, 1, L, KV, D, generator=gen).to(device, dtype)
         if cache.codecs[0].packed:  # keys stored minus a mean key, as a model's quantized cache stores them
@@ -463,7 +471,7 @@ def record_launches(kernel_module, seen: list) -> None:
 
 
 def check_batch(device: str, dtype: torch.dtype, tol: float, heads=(64, 128, 256, 512), kv_heads: int = 1,
-                groups: int = 2) -> list:
+                groups: int = 2, cases=BATCH_CASES) -> list:
     """A batch of slots in one launch (attend_cache over a tensor of slots: split_attention_batch), rows of
     different context lengths at their own positions (BATCH_CASES): each row against attention over its slot's
     expansion (KVSlots.read + the matmul path), and bit for bit what the single-slot path gives the row alone, both
@@ -479,7 +487,7 @@ def check_batch(device: str, dtype: torch.dtype, tol: float, heads=(64, 128, 256
     record_launches(kernel_module, seen)
     rows = max(BATCH_LENGTHS) + 60
     try:
-        for D, k_type, v_type, T, B, window, softcap in (case for case in BATCH_CASES if case[0] in heads):
+        for D, k_type, v_type, T, B, window, softcap in (case for case in cases if case[0] in heads):
             cache = KVCache(5, kv_heads, rows, D, dtype, device, kv_codecs((k_type, v_type), dtype))
             k, v = torch.randn(2, 5, rows, kv_heads, D, generator=gen).to(device, dtype)
             if cache.codecs[0].packed and softcap is None:  # keys stored minus a mean key, as models store them
@@ -509,7 +517,7 @@ def check_batch(device: str, dtype: torch.dtype, tol: float, heads=(64, 128, 256
     finally:
         kernel_module._partial_kernel = partial
     # each batch of rows took one launch (none fell back to expanding the rows)
-    assert sum(B > 1 for B, _, _ in seen) == 2 * sum(case[4] > 1 for case in BATCH_CASES if case[0] in heads) + 1
+    assert sum(B > 1 for B, _, _ in seen) == 2 * sum(case[4] > 1 for case in cases if case[0] in heads) + 1
     return seen
 
 
@@ -570,13 +578,27 @@ def test_split_attention_rows_are_invariant_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
                     reason="needs a GPU and triton")
-@pytest.mark.xfail(reason="layers.attention.kernel_reads: nibble V types below 128-wide heads came out wrong on an "
-                          "H200 (2026-12-04, before the kernel's later rewrites); an XPASS means the exclusion, which "
-                          "expands such caches every step (SmolLM2 with q5_0/q4_1 KV), can go", strict=False)
-def test_split_kernel_reads_nibble_values_of_small_heads_on_gpu(monkeypatch):
+def test_split_kernel_reads_nibble_keys_and_values_of_small_heads_on_gpu():
+    """SmolLM2's q5_0/q4_1 cache (64-wide heads) and the like: read by the kernel as stored, not expanded."""
+    from flashdraft.layers.attention import kernel_reads
+    from flashdraft.layers.kv_quant import kv_codecs
+    assert all(kernel_reads(kv_codecs(types, torch.bfloat16), shape[3], True) for shape, types in SMALL_NIBBLE_CASES)
+    check_quantized("cuda", torch.bfloat16, 0.05, SMALL_NIBBLE_CASES)
+    check_batch("cuda", torch.bfloat16, 0.05, heads=(32, 64), kv_heads=2, groups=4, cases=[
+        (64, "q5_0", "q4_1", 16, 4, None, None), (64, "q4_1", "q5_0", 1, 3, 40, None),
+        (32, "q5_1", "iq4_nl", 1, 2, None, None)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+                    reason="needs a GPU and triton")
+@pytest.mark.xfail(reason="layers.attention.kernel_reads: a nibble V below 128-wide heads beside a K read in one "
+                          "plane came out wrong on the GPU; an XPASS means that exclusion, which expands such caches "
+                          "every step, can go", strict=False)
+def test_split_kernel_reads_nibble_values_beside_one_plane_keys_of_small_heads_on_gpu(monkeypatch):
     from flashdraft.layers import attention
     monkeypatch.setattr(attention, "kernel_reads", lambda *a: True)
-    check_quantized("cuda", torch.bfloat16, 0.05)
+    check_quantized("cuda", torch.bfloat16, 0.05, SMALL_ONE_PLANE_K_CASES)
     check_batch("cuda", torch.bfloat16, 0.05, heads=(32, 64), kv_heads=2, groups=4)
 
 

@@ -134,7 +134,7 @@ def reads_by_position(cache, cuda: bool) -> bool:
     """Whether a step's attention over this cache (layers.kv_cache.KVCache, not a window ring) takes the split
     kernel as attend_cache calls it, with the queries' positions: the kernel then splits the keys by the last
     position's bucket and reads none past it, so one launch over the whole cache serves every length."""
-    return split_kernel_takes(cache.head_dim, cuda) and kernel_reads(cache.codecs[1], cache.head_dim, cuda)
+    return split_kernel_takes(cache.head_dim, cuda) and kernel_reads(cache.codecs, cache.head_dim, cuda)
 
 
 def few_query_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float,
@@ -145,11 +145,17 @@ def few_query_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, s
     return grouped_attention(q, keys, values, mask, scale, softcap)
 
 
-def kernel_reads(v_codec, head_dim: int, cuda: bool) -> bool:
-    """Whether the split kernel reads this V storage directly. On the H200 (Triton 3.6) its V sums came out wrong
-    for the 32-value nibble types (q4_0, q4_1, q5_0, q5_1, iq4_nl) at head sizes under 128 (docs/perf-history.md,
-    2026-12-04 H200; right under the interpreter and at 128): such caches are expanded first there."""
-    return not (cuda and head_dim < 128 and v_codec.qtype is not None and v_codec.name != "q8_0")
+def kernel_reads(codecs, head_dim: int, cuda: bool) -> bool:
+    """Whether the split kernel reads this (K, V) storage directly. On the GPU (Triton 3.6) its V sums came out
+    wrong for V in a 32-value nibble type (q4_0, q4_1, q5_0, q5_1, iq4_nl) at head sizes under 128 beside K read
+    in one plane (a float type or q8_0); right under the interpreter, at 128, and with K in a nibble type too
+    (docs/perf-history.md, 2026-12-04 H200; tests/test_split_attention.py's GPU tests): such caches are expanded
+    first there."""
+    def nibbles(codec) -> bool:
+        return codec.qtype is not None and codec.name != "q8_0"
+
+    k_codec, v_codec = codecs
+    return not (cuda and head_dim < 128 and nibbles(v_codec) and not nibbles(k_codec))
 
 
 def attend_cache(q: Tensor, cache, length: int, mask: Tensor | None, spec: AttentionSpec,
@@ -189,7 +195,7 @@ def split_kernel_reads(q: Tensor, cache) -> bool:
     """Whether attend_cache's q [B, T, H, D] over this cache view takes the split kernel: few query tokens, a head
     it takes, a V storage it reads, and one batch row per slot view (a batch over a range or a tensor of slots)."""
     return ((q.shape[0] == 1 or not cache.single) and q.shape[1] <= SMALL_QUERY and uses_split_kernel(q[0])
-            and kernel_reads(cache.codecs[1], q.shape[-1], q.is_cuda))
+            and kernel_reads(cache.codecs, q.shape[-1], q.is_cuda))
 
 
 def attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, spec: AttentionSpec) -> Tensor:
