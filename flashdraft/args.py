@@ -110,7 +110,7 @@ def add_speculation_args(ap: argparse.ArgumentParser) -> None:
                     help="none (plain decoding, a draft is not loaded), dflash or draft-dflash (a DFlash draft, "
                          "-md; implied by one), ngram-mod or ngram-simple (n-gram lookup over the request's prompt "
                          "and output: no draft model), mtp or draft-mtp (the target checkpoint's own MTP block: "
-                         "Qwen3.5/3.6/3.8)")
+                         "Qwen3.5/3.6/3.8; with -md, a Gemma 4 assistant, which -md alone implies too)")
     ngram = ap.add_argument_group("n-gram lookup (--spec-type ngram-mod / ngram-simple, as llama.cpp's)")
     ngram.add_argument("--spec-ngram-mod-n-match", type=int, default=None, metavar="N",
                        help="ngram-mod lookup length: the tokens matched, the last committed one included "
@@ -147,19 +147,21 @@ def speculation(args: argparse.Namespace, draft: str | None) -> tuple[str | None
             raise ValueError(f"--spec-draft-n-max {args.draft_n_max}: invalid value")
         if getattr(args, "block_size", None) is not None:
             raise ValueError("--spec-draft-n-max and --block-size both set the verify block: give one")
-    kind = registry.kind_named(spec_type) if spec_type is not None else None  # a chain's: its last
+    kind = registry.kind_named(spec_type, bool(draft)) if spec_type is not None else None  # a chain's: its last
+    # a draft file's kind reads --spec-draft-n-max too (a Gemma 4 assistant: its chained steps)
+    file_settings = {"draft_n_max": args.draft_n_max} if draft and args.draft_n_max is not None else {}
     chained = spec_type is not None and "," in spec_type
     named = [n.strip() for n in spec_type.split(",")] if spec_type else []
     for flag, for_type, _, _, _ in given:
         if for_type not in named:
             raise ValueError(f"{flag} is for --spec-type {for_type}" + (f", not {spec_type}" if spec_type else ""))
     if kind is None:
-        return None, {}
+        return None, file_settings
     if kind.create is None:
         if not draft:
             raise ValueError(f"--spec-type {spec_type} needs a draft model (-md / --spec-draft-model)")
         if not chained:
-            return None, {}
+            return None, file_settings
     elif draft:
         raise ValueError(f"--spec-type {spec_type} takes no draft model: drop -md (to chain an n-gram lookup before "
                          "a draft model: --spec-type ngram-mod,draft-dflash -md DRAFT)")

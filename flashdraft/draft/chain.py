@@ -51,6 +51,10 @@ class ChainDrafter(nn.Module):
         """The member that proposed the slot's last step (read on the host, after the step)."""
         return self.members[int(self.sources[slot])].name
 
+    def read_target_state(self, state):
+        if hasattr(self.model, "read_target_state"):
+            self.model.read_target_state(state)
+
     def reset(self, slot=0, keep=0):
         for m in self.members:
             m.reset(slot, keep)

@@ -45,6 +45,9 @@ class Drafter(Protocol):
     # serves every slot (engine/steps.Steps.observe) and every combination of slots in a batched step
     # (engine/steps.Steps.speculative_batch)
     slot_tensors: bool
+    # (optional) `read_target_state(state)`: a drafter that attends over the target's own caches (a Gemma 4
+    # assistant) is handed the target's models.interface.ModelState once, after setup_cache (engine/steps.Steps);
+    # its `propose` reads the rows the target wrote before the anchor's position
 
     def setup_cache(self, window: int, n_slots: int = 1,
                     cache_dtypes: tuple[torch.dtype | None, torch.dtype | None] = (None, None)) -> None:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from flashdraft.draft.config import DRAFT2_ARCHITECTURE, DRAFT_ARCHITECTURE
 from flashdraft.draft.interface import Drafter, LoadOptions
-from flashdraft.draft import mtp, ngram
+from flashdraft.draft import gemma4_assistant, mtp, ngram
 from flashdraft.draft.load import load_dflash
 from flashdraft.formats.gguf_draft import is_draft_architecture
 
@@ -59,8 +59,13 @@ DFLASH = DrafterKind(name="dflash", load=load_dflash,
 NGRAM = DrafterKind(name="ngram", spec_types=("ngram-mod", "ngram-simple"), create=ngram.create, lookup=True)
 MTP = DrafterKind(name="mtp", spec_types=("mtp", "draft-mtp"), create=mtp.create,
                   n_max_param="draft_n_max")
+# a separate MTP assistant (-md), which llama.cpp also takes as --spec-type draft-mtp
+GEMMA4_ASSISTANT = DrafterKind(name="gemma4-assistant", load=gemma4_assistant.load,
+                               hf_architectures=gemma4_assistant.HF_ARCHITECTURES,
+                               gguf_architecture=gemma4_assistant.is_assistant_gguf, spec_types=("mtp", "draft-mtp"),
+                               n_max_param="draft_n_max")
 
-KINDS: list[DrafterKind] = [DFLASH, NGRAM, MTP]
+KINDS: list[DrafterKind] = [DFLASH, NGRAM, MTP, GEMMA4_ASSISTANT]
 
 # llama.cpp's other --spec-type names, and why flashdraft does not take them
 NOT_BUILT = {
@@ -80,19 +85,21 @@ def register(kind: DrafterKind) -> None:
 
 
 def spec_types() -> list[str]:
-    return ["none", *(name for kind in KINDS for name in kind.spec_types)]
+    return ["none", *dict.fromkeys(name for kind in KINDS for name in kind.spec_types)]
 
 
-def kind_named(spec_type: str) -> DrafterKind | None:
-    """The kind that `--spec-type spec_type` chooses (None for "none"). ValueError, in one line, for a name that no
-    kind takes."""
+def kind_named(spec_type: str, with_file: bool = False) -> DrafterKind | None:
+    """The kind that `--spec-type spec_type` chooses (None for "none"); `with_file`: a draft file comes with it,
+    and a kind that loads one is chosen where one takes the name (draft-mtp with -md: a Gemma 4 assistant, as
+    llama.cpp's). ValueError, in one line, for a name that no kind takes."""
     if spec_type == "none":
         return None
     if "," in spec_type:
-        return chain_kinds(spec_type)[-1]
-    for kind in KINDS:
-        if spec_type in kind.spec_types:
-            return kind
+        chain_kinds(spec_type)
+        return kind_named(spec_type.split(",")[-1].strip(), with_file)
+    named = [kind for kind in KINDS if spec_type in kind.spec_types]
+    if named:
+        return next((kind for kind in named if (kind.load is not None) == with_file), named[0])
     why = f"not supported: {NOT_BUILT[spec_type]}" if spec_type in NOT_BUILT else "unknown type"
     raise ValueError(f"--spec-type {spec_type}: {why} (types: {', '.join(spec_types())})")
 
@@ -107,8 +114,10 @@ def shared_settings(spec_type: str, draft_n_max: int | None) -> dict:
 def spec_type_names(name: str) -> tuple[str, ...]:
     """A drafter's --spec-type names: its own, then its llama.cpp spelling (dflash and draft-dflash, mtp and
     draft-mtp), not its kind's other types (an ngram-mod drafter is no ngram-simple one)."""
-    kind = next((k for k in KINDS if name in (k.name, *k.spec_types)), None)
+    kind = next((k for k in KINDS if name == k.name), None) or next((k for k in KINDS if name in k.spec_types), None)
     same = [n for n in (kind.spec_types if kind else ()) if n.removeprefix("draft-") == name.removeprefix("draft-")]
+    if kind is not None and not same:  # a kind named apart from its types (gemma4-assistant: mtp, draft-mtp)
+        same = list(kind.spec_types)
     return tuple(dict.fromkeys([name, *same]))
 
 

@@ -119,6 +119,8 @@ class Steps:
         self.slot_inputs = getattr(draft, "slot_tensors", False)  # batched drafter steps take the slots as input
         if draft is not None:  # a verify step may be cut back to any of its lengths
             state.allow_rollback(draft.block_size)
+        if hasattr(draft, "read_target_state"):  # a drafter attending over the target's caches
+            draft.read_target_state(state)
         self.graphs = GraphCache(device)
         self.static = self.graphs.captures
         self.device = device
