@@ -3,10 +3,14 @@
   python benchmarks/gguf_gpu.py make --shape llama-3.1-8b --out-dir DIR       random BF16 GGUF of that shape
   python benchmarks/gguf_gpu.py make --shape gemma-4-31b --out-dir DIR        random blocks in Q4_K_S's layout
   python benchmarks/gguf_gpu.py make --shape qwen2.5-32b --random-quant Q4_K_M --out-dir DIR   the ~32B shape
+  python benchmarks/gguf_gpu.py make --shape qwen3.6-27b --out-dir DIR        hybrid qwen35 + MTP layer, Q4_K_M's layout
   python benchmarks/gguf_gpu.py measure --files A.gguf,B.gguf [--compile]      flashdraft's steps on each file
 
 `make` writes the BF16 file with the `gguf` package (random weights, std 0.02); llama.cpp's own `llama-quantize`
 makes the other types from it and `llama-bench -ngl 99 -fa 1 -p 512 -n 128` is the peer (run by the caller).
+The qwen35 shapes (Qwen3.5 / 3.6: Gated DeltaNet and gated attention, with the MTP `nextn` layer) are written in
+Q4_K_M's layout directly, random blocks of each tensor's type, by flashdraft.formats.gguf_writer: no `gguf` or
+`transformers` package needed.
 `measure` loads each file with its matrices kept quantized and times, with CUDA graphs: a decode step and a
 verify(16) step at 1k and 16k context, a random 5-layer DFlash draft's step (bf16, or with --draft-quant Q5_K
 random blocks kept quantized, as the guide's Q5_K_M draft GGUF is), a 512-token prefill, and reports
@@ -15,22 +19,20 @@ peak GPU memory, the weights' GPU bytes against the file's tensor bytes, and the
 """
 import argparse
 import json
+import math
 import sys
 import time
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from gpu import SHAPES, TINY, draft_for, timed  # noqa: E402
-
-from flashdraft.engine.engine import module_bytes  # noqa: E402
-from flashdraft.engine.generate import prefill  # noqa: E402
-from flashdraft.engine.graphs import GraphCache  # noqa: E402
-from flashdraft.engine.sampling import argmax_rows  # noqa: E402
-from flashdraft.engine.steps import bucket_for, plain_step  # noqa: E402
-from flashdraft.models.llama import LlamaConfig  # noqa: E402
+# the engine's modules (and the `gguf` package they need) are imported where used: `make` of the qwen35 shapes
+# runs with numpy and torch alone
+sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parent.parent)]
 
 
 def byte_level_tokens(vocab: int) -> list[str]:
@@ -83,13 +85,13 @@ def tensor_type(name: str, n_layers: int, file_type: str, gqa: int) -> str:
     return base
 
 
-# Qwen2.5-32B (Qwen/Qwen2.5-32B-Instruct's config): a ~32B llama-family shape with q/k/v biases; the tiny one's
-# rows are multiples of 256 (K-quants)
-QWEN25_32B = {"qwen2.5-32b": LlamaConfig(arch="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=27648,
-                                         num_layers=64, num_heads=40, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
-                                         rope_theta=1e6, qkv_bias=True, max_position_embeddings=32768),
-              "tiny": LlamaConfig(arch="qwen2", vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=4,
-                                  num_heads=4, num_kv_heads=2, head_dim=64, qkv_bias=True)}
+# Qwen2.5-32B (Qwen/Qwen2.5-32B-Instruct's config), LlamaConfig's arguments: a ~32B llama-family shape with q/k/v
+# biases; the tiny one's rows are multiples of 256 (K-quants)
+QWEN25_32B = {"qwen2.5-32b": dict(arch="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=27648,
+                                  num_layers=64, num_heads=40, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                                  rope_theta=1e6, qkv_bias=True, max_position_embeddings=32768),
+              "tiny": dict(arch="qwen2", vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=4,
+                           num_heads=4, num_kv_heads=2, head_dim=64, qkv_bias=True)}
 
 # Gemma 4 31B (google/gemma-4-31B-it's text config) and a tiny stand-in for smoke tests
 GEMMA4 = {"gemma-4-31b": dict(vocab=262144, hidden=5376, ffn=21504, layers=60, heads=32, kv=16, kv_full=4, hd=256,
@@ -179,6 +181,226 @@ def make_gemma4(args) -> int:
     return write_out(w, out)
 
 
+@dataclass(frozen=True)
+class Qwen35Shape:
+    """A dense `qwen35` model (HF `qwen3_5`, text part), by the config values llama.cpp's converter reads."""
+    vocab: int
+    hidden: int
+    ffn: int
+    layers: int  # num_hidden_layers; the file's blocks add the MTP layers after them
+    heads: int
+    kv_heads: int
+    head_dim: int
+    k_heads: int  # linear_num_key_heads
+    v_heads: int  # linear_num_value_heads
+    head_k: int  # linear_key_head_dim, = linear_value_head_dim (llama.cpp's loader takes ssm.state_size for both)
+    conv: int = 4  # linear_conv_kernel_dim
+    mtp: int = 1  # mtp_num_hidden_layers
+    interval: int = 4  # full_attention_interval: layer i is full attention where (i + 1) % interval == 0
+    rope_theta: float = 1e7
+    partial_rotary: float = 0.25
+    eps: float = 1e-6
+    context: int = 262144
+
+    @property
+    def blocks(self) -> int:
+        return self.layers + self.mtp
+
+    def recurrent(self, i: int) -> bool:
+        return i < self.layers and (i + 1) % self.interval != 0
+
+
+# qwen3.6-27b: Qwen/Qwen3.6-27B's text config (Qwen3.5-27B's is the same): 64 layers of 16 x (3 Gated DeltaNet + 1
+# gated attention), 48 value / 16 key heads of 128, attention 24 heads / 4 KV of 256 (RoPE on 64), FFN 17408,
+# vocabulary 248320, one MTP layer. In Q4_K_M's layout (q4_k_m_type) the file is 16,804,874,176 bytes (16.80 GB,
+# 15.65 GiB; 5 MB of it the header's vocabulary): tensors 15.40 GiB without the MTP layer, as llama.cpp reports
+# mradermacher's Qwen3.6-27B i1-Q4_K_M (15.401 GiB, no MTP layer), and 0.25 GiB more with it; model pages list
+# Qwen3.6-27B Q4_K_M files at 16.5 and 16.8 GB.
+# qwen3.5-tiny: the same layout at test size (every row whole 256-blocks, as in the 27B).
+QWEN35 = {"qwen3.6-27b": Qwen35Shape(vocab=248320, hidden=5120, ffn=17408, layers=64, heads=24, kv_heads=4,
+                                     head_dim=256, k_heads=16, v_heads=48, head_k=128),
+          "qwen3.5-tiny": Qwen35Shape(vocab=320, hidden=256, ffn=512, layers=4, heads=4, kv_heads=2, head_dim=64,
+                                      k_heads=2, v_heads=4, head_k=64)}
+
+
+def qwen35_tensors(c: Qwen35Shape) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, torch-order shape) of every tensor llama.cpp's converter writes for the shape, MTP layers included,
+    in the order llama-quantize writes them (the globals, then block by block, each by name)."""
+    H, key, value = c.hidden, c.k_heads * c.head_k, c.v_heads * c.head_k
+    out = [("output.weight", (c.vocab, H)), ("output_norm.weight", (H,)), ("token_embd.weight", (c.vocab, H))]
+    for i in range(c.blocks):
+        layer = [("attn_norm.weight", (H,)), ("post_attention_norm.weight", (H,)), ("ffn_gate.weight", (c.ffn, H)),
+                 ("ffn_up.weight", (c.ffn, H)), ("ffn_down.weight", (H, c.ffn))]
+        if c.recurrent(i):  # Gated DeltaNet
+            layer += [("attn_qkv.weight", (2 * key + value, H)), ("attn_gate.weight", (value, H)),
+                      ("ssm_conv1d.weight", (2 * key + value, c.conv)), ("ssm_dt.bias", (c.v_heads,)),
+                      ("ssm_a", (c.v_heads,)), ("ssm_alpha.weight", (c.v_heads, H)),
+                      ("ssm_beta.weight", (c.v_heads, H)), ("ssm_norm.weight", (c.head_k,)),
+                      ("ssm_out.weight", (H, value))]
+        else:  # gated attention: attn_q holds each head's query and gate
+            q, kv = c.heads * c.head_dim, c.kv_heads * c.head_dim
+            layer += [("attn_q.weight", (2 * q, H)), ("attn_k.weight", (kv, H)), ("attn_v.weight", (kv, H)),
+                      ("attn_output.weight", (H, q)), ("attn_q_norm.weight", (c.head_dim,)),
+                      ("attn_k_norm.weight", (c.head_dim,))]
+        if i >= c.layers:
+            layer += [("nextn.eh_proj.weight", (H, 2 * H)), ("nextn.enorm.weight", (H,)), ("nextn.hnorm.weight", (H,)),
+                      ("nextn.shared_head_norm.weight", (H,))]
+        out += sorted((f"blk.{i}.{name}", shape) for name, shape in layer)
+    return out
+
+
+# llama-quantize's fallback where a row is not whole blocks of the chosen type (tensor_type_fallback)
+FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+
+def q4_k_m_type(name: str, shape: tuple[int, ...], blocks: int) -> str:
+    """The type llama-quantize gives a tensor of a `qwen35` file it makes Q4_K_M from the converter's BF16 one
+    (llama-quant.cpp: tensor_allows_quantization, llama_tensor_get_type_impl; no imatrix or overrides):
+    - left as the converter wrote them, F32: 1-D tensors, names not ending in "weight" (ssm_a), "_norm.weight",
+      ssm_conv1d (the converter writes it F32 too);
+    - output.weight Q6_K (not tied, so token_embd.weight stays the default Q4_K);
+    - attn_qkv (the DeltaNet's) and attn_v both count as "attention-v" tensors and, with ffn_down, take Q6_K where
+      use_more_bits(i, n) (more_bits), else Q4_K. i counts the tensors of that kind in llama-quantize's order and
+      n is their number (ffn_down's: hparams.n_layer_all); each block, the MTP one too, holds one of each, so i is
+      the block index and n the block count. (The later Q5_K branch for attn_qkv is not reached: the
+      attention-v branch takes it first.)
+    - the rest (attn_q/k/output, attn_gate, ssm_alpha/beta/out, ffn_gate/up, nextn.eh_proj) Q4_K.
+    A row that is not whole 256-blocks falls back to a 32-block type (FALLBACK), or F16."""
+    if len(shape) < 2 or not name.endswith("weight") or "_norm.weight" in name or "ssm_conv1d" in name:
+        return "F32"
+    qtype = "Q4_K"
+    if name == "output.weight":
+        qtype = "Q6_K" if shape[-1] % 256 == 0 else "Q8_0"
+    elif name.startswith("blk.") and name.split(".")[2] in ("attn_v", "attn_qkv", "ffn_down"):
+        qtype = "Q6_K" if more_bits(int(name.split(".")[1]), blocks) else "Q4_K"
+    if shape[-1] % 256:
+        qtype = FALLBACK[qtype] if shape[-1] % 32 == 0 else "F16"
+    return qtype
+
+
+# mean square of a block's values when its fp16 scales are 1 and the rest is random bytes: Q4_K's 6-bit sub-block
+# scales and mins uniform in 0..63 (mean square 1333.5) times its 4-bit codes (77.5) less the mins; Q6_K's int8
+# scales (5461.5) times its codes - 32 (341.5); Q8_0's int8 codes; Q5_0's codes - 16 (85.5)
+CODE_MEAN_SQUARE = {"Q4_K": 1333.5 * (77.5 + 1), "Q6_K": 5461.5 * 341.5, "Q8_0": 5461.5, "Q5_0": 85.5}
+SCALE_OFFSETS = {"Q4_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,), "Q5_0": (0,)}  # each block's fp16 d (and dmin)
+CHUNK_BYTES = 1 << 28
+
+
+def random_block_chunks(qtype: str, rows: int, cols: int, std: float, seed: int,
+                        device: str) -> Iterator[np.ndarray]:
+    """Random stored bytes of a [rows, cols] matrix of `qtype`, some rows at a time: random codes and sub-block
+    scales, each block's fp16 scales uniform in +-b with b such that the values' standard deviation is `std`."""
+    from flashdraft.formats.gguf_writer import GGML_TYPES
+    _, block, size = GGML_TYPES[qtype]
+    n_blocks, bound = cols // block, std * math.sqrt(3 / CODE_MEAN_SQUARE[qtype])
+    gen = torch.Generator(device).manual_seed(seed)
+    step = max(1, CHUNK_BYTES // (n_blocks * size))
+    for start in range(0, rows, step):
+        n = min(step, rows - start)
+        raw = torch.randint(0, 256, (n, n_blocks, size), generator=gen, device=device, dtype=torch.uint8)
+        for offset in SCALE_OFFSETS[qtype]:
+            d = torch.empty(n, n_blocks, device=device).uniform_(-bound, bound, generator=gen).half()
+            raw[:, :, offset:offset + 2] = d.view(torch.uint8).view(n, n_blocks, 2)
+        yield raw.cpu().numpy()
+
+
+def qwen35_float(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """The F32 tensors, at values near a trained model's (HF's initialisation, as the converter stores it)."""
+    if name.endswith(".ssm_a"):  # -exp(A_log): A uniform in (1, 16)
+        return -rng.uniform(1, 16, shape).astype(np.float32)
+    if name.endswith(".ssm_dt.bias"):  # softplus^-1(dt) for dt log-uniform in (0.001, 0.1)
+        dt = np.exp(rng.uniform(np.log(1e-3), np.log(0.1), shape))
+        return (dt + np.log(-np.expm1(-dt))).astype(np.float32)
+    if name.endswith(".ssm_conv1d.weight"):  # PyTorch's default bound for a depthwise kernel: 1 / sqrt(taps)
+        return rng.uniform(-1, 1, shape).astype(np.float32) / math.sqrt(shape[-1])
+    return np.ones(shape, np.float32)  # norms: HF's zero w stored as 1 + w; ssm_norm's plain ones
+
+
+def float_chunks(name: str, shape: tuple[int, ...], seed: int) -> Iterator[np.ndarray]:
+    yield qwen35_float(name, shape, np.random.default_rng(seed))
+
+
+QWEN35_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 257-259 of byte_level_tokens' vocabulary
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def qwen35_writer(c: Qwen35Shape, label: str, device: str):
+    """The whole Q4_K_M file as a flashdraft.formats.gguf_writer.GGUFWriter: the keys llama.cpp's converter
+    writes for the shape (tokenizer: byte_level_tokens with Qwen's three control tokens, EOS <|im_end|>, ChatML),
+    general.file_type and quantization_version as llama-quantize sets them, and random tensors (weights' standard
+    deviation 0.02)."""
+    from flashdraft.formats.gguf_writer import ARRAY, BOOL, F32, I32, STRING, U32, GGUFWriter
+    a = "qwen35"
+    w = GGUFWriter(a)
+    tensors = qwen35_tensors(c)
+    params = sum(math.prod(s) for _, s in tensors)
+    w.add("general.type", STRING, "model")
+    w.add("general.name", STRING, f"random {label} shape")
+    w.add("general.size_label", STRING, f"{params / 1e9:.0f}B" if params >= 1e9 else f"{params / 1e6:.1f}M")
+    for key, value in (("block_count", c.blocks), ("context_length", c.context), ("embedding_length", c.hidden),
+                       ("feed_forward_length", c.ffn), ("attention.head_count", c.heads),
+                       ("attention.head_count_kv", c.kv_heads)):
+        w.add(f"{a}.{key}", U32, value)
+    w.add(f"{a}.rope.freq_base", F32, c.rope_theta)
+    w.add(f"{a}.attention.layer_norm_rms_epsilon", F32, c.eps)
+    w.add(f"{a}.attention.key_length", U32, c.head_dim)
+    w.add(f"{a}.attention.value_length", U32, c.head_dim)
+    for key, value in (("nextn_predict_layers", c.mtp), ("ssm.conv_kernel", c.conv), ("ssm.state_size", c.head_k),
+                       ("ssm.group_count", c.k_heads), ("ssm.time_step_rank", c.v_heads),
+                       ("ssm.inner_size", c.v_heads * c.head_k)):
+        w.add(f"{a}.{key}", U32, value)
+    w.add(f"{a}.attention.recurrent_layers", ARRAY, [c.recurrent(i) for i in range(c.blocks)], BOOL)
+    w.add(f"{a}.full_attention_interval", U32, c.interval)
+    w.add(f"{a}.rope.dimension_count", U32, int(c.head_dim * c.partial_rotary))
+    w.add(f"{a}.rope.dimension_sections", ARRAY, [11, 11, 10, 0], I32)  # the converter's default, as Qwen's own
+    tokens, kinds = byte_level_tokens(c.vocab), [1] * c.vocab
+    tokens[257:260], kinds[257:260] = QWEN35_SPECIALS, [3] * 3  # 3: control
+    w.add("tokenizer.ggml.model", STRING, "gpt2")
+    w.add("tokenizer.ggml.pre", STRING, "qwen35")
+    w.add("tokenizer.ggml.tokens", ARRAY, tokens, STRING)
+    w.add("tokenizer.ggml.token_type", ARRAY, kinds, I32)
+    w.add("tokenizer.ggml.merges", ARRAY, ["Ġ t"], STRING)
+    w.add("tokenizer.ggml.eos_token_id", U32, 259)
+    w.add("tokenizer.ggml.add_bos_token", BOOL, False)
+    w.add("tokenizer.chat_template", STRING, CHATML)
+    w.add("general.quantization_version", U32, 2)  # llama-quantize sets these two last
+    w.add("general.file_type", U32, FILE_TYPES["Q4_K_M"][1])
+    for seed, (name, shape) in enumerate(tensors):
+        qtype = q4_k_m_type(name, shape, c.blocks)
+        if qtype == "F32":
+            chunks = partial(float_chunks, name, shape, seed)
+        else:
+            chunks = partial(random_block_chunks, qtype, shape[0], shape[1], 0.02, seed, device)
+        w.add_tensor(name, qtype, shape, chunks)
+    return w
+
+
+def make_qwen35(args) -> int:
+    """A random `qwen35` GGUF in Q4_K_M's layout (random_block_chunks; q4_k_m_type), written by this repository's
+    own writer: torch and numpy are all it needs. --size-only prints the size without writing."""
+    shape = "qwen3.5-tiny" if args.tiny else args.shape
+    if args.random_quant not in (None, "Q4_K_M"):
+        raise SystemExit(f"{shape} is written in Q4_K_M's layout only")
+    w = qwen35_writer(QWEN35[shape], shape, "cuda" if torch.cuda.is_available() else "cpu")
+    types: dict[str, list[int]] = {}
+    for t in w.tensors:
+        n, size = types.get(t.qtype, [0, 0])
+        types[t.qtype] = [n + 1, size + t.nbytes]
+    print(f"{shape} Q4_K_M: {len(w.tensors)} tensors, " + ", ".join(
+        f"{q} {n} ({size / 2**30:.2f} GiB)" for q, (n, size) in sorted(types.items())))
+    size = w.file_size()
+    print(f"file size {size:,} bytes ({size / 1e9:.2f} GB, {size / 2**30:.2f} GiB)")
+    if args.size_only:
+        return 0
+    out = Path(args.out_dir) / f"{shape}-Q4_K_M.gguf"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter()
+    w.write(out)
+    print(f"wrote {out} in {time.perf_counter() - t:.1f} s")
+    return 0
+
+
 def gemma4_draft(target_cfg, device: str, dtype: torch.dtype, tiny: bool):
     """A random draft of z-lab's gemma-4-31B-it-DFlash shape: 5 Qwen3-style layers (4 sliding, window 2048, then
     a full one), 64 heads / 8 KV of 128, MLP 10752, block 16, six target layers, softcapped head."""
@@ -213,11 +435,16 @@ def quantized_draft(draft, qtype: str, device: str, dtype: torch.dtype):
 
 
 def make(args) -> int:
+    if args.shape in QWEN35:
+        return make_qwen35(args)
     from gguf import GGMLQuantizationType, GGUFWriter
+    from gpu import SHAPES, TINY
+
+    from flashdraft.models.llama import LlamaConfig
     if args.shape.startswith("gemma"):
         return make_gemma4(args)
     if args.shape in QWEN25_32B:
-        cfg = QWEN25_32B["tiny" if args.tiny else args.shape]
+        cfg = LlamaConfig(**QWEN25_32B["tiny" if args.tiny else args.shape])
     else:
         cfg = (TINY if args.tiny else SHAPES)[args.shape]
     if cfg.arch not in ("llama", "qwen2"):
@@ -297,6 +524,7 @@ def file_matrix_bytes(path: str) -> tuple[int, int, dict]:
 
 
 def copy_bandwidth(dev: str) -> float:
+    from gpu import timed
     x = torch.randn((2 << 30) // 2, device=dev, dtype=torch.bfloat16)
     y = torch.empty_like(x)
     ms = timed(lambda: y.copy_(x), 20, dev)
@@ -304,6 +532,13 @@ def copy_bandwidth(dev: str) -> float:
 
 
 def measure(args) -> int:
+    from gpu import draft_for, timed
+
+    from flashdraft.engine.engine import module_bytes
+    from flashdraft.engine.generate import prefill
+    from flashdraft.engine.graphs import GraphCache
+    from flashdraft.engine.sampling import argmax_rows
+    from flashdraft.engine.steps import bucket_for, plain_step
     from flashdraft.formats.loader import load_target
     if args.kernel_config:
         from flashdraft.kernels import gguf_matmul as K
@@ -480,6 +715,8 @@ def main() -> int:
                                           "quantized (Q5_K: the guide's Q5_K_M draft GGUF; tiny shapes take Q8_0); "
                                           "default bf16")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke test of this script")
+    ap.add_argument("--size-only", action="store_true",
+                    help="make (qwen35 shapes): print the file's size and types, write nothing")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out")
     args = ap.parse_args()
