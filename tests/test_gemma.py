@@ -67,6 +67,26 @@ def test_logits_match_transformers_whole_and_through_the_cache(name):
                zip(ours.state.layers, ours.cfg.layer_types) if t == "sliding_attention")  # windows, not the context
 
 
+def test_a_prompt_reuses_a_window_ring_only_while_it_holds_the_window():
+    """A new prompt sharing a prefix with what a slot held: its sliding layers' rings hold only the last window +
+    step positions, so a prefix far behind the held end is not reusable (its window was overwritten; reusing it
+    changed the logits by up to 0.45 here), while one within the step allowance is, with the fresh logits."""
+    from flashdraft.engine.generate import prefill
+    hf, cfg = hf_model("gemma4")
+    ours, fresh = ours_from(hf, cfg), ours_from(hf, cfg)
+    ring = next(c for c in ours.state.layers if c.window)
+    held = torch.randint(0, BASE["vocab_size"], (100,))
+    with torch.no_grad():
+        for shared, want in ((30, 0), (100 - ring.rows + ring.window + 1, 100 - ring.rows + ring.window + 1)):
+            prompt = torch.cat([held[:shared], torch.randint(0, BASE["vocab_size"], (12,))])
+            prefill(ours, ours.state, held, 0)
+            keep = ours.state.reusable(0, len(held), shared)
+            assert keep == want, shared
+            logits = prefill(ours, ours.state, prompt, 0, cached=keep)
+            ref = prefill(fresh, fresh.state, prompt, 0)
+            assert (logits - ref).abs().max() < 1e-4, shared
+
+
 @pytest.mark.parametrize("name", ["gemma3", "gemma4"])
 def test_greedy_continuation_matches_transformers(name):
     hf, cfg = hf_model(name, std=0.2)
