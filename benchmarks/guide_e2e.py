@@ -11,6 +11,8 @@ writes its own under --out (default $OUT, else WORK/out):
               the files: the Gemma 4 31B shape in Q4_K_S's layout (gguf_gpu.py make) and a random Q5_K draft of
               z-lab's gemma-4-31B-it-DFlash shape as upstream llama.cpp's `dflash` GGUF (both engines read it)
   make8b      (optional, after the build) a random Llama-3.1-8B BF16 GGUF, made Q4_K_M by llama-quantize
+  makeqwen    (optional) a random Qwen3.6-27B-shaped qwen35 file in Q4_K_M's layout with its MTP layer
+              (gguf_gpu.py make --shape qwen3.6-27b; no llama.cpp needed)
   llama       wait for the build, then each configuration on llama-server
   flashdraft  each configuration on `python3 -m flashdraft.cli serve`
   smollm2     SmolLM2-135M-Instruct Q4_1 (real weights) with the shipped draft, both servers, chat requests at
@@ -53,6 +55,8 @@ per machine:
   5. smollm2
   6. report   (also here, on the calls' fetched result folders: --results DIR,DIR,...)
   optional: make8b, then llama / flashdraft --model 8b --configs cmd1,cmd1-f16
+  optional: makeqwen, then llama / flashdraft --model qwen27b --configs cmd1-f16,cmd1-f16-mtp-synth2.5,cmd1,...
+            (the hybrid target plain and with its own MTP head, --spec-type draft-mtp on both engines)
 
 Smoke test, a CPU will do: --tiny (tiny shapes of the same files) with --n-predict 16, and --llama-bin DIR
 for a llama.cpp built elsewhere (without CUDA).
@@ -125,6 +129,10 @@ def configs() -> dict[str, tuple[str, bool]]:
         synth = f"--spec-draft-n-max {SYNTH_N_MAX} --spec-synth-len {length}"
         out[f"cmd2-synth{length}"] = (f"{lines['LINE_2']} {synth}", True)
         out[f"cmd2-q51-synth{length}"] = (f"{lines['LINE_2']} {Q51_KV} {synth}", True)
+    for name in ("cmd1", "cmd1-f16"):  # a target's own MTP head (Qwen3.5/3.6/3.8: --model qwen27b), no draft file
+        out[f"{name}-mtp"] = (f"{out[name][0]} --spec-type draft-mtp", False)
+    # a random MTP head accepts nothing: both engines at the same synthetic acceptance (3 drafted tokens a step)
+    out["cmd1-f16-mtp-synth2.5"] = (f"{out['cmd1-f16'][0]} --spec-type draft-mtp --spec-synth-len 2.5", False)
     rates = ",".join(f"{r:g}" for r in FALLING_RATES)
     out["cmd2-falling"] = (f"{lines['LINE_2']} --spec-draft-n-max {SYNTH_N_MAX} --spec-synth-rates {rates}", True)
     return out
@@ -235,6 +243,8 @@ def model_files(args, model: str) -> Files:
         return gemma_files(args)
     if model == "8b":
         return Files(work / "m" / "llama-3.1-8b-Q4_K_M.gguf", None, None)
+    if model == "qwen27b":
+        return Files(work / "m" / f"{'qwen3.5-tiny' if args.tiny else 'qwen3.6-27b'}-Q4_K_M.gguf", None, None)
     target = Path(args.smollm2) if args.smollm2 else work / "in" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     llama_draft = Path(args.smollm2_llama_draft) if args.smollm2_llama_draft else \
         work / "in" / "smollm2-draft.llamacpp-bf16.gguf"
@@ -400,6 +410,21 @@ def make8b(args) -> None:
                     "--out-dir", str(tmp)] + (["--tiny"] if args.tiny else []), check=True, cwd=REPO)
     subprocess.run([str(llama_bin(args) / "llama-quantize"), str(tmp / "llama-3.1-8b-BF16.gguf"),
                     str(tmp / out.name), "Q4_K_M"], check=True)
+    (tmp / out.name).rename(out)
+    shutil.rmtree(tmp)
+    log(f"wrote {out}")
+
+
+def make_qwen(args) -> None:
+    out = model_files(args, "qwen27b").target
+    if out.exists():
+        log(f"{out} is there")
+        return
+    tmp = Path(args.work) / "m.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "gguf_gpu.py"), "make", "--shape", "qwen3.6-27b",
+                    "--out-dir", str(tmp)] + (["--tiny"] if args.tiny else []), check=True, cwd=REPO)
+    out.parent.mkdir(parents=True, exist_ok=True)
     (tmp / out.name).rename(out)
     shutil.rmtree(tmp)
     log(f"wrote {out}")
@@ -791,7 +816,7 @@ def report(args) -> int:
         temps = sorted({q.get("temperature") for q in r["requests"]}, key=lambda t: -1 if t is None else -t) or [None]
         for t in temps:
             rows.append(dict(r, T=t, s=summary(r, t)))
-    order = {"31b": 0, "8b": 1, "smollm2": 2}
+    order = {"31b": 0, "qwen27b": 1, "8b": 2, "smollm2": 3}
     cfg_order = {c: i for i, c in enumerate(configs())}
     rows.sort(key=lambda x: (order.get(x["model"], 9), -1 if x["T"] is None else -x["T"], x.get("depth", 0),
                              cfg_order.get(x["config"], 9), x["engine"] != "llama", x["label"], x["start"]))
@@ -897,11 +922,11 @@ def report(args) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__[__doc__.index("Phases"):],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("phase", choices=["build", "make8b", "llama", "flashdraft", "smollm2", "report"])
+    ap.add_argument("phase", choices=["build", "make8b", "makeqwen", "llama", "flashdraft", "smollm2", "report"])
     ap.add_argument("--work", default="/tmp/e2e", help="work folder shared by the phases (default /tmp/e2e)")
     ap.add_argument("--out", default=None, help="this call's results (default $OUT, else WORK/out)")
     ap.add_argument("--configs", default="", help=f"comma-separated, of {', '.join(configs())} (default all)")
-    ap.add_argument("--model", choices=["31b", "8b"], default="31b", help="llama/flashdraft phases: which target")
+    ap.add_argument("--model", choices=["31b", "8b", "qwen27b"], default="31b", help="llama/flashdraft phases: which target")
     ap.add_argument("--engines", default="llama,flashdraft", help="smollm2 phase: which servers")
     ap.add_argument("--temperatures", default="0.7,0", help="smollm2 phase: request temperatures")
     ap.add_argument("--extra-flags", default="", help="appended to flashdraft's command line (write it with '=')")
@@ -953,6 +978,9 @@ def main() -> int:
         return 0
     if args.phase == "make8b":
         make8b(args)
+        return 0
+    if args.phase == "makeqwen":
+        make_qwen(args)
         return 0
     if args.phase == "smollm2":
         temps = [float(t) for t in args.temperatures.split(",")]
