@@ -9,8 +9,8 @@
 `make` writes the BF16 file with the `gguf` package (random weights, std 0.02); llama.cpp's own `llama-quantize`
 makes the other types from it and `llama-bench -ngl 99 -fa 1 -p 512 -n 128` is the peer (run by the caller).
 The qwen35 shapes (Qwen3.5 / 3.6: Gated DeltaNet and gated attention, with the MTP `nextn` layer) are written in
-Q4_K_M's layout directly, random blocks of each tensor's type, by flashdraft.formats.gguf_writer: no `gguf` or
-`transformers` package needed.
+Q4_K_M's layout directly, random blocks of each tensor's type, by the same `gguf` writer, each tensor streamed a
+piece at a time (no `transformers` package needed).
 `measure` loads each file with its matrices kept quantized and times, with CUDA graphs: a decode step and a
 verify(16) step at 1k and 16k context, a random 5-layer DFlash draft's step (bf16, or with --draft-quant Q5_K
 random blocks kept quantized, as the guide's Q5_K_M draft GGUF is), a 512-token prefill, and reports
@@ -30,8 +30,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-# the engine's modules (and the `gguf` package they need) are imported where used: `make` of the qwen35 shapes
-# runs with numpy and torch alone
+# the engine's modules and the `gguf` package are imported where used
 sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parent.parent)]
 
 
@@ -290,8 +289,8 @@ def random_block_chunks(qtype: str, rows: int, cols: int, std: float, seed: int,
                         device: str) -> Iterator[np.ndarray]:
     """Random stored bytes of a [rows, cols] matrix of `qtype`, some rows at a time: random codes and sub-block
     scales, each block's fp16 scales uniform in +-b with b such that the values' standard deviation is `std`."""
-    from flashdraft.formats.gguf_writer import GGML_TYPES
-    _, block, size = GGML_TYPES[qtype]
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
     n_blocks, bound = cols // block, std * math.sqrt(3 / CODE_MEAN_SQUARE[qtype])
     gen = torch.Generator(device).manual_seed(seed)
     step = max(1, CHUNK_BYTES // (n_blocks * size))
@@ -326,77 +325,119 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 
 
 def qwen35_writer(c: Qwen35Shape, label: str, device: str):
-    """The whole Q4_K_M file as a flashdraft.formats.gguf_writer.GGUFWriter: the keys llama.cpp's converter
-    writes for the shape (tokenizer: byte_level_tokens with Qwen's three control tokens, EOS <|im_end|>, ChatML),
+    """The whole Q4_K_M file as a `gguf.GGUFWriter` holding its keys and tensor table, with each tensor's stored
+    bytes as a generator of pieces (by name, in the table's order): the keys llama.cpp's converter writes for the
+    shape (tokenizer: byte_level_tokens with Qwen's three control tokens, EOS <|im_end|>, ChatML),
     general.file_type and quantization_version as llama-quantize sets them, and random tensors (weights' standard
-    deviation 0.02)."""
-    from flashdraft.formats.gguf_writer import ARRAY, BOOL, F32, I32, STRING, U32, GGUFWriter
+    deviation 0.02). write_streamed writes it."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
     a = "qwen35"
-    w = GGUFWriter(a)
+    w = GGUFWriter(None, a)
     tensors = qwen35_tensors(c)
     params = sum(math.prod(s) for _, s in tensors)
-    w.add("general.type", STRING, "model")
-    w.add("general.name", STRING, f"random {label} shape")
-    w.add("general.size_label", STRING, f"{params / 1e9:.0f}B" if params >= 1e9 else f"{params / 1e6:.1f}M")
+    w.add_string("general.type", "model")
+    w.add_string("general.name", f"random {label} shape")
+    w.add_string("general.size_label", f"{params / 1e9:.0f}B" if params >= 1e9 else f"{params / 1e6:.1f}M")
     for key, value in (("block_count", c.blocks), ("context_length", c.context), ("embedding_length", c.hidden),
                        ("feed_forward_length", c.ffn), ("attention.head_count", c.heads),
                        ("attention.head_count_kv", c.kv_heads)):
-        w.add(f"{a}.{key}", U32, value)
-    w.add(f"{a}.rope.freq_base", F32, c.rope_theta)
-    w.add(f"{a}.attention.layer_norm_rms_epsilon", F32, c.eps)
-    w.add(f"{a}.attention.key_length", U32, c.head_dim)
-    w.add(f"{a}.attention.value_length", U32, c.head_dim)
+        w.add_uint32(f"{a}.{key}", value)
+    w.add_float32(f"{a}.rope.freq_base", c.rope_theta)
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", c.eps)
+    w.add_uint32(f"{a}.attention.key_length", c.head_dim)
+    w.add_uint32(f"{a}.attention.value_length", c.head_dim)
     for key, value in (("nextn_predict_layers", c.mtp), ("ssm.conv_kernel", c.conv), ("ssm.state_size", c.head_k),
                        ("ssm.group_count", c.k_heads), ("ssm.time_step_rank", c.v_heads),
                        ("ssm.inner_size", c.v_heads * c.head_k)):
-        w.add(f"{a}.{key}", U32, value)
-    w.add(f"{a}.attention.recurrent_layers", ARRAY, [c.recurrent(i) for i in range(c.blocks)], BOOL)
-    w.add(f"{a}.full_attention_interval", U32, c.interval)
-    w.add(f"{a}.rope.dimension_count", U32, int(c.head_dim * c.partial_rotary))
-    w.add(f"{a}.rope.dimension_sections", ARRAY, [11, 11, 10, 0], I32)  # the converter's default, as Qwen's own
+        w.add_uint32(f"{a}.{key}", value)
+    array = partial(w.add_key_value, vtype=GGUFValueType.ARRAY)
+    array(f"{a}.attention.recurrent_layers", [c.recurrent(i) for i in range(c.blocks)], sub_type=GGUFValueType.BOOL)
+    w.add_uint32(f"{a}.full_attention_interval", c.interval)
+    w.add_uint32(f"{a}.rope.dimension_count", int(c.head_dim * c.partial_rotary))
+    array(f"{a}.rope.dimension_sections", [11, 11, 10, 0], sub_type=GGUFValueType.INT32)  # the converter's default
     tokens, kinds = byte_level_tokens(c.vocab), [1] * c.vocab
     tokens[257:260], kinds[257:260] = QWEN35_SPECIALS, [3] * 3  # 3: control
-    w.add("tokenizer.ggml.model", STRING, "gpt2")
-    w.add("tokenizer.ggml.pre", STRING, "qwen35")
-    w.add("tokenizer.ggml.tokens", ARRAY, tokens, STRING)
-    w.add("tokenizer.ggml.token_type", ARRAY, kinds, I32)
-    w.add("tokenizer.ggml.merges", ARRAY, ["Ġ t"], STRING)
-    w.add("tokenizer.ggml.eos_token_id", U32, 259)
-    w.add("tokenizer.ggml.add_bos_token", BOOL, False)
-    w.add("tokenizer.chat_template", STRING, CHATML)
-    w.add("general.quantization_version", U32, 2)  # llama-quantize sets these two last
-    w.add("general.file_type", U32, FILE_TYPES["Q4_K_M"][1])
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_string("tokenizer.ggml.pre", "qwen35")
+    array("tokenizer.ggml.tokens", tokens, sub_type=GGUFValueType.STRING)
+    array("tokenizer.ggml.token_type", kinds, sub_type=GGUFValueType.INT32)
+    array("tokenizer.ggml.merges", ["Ġ t"], sub_type=GGUFValueType.STRING)
+    w.add_uint32("tokenizer.ggml.eos_token_id", 259)
+    w.add_bool("tokenizer.ggml.add_bos_token", False)
+    w.add_string("tokenizer.chat_template", CHATML)
+    w.add_uint32("general.quantization_version", 2)  # llama-quantize sets these two last
+    w.add_uint32("general.file_type", FILE_TYPES["Q4_K_M"][1])
+    chunks = {}
     for seed, (name, shape) in enumerate(tensors):
         qtype = q4_k_m_type(name, shape, c.blocks)
         if qtype == "F32":
-            chunks = partial(float_chunks, name, shape, seed)
-        else:
-            chunks = partial(random_block_chunks, qtype, shape[0], shape[1], 0.02, seed, device)
-        w.add_tensor(name, qtype, shape, chunks)
-    return w
+            w.add_tensor_info(name, shape, np.dtype(np.float32), 4 * math.prod(shape))
+            chunks[name] = partial(float_chunks, name, shape, seed)
+        else:  # the stored bytes, [rows, row bytes], as gguf.quants.quantize gives them
+            block, size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+            raw_shape = (shape[0], shape[1] // block * size)
+            w.add_tensor_info(name, raw_shape, np.dtype(np.uint8), math.prod(raw_shape),
+                              raw_dtype=GGMLQuantizationType[qtype])
+            chunks[name] = partial(random_block_chunks, qtype, shape[0], shape[1], 0.02, seed, device)
+    return w, chunks
+
+
+def write_head(w, path: Path) -> int:
+    """The header, key/values and tensor table of `w` (a gguf.GGUFWriter) written to `path`, padded to the data's
+    alignment; returns the size the file has once every tensor's bytes (each padded likewise) follow."""
+    w.write_header_to_file(path)
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    f = w.fout[0]
+    w.write_padding(f, f.tell())
+    return f.tell() + sum(w.ggml_pad(ti.nbytes, w.data_alignment) for ti in w.tensors[0].values())
+
+
+def write_streamed(w, chunks) -> int:
+    """Each tensor of `w`'s table (after write_head), in order, from its generator of pieces, then the padding: one
+    piece in memory at a time. Returns the file's size."""
+    f = w.fout[0]
+    for name, ti in w.tensors[0].items():
+        written = 0
+        for piece in chunks[name]():
+            piece = np.ascontiguousarray(piece)
+            piece.tofile(f)
+            written += piece.nbytes
+        if written != ti.nbytes:
+            raise ValueError(f"{name}: {written} bytes written, its {ti.dtype.name} table entry holds {ti.nbytes}")
+        w.write_padding(f, written)
+    size = f.tell()
+    w.close()
+    return size
 
 
 def make_qwen35(args) -> int:
-    """A random `qwen35` GGUF in Q4_K_M's layout (random_block_chunks; q4_k_m_type), written by this repository's
-    own writer: torch and numpy are all it needs. --size-only prints the size without writing."""
+    """A random `qwen35` GGUF in Q4_K_M's layout (random_block_chunks; q4_k_m_type), written by `gguf.GGUFWriter`
+    a tensor piece at a time. --size-only prints the size, writing only the header to a temporary file."""
+    import tempfile
     shape = "qwen3.5-tiny" if args.tiny else args.shape
     if args.random_quant not in (None, "Q4_K_M"):
         raise SystemExit(f"{shape} is written in Q4_K_M's layout only")
-    w = qwen35_writer(QWEN35[shape], shape, "cuda" if torch.cuda.is_available() else "cpu")
+    w, chunks = qwen35_writer(QWEN35[shape], shape, "cuda" if torch.cuda.is_available() else "cpu")
     types: dict[str, list[int]] = {}
-    for t in w.tensors:
-        n, size = types.get(t.qtype, [0, 0])
-        types[t.qtype] = [n + 1, size + t.nbytes]
-    print(f"{shape} Q4_K_M: {len(w.tensors)} tensors, " + ", ".join(
+    for ti in w.tensors[0].values():
+        n, size = types.get(ti.dtype.name, [0, 0])
+        types[ti.dtype.name] = [n + 1, size + ti.nbytes]
+    print(f"{shape} Q4_K_M: {len(w.tensors[0])} tensors, " + ", ".join(
         f"{q} {n} ({size / 2**30:.2f} GiB)" for q, (n, size) in sorted(types.items())))
-    size = w.file_size()
-    print(f"file size {size:,} bytes ({size / 1e9:.2f} GB, {size / 2**30:.2f} GiB)")
     if args.size_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            size = write_head(w, Path(tmp) / "head.gguf")
+            w.close()
+        print(f"file size {size:,} bytes ({size / 1e9:.2f} GB, {size / 2**30:.2f} GiB)")
         return 0
     out = Path(args.out_dir) / f"{shape}-Q4_K_M.gguf"
     out.parent.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
-    w.write(out)
+    size = write_head(w, out)
+    print(f"file size {size:,} bytes ({size / 1e9:.2f} GB, {size / 2**30:.2f} GiB)")
+    if write_streamed(w, chunks) != size:
+        raise SystemExit(f"{out}: written size differs from the {size:,} bytes its table gives")
     print(f"wrote {out} in {time.perf_counter() - t:.1f} s")
     return 0
 
@@ -716,7 +757,8 @@ def main() -> int:
                                           "default bf16")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke test of this script")
     ap.add_argument("--size-only", action="store_true",
-                    help="make (qwen35 shapes): print the file's size and types, write nothing")
+                    help="make (qwen35 shapes): print the file's size and types, write no file (the "
+                         "header alone goes to a temporary one, to be measured)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out")
     args = ap.parse_args()

@@ -1,5 +1,5 @@
 """benchmarks/gguf_gpu.py's random `qwen35` GGUF files (`make --shape qwen3.5-tiny`, and qwen3.6-27b for the
-measurements): written with numpy and torch alone, they load in flashdraft, decode finite logits and give its MTP
+measurements): written by the `gguf` package's writer a tensor piece at a time, they load in flashdraft, decode finite logits and give its MTP
 drafter its `nextn` layer; they hold the tensors and keys llama.cpp's own convert_hf_to_gguf.py writes for the same
 config, in the types llama-quantize's Q4_K_M gives them."""
 import json
@@ -24,10 +24,10 @@ TINY = gguf_gpu.QWEN35["qwen3.5-tiny"]
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory) -> Path:
-    """`make --shape qwen3.5-tiny` with the `gguf` and `transformers` packages unimportable, as on the GPU
-    machines."""
+    """`make --shape qwen3.5-tiny` with the `transformers` package unimportable: numpy, torch and `gguf` are all
+    it needs."""
     out = tmp_path_factory.mktemp("made")
-    run = ("import runpy, sys; sys.modules.update(gguf=None, transformers=None); sys.argv = sys.argv[1:]; "
+    run = ("import runpy, sys; sys.modules.update(transformers=None); sys.argv = sys.argv[1:]; "
            "runpy.run_path(sys.argv[0], run_name='__main__')")
     r = subprocess.run([sys.executable, "-c", run, str(REPO / "benchmarks" / "gguf_gpu.py"), "make", "--shape",
                         "qwen3.5-tiny", "--out-dir", str(out)], capture_output=True, text=True, cwd=REPO)
@@ -122,16 +122,18 @@ def test_tiny_file_holds_what_llama_cpp_converter_and_q4_k_m_give(made, converte
     assert fields[ours]["general.quantization_version"].contents() == 2
 
 
-def test_27b_layout():
-    """qwen3.6-27b as `make` would write it (sizes from the tensor table, nothing written): 64 layers and the MTP
-    one, Q6_K in the more-bits blocks of 65, the size its docstring gives."""
+def test_27b_layout(tmp_path):
+    """qwen3.6-27b as `make` would write it (sizes from the tensor table, its header alone written): 64 layers and
+    the MTP one, Q6_K in the more-bits blocks of 65, the size its docstring gives."""
     c = gguf_gpu.QWEN35["qwen3.6-27b"]
-    w = gguf_gpu.qwen35_writer(c, "qwen3.6-27b", "cpu")
-    types = {t.name: t.qtype for t in w.tensors}
+    w, chunks = gguf_gpu.qwen35_writer(c, "qwen3.6-27b", "cpu")
+    types = {name: ti.dtype.name for name, ti in w.tensors[0].items()}
+    assert list(chunks) == list(types)
     assert len(types) == 3 + 48 * 14 + 16 * 11 + 15 and types["blk.64.nextn.eh_proj.weight"] == "Q4_K"
     six = sorted(int(n.split(".")[1]) for n, q in types.items() if q == "Q6_K" and n.endswith("ffn_down.weight"))
     assert six == [i for i in range(65) if i < 8 or i >= 56 or (i - 8) % 3 == 2]
     assert [types[f"blk.{i}.attn_qkv.weight"] for i in (0, 8, 10)] == ["Q6_K", "Q4_K", "Q6_K"]
     assert types["blk.63.attn_v.weight"] == types["blk.64.attn_v.weight"] == "Q6_K"
     assert types["output.weight"] == "Q6_K" and types["token_embd.weight"] == "Q4_K"
-    assert w.file_size() == 16_804_874_176
+    assert gguf_gpu.write_head(w, tmp_path / "head.gguf") == 16_804_874_176
+    w.close()
