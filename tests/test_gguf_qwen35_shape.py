@@ -1,7 +1,7 @@
 """benchmarks/gguf_gpu.py's random `qwen35` GGUF files (`make --shape qwen3.5-tiny`, and qwen3.6-27b for the
-measurements): written by the `gguf` package's writer a tensor piece at a time, they load in flashdraft, decode finite logits and give its MTP
-drafter its `nextn` layer; they hold the tensors and keys llama.cpp's own convert_hf_to_gguf.py writes for the same
-config, in the types llama-quantize's Q4_K_M gives them."""
+measurements): written by the `gguf` package's writer a tensor piece at a time, they load in flashdraft, decode
+finite logits and give its MTP drafter its `nextn` layer; they hold the tensors and keys llama.cpp's own
+convert_hf_to_gguf.py writes for the same config, in the types llama-quantize's Q4_K_M gives them."""
 import json
 import subprocess
 import sys
