@@ -129,8 +129,8 @@ def add_speculation_args(ap: argparse.ArgumentParser) -> None:
 
 def speculation(args: argparse.Namespace, draft: str | None) -> tuple[str | None, dict]:
     """The drafter kind without files that --spec-type names (None: a draft's kind, or plain decoding) and its
-    settings by name. ValueError, in one line, for a type or a value that no drafter takes, or flags that do not
-    fit together (the command exits 1, as llama.cpp's does)."""
+    settings by name. ValueError, in one line, for a type or a value that no drafter takes, flags that do not fit
+    together, or a draft (-md) of another kind than --spec-type names (the command exits 1, as llama.cpp's does)."""
     from flashdraft.draft import ngram, registry
     from flashdraft.engine import synthetic
 
@@ -148,28 +148,37 @@ def speculation(args: argparse.Namespace, draft: str | None) -> tuple[str | None
         if getattr(args, "block_size", None) is not None:
             raise ValueError("--spec-draft-n-max and --block-size both set the verify block: give one")
     kind = registry.kind_named(spec_type, bool(draft)) if spec_type is not None else None  # a chain's: its last
-    # a draft file's kind reads --spec-draft-n-max too (a Gemma 4 assistant: its chained steps)
-    file_settings = {"draft_n_max": args.draft_n_max} if draft and args.draft_n_max is not None else {}
     chained = spec_type is not None and "," in spec_type
     named = [n.strip() for n in spec_type.split(",")] if spec_type else []
     for flag, for_type, _, _, _ in given:
         if for_type not in named:
             raise ValueError(f"{flag} is for --spec-type {for_type}" + (f", not {spec_type}" if spec_type else ""))
-    if kind is None:
-        return None, file_settings
-    if kind.create is None:
-        if not draft:
-            raise ValueError(f"--spec-type {spec_type} needs a draft model (-md / --spec-draft-model)")
-        if not chained:
-            return None, file_settings
-    elif draft:
+    if kind is not None and kind.create is None and not draft:
+        raise ValueError(f"--spec-type {spec_type} needs a draft model (-md / --spec-draft-model)")
+    if kind is not None and kind.create is not None and draft:
         raise ValueError(f"--spec-type {spec_type} takes no draft model: drop -md (to chain an n-gram lookup before "
                          "a draft model: --spec-type ngram-mod,draft-dflash -md DRAFT)")
+    drafted = draft_kind(draft, spec_type) if draft and spec_type != "none" else None
+    settings = registry.shared_settings(spec_type, args.draft_n_max, drafted)
+    if kind is None or (kind.create is None and not chained):
+        return None, settings
     for flag, _, _, least, value in given:
         if not least <= value <= ngram.LIMIT:
             raise ValueError(f"{flag} {value}: must be between {least} and {ngram.LIMIT}")
     params = {name: value for _, _, name, _, value in given if name != "min_hits"}
-    return spec_type, params | registry.shared_settings(spec_type, args.draft_n_max)
+    return spec_type, params | settings
+
+
+def draft_kind(draft: str, spec_type: str | None):
+    """The kind of the draft that -md names (draft/registry.py), read from its config.json or GGUF header before
+    anything loads, and checked against --spec-type (ValueError, in one line naming both, for a DFlash draft under
+    draft-mtp or a Gemma 4 assistant under draft-dflash). None where it is not on disk yet: the loader names it."""
+    from flashdraft.draft import registry
+    from flashdraft.formats.named import resolve_draft
+    path = Path(resolve_draft(draft)).expanduser()
+    if not path.exists():
+        return None
+    return registry.source_kind(registry.read_source(path), spec_type)
 
 
 # llama.cpp's spellings; the flashdraft command resolves them into -m/-md before a subcommand parses its arguments

@@ -3,8 +3,9 @@ Gemma4ForCausalLM target and Gemma4AssistantForCausalLM assistants (the dense ti
 the centroid-masked head of E2B/E4B ones), written as HF folders. The reference is transformers' chained drafting
 as its SinglePositionMultiTokenCandidateGenerator runs it: the target's shared K/V and last hidden state over the
 tokens before the anchor, the anchor's position for every step. Proposals are identical to it over rounds whose
-rejected verify rows stay in the target's cache; through the engine (two slots at once, and from the command line
-with llama.cpp's `--spec-type draft-mtp -md`) greedy answers equal plain decoding; a `gemma4-assistant` GGUF from
+rejected verify rows stay in the target's cache. Through the engine (two slots at once, and from the command line
+with llama.cpp's `--spec-type draft-mtp -md`) greedy answers equal plain decoding and the assistant drafts every
+step; a --spec-type that names another kind of draft than -md's is one line; a `gemma4-assistant` GGUF from
 llama.cpp's own converter drafts as its folder does; files that do not fit are named."""
 import json
 import queue
@@ -168,21 +169,87 @@ def test_engine_decodes_as_plain_and_drafts_as_transformers(pair):
 
 def test_llama_cpp_flags_choose_the_assistant(pair, capsys):
     """`--spec-type draft-mtp -md ASSISTANT` (llama.cpp's spelling), `-md` alone, and a chain after an n-gram
-    lookup; --spec-draft-n-max sets the chained steps."""
+    lookup: the assistant drafts every step (not a DFlash draft or an MTP block: greedy answers would equal plain
+    ones whoever drafted), and --spec-draft-n-max, past its default, sets its chained steps."""
     target, assistant = str(pair.root / "target"), str(pair.root / "dense")
-    common = ["generate", "-m", target, "--prompt-ids", "40,41,42,43,44,45", "-n", "10", "--json", "--dtype",
+    common = ["generate", "-m", target, "--prompt-ids", "40,41,42,43,44,45", "-n", "16", "--json", "--dtype",
               "float32", "--no-spec-dm-adaptive"]
     runs = {}
     for name, flags in (("plain", []), ("draft-mtp", ["--spec-type", "draft-mtp", "-md", assistant]),
-                        ("md", ["-md", assistant, "--spec-draft-n-max", "2"]),
-                        ("chain", ["--spec-type", "ngram-mod,draft-mtp", "-md", assistant])):
+                        ("md", ["-md", assistant, "--spec-draft-n-max", "5"]),
+                        ("chain", ["--spec-type", "ngram-mod,draft-mtp", "-md", assistant, "--spec-draft-n-max",
+                                   "6"])):
         assert cli.main(common + flags) == 0, capsys.readouterr().err
         runs[name] = json.loads(capsys.readouterr().out)
-    assert runs["draft-mtp"]["token_ids"] == runs["md"]["token_ids"] == runs["chain"]["token_ids"] == \
-        runs["plain"]["token_ids"]
-    assert runs["draft-mtp"]["speculative"]["block_size"] == K and runs["md"]["speculative"]["block_size"] == 3
+    for name, n_max in (("draft-mtp", K - 1), ("md", 5), ("chain", 6)):
+        run = runs[name]
+        assert run["token_ids"] == runs["plain"]["token_ids"], name
+        assert list(run["speculative"]["drafted_by"]) == ["gemma4-assistant"], (name, run["speculative"])
+        assert run["speculative"]["block_size"] == n_max + 1 and max(map(len, run["draft_steps"])) == n_max, name
+        tokens, at = torch.tensor(run["prompt_ids"] + run["token_ids"]), len(run["prompt_ids"])
+        for proposed, accepted in zip(run["draft_steps"], run["acceptance_lengths"]):
+            assert proposed == reference_chain(pair.hf_target, pair.hf["dense"], tokens, at, len(proposed)), name
+            at += accepted
     assert registry.spec_type_names("gemma4-assistant") == ("gemma4-assistant", "mtp", "draft-mtp")
     assert registry.kind_named("draft-mtp").name == "mtp"  # without a file: the target's own MTP block
+
+
+@pytest.fixture(scope="module")
+def dflash(pair):
+    """A DFlash draft for the target (the other kind of draft file)."""
+    from tiny import make_draft
+    return make_draft(pair.root / "dflash", pair.root / "target")
+
+
+@pytest.mark.parametrize("spec_type", ["draft-mtp", "mtp", "ngram-mod,draft-mtp", "draft-dflash", "dflash"])
+def test_a_spec_type_that_names_another_kind_of_draft_is_one_line(pair, dflash, capsys, spec_type):
+    """--spec-type names the kind of draft that -md must be (a chain: its last type); another kind is a one-line
+    error naming both, from the flags and the draft's config before any weights load (not the file's own kind
+    run in its place)."""
+    from flashdraft.args import speculation
+    assistant = pair.root / "dense"
+    draft, words = (dflash, "takes a Gemma 4 assistant; {} is a DFlash draft") if "mtp" in spec_type else \
+        (assistant, "takes a DFlash draft; {} is a Gemma 4 assistant")
+    error = f"--spec-type {spec_type} -md " + words.format(draft)
+    flags = ["-m", str(pair.root / "target"), "--prompt-ids", "40,41,42", "-n", "4", "--dtype", "float32",
+             "--spec-type", spec_type, "-md", str(draft)]
+    args = cli.generate_parser().parse_args(flags)
+    with pytest.raises(ValueError) as e:
+        speculation(args, args.draft)  # (the command checks its flags before it loads anything)
+    assert str(e.value) == error
+    assert cli.main(["generate", *flags]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [f"flashdraft generate: error: {error}"]
+    target, _, _ = load_target(str(pair.root / "target"))
+    with pytest.raises(ValueError) as e:  # an engine configured without the command line: the loader's check
+        load_draft(str(draft), target, spec_type=spec_type)
+    assert str(e.value) == error
+
+
+def test_spec_draft_n_max_reaches_the_kind_that_reads_it(pair, dflash):
+    """--spec-draft-n-max is a setting of the draft file's kind where it has one (a Gemma 4 assistant: its chained
+    steps), through the one path that gives it to the target's MTP block too; a DFlash draft's block is the
+    engine's (EngineConfig.draft_n_max), not a setting of the draft."""
+    from flashdraft.args import speculation
+
+    def settings(*flags):
+        args = cli.generate_parser().parse_args(["-m", str(pair.root / "target"), "--prompt", "hi", *flags])
+        return speculation(args, args.draft)
+
+    for spec_type in ([], ["--spec-type", "draft-mtp"]):
+        assert settings(*spec_type, "-md", str(pair.root / "dense"), "--spec-draft-n-max", "5") == \
+            (None, {"draft_n_max": 5})
+    assert settings("--spec-type", "ngram-mod,draft-mtp", "-md", str(pair.root / "dense"), "--spec-draft-n-max",
+                    "5") == ("ngram-mod,draft-mtp", {"draft_n_max": 5})
+    assert settings("-md", str(dflash), "--spec-draft-n-max", "5") == (None, {})
+    assert settings("--spec-type", "draft-mtp", "--spec-draft-n-max", "5") == ("draft-mtp", {"draft_n_max": 5})
+
+
+def test_mtp_without_a_draft_on_gemma4_points_at_the_assistant(pair, capsys):
+    """A Gemma 4 checkpoint has no MTP block: its MTP drafter is the separate assistant, which comes with -md."""
+    assert cli.main(["generate", "-m", str(pair.root / "target"), "--prompt-ids", "40,41", "-n", "2", "--dtype",
+                     "float32", "--spec-type", "mtp"]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "a Gemma 4 assistant comes with -md" in lines[0], lines
 
 
 def test_gguf_from_llama_cpp_converter_drafts_as_its_folder(pair, converter):  # noqa: F811

@@ -50,6 +50,11 @@ def is_assistant_gguf(architecture: str) -> bool:
     return architecture == GGUF_ARCHITECTURE
 
 
+def drafts_for(target) -> bool:
+    """Whether a Gemma 4 assistant may draft for `target` (a Gemma 4 model: check_target says what else must fit)."""
+    return getattr(target.cfg, "arch", None) == "gemma4"
+
+
 @dataclass
 class AssistantConfig:
     blocks: GemmaConfig  # the assistant's own Gemma 4 layers (their K/V parts unused)
@@ -248,7 +253,7 @@ class Gemma4AssistantDrafter(nn.Module):
 def check_target(cfg: AssistantConfig, target) -> None:
     """ValueError naming what does not fit between an assistant and its target."""
     t = target.cfg
-    if getattr(t, "arch", None) != "gemma4":
+    if not drafts_for(target):
         raise ValueError(f"a Gemma 4 assistant drafts for a Gemma 4 target, not a {getattr(t, 'arch', 'unknown')} one")
     b = cfg.blocks
     if cfg.backbone_hidden_size != t.hidden_size:

@@ -38,6 +38,10 @@ def _no_gguf(architecture: str) -> bool:
     return False
 
 
+def _no_target(target) -> bool:
+    return False
+
+
 @dataclass(frozen=True)
 class DrafterKind:
     name: str
@@ -48,22 +52,31 @@ class DrafterKind:
     spec_types: tuple[str, ...] = ()  # the --spec-type names that choose this kind
     # (spec type, target, options) -> the drafter of a kind that needs no draft file (None: it loads from one)
     create: Callable[[str, Any, LoadOptions], Drafter] | None = None
-    # the setting that --spec-draft-n-max gives a kind without a draft file (None: it has its own flags)
+    # the setting that --spec-draft-n-max gives the kind (None: it has its own flags, or the engine reads it)
     n_max_param: str | None = None
     lookup: bool = False  # proposes from the request's own tokens (no model): may come first in a chain
+    # a kind that loads files: whether it drafts for `target`, named where a kind without files that takes the same
+    # --spec-type does not fit the target (mtp on a Gemma 4 target: its assistant comes with -md)
+    drafts_for: Callable[[Any], bool] = field(default=_no_target)
+    what: str = ""  # in words, for messages ("a DFlash draft"; default: "a NAME draft")
+
+    @property
+    def words(self) -> str:
+        return self.what or f"a {self.name} draft"
 
 
-DFLASH = DrafterKind(name="dflash", load=load_dflash,
+DFLASH = DrafterKind(name="dflash", what="a DFlash draft", load=load_dflash,
                      hf_architectures=(DRAFT_ARCHITECTURE, DRAFT2_ARCHITECTURE),
                      gguf_architecture=is_draft_architecture, spec_types=("dflash", "draft-dflash"))
-NGRAM = DrafterKind(name="ngram", spec_types=("ngram-mod", "ngram-simple"), create=ngram.create, lookup=True)
-MTP = DrafterKind(name="mtp", spec_types=("mtp", "draft-mtp"), create=mtp.create,
-                  n_max_param="draft_n_max")
+NGRAM = DrafterKind(name="ngram", what="an n-gram lookup", spec_types=("ngram-mod", "ngram-simple"),
+                    create=ngram.create, lookup=True)
+MTP = DrafterKind(name="mtp", what="the target checkpoint's MTP block", spec_types=("mtp", "draft-mtp"),
+                  create=mtp.create, n_max_param="draft_n_max")
 # a separate MTP assistant (-md), which llama.cpp also takes as --spec-type draft-mtp
-GEMMA4_ASSISTANT = DrafterKind(name="gemma4-assistant", load=gemma4_assistant.load,
+GEMMA4_ASSISTANT = DrafterKind(name="gemma4-assistant", what="a Gemma 4 assistant", load=gemma4_assistant.load,
                                hf_architectures=gemma4_assistant.HF_ARCHITECTURES,
                                gguf_architecture=gemma4_assistant.is_assistant_gguf, spec_types=("mtp", "draft-mtp"),
-                               n_max_param="draft_n_max")
+                               n_max_param="draft_n_max", drafts_for=gemma4_assistant.drafts_for)
 
 KINDS: list[DrafterKind] = [DFLASH, NGRAM, MTP, GEMMA4_ASSISTANT]
 
@@ -91,7 +104,8 @@ def spec_types() -> list[str]:
 def kind_named(spec_type: str, with_file: bool = False) -> DrafterKind | None:
     """The kind that `--spec-type spec_type` chooses (None for "none"); `with_file`: a draft file comes with it,
     and a kind that loads one is chosen where one takes the name (draft-mtp with -md: a Gemma 4 assistant, as
-    llama.cpp's). ValueError, in one line, for a name that no kind takes."""
+    llama.cpp's), which the file must then be (source_kind). ValueError, in one line, for a name that no kind
+    takes."""
     if spec_type == "none":
         return None
     if "," in spec_type:
@@ -104,11 +118,13 @@ def kind_named(spec_type: str, with_file: bool = False) -> DrafterKind | None:
     raise ValueError(f"--spec-type {spec_type}: {why} (types: {', '.join(spec_types())})")
 
 
-def shared_settings(spec_type: str, draft_n_max: int | None) -> dict:
-    """The settings the drafter flags shared by every kind give `spec_type`'s kind (a chain's: its model drafter's):
-    --spec-draft-n-max as the MTP block's proposals; {} where the kind has its own flags."""
-    kind = kind_named(spec_type)
-    return {kind.n_max_param: draft_n_max} if kind.n_max_param and draft_n_max is not None else {}
+def shared_settings(spec_type: str | None, draft_n_max: int | None, draft: DrafterKind | None = None) -> dict:
+    """The settings the drafter flags shared by every kind give the drafter: the draft file's kind (`draft`, as
+    source_kind found it) where one comes, else `spec_type`'s (a chain's: its model drafter's). --spec-draft-n-max
+    as the proposals of an MTP block or a Gemma 4 assistant; {} where the kind has its own flags (n-gram) or the
+    engine reads it (a DFlash draft's verify block)."""
+    kind = draft or (kind_named(spec_type) if spec_type is not None else None)
+    return {kind.n_max_param: draft_n_max} if kind and kind.n_max_param and draft_n_max is not None else {}
 
 
 def spec_type_names(name: str) -> tuple[str, ...]:
@@ -143,11 +159,19 @@ def chain(spec_type: str, model: Drafter, target, options: LoadOptions) -> Draft
 
 
 def create(spec_type: str, target, options: LoadOptions) -> Drafter:
-    """The drafter of a kind that needs no draft file, chosen by its --spec-type name."""
+    """The drafter of a kind that needs no draft file, chosen by its --spec-type name. Where it does not fit the
+    target and a kind with files that takes the name does, the error says that this one comes with -md."""
     kind = kind_named(spec_type)
     if kind is None or kind.create is None:
         raise ValueError(f"--spec-type {spec_type} needs a draft model (--spec-draft-model)")
-    return kind.create(spec_type, target, options)
+    try:
+        return kind.create(spec_type, target, options)
+    except ValueError as e:
+        beside = next((k for k in KINDS if k.load is not None and spec_type in k.spec_types and k.drafts_for(target)),
+                      None)
+        if beside is None:
+            raise
+        raise ValueError(f"{e}; {beside.words} comes with -md (--spec-type {spec_type} -md FILE)") from None
 
 
 def read_source(path: Path) -> DraftSource:
@@ -161,6 +185,7 @@ def read_source(path: Path) -> DraftSource:
 
 
 def kind_for(source: DraftSource) -> DrafterKind:
+    """The kind that reads a draft's files, from its config.json or GGUF header (no weights read)."""
     for kind in KINDS:
         if source.gguf is not None and kind.gguf_architecture(source.gguf.architecture):
             return kind
@@ -170,7 +195,19 @@ def kind_for(source: DraftSource) -> DrafterKind:
                      f"flashdraft reads (drafters: {', '.join(k.name for k in KINDS if k.load)})")
 
 
-def load(path: Path, target, options: LoadOptions) -> Drafter:
-    """The drafter of a draft folder or file, for `target`."""
+def source_kind(source: DraftSource, spec_type: str | None = None) -> DrafterKind:
+    """The kind of a draft's files, which must be the one that `--spec-type spec_type` (a chain's last type) takes
+    with a draft file: draft-mtp and mtp a Gemma 4 assistant, dflash a DFlash draft. ValueError, in one line naming
+    both, for another (the file's own kind is not run in its place)."""
+    kind = kind_for(source)
+    named = kind_named(spec_type, with_file=True) if spec_type is not None else None
+    if named is not None and named.load is not None and named is not kind:
+        raise ValueError(f"--spec-type {spec_type} -md takes {named.words}; {source.path} is {kind.words}")
+    return kind
+
+
+def load(path: Path, target, options: LoadOptions, spec_type: str | None = None) -> Drafter:
+    """The drafter of a draft folder or file, for `target`; `spec_type`: the --spec-type that came with it, which
+    its kind must be (source_kind)."""
     source = read_source(path)
-    return kind_for(source).load(source, target, options)
+    return source_kind(source, spec_type).load(source, target, options)

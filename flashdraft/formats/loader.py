@@ -102,10 +102,12 @@ def load_target(model: str, device: str = "cpu", dtype: torch.dtype = torch.floa
 
 
 def load_draft(path: str, target, device: str = "cpu", dtype: torch.dtype = torch.float32, quantized: bool = False,
-               embed_scale: float | None = None, params: dict | None = None):
+               embed_scale: float | None = None, params: dict | None = None, spec_type: str | None = None):
     """The drafter (draft/interface.py) of a draft folder or file, of the kind its files name (draft/registry.py),
     checked against the target. quantized: a GGUF draft's matrices kept in their block format, as load_target's
-    (under tensor parallelism too, every rank holding the whole draft). `params`: the kind's own settings by name."""
+    (under tensor parallelism too, every rank holding the whole draft). `params`: the kind's own settings by name.
+    `spec_type`: the --spec-type given with it, whose kind the files must be (a one-line error before the weights
+    are read)."""
     from flashdraft.draft import registry
     from flashdraft.draft.interface import LoadOptions
     from flashdraft.formats.named import resolve_model
@@ -113,7 +115,8 @@ def load_draft(path: str, target, device: str = "cpu", dtype: torch.dtype = torc
     source = Path(resolve_model(path))
     if not source.exists():
         raise FileNotFoundError(f"draft not found: {path} (a z-lab HF folder or a DFlash draft GGUF)")
-    return registry.load(source, target, LoadOptions(device, dtype, quantized, embed_scale, dict(params or {})))
+    return registry.load(source, target, LoadOptions(device, dtype, quantized, embed_scale, dict(params or {})),
+                         spec_type)
 
 
 def make_drafter(spec_type: str | None, draft: str | None, target, device: str = "cpu",
@@ -127,7 +130,8 @@ def make_drafter(spec_type: str | None, draft: str | None, target, device: str =
 
     chained = spec_type is not None and "," in spec_type
     if draft:
-        model = load_draft(draft, target, device, dtype, quantized=quantized, embed_scale=embed_scale, params=params)
+        model = load_draft(draft, target, device, dtype, quantized=quantized, embed_scale=embed_scale, params=params,
+                           spec_type=spec_type)
     elif spec_type:
         last = spec_type.split(",")[-1].strip() if chained else spec_type
         model = create_drafter(last, target, device, dtype, params, source=source, quantized=quantized)
