@@ -151,6 +151,8 @@ def main() -> int:
     ap.add_argument("--num-anchors", type=int, default=128)
     ap.add_argument("--max-length", type=int, default=1280)
     ap.add_argument("--lr", type=float, default=6e-4)
+    ap.add_argument("--dflash2", action="store_true",
+                    help="a DFlash2 draft (train-draft --dflash2: block 8, 2-tap convolutions, top-16 selector)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-per-set", type=int, default=8)
     ap.add_argument("--eval-max-new-tokens", type=int, default=256)
@@ -222,7 +224,8 @@ def main() -> int:
             start = ["--init", args.init_draft]
         train_args = build_parser().parse_args([
             "-m", str(gguf), "--data", str(data_file), "--out", str(work), "--device", device, *start,
-            "--draft-layers", "2", "--num-feature-layers", "5", "--block-size", "16",
+            "--draft-layers", "2", "--num-feature-layers", "5",
+            *(["--dflash2", "--block-size", "8"] if args.dflash2 else ["--block-size", "16"]),
             "--batch-size", str(args.batch_size), "--num-anchors", str(args.num_anchors),
             "--max-length", str(args.max_length), "--lr", str(args.lr), "--seed", str(args.seed),
             "--schedule-time-s", str(args.schedule_train_s or train_s), "--time-budget-s", str(train_s),

@@ -221,8 +221,9 @@ def test_dflash2_drafts_through_the_engine(tmp_path):
         assert spec.token_ids == plain.token_ids and spec.spec.draft_steps
 
 
-def test_training_a_dflash2_draft_is_refused(tmp_path):
-    """The training forward (train/blocks.py) has no convolutions or selector: a DFlash2 --init is refused."""
+def test_training_continues_from_a_dflash2_draft(tmp_path):
+    """train-draft --init with a DFlash2 folder: the DFlash2 draft, its weights as they were (its training:
+    tests/test_dflash2_train.py)."""
     from safetensors.torch import save_file
 
     from flashdraft.train.main import load_or_build_draft
@@ -232,5 +233,7 @@ def test_training_a_dflash2_draft_is_refused(tmp_path):
     (folder / "config.json").write_text(json.dumps(DFLASH2))
     save_file({k: v.contiguous() for k, v in ours.state_dict().items()}, str(folder / "model.safetensors"))
     args = types.SimpleNamespace(resume=False, init=str(folder))
-    with pytest.raises(ValueError, match="training DFlash2 drafts .* is not supported yet"):
-        load_or_build_draft(args, None, None, tmp_path / "out", "cpu")
+    target = types.SimpleNamespace(cfg=types.SimpleNamespace(hidden_size=H, vocab_size=VOCAB, num_layers=4))
+    draft, state, optim_state = load_or_build_draft(args, target, None, tmp_path / "out", "cpu")
+    assert draft.cfg == ours.cfg and draft.training and state == {} and optim_state is None
+    assert all(torch.equal(a, b) for a, b in zip(draft.state_dict().values(), ours.state_dict().values()))

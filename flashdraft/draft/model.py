@@ -147,6 +147,14 @@ class CandidateSelector(nn.Module):
         self.successor_codebook = nn.Parameter(torch.zeros(vocab_size, rank))
         self.hidden_projection = Linear(hidden_size, rank, bias=False)
 
+    def transition_scores(self, hidden: torch.Tensor, predecessors: torch.Tensor,
+                          candidates: torch.Tensor) -> torch.Tensor:
+        """The bilinear term for training, all rows at once: hidden [T, H], predecessors [T], candidates [T, k]
+        -> [T, k] (`walk` adds the same term to the unary logits, one row at a time)."""
+        gates = self.hidden_projection(hidden).to(self.predecessor_codebook.dtype)
+        context = self.predecessor_codebook[predecessors] * gates  # [T, R]
+        return (self.successor_codebook[candidates] * context[:, None, :]).sum(-1)
+
     def walk(self, logits: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
         """logits [k, V] and final-normed hidden [k, H] of rows 1..k, the anchor [1] -> [k] chosen tokens."""
         candidates = logits.topk(self.top_k, dim=-1).indices  # [k, top_k]

@@ -6,6 +6,10 @@ A query in block j sees context position t iff t < p_j (strictly: the anchor's o
 available at inference), every slot of its own block, and nothing of other blocks; an invalid block sees
 nothing. Slot k of block j is labelled with the token at p_j + k (same position, not shifted); slot 0, the
 anchor, carries no loss; slot k >= 1 weighs exp(-(k-1)/gamma).
+
+DFlash2 drafts (speculators' `dflash2`) run their convolutions over each block's rows in the same forward, and
+are trained as speculators trains them: KL to the target's next-token distribution plus the candidate selector's
+cross-entropy (`dflash2_loss`).
 """
 from __future__ import annotations
 
@@ -147,17 +151,35 @@ def draft_blocks_forward(draft: DFlashDraft, features: Tensor, noise: Tensor, po
     context = draft.fuse(features)
     cos_sin = draft.rotary(positions, x.dtype)[:, None]  # [N, 1, Q, 2, D]: broadcast over heads
     context_cos_sin = draft.rotary(torch.arange(s, device=positions.device), x.dtype)
+    block_size = draft.cfg.block_size
     for i, layer in enumerate(draft.layers):
         attn = layer.self_attn
         h = layer.input_layernorm(x)
+        if layer.convolved:  # DFlash2: the layer's own convolutions, over the rows of each block
+            changes = layer.attention_conv.changes(h)
+            h = _block_conv(layer.attention_conv, h, changes, 0, block_size)
         query, block_k, block_v = attn.project_qkv(h, cos_sin)
         context_k, context_v = attn.project_kv(context, context_cos_sin)
         keys = torch.cat([context_k, block_k.to(context_k.dtype)], dim=-2)
         values = torch.cat([context_v, block_v.to(context_v.dtype)], dim=-2)
         out = masked_attention(query, keys, values.to(keys.dtype), masks[draft.layer_attention[i]], attn.scale)
-        x = x + attn.o_proj(out)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        out = attn.o_proj(out)
+        if layer.convolved:
+            out = _block_conv(layer.attention_conv, out, changes, 1, block_size)
+        x = x + out
+        h = layer.post_attention_layernorm(x)
+        if not layer.convolved:
+            x = x + layer.mlp(h)
+            continue
+        changes = layer.mlp_conv.changes(h)
+        out = layer.mlp(_block_conv(layer.mlp_conv, h, changes, 0, block_size))
+        x = x + _block_conv(layer.mlp_conv, out, changes, 1, block_size)
     return draft.norm(x)
+
+
+def _block_conv(conv, x: Tensor, changes: Tensor, side: int, block_size: int) -> Tensor:
+    """A `LocalConv` side over [N, A*B, H] rows: each block of B rows convolved on its own."""
+    return conv(x.unflatten(1, (-1, block_size)), changes.unflatten(1, (-1, block_size)), side).flatten(1, 2)
 
 
 def layer_masks(draft: DFlashDraft, blocks: Blocks, positions: Tensor, context_len: int) -> dict:
@@ -172,11 +194,13 @@ def layer_masks(draft: DFlashDraft, blocks: Blocks, positions: Tensor, context_l
 
 @dataclass
 class StepOutput:
-    loss: Tensor  # scalar, weighted mean CE
-    accuracy: float  # top-1 over the supervised slots
+    loss: Tensor  # scalar, weighted mean CE (DFlash2: token loss + alpha * selector loss)
+    accuracy: float  # top-1 over the supervised slots (DFlash2: the selector's teacher-forced pick)
     acceptance: float  # estimated acceptance length: mean over valid blocks of 1 + accepted prefix
     blocks: int
     tokens: int
+    token_loss: Tensor | None = None  # DFlash2: the two terms apart (detached)
+    selector_loss: Tensor | None = None
 
 
 def _chunk_loss(hidden: Tensor, labels: Tensor, weights: Tensor, draft: DFlashDraft, head) -> tuple[Tensor, Tensor]:
@@ -185,39 +209,96 @@ def _chunk_loss(hidden: Tensor, labels: Tensor, weights: Tensor, draft: DFlashDr
     return (ce * weights).sum(), logits.argmax(-1) == labels
 
 
-def block_loss(draft: DFlashDraft, hidden: Tensor, inputs: BlockInputs, blocks: Blocks, head,
-               chunk: int = 8192) -> StepOutput:
-    """Decayed CE on the supervised slots only, through the frozen head in chunks (recomputed in backward
-    when training, so the [tokens, vocab] logits never all live at once)."""
-    n, a, b = inputs.labels.shape
-    weights = inputs.weights.flatten()
-    selected = (weights > 0).nonzero().squeeze(1)
-    h = hidden.reshape(n * a * b, -1)[selected]
-    labels, w = inputs.labels.flatten()[selected], weights[selected]
-    total = hidden.new_zeros((), dtype=torch.float32)
-    correct = []
-    for start in range(0, len(selected), chunk):
-        part = (h[start:start + chunk], labels[start:start + chunk], w[start:start + chunk])
+def _chunked(fn, parts: tuple, chunk: int, extra: tuple) -> list[tuple]:
+    """fn over slices of `parts` (tensors of the same length), recomputed in backward when training, so the
+    [tokens, vocab] logits never all live at once."""
+    out = []
+    for start in range(0, len(parts[0]), chunk):
+        piece = tuple(p[start:start + chunk] for p in parts)
         if torch.is_grad_enabled():
-            loss_sum, right = checkpoint(_chunk_loss, *part, draft, head, use_reentrant=False)
+            out.append(checkpoint(fn, *piece, *extra, use_reentrant=False))
         else:
-            loss_sum, right = _chunk_loss(*part, draft, head)
-        total = total + loss_sum
-        correct.append(right)
-    right = torch.cat(correct) if correct else torch.zeros(0, dtype=torch.bool, device=hidden.device)
-    loss = total / w.sum().clamp(min=1e-9)
-    grid = torch.zeros(n * a * b, dtype=torch.float32, device=hidden.device)
+            out.append(fn(*piece, *extra))
+    return out
+
+
+def _summary(loss: Tensor, right: Tensor, selected: Tensor, inputs: BlockInputs, blocks: Blocks,
+             **terms) -> StepOutput:
+    n, a, b = inputs.labels.shape
+    grid = torch.zeros(n * a * b, dtype=torch.float32, device=right.device)
     grid[selected] = right.float()
     grid = grid.view(n, a, b)[:, :, 1:]
     accepted = grid.cumprod(dim=-1).sum(-1)[blocks.valid]
     return StepOutput(loss=loss, accuracy=float(right.float().mean()) if len(right) else 0.0,
                       acceptance=float(1 + accepted.mean()) if accepted.numel() else 1.0,
-                      blocks=int(blocks.valid.sum()), tokens=len(selected))
+                      blocks=int(blocks.valid.sum()), tokens=len(selected), **terms)
+
+
+def block_loss(draft: DFlashDraft, hidden: Tensor, inputs: BlockInputs, blocks: Blocks, head,
+               chunk: int = 8192) -> StepOutput:
+    """Decayed CE on the supervised slots only, through the frozen head in chunks."""
+    n, a, b = inputs.labels.shape
+    weights = inputs.weights.flatten()
+    selected = (weights > 0).nonzero().squeeze(1)
+    h = hidden.reshape(n * a * b, -1)[selected]
+    labels, w = inputs.labels.flatten()[selected], weights[selected]
+    parts = _chunked(_chunk_loss, (h, labels, w), chunk, (draft, head))
+    total = sum((p[0] for p in parts), hidden.new_zeros((), dtype=torch.float32))
+    right = torch.cat([p[1] for p in parts]) if parts else torch.zeros(0, dtype=torch.bool, device=hidden.device)
+    return _summary(total / w.sum().clamp(min=1e-9), right, selected, inputs, blocks)
+
+
+def _dflash2_chunk(hidden: Tensor, target_hidden: Tensor, predecessors: Tensor, weights: Tensor,
+                   draft: DFlashDraft, head) -> tuple[Tensor, Tensor, Tensor]:
+    """Per slot: KL(target || draft) over the vocabulary, and the selector's cross-entropy over its training
+    candidates (the draft's top-k, the target's argmax put in place of the k-th when it is not among them),
+    scored as `CandidateSelector.walk` scores them with the true token before as the predecessor."""
+    logits = draft.compute_logits(hidden, head).float()
+    with torch.no_grad():
+        target_logits = head(target_hidden).float()
+        target_ids = target_logits.argmax(-1)
+    kl = F.kl_div(logits.log_softmax(-1), target_logits.log_softmax(-1), reduction="none", log_target=True).sum(-1)
+    selector = draft.candidate_selector
+    top_k = selector.top_k
+    candidates = logits.detach().topk(top_k, dim=-1).indices  # [T, k]
+    matches = candidates == target_ids[:, None]
+    present = matches.any(-1)
+    label = torch.where(present, matches.int().argmax(-1), top_k - 1)
+    candidates[:, -1] = torch.where(present, candidates[:, -1], target_ids)
+    scores = logits.gather(-1, candidates) + selector.transition_scores(hidden, predecessors, candidates).float()
+    ce = F.cross_entropy(scores, label, reduction="none")
+    picked = candidates.gather(-1, scores.detach().argmax(-1, keepdim=True))[:, 0]
+    return (kl * weights).sum(), (ce * weights).sum(), (picked == target_ids) & present
+
+
+def dflash2_loss(draft: DFlashDraft, hidden: Tensor, target_hidden: Tensor, batch: Batch, inputs: BlockInputs,
+                 blocks: Blocks, head, selector_alpha: float = 1.0, chunk: int = 8192) -> StepOutput:
+    """speculators' DFlash2 objective: token loss KL(target || draft) against the target's own next-token
+    distribution (its head over its final-normed states at the position before each slot) plus `selector_alpha`
+    times the selector's K-way cross-entropy towards the target's argmax; each decayed by slot as DFlash's
+    (`inputs.weights`) and divided by the number of supervised slots (not by the weights' sum)."""
+    n, a, b = inputs.labels.shape
+    weights = inputs.weights.flatten()
+    selected = (weights > 0).nonzero().squeeze(1)
+    before = inputs.positions.flatten()[selected] - 1  # slot k >= 1 follows position p + k - 1
+    rows = selected // (a * b)
+    h = hidden.reshape(n * a * b, -1)[selected]
+    parts = _chunked(_dflash2_chunk, (h, target_hidden[rows, before], batch.input_ids[rows, before],
+                                      weights[selected]), chunk, (draft, head))
+    zero = hidden.new_zeros((), dtype=torch.float32)
+    count = len(selected) + 1e-5
+    token = sum((p[0] for p in parts), zero) / count
+    selector = sum((p[1] for p in parts), zero) / count
+    right = torch.cat([p[2] for p in parts]) if parts else torch.zeros(0, dtype=torch.bool, device=hidden.device)
+    return _summary(token + selector_alpha * selector, right, selected, inputs, blocks,
+                    token_loss=token.detach(), selector_loss=selector.detach())
 
 
 def blocks_step(draft: DFlashDraft, target, batch: Batch, features: Tensor, blocks: Blocks, gamma: float,
-                loss_chunk: int = 8192) -> StepOutput:
-    """One forward of the objective for a batch whose target features are given."""
+                loss_chunk: int = 8192, target_hidden: Tensor | None = None,
+                selector_alpha: float = 1.0) -> StepOutput:
+    """One forward of the objective for a batch whose target features are given (DFlash2: and the target's
+    final-normed hidden states [N, S, H], `target_features(..., final=True)`)."""
     cfg = draft.cfg
     b = cfg.block_size
     inputs = block_inputs(batch, blocks, b, cfg.mask_token_id, gamma)
@@ -226,4 +307,9 @@ def blocks_step(draft: DFlashDraft, target, batch: Batch, features: Tensor, bloc
     positions = inputs.positions.view(n, a * b)
     masks = layer_masks(draft, blocks, positions, batch.input_ids.shape[1])
     hidden = draft_blocks_forward(draft, features, noise, positions, masks)
+    if cfg.dflash2:
+        if target_hidden is None:
+            raise ValueError("a DFlash2 draft's loss needs the target's final hidden states")
+        return dflash2_loss(draft, hidden, target_hidden, batch, inputs, blocks, target.logits, selector_alpha,
+                            loss_chunk)
     return block_loss(draft, hidden, inputs, blocks, target.logits, loss_chunk)

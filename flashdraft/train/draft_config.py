@@ -4,6 +4,9 @@ from __future__ import annotations
 from flashdraft.draft import DraftConfig, build_target_layer_ids
 
 
+DFLASH2_DEFAULTS = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=256, selector_top_k=16)
+
+
 def target_parameters(cfg) -> int:
     """Decoder parameters of the target, embeddings excluded."""
     attention = cfg.hidden_size * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
@@ -46,7 +49,10 @@ def parse_layer_ids(text: str | None) -> list[int] | None:
 
 def build_draft_config(target_cfg, tokenizer, draft_layers: int | None = None, block_size: int = 16,
                        target_layer_ids: list[int] | None = None, num_feature_layers: int | None = None,
-                       mask_token_id: int | None = None, intermediate_size: int | None = None) -> DraftConfig:
+                       mask_token_id: int | None = None, intermediate_size: int | None = None,
+                       dflash2: dict | None = None) -> DraftConfig:
+    """`dflash2`: a DFlash2 draft with these of its fields (conv_kernel_size, conv_group_size, selector_rank,
+    selector_top_k; speculators' defaults 2, 16, 256, 16 for those left out)."""
     t = target_cfg
     layers = draft_layers or default_draft_layers(t)
     if target_layer_ids is None:
@@ -64,4 +70,7 @@ def build_draft_config(target_cfg, tokenizer, draft_layers: int | None = None, b
         num_target_layers=t.num_layers, block_size=block_size,
         dflash_config=dict(mask_token_id=mask, target_layer_ids=list(target_layer_ids)),
     )
+    if dflash2 is not None:
+        hf["architectures"] = ["DFlash2DraftModel"]
+        hf["dflash_config"].update(DFLASH2_DEFAULTS, **{k: v for k, v in dflash2.items() if v is not None})
     return DraftConfig.from_hf(hf)

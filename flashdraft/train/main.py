@@ -1,4 +1,5 @@
-"""`flashdraft train-draft`: train a DFlash draft for a target (recipe: dflash.md section 4).
+"""`flashdraft train-draft`: train a DFlash draft for a target (recipe: dflash.md section 4), or with
+`--dflash2` a DFlash2 draft (speculators' objective, train/blocks.py).
 
 Prompt files are first answered by the target (the make-data stage, resumable); files of generated
 records are used as they are. The target stays frozen; its features are computed on the fly for every
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 
 from flashdraft.draft import DFlashDraft, load_draft_folder
-from flashdraft.train.blocks import Batch, all_anchors, blocks_step, collate, sample_anchors
+from flashdraft.train.blocks import Batch, StepOutput, all_anchors, blocks_step, collate, sample_anchors
 from flashdraft.train.checkpoint import read_checkpoint, save_checkpoint, save_draft
 from flashdraft.train.data import (add_generation_args, collect_prompts, gen_options, generate_records,
                                    is_token_file, load_records, log)
@@ -38,7 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--data-out", default=None, help="where regenerated records go (default OUT/data.jsonl)")
     d = ap.add_argument_group("draft")
     d.add_argument("--draft-layers", type=int, default=None, help="default: 1 to 5 by the target's size")
-    d.add_argument("--block-size", type=int, default=16)
+    d.add_argument("--block-size", type=int, default=None, help="default: 16 (DFlash2: 8)")
+    d.add_argument("--dflash2", action="store_true",
+                   help="a DFlash2 draft (local convolutions, candidate selector), trained as speculators does")
+    d.add_argument("--conv-kernel-size", type=int, default=None, help="DFlash2 convolution taps (default 2)")
+    d.add_argument("--conv-group-size", type=int, default=None, help="DFlash2 channels per dynamic coefficient (16)")
+    d.add_argument("--selector-rank", type=int, default=None, help="DFlash2 selector rank (default 256)")
+    d.add_argument("--selector-top-k", type=int, default=None, help="DFlash2 selector candidates (default 16)")
     d.add_argument("--target-layer-ids", default=None, help="comma-separated target layers to read features from")
     d.add_argument("--num-feature-layers", type=int, default=None,
                    help="without --target-layer-ids: this many layers spaced as the reference does "
@@ -48,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--init", default=None, help="start from this draft folder (its config wins)")
     t = ap.add_argument_group("training")
     t.add_argument("--num-anchors", type=int, default=512, help="blocks per sequence per step")
-    t.add_argument("--gamma", type=float, default=None, help="loss decay exp(-(k-1)/gamma); default 7 for block 16")
+    t.add_argument("--gamma", type=float, default=None,
+                   help="loss decay exp(-(k-1)/gamma); default 7 for block 16 (DFlash2: 4, speculators')")
+    t.add_argument("--selector-loss-alpha", type=float, default=1.0, help="DFlash2: weight of the selector loss")
     t.add_argument("--lr", type=float, default=6e-4)
     t.add_argument("--warmup-ratio", type=float, default=0.04)
     t.add_argument("--weight-decay", type=float, default=0.0)
@@ -87,12 +96,17 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def init_weights(draft: DFlashDraft, seed: int, std: float = 0.02) -> None:
-    """As transformers initialises a fresh `DFlashDraftModel`: normal(0, 0.02) linears, unit norms."""
+    """As transformers initialises a fresh `DFlashDraftModel`: normal(0, 0.02) linears, unit norms; DFlash2's
+    convolutions start as the identity (tap 0 one, no dynamic change), as speculators starts them."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in draft.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
+            elif name.endswith("base_kernel"):
+                p.zero_()[:, 0] = 1.0
+            elif name.endswith("kernel_projection.weight"):
+                p.zero_()
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
 
@@ -129,8 +143,10 @@ def lr_factor(step: int, total: int, warmup: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def gamma_for(args: argparse.Namespace, block_size: int) -> float:
-    return args.gamma if args.gamma is not None else 7.0 * block_size / 16
+def gamma_for(args: argparse.Namespace, block_size: int, dflash2: bool = False) -> float:
+    if args.gamma is not None:
+        return args.gamma
+    return 4.0 if dflash2 else 7.0 * block_size / 16
 
 
 class Trainer:
@@ -138,7 +154,7 @@ class Trainer:
                  device: str, amp_dtype: torch.dtype | None):
         self.args, self.target, self.draft, self.train = args, target, draft, train
         self.device, self.amp_dtype = device, amp_dtype
-        self.gamma = gamma_for(args, draft.cfg.block_size)
+        self.gamma = gamma_for(args, draft.cfg.block_size, draft.cfg.dflash2)
         self.pad_id = 0
 
     def autocast(self):
@@ -150,11 +166,19 @@ class Trainer:
         a = self.args
         idx = batch_indices(step, len(self.train), a.batch_size, a.seed)
         batch = to_device(collate([self.train[i] for i in idx], self.pad_id), self.device)
-        features = target_features(self.target, batch.input_ids, self.draft.cfg.target_layer_ids)
         gen = torch.Generator().manual_seed(a.seed * 1_000_003 + step)
         blocks = sample_anchors(batch.loss_mask, batch.lengths, a.num_anchors, self.draft.cfg.block_size, gen)
+        return self.step(batch, blocks)
+
+    def step(self, batch: Batch, blocks) -> StepOutput:
+        """The objective on a batch: the target's features (and, for DFlash2, its final hidden states), then
+        the draft's forward and loss."""
+        cfg = self.draft.cfg
+        found = target_features(self.target, batch.input_ids, cfg.target_layer_ids, final=cfg.dflash2)
+        features, final = found if cfg.dflash2 else (found, None)
         with self.autocast():
-            return blocks_step(self.draft, self.target, batch, features, blocks, self.gamma, a.loss_chunk)
+            return blocks_step(self.draft, self.target, batch, features, blocks, self.gamma, self.args.loss_chunk,
+                               final, getattr(self.args, "selector_loss_alpha", 1.0))
 
     def sync(self) -> None:
         if self.device.startswith("cuda"):
@@ -180,10 +204,8 @@ class Trainer:
         totals = dict(loss=0.0, accuracy=0.0, acceptance=0.0, blocks=0, tokens=0)
         for start in range(0, len(records), batch_size):
             batch = to_device(collate(records[start:start + batch_size], self.pad_id), self.device)
-            features = target_features(self.target, batch.input_ids, self.draft.cfg.target_layer_ids)
             blocks = all_anchors(batch.loss_mask, batch.lengths, self.draft.cfg.block_size, max_anchors)
-            with self.autocast():
-                out = blocks_step(self.draft, self.target, batch, features, blocks, self.gamma, self.args.loss_chunk)
+            out = self.step(batch, blocks)
             totals["loss"] += float(out.loss) * out.tokens
             totals["accuracy"] += out.accuracy * out.tokens
             totals["acceptance"] += out.acceptance * out.blocks
@@ -209,14 +231,16 @@ def load_or_build_draft(args: argparse.Namespace, target, tokenizer, out: Path, 
     elif args.init:
         draft, state, optim_state = load_draft_folder(args.init, device=device, dtype=torch.float32), {}, None
     else:
-        cfg = build_draft_config(target.cfg, tokenizer, args.draft_layers, args.block_size,
+        dflash2 = getattr(args, "dflash2", False)
+        block_size = args.block_size or (8 if dflash2 else 16)
+        conv = dict(conv_kernel_size=args.conv_kernel_size, conv_group_size=args.conv_group_size,
+                    selector_rank=args.selector_rank, selector_top_k=args.selector_top_k) if dflash2 else None
+        cfg = build_draft_config(target.cfg, tokenizer, args.draft_layers, block_size,
                                  parse_layer_ids(args.target_layer_ids), args.num_feature_layers,
-                                 args.mask_token_id, args.intermediate_size)
+                                 args.mask_token_id, args.intermediate_size, conv)
         draft, state, optim_state = DFlashDraft(cfg), {}, None
         init_weights(draft, args.seed)
         draft.to(device)
-    if draft.cfg.dflash2:  # (the training forward, train/blocks.py, has no convolutions or selector)
-        raise ValueError("training DFlash2 drafts (convolutions, path selector) is not supported yet")
     check_compatible(draft.cfg, target.cfg.hidden_size, target.cfg.vocab_size, target.cfg.num_layers)
     return draft.train(), state, optim_state
 
@@ -275,7 +299,9 @@ def run(args: argparse.Namespace, target=None, tokenizer=None) -> dict:
     draft, state, optim_state = load_or_build_draft(args, target, tokenizer, out, device)
     cfg = draft.cfg
     n_params = sum(p.numel() for p in draft.parameters())
-    log(f"[train] draft: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, target layers "
+    kind = (f"DFlash2 (conv {cfg.conv_kernel_size}, selector rank {cfg.selector_rank} top-{cfg.selector_top_k}) "
+            if cfg.dflash2 else "")
+    log(f"[train] draft: {kind}{cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, target layers "
         f"{cfg.target_layer_ids}, block {cfg.block_size}, mask token {cfg.mask_token_id}, {n_params / 1e6:.2f} M "
         f"parameters ({n_params * 2 / 1e6:.1f} MB in bf16)")
 

@@ -1,0 +1,168 @@
+"""DFlash2 draft training against vLLM's `speculators` (0.9.0, models/dflash2): the training forward and loss
+equal speculators' on the same weights and inputs (its DFlash2 decoder layers in z-lab's reference model for the
+backbone, block by block; its `selector_training_candidates`, `CandidateSelector.score_candidates` and
+`compute_metrics` with the eager KL for the loss), and `flashdraft train-draft --dflash2` trains a draft that
+loads and drafts through the engine."""
+import importlib.util
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from flashdraft.train.blocks import blocks_step, sample_anchors
+from test_dflash2 import BLOCK, DFLASH2, H, TOP_K, VOCAB, make_pair
+from test_train import log_losses, motif_records, random_batch, train_args
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+GAMMA = 4.0
+
+
+def speculators_objective():
+    """speculators' dflash2 metrics module and its eager losses, under stub parent packages (the real package's
+    __init__ pulls in its training stack)."""
+    spec = importlib.util.find_spec("speculators")
+    if spec is None:
+        pytest.skip("speculators is not installed")
+    root = Path(spec.submodule_search_locations[0])
+    saved = {name: sys.modules.get(name) for name in list(sys.modules) if name.startswith("speculators")}
+    try:
+        for name, folder in (("speculators", root), ("speculators.models", root / "models"),
+                             ("speculators.models.dflash2", root / "models" / "dflash2"),
+                             ("speculators.models.dspark", root / "models" / "dspark")):
+            stub = types.ModuleType(name)
+            stub.__path__ = [str(folder)]
+            sys.modules[name] = stub
+        import speculators.losses.eager as eager
+        import speculators.models.dflash2.metrics as metrics
+        return metrics, eager
+    finally:
+        for name in [n for n in sys.modules if n.startswith("speculators")]:
+            del sys.modules[name]
+        sys.modules.update({k: v for k, v in saved.items() if v is not None})
+
+
+def reference_loss(ref, selector, target, batch, blocks, features, final):
+    """speculators' DFlash2 loss, its tensors laid out as its forward lays them ([1, blocks * B]): the hidden
+    states of each valid block from the reference backbone (context strictly before the anchor), the targets the
+    verifier's logits at the position before each slot, the predecessors the tokens before each slot."""
+    metrics, eager = speculators_objective()
+    hidden, targets, mask, before = [], [], [], []
+    for i in range(batch.input_ids.shape[0]):
+        ids, length = batch.input_ids[i], int(batch.lengths[i])
+        for p, valid in zip(blocks.anchors[i].tolist(), blocks.valid[i].tolist()):
+            if not valid:
+                continue  # speculators' padded anchors: masked out entirely
+            block = torch.tensor([int(ids[p])] + [DFLASH2["dflash_config"]["mask_token_id"]] * (BLOCK - 1))
+            hidden.append(ref(target_hidden=features[i:i + 1, :p], noise_embedding=target.token_embedding(block)[None],
+                              position_ids=torch.arange(p + BLOCK)[None])[0])
+            slots = torch.arange(p, p + BLOCK)
+            targets.append(target.logits(final[i, slots - 1]))
+            supervised = batch.loss_mask[i, slots] & (slots < length)
+            supervised[0] = False  # the anchor
+            mask.append(supervised)
+            before.append(torch.cat([ids[p:p + 1], ids[p:p + BLOCK - 1]]))
+    hidden, targets = torch.cat(hidden)[None], torch.cat(targets)[None]
+    mask, before = torch.cat(mask)[None].float(), torch.cat(before)[None]
+    unary = ref.compute_logits(hidden, target.logits)
+    candidates = unary.topk(TOP_K, dim=-1).indices
+    training_ids, positions, contains = metrics.selector_training_candidates(candidates, targets.argmax(-1))
+    candidate_logits = selector.score_candidates(unary, hidden, before, training_ids)
+    loss, out = metrics.compute_metrics(
+        unary_logits=unary, targets=targets, training_candidate_ids=training_ids, candidate_logits=candidate_logits,
+        target_positions=positions, contains_target=contains, loss_mask=mask, block_size=BLOCK, top_k=TOP_K,
+        loss_config={"kl_div": (eager.kl_div_loss, 1.0)}, tv_loss_fn=eager.tv_loss, gamma=GAMMA,
+        selector_loss_alpha=0.7)
+    return loss, out["unary_loss_sum"], out["selector_loss_sum"]
+
+
+def fake_target(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    embed, head = nn.Embedding(VOCAB, H), nn.Linear(H, VOCAB, bias=False)
+    nn.init.normal_(embed.weight, std=1.0, generator=gen)
+    nn.init.normal_(head.weight, std=0.3, generator=gen)
+    return types.SimpleNamespace(token_embedding=embed, logits=head)
+
+
+def test_loss_and_gradients_match_speculators():
+    ref, selector, ours = make_pair(DFLASH2, seed=11)
+    ours.train()
+    target = fake_target(12)
+    batch = random_batch(n=3, s=40, vocab=VOCAB, seed=4)
+    blocks = sample_anchors(batch.loss_mask, batch.lengths, 10, BLOCK, torch.Generator().manual_seed(5))
+    assert not blocks.valid.all()  # an invalid block is exercised
+    gen = torch.Generator().manual_seed(6)
+    n, s = batch.input_ids.shape
+    features = torch.randn(n, s, ours.cfg.context_width, generator=gen)
+    final = torch.randn(n, s, H, generator=gen)
+    out = blocks_step(ours, target, batch, features, blocks, GAMMA, loss_chunk=16, target_hidden=final,
+                      selector_alpha=0.7)
+    want, want_token, want_selector = reference_loss(ref, selector, target, batch, blocks, features, final)
+    assert out.token_loss == pytest.approx(float(want_token), rel=1e-5)
+    assert out.selector_loss == pytest.approx(float(want_selector), rel=1e-5)
+    assert float(out.loss.detach()) == pytest.approx(float(want.detach()), rel=1e-5)
+    assert float(out.selector_loss) > 0.1 and float(out.token_loss) > 0.1
+    # the same gradients reach the same weights (the modules served are the ones trained)
+    out.loss.backward()
+    want.backward()
+    theirs = {**dict(ref.named_parameters()), **{f"candidate_selector.{k}": v for k, v in selector.named_parameters()}}
+    fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    checked = []
+    for name, p in ours.named_parameters():
+        stem, _, leaf = name.rpartition(".")
+        parts = fused.get(stem.rpartition(".")[2])
+        if parts:  # ours fuses z-lab's projections: their gradients, stacked
+            prefix = stem.rpartition(".")[0]
+            want_grad = torch.cat([theirs[f"{prefix}.{part}.{leaf}"].grad for part in parts])
+        else:
+            want_grad = theirs[name].grad
+        assert (p.grad - want_grad).abs().max() <= 1e-4 * want_grad.abs().max(), name
+        checked.append(name)
+    assert len(checked) == len(list(ours.parameters())) and any("kernel_projection" in n for n in checked)
+
+
+@pytest.fixture(scope="module")
+def tiny_target_folder(tmp_path_factory):
+    from tiny import make_target
+    return make_target(tmp_path_factory.mktemp("target"), layers=4, std=0.15)
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in motif_records()))
+    return path
+
+
+def test_train_draft_dflash2_lowers_loss_loads_and_drafts(tiny_target_folder, tiny_data, tmp_path):
+    from flashdraft.draft import load_draft_folder
+    from flashdraft.engine.config import EngineConfig
+    from flashdraft.engine.engine import Engine, Request
+    from flashdraft.engine.sampling import SamplingParams
+    from flashdraft.train.main import run
+
+    out = tmp_path / "draft"
+    summary = run(train_args(tiny_target_folder, tiny_data, out, "--dflash2", "--steps", "30", "--draft-layers", "1",
+                             "--selector-rank", "32", "--export-dtype", "float32"))
+    losses = log_losses(out)
+    assert len(losses) == 30 and summary["finished"] and summary["gamma"] == GAMMA
+    assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"]
+    draft = load_draft_folder(out)
+    assert draft.cfg.dflash2 and (draft.cfg.block_size, draft.cfg.conv_kernel_size, draft.cfg.selector_top_k,
+                                  draft.cfg.selector_rank) == (8, 2, 16, 32)
+    assert load_draft_folder(out / "checkpoint").cfg == draft.cfg
+    moved = [n for n, p in draft.named_parameters() if "kernel_projection" in n and p.abs().max() > 0]
+    assert moved  # the convolutions trained away from their identity start
+
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompt = motif_records(1, seed=9)[0]["input_ids"][:10]
+    engine = Engine.load(EngineConfig(model=str(tiny_target_folder), draft=str(out), ctx_size=256))
+    assert engine.draft.cfg.dflash2
+    plain = engine.generate(Request(prompt, params, speculative=False))
+    spec = engine.generate(Request(prompt, params))
+    assert spec.token_ids == plain.token_ids and spec.spec.draft_steps
