@@ -3,10 +3,11 @@ Gemma4ForCausalLM target and Gemma4AssistantForCausalLM assistants (the dense ti
 the centroid-masked head of E2B/E4B ones), written as HF folders. The reference is transformers' chained drafting
 as its SinglePositionMultiTokenCandidateGenerator runs it: the target's shared K/V and last hidden state over the
 tokens before the anchor, the anchor's position for every step. Proposals are identical to it over rounds whose
-rejected verify rows stay in the target's cache. Through the engine (two slots at once, and from the command line
-with llama.cpp's `--spec-type draft-mtp -md`) greedy answers equal plain decoding and the assistant drafts every
-step; a --spec-type that names another kind of draft than -md's is one line; a `gemma4-assistant` GGUF from
-llama.cpp's own converter drafts as its folder does; files that do not fit are named."""
+rejected verify rows stay in the target's cache, past the target's sliding ring too with the widest verify steps the
+ring allows (one more is refused). Through the engine (two slots at once, and from the command line with llama.cpp's
+`--spec-type draft-mtp -md`) greedy answers equal plain decoding and the assistant drafts every step; a --spec-type
+that names another kind of draft than -md's is one line; a `gemma4-assistant` GGUF from llama.cpp's own converter
+drafts as its folder does; files that do not fit are named."""
 import json
 import queue
 import shutil
@@ -94,12 +95,15 @@ def reference_chain(hf_target, hf_assistant, tokens: torch.Tensor, at: int, k: i
 
 
 @torch.no_grad()
-def drafting_rounds(target, drafter, tokens: torch.Tensor, slot, rounds: int = 7, start: int = 12):
+def drafting_rounds(target, drafter, tokens: torch.Tensor, slot, rounds: int = 7, start: int = 12,
+                    width: int = K + 1):
     """(anchor position, proposals) of `rounds` speculative steps over `tokens` in one slot of a fresh state: a
-    step's proposals are verified into the target's cache (its rejected rows stay there, as the engine leaves
-    them), then 0, 1 or 2 of the true tokens after the anchor are committed and observed."""
+    step's proposals, padded with other tokens to a verify block of `width` rows, are verified into the target's
+    cache (its rejected rows stay there, as the engine leaves them), then 0, 1 or 2 of the true tokens after the
+    anchor are committed and observed."""
     index = slot if isinstance(slot, int) else int(slot)
-    state = target.new_state(index + 1, 64)
+    state = target.new_state(index + 1, len(tokens) + width)
+    padding = torch.Generator().manual_seed(11)
     drafter.setup_cache(64, index + 1)
     drafter.read_target_state(state)
     capture = drafter.target_layers
@@ -109,8 +113,9 @@ def drafting_rounds(target, drafter, tokens: torch.Tensor, slot, rounds: int = 7
     for r in range(rounds):
         proposed = drafter.propose(target, tokens[at:at + 1], torch.tensor([at]), slot, K)
         steps.append((at, proposed[0].tolist()))
-        block = torch.cat([tokens[at:at + 1], proposed[0]])
-        target(block[None], torch.arange(at, at + K + 1)[None], state, slot)  # the verify pass writes its rows
+        rejected = torch.randint(0, target.cfg.vocab_size, (width - 1 - K,), generator=padding)
+        block = torch.cat([tokens[at:at + 1], proposed[0], rejected])
+        target(block[None], torch.arange(at, at + width)[None], state, slot)  # the verify pass writes its rows
         n = r % 3 + 1
         committed = torch.arange(at, at + n)
         _, features = target(tokens[None, at:at + n], committed[None], state, slot, capture=capture)
@@ -250,6 +255,25 @@ def test_mtp_without_a_draft_on_gemma4_points_at_the_assistant(pair, capsys):
                      "float32", "--spec-type", "mtp"]) == 1
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "a Gemma 4 assistant comes with -md" in lines[0], lines
+
+
+def test_past_the_ring_with_the_widest_verify_steps(pair):
+    """About 110 tokens, past the target's sliding ring (window + WINDOW_STEP rows), with the most proposals the
+    ring allows: every verify step leaves rejected rows up to anchor + n_max in the ring, each in the row of a
+    position a ring's length before it, which the sliding layers must not read as that position; proposals equal
+    transformers'. One proposal more is refused when the assistant loads, naming the largest value."""
+    target, _, _ = load_target(str(pair.root / "target"))
+    most = target.window_rows - 1 - WINDOW  # window + n_max < rows
+    with pytest.raises(ValueError) as e:
+        load_draft(str(pair.root / "dense"), target, params={"draft_n_max": most + 1})
+    assert f"--spec-draft-n-max {most + 1}" in str(e.value) and f"at most {most}" in str(e.value), str(e.value)
+    drafter = load_draft(str(pair.root / "dense"), target, params={"draft_n_max": most})
+    assert drafter.block_size == most + 1
+    tokens = torch.randint(0, pair.vocab, (112,), generator=torch.Generator().manual_seed(7))
+    steps = drafting_rounds(target, drafter, tokens, 0, rounds=48, width=drafter.block_size)
+    assert steps[-1][0] > target.window_rows + 2 * WINDOW
+    for at, proposed in steps:
+        assert proposed == reference_chain(pair.hf_target, pair.hf["dense"], tokens, at, K), at
 
 
 def test_gguf_from_llama_cpp_converter_drafts_as_its_folder(pair, converter):  # noqa: F811

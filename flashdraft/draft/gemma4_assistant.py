@@ -7,9 +7,12 @@ token at position p, h the target's final-normed hidden state at p - 1; its inpu
 embedding of t times sqrt(target hidden), h)), and after its layers and final norm it gives the next token through
 its own LM head (tied to its embedding, no softcap) and the next step's h through post_projection. All k steps of a
 proposal sit at the anchor's position p, so they read the same target K/V: positions before p, which the target
-wrote in earlier steps (the verify step after the proposal writes p on). A sliding layer reads the last window + 1 of
-them, as transformers' mask does (llama.cpp's standard sliding mask keeps window - 1: only contexts longer than the
-window tell them apart).
+wrote in earlier steps (the verify step after the proposal writes p on). As llama.cpp's (seq_rm) and unlike
+transformers' generate (whose crop leaves a rejected draft's K/V at the anchor's position visible), it reads only
+committed positions before the anchor. A sliding layer reads the last window + 1 of them, as transformers' mask does
+(llama.cpp's standard sliding mask keeps window - 1: only contexts longer than the window tell them apart), from the
+target's window ring, where a verify step leaves rejected rows up to p - 1 + n_max: the window and n_max must fit in
+its rows (check_target).
 
 E2B/E4B assistants (`use_ordered_embeddings`) pick the next token among the vocabulary clusters of their top
 centroids (transformers' masked embedder); a GGUF has no centroids (llama.cpp's converter drops them), so its head is
@@ -250,8 +253,8 @@ class Gemma4AssistantDrafter(nn.Module):
         return inputs
 
 
-def check_target(cfg: AssistantConfig, target) -> None:
-    """ValueError naming what does not fit between an assistant and its target."""
+def check_target(cfg: AssistantConfig, target, n_max: int = N_MAX) -> None:
+    """ValueError naming what does not fit between an assistant proposing `n_max` tokens a step and its target."""
     t = target.cfg
     if not drafts_for(target):
         raise ValueError(f"a Gemma 4 assistant drafts for a Gemma 4 target, not a {getattr(t, 'arch', 'unknown')} one")
@@ -268,9 +271,21 @@ def check_target(cfg: AssistantConfig, target) -> None:
         if b.head_dims[i] != t.head_dims[read] or b.num_heads % t.kv_heads[read]:
             raise ValueError(f"assistant layer {i} ({b.num_heads} heads of {b.head_dims[i]}) does not fit target layer "
                              f"{read} ({t.kv_heads[read]} KV heads of {t.head_dims[read]})")
-    if SLIDING in b.layer_types and b.sliding_window > t.sliding_window + target.WINDOW_STEP - 1:
-        raise ValueError(f"the assistant's sliding window {b.sliding_window} reaches past the target's "
-                         f"({t.sliding_window})")
+    if SLIDING in b.layer_types:
+        # The proposals at anchor p read positions p - 1 - window ... p - 1 from the target's ring, taking row r
+        # as the latest position <= p - 1 that is r mod rows. The verify step before (at worst n_max + 1 rows from
+        # p - 1, only its first kept) left rejected rows at positions up to p - 1 + n_max, each taken as the
+        # position a ring's length before it, which the mask must drop: p - 1 + n_max - rows < p - 1 - window,
+        # i.e. window + n_max < rows.
+        rows = target.window_rows
+        most = rows - 1 - b.sliding_window
+        if most < 1:
+            raise ValueError(f"the assistant's sliding window {b.sliding_window} reaches past the target's ring "
+                             f"({rows} rows: window {t.sliding_window} + {target.WINDOW_STEP})")
+        if n_max > most:
+            raise ValueError(f"--spec-draft-n-max {n_max}: at most {most} for this assistant (its sliding window "
+                             f"{b.sliding_window} and the rows a verify step rejects must fit in the target's window "
+                             f"ring of {rows} rows)")
     if FULL not in b.layer_types and SLIDING not in b.layer_types:
         raise ValueError("the assistant has no attention layers")
 
@@ -340,16 +355,15 @@ def load(source: DraftSource, target, options: LoadOptions) -> Gemma4AssistantDr
     """The registry's loader (draft/registry.py): an HF folder or a `gemma4-assistant` GGUF, checked against
     `target`."""
     from flashdraft.formats.safetensors import iter_tensors
+    n_max = int(options.params.get("draft_n_max", N_MAX))
     try:
+        cfg = AssistantConfig.from_hf(gguf_config(source.gguf) if source.gguf is not None else source.config)
+        check_target(cfg, target, n_max)  # before the weights are read
         if source.gguf is not None:
-            cfg = AssistantConfig.from_hf(gguf_config(source.gguf))
             tensors = gguf_tensors(source.gguf, options)
         else:
-            cfg = AssistantConfig.from_hf(source.config)
             tensors = dict(iter_tensors(source.path, None, options.device))
-        check_target(cfg, target)
     except (ValueError, KeyError) as e:
         raise ValueError(f"{source.path}: {e}") from None
-    drafter = Gemma4AssistantDrafter(build(cfg, tensors, options, str(source.path)), target,
-                                     int(options.params.get("draft_n_max", N_MAX)))
+    drafter = Gemma4AssistantDrafter(build(cfg, tensors, options, str(source.path)), target, n_max)
     return drafter.requires_grad_(False).eval()
