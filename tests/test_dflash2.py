@@ -28,27 +28,29 @@ DFLASH2 = dict(BASE, architectures=["DFlash2DraftModel"],
                                   selector_rank=RANK, selector_top_k=TOP_K))
 
 
-def speculators_definitions():
-    """speculators' dflash and dflash2 model_definitions modules, imported under stub parent packages (the real
-    package's __init__ pulls in its training stack)."""
+def speculators_modules(names: tuple[str, ...], stubs: tuple[str, ...]) -> list:
+    """speculators' modules `names` (dotted, under the package), imported with the package, `models` and the
+    packages `stubs` as empty stubs (the real package's __init__ pulls in its training stack)."""
     spec = importlib.util.find_spec("speculators")
     if spec is None:
         pytest.skip("speculators is not installed (.ci/run installs speculators==0.9.0 without its dependencies)")
     root = Path(spec.submodule_search_locations[0])
     saved = {name: sys.modules.get(name) for name in list(sys.modules) if name.startswith("speculators")}
     try:
-        for name, folder in (("speculators", root), ("speculators.models", root / "models"),
-                             ("speculators.models.dflash", root / "models" / "dflash"),
-                             ("speculators.models.dflash2", root / "models" / "dflash2")):
-            stub = types.ModuleType(name)
-            stub.__path__ = [str(folder)]
-            sys.modules[name] = stub
-        import speculators.models.dflash2.model_definitions as definitions
-        return definitions
+        for package in ("", "models", *stubs):
+            stub = types.ModuleType("speculators" + ("." + package if package else ""))
+            stub.__path__ = [str(root.joinpath(*package.split(".")) if package else root)]
+            sys.modules[stub.__name__] = stub
+        return [importlib.import_module("speculators." + name) for name in names]
     finally:
         for name in [n for n in sys.modules if n.startswith("speculators")]:
             del sys.modules[name]
         sys.modules.update({k: v for k, v in saved.items() if v is not None})
+
+
+def speculators_definitions():
+    """speculators' dflash2 model_definitions module."""
+    return speculators_modules(("models.dflash2.model_definitions",), ("models.dflash", "models.dflash2"))[0]
 
 
 def make_pair(config: dict, seed: int = 0):

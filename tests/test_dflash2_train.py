@@ -3,18 +3,15 @@ equal speculators' on the same weights and inputs (its DFlash2 decoder layers in
 backbone, block by block; its `selector_training_candidates`, `CandidateSelector.score_candidates` and
 `compute_metrics` with the eager KL for the loss), and `flashdraft train-draft --dflash2` trains a draft that
 loads and drafts through the engine."""
-import importlib.util
 import json
-import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 from flashdraft.train.blocks import blocks_step, sample_anchors
-from test_dflash2 import BLOCK, DFLASH2, H, TOP_K, VOCAB, make_pair
+from test_dflash2 import BLOCK, DFLASH2, H, TOP_K, VOCAB, make_pair, speculators_modules
 from test_train import log_losses, motif_records, random_batch, train_args
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -22,27 +19,10 @@ GAMMA = 4.0
 
 
 def speculators_objective():
-    """speculators' dflash2 metrics module and its eager losses, under stub parent packages (the real package's
-    __init__ pulls in its training stack)."""
-    spec = importlib.util.find_spec("speculators")
-    if spec is None:
-        pytest.skip("speculators is not installed")
-    root = Path(spec.submodule_search_locations[0])
-    saved = {name: sys.modules.get(name) for name in list(sys.modules) if name.startswith("speculators")}
-    try:
-        for name, folder in (("speculators", root), ("speculators.models", root / "models"),
-                             ("speculators.models.dflash2", root / "models" / "dflash2"),
-                             ("speculators.models.dspark", root / "models" / "dspark")):
-            stub = types.ModuleType(name)
-            stub.__path__ = [str(folder)]
-            sys.modules[name] = stub
-        import speculators.losses.eager as eager
-        import speculators.models.dflash2.metrics as metrics
-        return metrics, eager
-    finally:
-        for name in [n for n in sys.modules if n.startswith("speculators")]:
-            del sys.modules[name]
-        sys.modules.update({k: v for k, v in saved.items() if v is not None})
+    """speculators' dflash2 metrics module and its eager losses."""
+    eager, metrics = speculators_modules(("losses.eager", "models.dflash2.metrics"),
+                                         ("models.dflash2", "models.dspark"))
+    return metrics, eager
 
 
 def reference_loss(ref, selector, target, batch, blocks, features, final):
