@@ -575,33 +575,25 @@ def test_split_attention_rows_are_invariant_on_gpu():
     check_row_invariance("cuda", torch.bfloat16)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
-                    reason="needs a GPU and triton")
-@pytest.mark.xfail(reason="layers.attention.kernel_reads expands small heads' nibble V caches on the GPU whatever K "
-                          "is; an XPASS here means nibble K with nibble V (SmolLM2's q5_0/q4_1) can be read as "
-                          "stored", strict=False)
-def test_split_kernel_reads_nibble_keys_and_values_of_small_heads_on_gpu(monkeypatch):
-    """SmolLM2's q5_0/q4_1 cache (64-wide heads) and the like, read by the kernel as stored."""
-    from flashdraft.layers import attention
-    monkeypatch.setattr(attention, "kernel_reads", lambda *a: True)
-    check_quantized("cuda", torch.bfloat16, 0.05, SMALL_NIBBLE_CASES)
-    check_batch("cuda", torch.bfloat16, 0.05, heads=(32, 64), kv_heads=2, groups=4, cases=[
-        (64, "q5_0", "q4_1", 16, 4, None, None), (64, "q4_1", "q5_0", 1, 3, 40, None),
-        (32, "q5_1", "iq4_nl", 1, 2, None, None)])
+NIBBLE_BATCH_CASES = [(64, "q5_0", "q4_1", 16, 4, None, None), (64, "q4_1", "q5_0", 1, 3, 40, None),
+                      (32, "q5_1", "iq4_nl", 1, 2, None, None)]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
                     reason="needs a GPU and triton")
-@pytest.mark.xfail(reason="layers.attention.kernel_reads: a nibble V below 128-wide heads beside a K read in one "
-                          "plane came out wrong on the GPU; an XPASS means that exclusion, which expands such caches "
-                          "every step, can go", strict=False)
-def test_split_kernel_reads_nibble_values_beside_one_plane_keys_of_small_heads_on_gpu(monkeypatch):
+@pytest.mark.parametrize("cases, batch_cases", [
+    pytest.param(SMALL_NIBBLE_CASES, NIBBLE_BATCH_CASES, id="nibble-keys", marks=pytest.mark.xfail(
+        reason="an XPASS: nibble K with nibble V (SmolLM2's q5_0/q4_1) can be read as stored", strict=False)),
+    pytest.param(SMALL_ONE_PLANE_K_CASES, BATCH_CASES, id="one-plane-keys", marks=pytest.mark.xfail(
+        reason="an XPASS: a nibble V beside a float or q8_0 K can be read as stored", strict=False))])
+def test_split_kernel_reads_nibble_values_of_small_heads_on_gpu(monkeypatch, cases, batch_cases):
+    """layers.attention.kernel_reads expands a nibble-type V cache of heads under 128 on the GPU (its V sums came
+    out wrong there); these probes read such caches as stored, to tell which K beside it may go through."""
     from flashdraft.layers import attention
     monkeypatch.setattr(attention, "kernel_reads", lambda *a: True)
-    check_quantized("cuda", torch.bfloat16, 0.05, SMALL_ONE_PLANE_K_CASES)
-    check_batch("cuda", torch.bfloat16, 0.05, heads=(32, 64), kv_heads=2, groups=4)
+    check_quantized("cuda", torch.bfloat16, 0.05, cases)
+    check_batch("cuda", torch.bfloat16, 0.05, heads=(32, 64), kv_heads=2, groups=4, cases=batch_cases)
 
 
 @pytest.mark.skipif(INTERPRETER is not None, reason=str(INTERPRETER))
