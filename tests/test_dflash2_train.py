@@ -146,3 +146,51 @@ def test_train_draft_dflash2_lowers_loss_loads_and_drafts(tiny_target_folder, ti
     plain = engine.generate(Request(prompt, params, speculative=False))
     spec = engine.generate(Request(prompt, params))
     assert spec.token_ids == plain.token_ids and spec.spec.draft_steps
+
+
+def v1_run(root, target):
+    """A DFlash draft folder, and an output folder whose checkpoint is of that draft (for --resume)."""
+    from tiny import make_draft
+    folder = make_draft(root / "v1", target)
+    checkpoint = root / "v1-run" / "checkpoint"
+    checkpoint.mkdir(parents=True)
+    for f in folder.iterdir():
+        (checkpoint / f.name).write_bytes(f.read_bytes())
+    (checkpoint / "state.json").write_text(json.dumps({"step": 1, "total_steps": 2}))
+    return folder, root / "v1-run"
+
+
+@pytest.mark.parametrize("flags, words", [
+    *[([flag, value], f"{flag} is a DFlash2 flag: add --dflash2") for flag, value in [
+        ("--conv-kernel-size", "2"), ("--conv-group-size", "16"), ("--selector-rank", "32"),
+        ("--selector-top-k", "8"), ("--selector-loss-alpha", "0.5")]],
+    (["--dflash2", "--conv-kernel-size", "9"], "--conv-kernel-size 9 exceeds the block size 8"),
+    (["--dflash2", "--block-size", "4", "--conv-kernel-size", "5"], "--conv-kernel-size 5 exceeds the block size 4"),
+    (["--dflash2", "--init", "V1"], "--dflash2: --init {v1} is a DFlash draft, not a DFlash2 one"),
+    (["--dflash2", "--resume", "--out", "V1_RUN"], "--dflash2: the checkpoint in {run} (--resume) is a DFlash draft"),
+])
+def test_train_draft_flags_that_cannot_apply_are_one_line_errors(flags, words, tiny_target_folder, tiny_data, tmp_path,
+                                                                 capsys):
+    """Each stops train-draft before the target loads, in one line naming the flag (not a draft trained without
+    them, a v1 draft trained under --dflash2, or a convolution quietly cut to the block)."""
+    from flashdraft.cli import main as cli_main
+    v1, run_folder = v1_run(tmp_path, tiny_target_folder)
+    flags = [{"V1": str(v1), "V1_RUN": str(run_folder)}.get(f, f) for f in flags]
+    out = tmp_path / "out"
+    code = cli_main(["train-draft", "-m", str(tiny_target_folder), "--data", str(tiny_data), "--out", str(out),
+                     "--device", "cpu", "--steps", "1", "--num-anchors", "4", "--eval-records", "0", *flags])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(lines) == 1, lines
+    assert lines[0].startswith("flashdraft train-draft: error: ") and words.format(v1=v1, run=run_folder) in lines[0]
+    assert not out.exists() and not (run_folder / "model.safetensors").exists()  # nothing trained or written
+
+
+def test_dflash2_flags_accept_a_dflash2_start(tmp_path):
+    """--dflash2 with --init of a DFlash2 folder, or --resume of a DFlash2 run: no error."""
+    from flashdraft.train.main import build_parser, check_flags
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(DFLASH2))
+    (folder / "state.json").write_text("{}")
+    for flags, out in ((["--init", str(folder)], tmp_path / "new"), (["--resume"], tmp_path)):
+        check_flags(build_parser().parse_args(["-m", "t", "--data", "d", "--out", str(out), "--dflash2", *flags]), out)

@@ -78,14 +78,19 @@ def save_checkpoint(out: Path, draft: DFlashDraft, optimizer, scheduler, state: 
     shutil.rmtree(old, ignore_errors=True)
 
 
+def checkpoint_folder(out: Path) -> Path | None:
+    """The folder of the checkpoint in `out`, or None without one."""
+    for folder in (out / CHECKPOINT, out / (CHECKPOINT + ".old")):  # .old: a run killed between the two renames
+        if (folder / "state.json").is_file():
+            return folder
+    return None
+
+
 def read_checkpoint(out: Path) -> tuple[DraftConfig, dict, dict | None] | None:
     """(config, state, optimizer file contents or None) of the checkpoint in `out`, or None without one."""
-    folder = out / CHECKPOINT
-    if not (folder / "state.json").is_file():
-        old = out / (CHECKPOINT + ".old")  # a run killed between the two renames
-        if not (old / "state.json").is_file():
-            return None
-        folder = old
+    folder = checkpoint_folder(out)
+    if folder is None:
+        return None
     cfg = DraftConfig.from_hf(json.loads((folder / "config.json").read_text()))
     state = json.loads((folder / "state.json").read_text())
     state["folder"] = str(folder)

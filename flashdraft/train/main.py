@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
-from flashdraft.draft import DFlashDraft, load_draft_folder
+from flashdraft.draft import DFlashDraft, DraftConfig, load_draft_folder
 from flashdraft.train.blocks import Batch, StepOutput, all_anchors, blocks_step, collate, sample_anchors
-from flashdraft.train.checkpoint import read_checkpoint, save_checkpoint, save_draft
+from flashdraft.train.checkpoint import checkpoint_folder, read_checkpoint, save_checkpoint, save_draft
 from flashdraft.train.data import (add_generation_args, collect_prompts, gen_options, generate_records,
                                    is_token_file, load_records, log)
-from flashdraft.train.draft_config import build_draft_config, parse_layer_ids
+from flashdraft.train.draft_config import DFLASH2_DEFAULTS, build_draft_config, parse_layer_ids
 from flashdraft.train.features import target_features
 
 Record = tuple[list[int], list[int]]
@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--num-anchors", type=int, default=512, help="blocks per sequence per step")
     t.add_argument("--gamma", type=float, default=None,
                    help="loss decay exp(-(k-1)/gamma); default 7 for block 16 (DFlash2: 4, speculators')")
-    t.add_argument("--selector-loss-alpha", type=float, default=1.0, help="DFlash2: weight of the selector loss")
+    t.add_argument("--selector-loss-alpha", type=float, default=None,
+                   help="DFlash2: weight of the selector loss (default 1)")
     t.add_argument("--lr", type=float, default=6e-4)
     t.add_argument("--warmup-ratio", type=float, default=0.04)
     t.add_argument("--weight-decay", type=float, default=0.0)
@@ -155,6 +156,7 @@ class Trainer:
         self.args, self.target, self.draft, self.train = args, target, draft, train
         self.device, self.amp_dtype = device, amp_dtype
         self.gamma = gamma_for(args, draft.cfg.block_size, draft.cfg.dflash2)
+        self.selector_alpha = 1.0 if args.selector_loss_alpha is None else args.selector_loss_alpha
         self.pad_id = 0
 
     def autocast(self):
@@ -178,7 +180,7 @@ class Trainer:
         features, final = found if cfg.dflash2 else (found, None)
         with self.autocast():
             return blocks_step(self.draft, self.target, batch, features, blocks, self.gamma, self.args.loss_chunk,
-                               final, getattr(self.args, "selector_loss_alpha", 1.0))
+                               final, self.selector_alpha)
 
     def sync(self) -> None:
         if self.device.startswith("cuda"):
@@ -217,6 +219,37 @@ class Trainer:
                     records=len(records))
 
 
+DFLASH2_FLAGS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "selector_loss_alpha")
+
+
+def check_flags(args: argparse.Namespace, out: Path) -> None:
+    """Flags that cannot apply as given, as a one-line ValueError naming the flag, before the target loads: the
+    DFlash2 flags without --dflash2, --dflash2 on a DFlash draft (--init, or the checkpoint --resume continues),
+    a convolution longer than the block (speculators: "kernel_size cannot exceed block_size")."""
+    if not args.dflash2:
+        given = [name for name in DFLASH2_FLAGS if getattr(args, name) is not None]
+        if given:
+            raise ValueError(f"--{given[0].replace('_', '-')} is a DFlash2 flag: add --dflash2")
+        return
+    checkpoint = checkpoint_folder(out) if args.resume else None
+    start = checkpoint or (Path(args.init) if args.init else None)
+    if start is not None:
+        config = start / "config.json"
+        if config.is_file() and not DraftConfig.from_hf(json.loads(config.read_text())).dflash2:
+            what = f"the checkpoint in {out} (--resume)" if checkpoint else f"--init {args.init}"
+            raise ValueError(f"--dflash2: {what} is a DFlash draft, not a DFlash2 one")
+        return
+    block_size, kernel_size = new_block_size(args), args.conv_kernel_size or DFLASH2_DEFAULTS["conv_kernel_size"]
+    if kernel_size > block_size:
+        raise ValueError(f"--conv-kernel-size {kernel_size} exceeds the block size {block_size}: the convolution "
+                         "mixes rows of one block")
+
+
+def new_block_size(args: argparse.Namespace) -> int:
+    """The block of a draft built fresh: --block-size, else 16 (DFlash2: 8)."""
+    return args.block_size or (8 if getattr(args, "dflash2", False) else 16)
+
+
 def load_or_build_draft(args: argparse.Namespace, target, tokenizer, out: Path, device: str):
     """(draft in float32, checkpoint state, optimizer state): from OUT/checkpoint with --resume, from --init,
     or fresh from the target's shape."""
@@ -232,7 +265,7 @@ def load_or_build_draft(args: argparse.Namespace, target, tokenizer, out: Path, 
         draft, state, optim_state = load_draft_folder(args.init, device=device, dtype=torch.float32), {}, None
     else:
         dflash2 = getattr(args, "dflash2", False)
-        block_size = args.block_size or (8 if dflash2 else 16)
+        block_size = new_block_size(args)
         conv = dict(conv_kernel_size=args.conv_kernel_size, conv_group_size=args.conv_group_size,
                     selector_rank=args.selector_rank, selector_top_k=args.selector_top_k) if dflash2 else None
         cfg = build_draft_config(target.cfg, tokenizer, args.draft_layers, block_size,
@@ -283,9 +316,10 @@ def run(args: argparse.Namespace, target=None, tokenizer=None) -> dict:
     from flashdraft.args import default_device
     from flashdraft.engine.engine import resolve_dtype
 
+    out = Path(args.out)
+    check_flags(args, out)
     device = default_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
     if target is None:
