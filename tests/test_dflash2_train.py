@@ -104,6 +104,24 @@ def test_loss_and_gradients_match_speculators():
     assert len(checked) == len(list(ours.parameters())) and any("kernel_projection" in n for n in checked)
 
 
+def test_walk_adds_the_trained_transition_scores(monkeypatch):
+    """The selector's walk scores each row by the unary logits plus `transition_scores`, the term training
+    trains: a term that favours each row's last candidate makes the walk choose it, row after row."""
+    _, _, ours = make_pair(DFLASH2, seed=7)
+    selector, seen = ours.candidate_selector, []
+
+    def favour_last(hidden, predecessors, candidates):
+        seen.append(predecessors.tolist())
+        return torch.zeros(candidates.shape).index_fill_(1, torch.tensor([candidates.shape[1] - 1]), 1e4)
+
+    monkeypatch.setattr(selector, "transition_scores", favour_last)
+    gen = torch.Generator().manual_seed(8)
+    logits, hidden = torch.randn(5, VOCAB, generator=gen) * 3, torch.randn(5, H, generator=gen)
+    last = logits.topk(TOP_K, dim=-1).indices[:, -1].tolist()
+    assert selector.walk(logits, hidden, torch.tensor([4])).tolist() == last
+    assert seen == [[4], *[[t] for t in last[:-1]]]
+
+
 @pytest.fixture(scope="module")
 def tiny_target_folder(tmp_path_factory):
     from tiny import make_target

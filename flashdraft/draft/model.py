@@ -149,8 +149,8 @@ class CandidateSelector(nn.Module):
 
     def transition_scores(self, hidden: torch.Tensor, predecessors: torch.Tensor,
                           candidates: torch.Tensor) -> torch.Tensor:
-        """The bilinear term for training, all rows at once: hidden [T, H], predecessors [T], candidates [T, k]
-        -> [T, k] (`walk` adds the same term to the unary logits, one row at a time)."""
+        """The bilinear term, all rows at once: hidden [T, H], predecessors [T], candidates [T, k] -> [T, k]
+        (training scores every row at once; `walk` one row at a time, each after its predecessor is chosen)."""
         gates = self.hidden_projection(hidden).to(self.predecessor_codebook.dtype)
         context = self.predecessor_codebook[predecessors] * gates  # [T, R]
         return (self.successor_codebook[candidates] * context[:, None, :]).sum(-1)
@@ -159,13 +159,10 @@ class CandidateSelector(nn.Module):
         """logits [k, V] and final-normed hidden [k, H] of rows 1..k, the anchor [1] -> [k] chosen tokens."""
         candidates = logits.topk(self.top_k, dim=-1).indices  # [k, top_k]
         unary = logits.gather(-1, candidates)
-        gates = self.hidden_projection(hidden).to(self.predecessor_codebook.dtype)  # [k, R]
-        successors = self.successor_codebook[candidates]  # [k, top_k, R]
         chosen, before = [], anchor[:1]
         for row in range(logits.shape[0]):
-            context = self.predecessor_codebook[before][0] * gates[row]  # [R]
-            scores = unary[row] + (successors[row] * context).sum(-1).to(unary.dtype)
-            before = candidates[row, argmax_rows(scores[None])]
+            pair = self.transition_scores(hidden[row:row + 1], before, candidates[row:row + 1])  # [1, top_k]
+            before = candidates[row, argmax_rows(unary[row:row + 1] + pair.to(unary.dtype))]
             chosen.append(before)
         return torch.cat(chosen)
 
