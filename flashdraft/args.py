@@ -22,8 +22,8 @@ def add_engine_args(ap: argparse.ArgumentParser, model: bool = True, context: bo
     --spec-dflash-cross-ctx the window)."""
     if model:
         ap.add_argument("-m", "--model", required=True, help="target: GGUF file, HF folder, or a named model")
-        ap.add_argument("-md", "--draft", help="DFlash draft (z-lab HF folder or draft GGUF); a named model brings "
-                                               "its own")
+        ap.add_argument("-md", "--draft", help="draft model: a DFlash or DFlash2 draft (z-lab HF folder or draft "
+                                               "GGUF) or a Gemma 4 assistant; a named model brings its own")
     if context:
         ap.add_argument("--ctx-size", type=int, default=4096)
         ap.add_argument("--block-size", type=int, default=None, help="verify block (at most the draft's)")
@@ -35,7 +35,7 @@ def add_engine_args(ap: argparse.ArgumentParser, model: bool = True, context: bo
                           "else Q8_0, else the repository's first GGUF file; a repository of safetensors (an HF "
                           "folder) downloads whole. Example: ggml-org/Qwen2.5-Coder-1.5B-Q8_0-GGUF:Q8_0")
     hub.add_argument(*HUB_OPTIONS["draft"], dest="hf_repo_draft", metavar="<user>/<model>[:quant]",
-                     help="the DFlash draft from a Hugging Face repository (a dflash-*.gguf file first, else as -hf; "
+                     help="the draft (-md) from a Hugging Face repository (a dflash-*.gguf file first, else as -hf; "
                           "an HF folder, as z-lab publishes drafts, downloads whole)")
     hub.add_argument(*HUB_OPTIONS["file"], dest="hf_file", metavar="FILE",
                      help="the file of the -hf repository to load, instead of the one its quant picks")

@@ -12,8 +12,8 @@ VERSION = "0.1.0"
 
 # one line each in `flashdraft --help`
 HELP = {
-    "generate": "generate text from a prompt (plain decoding, DFlash with -md DRAFT, n-gram lookup with --spec-type "
-                "ngram-mod)",
+    "generate": "generate text from a prompt (plain decoding, speculative with -md DRAFT, n-gram lookup with "
+                "--spec-type ngram-mod)",
     "serve": "OpenAI- and llama.cpp-compatible HTTP server (a drop-in for llama-server)",
     "bench": "compare plain decoding with DFlash: speed, acceptance, same text",
     "pull": "fetch a named model, or one of the Hugging Face Hub (-hf), into its cache; --list: the names",
@@ -38,9 +38,9 @@ def parse_ids(text: str) -> list[int]:
 
 def generate_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="flashdraft generate", allow_abbrev=False,
-                                 description="Generate text from a prompt: plain decoding, DFlash speculative "
-                                             "decoding when -md names a draft, or n-gram lookup with --spec-type "
-                                             "ngram-mod.")
+                                 description="Generate text from a prompt: plain decoding, speculative decoding "
+                                             "when -md names a draft (DFlash or DFlash2, or a Gemma 4 assistant), "
+                                             "or n-gram lookup with --spec-type ngram-mod.")
     add_engine_args(ap)
     add_speculation_args(ap)
     src = ap.add_mutually_exclusive_group(required=True)
@@ -139,7 +139,7 @@ def pull_main(argv: list[str]) -> int:
     hub.add_argument(*HUB_OPTIONS["model"], dest="hf_repo", metavar="<user>/<model>[:quant]",
                      help="a model of the Hugging Face Hub, its quant picked as llama.cpp does (default Q4_K_M)")
     hub.add_argument(*HUB_OPTIONS["draft"], dest="hf_repo_draft", metavar="<user>/<model>[:quant]",
-                     help="a DFlash draft of the Hugging Face Hub")
+                     help="a draft (-md) of the Hugging Face Hub")
     ap.add_argument(*HUB_OPTIONS["file"], dest="hf_file", metavar="FILE", help="this file of the -hf repository")
     ap.add_argument(*HUB_OPTIONS["token"], dest="hf_token", metavar="TOKEN", help="Hugging Face access token")
     ap.add_argument(OFFLINE, action="store_true", help="the Hugging Face cache only (as HF_HUB_OFFLINE=1)")

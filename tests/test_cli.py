@@ -67,6 +67,25 @@ def test_mismatched_draft(tmp_path, tiny_pair):
     one_line_error(generate("-m", str(target), "-md", str(draft), "--prompt-ids", "1,2", "--json"), "vocab")
 
 
+def test_draft_texts_name_every_kind_of_draft(tmp_path, monkeypatch):
+    """-md may be a DFlash or DFlash2 draft or a Gemma 4 assistant: its help (generate, serve), generate's description
+    and the loader's missing-draft error say so."""
+    import flashdraft.formats.named as named
+    from flashdraft.cli import generate_parser
+    from flashdraft.formats.loader import load_draft
+    from flashdraft.server.main import build_parser as serve_parser
+
+    def draft_help(ap):
+        return next(a.help for a in ap._actions if "-md" in a.option_strings)
+
+    monkeypatch.setattr(named, "resolve_model", Path)  # the path as it is: the loader's own check answers
+    with pytest.raises(FileNotFoundError, match="draft not found") as missing:
+        load_draft(str(tmp_path / "absent"), target=None)
+    for text in (draft_help(generate_parser()), draft_help(serve_parser()), generate_parser().description,
+                 str(missing.value)):
+        assert "DFlash2" in text and "Gemma 4 assistant" in text, text
+
+
 def test_prompt_longer_than_context(tiny_pair):
     target, _ = tiny_pair
     ids = ",".join(["5"] * 40)

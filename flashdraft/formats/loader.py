@@ -114,7 +114,8 @@ def load_draft(path: str, target, device: str = "cpu", dtype: torch.dtype = torc
 
     source = Path(resolve_model(path))
     if not source.exists():
-        raise FileNotFoundError(f"draft not found: {path} (a z-lab HF folder or a DFlash draft GGUF)")
+        raise FileNotFoundError(f"draft not found: {path} (a DFlash or DFlash2 draft or a Gemma 4 assistant: an HF "
+                                "folder or a GGUF file)")
     return registry.load(source, target, LoadOptions(device, dtype, quantized, embed_scale, dict(params or {})),
                          spec_type)
 

@@ -60,9 +60,9 @@ def build_parser() -> Parser:
     d = Settings()
     ap.add_argument("-m", "--model", required=True, help="target: GGUF file, HF folder, or a named model")
     ap.add_argument("-md", "--spec-draft-model", "--model-draft", "--draft", dest="draft", metavar="PATH",
-                    help="DFlash draft (z-lab HF folder, draft GGUF, or a named draft such as smollm2-135m: "
-                         "flashdraft pull --list); turns on DFlash speculative decoding. Without it (or --spec-type "
-                         "ngram-mod), plain decoding")
+                    help="draft model: a DFlash or DFlash2 draft (z-lab HF folder, draft GGUF, or a named draft such "
+                         "as smollm2-135m: flashdraft pull --list) or a Gemma 4 assistant; turns on speculative "
+                         "decoding with it. Without it (or --spec-type ngram-mod), plain decoding")
     add_speculation_args(ap)
     ap.add_argument("--spec-dflash-cross-ctx", "--draft-window", dest="draft_window", type=int, default=None,
                     metavar="N",
@@ -253,7 +253,7 @@ def load_engine(s: Settings):
     draft = resolve_draft(s.draft) if s.speculative else None  # a draft only when the command names one
     t0 = time.perf_counter()
     log.info("loading model %s on %s (%s), %s", s.model, device, s.dtype,
-             f"DFlash draft {draft}" if draft else f"{s.spec_type} drafter, no draft file" if s.spec_type
+             f"draft {draft}" if draft else f"{s.spec_type} drafter, no draft file" if s.spec_type
              else "no draft: plain decoding")
     # -c 0: the trained context, known only once the model is read, so the caches are set up twice
     ctx = s.slot_ctx if s.ctx_size > 0 else 2
