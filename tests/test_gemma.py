@@ -67,24 +67,27 @@ def test_logits_match_transformers_whole_and_through_the_cache(name):
                zip(ours.state.layers, ours.cfg.layer_types) if t == "sliding_attention")  # windows, not the context
 
 
-def test_a_prompt_reuses_a_window_ring_only_while_it_holds_the_window():
-    """A new prompt sharing a prefix with what a slot held: its sliding layers' rings hold only the last window +
-    step positions, so a prefix far behind the held end is not reusable (its window was overwritten; reusing it
-    changed the logits by up to 0.45 here), while one within the step allowance is, with the fresh logits."""
+def test_a_prompt_reuses_a_window_ring_only_where_it_continues_all_the_slot_held():
+    """A new prompt sharing a prefix with what a slot held, whose last step may have left a rejected verify block
+    of `extra` rows past it: the sliding layers' rings (window + 64 rows) then no longer hold the window before a
+    shorter prefix (reusing 37 of 100 after a 16-row block changed the logits by 0.09), so only a prompt that
+    continues everything held reuses it, with the fresh logits."""
     from flashdraft.engine.generate import prefill
     hf, cfg = hf_model("gemma4")
     ours, fresh = ours_from(hf, cfg), ours_from(hf, cfg)
-    ring = next(c for c in ours.state.layers if c.window)
     held = torch.randint(0, BASE["vocab_size"], (100,))
     with torch.no_grad():
-        for shared, want in ((30, 0), (100 - ring.rows + ring.window + 1, 100 - ring.rows + ring.window + 1)):
+        for shared, extra, want in ((30, 0, 0), (37, 16, 0), (99, 15, 0), (100, 15, 100), (100, 0, 100)):
             prompt = torch.cat([held[:shared], torch.randint(0, BASE["vocab_size"], (12,))])
             prefill(ours, ours.state, held, 0)
+            if extra:  # a verify block from the last held position, its rows past it rejected
+                forward1(ours, ours.state, torch.randint(0, 300, (extra + 1,)), torch.arange(99, 100 + extra))
+                forward1(ours, ours.state, held[99:], torch.tensor([99]))  # the accepted anchor, written again
             keep = ours.state.reusable(0, len(held), shared)
-            assert keep == want, shared
+            assert keep == want, (shared, extra)
             logits = prefill(ours, ours.state, prompt, 0, cached=keep)
             ref = prefill(fresh, fresh.state, prompt, 0)
-            assert (logits - ref).abs().max() < 1e-4, shared
+            assert (logits - ref).abs().max() < 1e-4, (shared, extra)
 
 
 @pytest.mark.parametrize("name", ["gemma3", "gemma4"])

@@ -150,8 +150,9 @@ def kernel_reads(codecs, head_dim: int, cuda: bool) -> bool:
     wrong for V in a 32-value nibble type (q4_0, q4_1, q5_0, q5_1, iq4_nl) at head sizes under 128 (right under
     the interpreter and at 128): such caches are expanded first there. The record of 2026-12-04 (H200,
     docs/perf-history.md) saw it only beside a K read in one plane (a float type or q8_0); until a GPU confirms
-    that nibble K with nibble V reads right since the kernel's rewrites, both are expanded (the two xfail GPU tests
-    in tests/test_split_attention.py tell the cases apart: an XPASS lets that case through here)."""
+    that nibble K with nibble V reads right since the kernel's rewrites, both are expanded (the parametrized xfail
+    GPU test in tests/test_split_attention.py tells the cases apart: after an XPASS, this rule may let that case
+    through)."""
     v_codec = codecs[1]
     return not (cuda and head_dim < 128 and v_codec.qtype is not None and v_codec.name != "q8_0")
 

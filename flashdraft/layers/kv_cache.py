@@ -307,11 +307,12 @@ class KVState:
 
     def reusable(self, slot: int, held: int, shared: int) -> int:
         """A slot's caches hold `held` tokens, the first `shared` of which start a new prompt: how many of them
-        the prompt can keep. Position-indexed caches keep any prefix, but a window ring only while it still holds
-        the window before `shared` (one row more: a Gemma 4 assistant reads the window and one), i.e. `held` is at
-        most its step allowance past it (window_cache); a recurrent state is the state after all `held` tokens,
-        so it serves a prompt that continues them all, else the saved state where the prompt shares that much."""
-        if any(getattr(c, "window", 0) and held - shared > c.rows - c.window - 1 for c in self.layers):
+        the prompt can keep. Position-indexed caches keep any prefix, but a window ring (window_cache) only a prompt
+        that continues all `held`: the last step may have written up to its allowance of rows past `held` (a
+        rejected draft, a padded prompt slice), which overwrote the window before any shorter prefix. A recurrent
+        state is the state after all `held` tokens, so it serves a prompt that continues them all, else the saved
+        state where the prompt shares that much."""
+        if shared < held and any(getattr(c, "window", 0) for c in self.layers):
             return 0
         if self.by_position or shared == held:
             return shared
