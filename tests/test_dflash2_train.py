@@ -110,7 +110,7 @@ def test_walk_adds_the_trained_transition_scores(monkeypatch):
     _, _, ours = make_pair(DFLASH2, seed=7)
     selector, seen = ours.candidate_selector, []
 
-    def favour_last(hidden, predecessors, candidates):
+    def favour_last(gates, predecessors, candidates):
         seen.append(predecessors.tolist())
         return torch.zeros(candidates.shape).index_fill_(1, torch.tensor([candidates.shape[1] - 1]), 1e4)
 

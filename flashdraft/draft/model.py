@@ -147,11 +147,14 @@ class CandidateSelector(nn.Module):
         self.successor_codebook = nn.Parameter(torch.zeros(vocab_size, rank))
         self.hidden_projection = Linear(hidden_size, rank, bias=False)
 
-    def transition_scores(self, hidden: torch.Tensor, predecessors: torch.Tensor,
+    def gates(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden [T, H] -> the rows' gates [T, R] of the bilinear term."""
+        return self.hidden_projection(hidden).to(self.predecessor_codebook.dtype)
+
+    def transition_scores(self, gates: torch.Tensor, predecessors: torch.Tensor,
                           candidates: torch.Tensor) -> torch.Tensor:
-        """The bilinear term, all rows at once: hidden [T, H], predecessors [T], candidates [T, k] -> [T, k]
-        (training scores every row at once; `walk` one row at a time, each after its predecessor is chosen)."""
-        gates = self.hidden_projection(hidden).to(self.predecessor_codebook.dtype)
+        """The bilinear term: gates [T, R], predecessors [T], candidates [T, k] -> [T, k] (training scores every
+        row at once; `walk` one row at a time, each after its predecessor is chosen)."""
         context = self.predecessor_codebook[predecessors] * gates  # [T, R]
         return (self.successor_codebook[candidates] * context[:, None, :]).sum(-1)
 
@@ -159,9 +162,10 @@ class CandidateSelector(nn.Module):
         """logits [k, V] and final-normed hidden [k, H] of rows 1..k, the anchor [1] -> [k] chosen tokens."""
         candidates = logits.topk(self.top_k, dim=-1).indices  # [k, top_k]
         unary = logits.gather(-1, candidates)
+        gates = self.gates(hidden)
         chosen, before = [], anchor[:1]
         for row in range(logits.shape[0]):
-            pair = self.transition_scores(hidden[row:row + 1], before, candidates[row:row + 1])  # [1, top_k]
+            pair = self.transition_scores(gates[row:row + 1], before, candidates[row:row + 1])  # [1, top_k]
             before = candidates[row, argmax_rows(unary[row:row + 1] + pair.to(unary.dtype))]
             chosen.append(before)
         return torch.cat(chosen)

@@ -265,7 +265,8 @@ def _dflash2_chunk(hidden: Tensor, target_hidden: Tensor, predecessors: Tensor, 
     present = matches.any(-1)
     label = torch.where(present, matches.int().argmax(-1), top_k - 1)
     candidates[:, -1] = torch.where(present, candidates[:, -1], target_ids)
-    scores = logits.gather(-1, candidates) + selector.transition_scores(hidden, predecessors, candidates).float()
+    pair = selector.transition_scores(selector.gates(hidden), predecessors, candidates)
+    scores = logits.gather(-1, candidates) + pair.float()
     ce = F.cross_entropy(scores, label, reduction="none")
     picked = candidates.gather(-1, scores.detach().argmax(-1, keepdim=True))[:, 0]
     return (kl * weights).sum(), (ce * weights).sum(), (picked == target_ids) & present
