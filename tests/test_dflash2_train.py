@@ -56,7 +56,8 @@ def reference_loss(ref, selector, target, batch, blocks, features, final):
         target_positions=positions, contains_target=contains, loss_mask=mask, block_size=BLOCK, top_k=TOP_K,
         loss_config={"kl_div": (eager.kl_div_loss, 1.0)}, tv_loss_fn=eager.tv_loss, gamma=GAMMA,
         selector_loss_alpha=0.7)
-    return loss, out["unary_loss_sum"], out["selector_loss_sum"]
+    accuracy = out["teacher_forced_selector_acc_sum"] / out["teacher_forced_selector_acc_total"]
+    return loss, out["unary_loss_sum"], out["selector_loss_sum"], float(accuracy)
 
 
 def fake_target(seed: int):
@@ -80,7 +81,10 @@ def test_loss_and_gradients_match_speculators():
     final = torch.randn(n, s, H, generator=gen)
     out = blocks_step(ours, target, batch, features, blocks, GAMMA, loss_chunk=16, target_hidden=final,
                       selector_alpha=0.7)
-    want, want_token, want_selector = reference_loss(ref, selector, target, batch, blocks, features, final)
+    want, want_token, want_selector, want_accuracy = reference_loss(ref, selector, target, batch, blocks, features,
+                                                                    final)
+    # the logged accuracy as speculators': over the slots whose target was among the candidates
+    assert out.accuracy == pytest.approx(want_accuracy, rel=1e-6)
     assert out.token_loss == pytest.approx(float(want_token), rel=1e-5)
     assert out.selector_loss == pytest.approx(float(want_selector), rel=1e-5)
     assert float(out.loss.detach()) == pytest.approx(float(want.detach()), rel=1e-5)

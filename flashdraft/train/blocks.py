@@ -223,13 +223,16 @@ def _chunked(fn, parts: tuple, chunk: int, extra: tuple) -> list[tuple]:
 
 
 def _summary(loss: Tensor, right: Tensor, selected: Tensor, inputs: BlockInputs, blocks: Blocks,
-             **terms) -> StepOutput:
+             counted: Tensor | None = None, **terms) -> StepOutput:
+    """`right`: each supervised slot drafted its target (acceptance walks these); accuracy is over the slots
+    `counted` (default all: DFlash2 counts only slots whose target was among the selector's candidates)."""
     n, a, b = inputs.labels.shape
     grid = torch.zeros(n * a * b, dtype=torch.float32, device=right.device)
     grid[selected] = right.float()
     grid = grid.view(n, a, b)[:, :, 1:]
     accepted = grid.cumprod(dim=-1).sum(-1)[blocks.valid]
-    return StepOutput(loss=loss, accuracy=float(right.float().mean()) if len(right) else 0.0,
+    scored = right if counted is None else right[counted]
+    return StepOutput(loss=loss, accuracy=float(scored.float().mean()) if len(scored) else 0.0,
                       acceptance=float(1 + accepted.mean()) if accepted.numel() else 1.0,
                       blocks=int(blocks.valid.sum()), tokens=len(selected), **terms)
 
@@ -269,7 +272,7 @@ def _dflash2_chunk(hidden: Tensor, target_hidden: Tensor, predecessors: Tensor, 
     scores = logits.gather(-1, candidates) + pair.float()
     ce = F.cross_entropy(scores, label, reduction="none")
     picked = candidates.gather(-1, scores.detach().argmax(-1, keepdim=True))[:, 0]
-    return (kl * weights).sum(), (ce * weights).sum(), (picked == target_ids) & present
+    return (kl * weights).sum(), (ce * weights).sum(), (picked == target_ids) & present, present
 
 
 def dflash2_loss(draft: DFlashDraft, hidden: Tensor, target_hidden: Tensor, batch: Batch, inputs: BlockInputs,
@@ -290,8 +293,9 @@ def dflash2_loss(draft: DFlashDraft, hidden: Tensor, target_hidden: Tensor, batc
     count = len(selected) + 1e-5
     token = sum((p[0] for p in parts), zero) / count
     selector = sum((p[1] for p in parts), zero) / count
-    right = torch.cat([p[2] for p in parts]) if parts else torch.zeros(0, dtype=torch.bool, device=hidden.device)
-    return _summary(token + selector_alpha * selector, right, selected, inputs, blocks,
+    right, present = ((torch.cat([p[i] for p in parts]) for i in (2, 3)) if parts else
+                      (torch.zeros(0, dtype=torch.bool, device=hidden.device),) * 2)
+    return _summary(token + selector_alpha * selector, right, selected, inputs, blocks, present,
                     token_loss=token.detach(), selector_loss=selector.detach())
 
 
