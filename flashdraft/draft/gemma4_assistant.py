@@ -19,6 +19,7 @@ centroids (transformers' masked embedder); a GGUF has no centroids (llama.cpp's 
 dense, as llama.cpp's graph is."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -313,42 +314,35 @@ def build(cfg: AssistantConfig, tensors: dict, options: LoadOptions, where: str)
     return model.requires_grad_(False).eval()
 
 
-def gguf_config(g: GGUFFile) -> dict:
-    """The HF config.json dict of a `gemma4-assistant` GGUF: its keys read as a gemma4 file's (formats/gguf.py)."""
-    from flashdraft.formats.gguf import gguf_to_hf_config
+def gemma4_view(g: GGUFFile) -> GGUFFile:
+    """A `gemma4-assistant` GGUF as a gemma4 file: its keys renamed, so that formats/gguf.py reads its blocks."""
     prefix = f"{GGUF_ARCHITECTURE}."
-    backbone = g.metadata.get(prefix + "embedding_length_out")
-    if backbone is None:
+    if g.metadata.get(prefix + "embedding_length_out") is None:
         raise ValueError(f"{g.path.name}: no {prefix}embedding_length_out (the target's hidden size)")
     metadata = {("gemma4." + k[len(prefix):] if k.startswith(prefix) else k): v for k, v in g.metadata.items()}
     metadata["general.architecture"] = "gemma4"
     metadata.pop("gemma4.attention.shared_kv_layers", None)  # all of them: every layer reads the target's K/V
+    return dataclasses.replace(g, metadata=metadata)
+
+
+def gguf_config(g: GGUFFile) -> dict:
+    """The HF config.json dict of a `gemma4-assistant` GGUF."""
+    from flashdraft.formats.gguf import gguf_to_hf_config
+    view = gemma4_view(g)
     return {"architectures": [HF_ARCHITECTURES[0]], "model_type": "gemma4_assistant",
-            "backbone_hidden_size": int(backbone), "text_config": gguf_to_hf_config(metadata, g.tensors)}
+            "backbone_hidden_size": int(view.metadata["gemma4.embedding_length_out"]),
+            "text_config": gguf_to_hf_config(view)}
 
 
 def gguf_tensors(g: GGUFFile, options: LoadOptions) -> dict:
     """HF-named tensors of a `gemma4-assistant` GGUF (the Gemma family's names for the blocks)."""
-    from flashdraft.formats.gguf import hf_name, keeps_quantized, mapped_bytes, stored_weight
-    from flashdraft.layers.quantized import kernel_types
+    from flashdraft.formats.gguf import hf_name, iter_gguf_tensors
     from flashdraft.models.registry import GEMMA
-    from flashdraft.quant.dequant import dequantize, tensor_bytes
-    kept = kernel_types() if options.quantized else ()
-    out = {}
-    for t in g.tensors.values():
-        if t.name.startswith(GGUF_IGNORED):
-            continue
-        name = GGUF_NAMES.get(t.name) or hf_name(t.name, GEMMA)
-        if name is None:
-            continue
-        if keeps_quantized(t, kept):
-            out[name] = stored_weight(t, mapped_bytes(t))
-            continue
-        try:
-            out[name] = dequantize(tensor_bytes(t), t.qtype, t.shape, options.dtype, options.device)
-        except ValueError as e:
-            raise ValueError(f"tensor {t.name}: {e}") from None
-    return out
+
+    def name(gguf_name: str) -> str | None:
+        return None if gguf_name.startswith(GGUF_IGNORED) else GGUF_NAMES.get(gguf_name) or hf_name(gguf_name, GEMMA)
+    return dict(iter_gguf_tensors(gemma4_view(g), options.dtype, options.device, keep_quantized=options.quantized,
+                                  names=name))
 
 
 def load(source: DraftSource, target, options: LoadOptions) -> Gemma4AssistantDrafter:

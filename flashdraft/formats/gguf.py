@@ -13,7 +13,7 @@ import struct
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -353,12 +353,14 @@ def mtp_name(gguf_name: str, first: int, family: Family) -> str | None:
 
 def iter_gguf_tensors(gguf: GGUFFile | str | Path, dtype: torch.dtype = torch.float32,
                       device: str | torch.device = "cpu", progress: bool = False,
-                      keep_quantized: bool = False, mtp: bool = False) -> Iterator[tuple[str, Any]]:
+                      keep_quantized: bool = False, mtp: bool = False,
+                      names: Callable[[str], str | None] | None = None) -> Iterator[tuple[str, Any]]:
     """(HF name, tensor) pairs in HF layout, dequantised one at a time straight into `dtype` on `device`.
     keep_quantized: matrices of a type the GPU kernels read come as `layers.quantized.QuantizedWeight` (their
     file bytes in HF row order, still on the host: the module that reads them puts them on `device`); the rest
     are dequantised as before. mtp: only the file's MTP (nextn) layers, named as in the family's MTP block
-    (`mtp_name`); otherwise they are left out."""
+    (`mtp_name`); otherwise they are left out. names: the HF name of each GGUF tensor (None: not read), where a
+    file holds tensors beyond its family's table (a drafter's); default the family's (`hf_name`)."""
     from flashdraft.layers.quantized import kernel_types
     kept = kernel_types() if keep_quantized else ()
     if not isinstance(gguf, GGUFFile):
@@ -378,7 +380,7 @@ def iter_gguf_tensors(gguf: GGUFFile | str | Path, dtype: torch.dtype = torch.fl
         in_mtp = (m := _LAYER.match(t.name)) is not None and int(m[1]) >= first_mtp  # the layers after the model's
         if in_mtp != mtp:
             continue
-        name = mtp_name(t.name, first_mtp, family) if mtp else hf_name(t.name, family)
+        name = mtp_name(t.name, first_mtp, family) if mtp else names(t.name) if names else hf_name(t.name, family)
         if name is None:
             continue
         convert = family.gguf_values(name) if family.gguf_values is not None else None
