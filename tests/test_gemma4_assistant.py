@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_gemma_gguf import converter  # noqa: F401  (llama.cpp's convert_hf_to_gguf.py, a session fixture)
+from test_gemma_gguf import converter  # noqa: F401  (llama.cpp's convert_hf_to_gguf.py, a fixture shared by the run)
 from tiny import write_gemma_tokenizer
 
 from flashdraft import cli
