@@ -4,6 +4,7 @@ import gzip
 import hashlib
 import io
 import json
+import re
 import statistics
 import zipfile
 from pathlib import Path
@@ -52,6 +53,18 @@ def test_builtin_sets(data_dir):
     assert len(mb) == 500 and mb[0].id == "mbpp-11" and "assert" in mb[0].turns[0]
     gs = P.load_prompts("gsm8k", data_dir)  # no test split here: Spec-Bench's GSM8K questions
     assert len(gs) == 80 and gs[0].turns[0].endswith("\\boxed{}.")
+
+
+def test_edit_prompts_carry_the_file_they_ask_to_edit(data_dir):
+    """Each edit prompt holds EDIT_PROBLEMS whole HumanEval solutions, the first one's function named for the
+    rename: an answer that copies most of its prompt."""
+    rows = P.read_jsonl(P.dataset_file("humaneval", data_dir))
+    ps = P.load_prompts("edit", data_dir)
+    assert len(ps) == len(rows) // P.EDIT_PROBLEMS and {p.category for p in ps} == {"edit"}
+    for k in (0, len(ps) - 1):
+        group, text = rows[k * P.EDIT_PROBLEMS:(k + 1) * P.EDIT_PROBLEMS], ps[k].turns[0]
+        assert all((r["prompt"] + r["canonical_solution"]).strip("\n") in text for r in group)
+        assert f"`{group[0]['entry_point']}` to `{group[0]['entry_point']}_checked`" in text
 
 
 def test_categories_and_num_prompts(data_dir):
@@ -266,22 +279,27 @@ def test_default_invocation_runs_smollm2(smollm2_file, tmp_path, monkeypatch, ca
     assert s["comparisons"][0]["rows"][-1]["prompts"] == 1
 
 
-def test_in_process_compares_every_drafter_named(capsys, tiny, tmp_path):
+def test_in_process_compares_every_drafter_named(capsys, tiny, tmp_path, monkeypatch):
     """--drafters: plain, then each drafter through its own engine over the same weights, in one table (each
-    system's answers drafted by its own drafter, as their timings name it); greedy answers the same through all
-    of them."""
-    rc, out, err = run_bench(capsys, tiny, "--json", "--drafters", "dflash,ngram-simple", "--out", str(tmp_path),
-                             "--no-spec-dm-adaptive")  # every step drafts
+    system's answers drafted by its own drafter, as their timings name it, a chain's by its members); greedy
+    answers the same through all of them."""
+    from flashdraft.draft import registry
+    chains, chain = [], registry.chain
+    monkeypatch.setattr(registry, "chain", lambda spec_type, *a: chains.append(spec_type) or chain(spec_type, *a))
+    rc, out, err = run_bench(capsys, tiny, "--json", "--drafters", "dflash,ngram-simple,ngram-simple+dflash",
+                             "--out", str(tmp_path), "--no-spec-dm-adaptive")  # every step drafts
     assert rc == 0, err
     s = json.loads(out)
-    assert s["systems"] == ["baseline", "dflash", "ngram-simple"]
-    assert [c["system"] for c in s["comparisons"]] == ["dflash", "ngram-simple"]
+    assert s["systems"] == ["baseline", "dflash", "ngram-simple", "ngram-simple+dflash"]
+    assert [c["system"] for c in s["comparisons"]] == ["dflash", "ngram-simple", "ngram-simple+dflash"]
     assert all(not c["mismatches"] for c in s["comparisons"]) and "MISMATCH" not in err
     responses = [Result.from_dict(json.loads(line)) for line in (tmp_path / "responses.jsonl").read_text().splitlines()]
-    for system in ("dflash", "ngram-simple"):
+    for system, members in (("dflash", {"dflash"}), ("ngram-simple", {"ngram-simple"}),
+                            ("ngram-simple+dflash", {"ngram-simple", "dflash"})):
         named = [set(t.timings.get("draft_n_accepted_by", {})) for r in responses if r.system == system
                  for t in r.turns]
-        assert named and all(n == {system} for n in named), (system, named)
+        assert named and all(n and n <= members for n in named), (system, named)
+    assert chains == ["ngram-simple,dflash"]
 
 
 def test_in_process_drafters_without_a_draft_file(capsys, tmp_path):
@@ -308,6 +326,11 @@ def test_drafters_named_wrongly_or_with_a_fixed_block(capsys, tiny, tmp_path):
                                                      "ngram-mod,draft-dflash"]))
     assert (used, drafters) == (str(draft), ["ngram-mod", "dflash"])
     assert resolve_pair(parse_args(["-m", str(target), "-md", str(draft), "--drafters", "ngram-mod"]))[1] is None
+    assert resolve_pair(parse_args(["-m", str(target), "-md", str(draft), "--drafters",
+                                    "ngram-mod+draft-dflash"]))[1:] == (str(draft), ["ngram-mod+dflash"])
+    for chain, why in (("dflash+ngram-mod", "n-gram lookups first"), ("ngram-mod+eagle", "eagle is not a drafter")):
+        with pytest.raises(ValueError, match=f"--drafters {re.escape(chain)}: .*{why}"):
+            resolve_pair(parse_args(["-m", str(target), "-md", str(draft), "--drafters", chain]))
     # --block-size is the DFlash draft's verify block; the other drafters keep their own
     rc, out, err = run_bench(capsys, tiny, "--json", "--drafters", "dflash,ngram-mod", "--block-size", "4")
     assert rc == 0, err

@@ -31,7 +31,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                          "the draft shipped for a named model")
     ap.add_argument("--drafters", default=None,
                     help="in process: the drafters compared with plain decoding, comma-separated --spec-type names "
-                         "(dflash, mtp, ngram-mod, ngram-simple), each through its own engine over the same weights "
+                         "(dflash, mtp, ngram-mod, ngram-simple) or chains of them joined by '+' (ngram-mod+dflash), each "
+                         "through its own engine over the same weights "
                          "(default: dflash where a draft is given or ships with the model, and mtp where the "
                          "target's checkpoint holds an MTP block)")
     ap.add_argument("--url", action="append", default=[], help="server base URL; repeat it, the first is the baseline")
@@ -73,14 +74,8 @@ def resolve_pair(args: argparse.Namespace) -> tuple[str, str | None, list[str]]:
         check_exists(args.draft, "draft")
     draft = resolve_draft(args.draft) or default_draft(model)
     if args.drafters:
-        drafters = list(dict.fromkeys(d.strip() for d in args.drafters.split(",") if d.strip()))
-        kinds = registry.spec_types()[1:]
-        for name in drafters:
-            if name not in kinds:
-                raise ValueError(f"--drafters {name}: not a drafter (plain decoding is always the baseline; "
-                                 f"drafters: {', '.join(kinds)})")
-        drafters = list(dict.fromkeys("dflash" if registry.kind_named(d).create is None else d for d in drafters))
-        with_file = "dflash" in drafters
+        drafters = list(dict.fromkeys(canonical_drafter(d.strip()) for d in args.drafters.split(",") if d.strip()))
+        with_file = any(uses_draft_file(d) for d in drafters)
         if with_file and not draft:
             raise ValueError(f"--drafters {args.drafters}: no DFlash draft for {model}; pass one with -md DRAFT")
         return model, draft if with_file else None, drafters
@@ -104,6 +99,30 @@ def holds_mtp(model: str) -> bool:
     except (ValueError, OSError):
         return False
     return getattr(cfg, "mtp_layers", 0) > 0
+
+
+def canonical_drafter(name: str) -> str:
+    """A --drafters entry by one name: a --spec-type name (draft-dflash is dflash), or a chain of them joined by
+    '+' (ngram-mod+dflash: llama.cpp's `--spec-type ngram-mod,draft-dflash`). ValueError, in one line."""
+    from flashdraft.draft import registry
+    parts = [p.strip() for p in name.split("+")]
+    kinds = registry.spec_types()[1:]
+    for part in parts:
+        if part not in kinds:
+            which = f"{part} is " if len(parts) > 1 else ""
+            raise ValueError(f"--drafters {name}: {which}not a drafter (plain decoding is always the baseline; "
+                             f"drafters: {', '.join(kinds)}, or a chain such as ngram-mod+dflash)")
+    if len(parts) > 1:
+        try:
+            registry.chain_kinds(",".join(parts))
+        except ValueError as e:
+            raise ValueError(f"--drafters {name}: {str(e).partition(': ')[2]}") from None
+    parts = ["dflash" if registry.kind_named(p).create is None else p for p in parts]
+    return "+".join(parts)
+
+
+def uses_draft_file(name: str) -> bool:
+    return name.split("+")[-1] == "dflash"
 
 
 def settings_of(args: argparse.Namespace, model: str | None, draft: str | None) -> dict:
@@ -136,18 +155,20 @@ def engine_setup(args: argparse.Namespace, model: str, draft: str | None,
     print(f"loading {model} with {', '.join(f'draft {draft}' if d == 'dflash' else d for d in drafters)} on "
           f"{args.device}, {threads} CPU thread{'s' if threads > 1 else ''}", file=sys.stderr)
     from flashdraft.engine.engine import keep_quantized
-    from flashdraft.formats.loader import create_drafter
+    from flashdraft.formats.loader import make_drafter
     first = "dflash" if "dflash" in drafters else drafters[0]
     extra = dict(model=model, progress=not args.json)
     if first != "dflash":
-        extra.update(spec_type=first, draft_params=bench_params(args, first))
-    engine = Engine.load(engine_config(args, draft if first == "dflash" else None, args.device, **extra))
+        extra.update(spec_type=spec_type_of(first), draft_params=bench_params(args, first))
+    engine = Engine.load(engine_config(args, draft if uses_draft_file(first) else None, args.device, **extra))
     engines = {first: engine}
     for name in drafters:
         if name not in engines:  # (dflash, when named, is the first)
-            drafter = create_drafter(name, engine.target, args.device, engine.target.dtype, bench_params(args, name),
-                                     source=engine.config.model, quantized=keep_quantized(engine.config))
-            engines[name] = engine.with_drafter(drafter, draft=None, spec_type=name, block_size=None,
+            file = draft if uses_draft_file(name) else None
+            drafter = make_drafter(spec_type_of(name), file, engine.target, args.device, engine.target.dtype,
+                                   keep_quantized(engine.config), bench_params(args, name), source=engine.config.model)
+            engines[name] = engine.with_drafter(drafter, draft=file, spec_type=spec_type_of(name),
+                                                block_size=args.block_size if file else None,
                                                 draft_params=bench_params(args, name))
     warm = dataclasses.replace(params, max_tokens=min(WARMUP_TOKENS, args.max_tokens))
     reasoning = None if args.reasoning == "auto" else args.reasoning
@@ -155,10 +176,15 @@ def engine_setup(args: argparse.Namespace, model: str, draft: str | None,
     return engine_systems(named, params, reasoning), engine_systems(named, warm, reasoning)
 
 
-def bench_params(args: argparse.Namespace, spec_type: str) -> dict:
+def spec_type_of(name: str) -> str:
+    """A --drafters entry as the --spec-type that chooses it (a chain's members joined by ',')."""
+    return name.replace("+", ",")
+
+
+def bench_params(args: argparse.Namespace, name: str) -> dict:
     """A drafter kind's settings from the shared flags (--spec-draft-n-max for the MTP block)."""
     from flashdraft.draft import registry
-    return registry.shared_settings(spec_type, args.draft_n_max)
+    return registry.shared_settings(spec_type_of(name), args.draft_n_max)
 
 
 def server_setup(args: argparse.Namespace) -> tuple[list[System], list[System]]:

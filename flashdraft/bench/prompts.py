@@ -32,8 +32,9 @@ SEED_PROMPTS = [
 ]
 SEED_NAMES = ["task-store", "kv-report", "linked-list"]
 
-BUILTIN = ["seed", "humaneval", "mt-bench", "spec-bench", "gsm8k", "mbpp"]
+BUILTIN = ["seed", "humaneval", "edit", "mt-bench", "spec-bench", "gsm8k", "mbpp"]
 MT_BENCH_CATEGORIES = ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"]
+EDIT_PROBLEMS = 3  # HumanEval solutions joined into the file an edit prompt carries
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
 # file names looked for in the data folder, first match wins
@@ -123,6 +124,8 @@ def load_set(name: str, data_dir: Path | None, fetch: bool = True) -> list[Promp
         return [Prompt(r["task_id"], "humaneval",
                        ["Write a solution to the following problem and make sure that it passes the tests:\n"
                         f"```python\n{r['prompt']}\n```"]) for r in rows]
+    if name == "edit":
+        return edit_prompts(read_jsonl(dataset_file("humaneval", data_dir, fetch)))
     if name in ("mt-bench", "spec-bench"):
         path = dataset_file(name, data_dir, fetch)
         return [Prompt(f"{name}-{r.get('question_id', i)}", r.get("category", name), turns_of(r, path))
@@ -148,6 +151,21 @@ def load_set(name: str, data_dir: Path | None, fetch: bool = True) -> list[Promp
     rows = read_jsonl(path)
     return [Prompt(str(r.get("id", r.get("question_id", i))), str(r.get("category", path.stem)), turns_of(r, path))
             for i, r in enumerate(rows)]
+
+
+def edit_prompts(rows: list[dict]) -> list[Prompt]:
+    """An agent's file edit: a file of EDIT_PROBLEMS HumanEval solutions in the prompt, one function renamed,
+    the whole edited file as the answer (most of it a copy of the prompt: where an n-gram lookup pays most)."""
+    prompts = []
+    for i in range(0, len(rows) - EDIT_PROBLEMS + 1, EDIT_PROBLEMS):
+        group = rows[i:i + EDIT_PROBLEMS]
+        source = "\n\n".join((r["prompt"] + r["canonical_solution"]).strip("\n") for r in group)
+        name = group[0]["entry_point"]
+        prompts.append(Prompt(f"edit-{group[0]['task_id']}", "edit", [
+            f"Here is a Python file:\n```python\n{source}\n```\nRename the function `{name}` to `{name}_checked` "
+            "everywhere in the file (its definition, its docstring's examples and every call), change nothing else, "
+            "and return the complete edited file in one code block."]))
+    return prompts
 
 
 def mbpp_prompt(row: dict) -> str:
