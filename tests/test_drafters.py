@@ -232,6 +232,47 @@ def test_ngram_drafter_decodes_as_plain(models, params):
             assert spec.spec.draft_n_accepted > 0
 
 
+def test_lookup_gate_opens_where_the_key_was_seen_with_n_min_tokens_after_it():
+    """draft/ngram.LookupGate against a search written here: open where the last n_match tokens occurred before
+    and at least n_min (at least 1) tokens followed that occurrence."""
+    rng = random.Random(0)
+    for n_match, n_min, n_max in ((1, 0, 4), (2, 3, 8), (3, 6, 4), (4, 1, 16)):
+        cfg = NGramConfig(n_match=n_match, n_max=n_max, n_min=n_min)
+        tokens = [rng.randrange(5) for _ in range(8)]
+        while len(tokens) < 300:
+            tokens += tokens[-rng.randrange(5, 40):][:rng.randrange(1, 12)] if rng.random() < 0.5 else [
+                rng.randrange(5)]
+        gate, opened = NGramDrafter(cfg).host_gate(tokens[:5]), 0
+        for end in range(5, len(tokens)):
+            if end > 5:
+                gate.add([tokens[end - 1]])
+            history, key = tokens[:end], tokens[end - n_match:end]
+            earlier = max((j for j in range(n_match - 1, end - 1) if history[j - n_match + 1:j + 1] == key),
+                          default=None) if end >= n_match else None
+            want = earlier is not None and end - 1 - earlier >= max(min(n_min, n_max), 1)
+            assert gate.open() == want, (n_match, n_min, end)
+            opened += want
+        assert 0 < opened < len(tokens) - 5
+
+
+def test_ngram_steps_verify_only_where_the_gate_is_open(models):
+    """With the adaptive width on, a request whose tokens never repeat a key with n_min tokens after it runs plain
+    steps only (the verify rows a lookup could not fill are never spent); the same with the width fixed checks
+    every step, and both answers equal plain decoding."""
+    target, _ = models
+    params = dict(n_match=3, n_max=32, n_min=30)  # 8 + 24 tokens: no key can have 30 after it
+    prompt, sampling = [7, 100, 33, 250, 12, 90, 8, 61], SamplingParams(max_tokens=24, ignore_eos=True)
+    runs = {}
+    for adaptive in (True, False):
+        engine = Engine.load(EngineConfig(model=str(target), spec_type="ngram-mod", draft_params=params, device=DEVICE,
+                                          dtype=DTYPE, ctx_size=256, adaptive=adaptive))
+        runs[adaptive] = engine.generate(Request(prompt, sampling))
+        plain = engine.generate(Request(prompt, sampling, speculative=False))
+        assert runs[adaptive].token_ids == plain.token_ids
+    assert not runs[True].spec.draft_steps and runs[True].spec.plain_steps > 0
+    assert len(runs[False].spec.draft_steps) > 0
+
+
 def test_ngram_drafter_serves_as_plain(models):
     """`flashdraft serve --spec-type ngram-mod` with no draft file (its flags through the server's parser and
     loader) answers over HTTP with the plain answer's text and tokens."""
@@ -262,7 +303,7 @@ def test_ngram_drafter_generates_from_the_command_line(models, capsys):
     runs = {}
     for name, extra in (("plain", []), ("mod", ["--spec-type", "ngram-mod", "--spec-ngram-mod-n-match", "2",
                                                 "--spec-ngram-mod-n-min", "1"]),
-                        ("simple", ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "2"])):
+                        ("simple", ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "1"])):
         assert cli.main(common + extra) == 0
         runs[name] = json.loads(capsys.readouterr().out)
     assert runs["mod"]["token_ids"] == runs["simple"]["token_ids"] == runs["plain"]["token_ids"]

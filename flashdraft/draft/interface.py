@@ -26,6 +26,14 @@ class DrafterState(Protocol):
     def bytes(self) -> int: ...
 
 
+class HostGate(Protocol):
+    """Drafter.host_gate's per-request gate: the tokens as the host reads them, and whether a step should draft."""
+
+    def add(self, tokens: list[int]) -> None: ...
+
+    def open(self) -> bool: ...
+
+
 @dataclass(frozen=True)
 class LoadOptions:
     device: str = "cpu"
@@ -48,6 +56,10 @@ class Drafter(Protocol):
     # (optional) `read_target_state(state)`: a drafter that attends over the target's own caches (a Gemma 4
     # assistant) is handed the target's models.interface.ModelState once, after setup_cache (engine/steps.Steps);
     # its `propose` reads the rows the target wrote before the anchor's position
+    # (optional) `host_gate(prompt_ids) -> gate`: a lookup that proposes nothing most of the time (n-gram) gives each
+    # request a host-side gate, `gate.add(tokens)` as the host reads them and `gate.open()`: with the adaptive width
+    # on, the request's steps are plain while it is shut and full width while it is open, instead of the width
+    # controller's probes
 
     def setup_cache(self, window: int, n_slots: int = 1,
                     cache_dtypes: tuple[torch.dtype | None, torch.dtype | None] = (None, None)) -> None:

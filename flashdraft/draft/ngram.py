@@ -20,8 +20,10 @@ What differs from llama.cpp (common/ngram-mod.cpp, common/speculative.cpp):
   drafts in a row with under a quarter accepted; a hash collision proposes another n-gram's follower. Here each
   slot searches its own request's committed positions exactly (the latest occurrence, as the table's last write
   wins), every committed position at once, with no entries from other requests and no resets.
-- llama.cpp drafts only when the run is at least n_min long, and verifies just the run; here the step's width is
-  the adaptive controller's (at most n_max + 1), the run first, the anchor after it.
+- llama.cpp drafts only when the run is at least n_min long, and verifies just the run; here a step verifies
+  n_max + 1 rows (the run first, the anchor after it), and only where the host's `LookupGate` finds the key seen
+  before with n_min tokens after it (with the adaptive width on; the step is plain elsewhere). Since the host
+  reads a plain step's token one step late, the gate looks one token behind; the proposal itself is exact.
 - ngram-simple: llama.cpp ignores a match at position 0 and wants more than size_n + size_m + 1 tokens of
   history; here any earlier occurrence counts.
 
@@ -86,6 +88,31 @@ class NGramState:
         return sum(t.numel() * t.element_size() for t in (self.tokens, self.held, self.prints))
 
 
+class LookupGate:
+    """On the host, for one request: whether its last n_match tokens read so far occurred before with at least
+    n_min tokens after them (n_max, if fewer), so that a lookup step is worth its verify rows. A heuristic over
+    hashes: a collision or a run the exact lookup ends sooner costs a step, never a token."""
+
+    def __init__(self, config: NGramConfig, tokens: list[int]):
+        self.n, self.n_min = config.n_match, min(config.n_min, config.n_max)
+        self.tokens: list[int] = []
+        self.latest: dict[int, int] = {}  # hash of an n-gram -> the index of its last token, latest occurrence
+        self.earlier: int | None = None  # that of the last n-gram's previous occurrence
+        self.add(tokens)
+
+    def add(self, tokens: list[int]) -> None:
+        for token in tokens:
+            self.tokens.append(token)
+            end = len(self.tokens) - 1
+            if end + 1 >= self.n:
+                key = hash(tuple(self.tokens[end + 1 - self.n:]))
+                self.earlier = self.latest.get(key)
+                self.latest[key] = end
+
+    def open(self) -> bool:
+        return self.earlier is not None and len(self.tokens) - 1 - self.earlier >= max(self.n_min, 1)
+
+
 class NGramDrafter:
     """The Drafter (draft/interface.py) of `--spec-type ngram-mod` (chain) or `ngram-simple`: proposals of
     n_max tokens at most, so a verify block of n_max + 1."""
@@ -125,6 +152,10 @@ class NGramDrafter:
     def propose(self, target, anchors, positions, slots, k, live=None, block=None, context_rows=None):
         """One row (B = 1, `slots` an int or a [1] tensor): [1, k] tokens after anchors[0] at positions[0]."""
         return self.lookup(anchors, positions, slots, k, block)[0]
+
+    def host_gate(self, prompt_ids: list[int]) -> LookupGate:
+        """The slot's gate over the tokens the host reads (engine/generate.SlotState.gate)."""
+        return LookupGate(self.config, prompt_ids)
 
     def lookup(self, anchors: Tensor, positions: Tensor, slots, k: int, block: int | None = None
                ) -> tuple[Tensor, Tensor]:

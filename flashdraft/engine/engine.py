@@ -712,7 +712,10 @@ class Engine:
         speculative = req.speculative and self.draft is not None
         stats = SpecStats()
         controller = None
-        if speculative and self.adaptive and not req.block_size and req.draft_n_max is None:
+        # a lookup drafter's gate decides where it drafts (draft/interface.Drafter.host_gate), else the controller
+        make_gate = getattr(self.draft, "host_gate", None) if speculative and self.adaptive else None
+        gate = make_gate(list(req.prompt_ids)) if make_gate is not None else None
+        if speculative and self.adaptive and gate is None and not req.block_size and req.draft_n_max is None:
             controller = self.prior.controller(self.width_costs)  # costs measured before the slot was taken
         logprobs: list[TokenLogprob] | None = [] if p.logprobs is not None else None
         constraint = None if req.grammar is None else Constraint(self.tokenizer, req.grammar,
@@ -725,7 +728,8 @@ class Engine:
         state = new_slot_state(self.steps, prompt, p, slot=slot, speculative=speculative,
                                block_size=req.block_size or self.block_size, stats=stats, max_len=self.ctx_size,
                                seed=seed, controller=controller, logprobs=logprobs, constraint=constraint,
-                               max_width=None if req.draft_n_max is None else req.draft_n_max + 1, **rule)
+                               max_width=None if req.draft_n_max is None else req.draft_n_max + 1, gate=gate,
+                               **rule)
         return state, Output(self.tokenizer, req, logprobs, stats, synthetic_run)
 
     def _run(self, req: Request, slot: int, seed: int | None, cached: int,

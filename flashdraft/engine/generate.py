@@ -20,6 +20,7 @@ from flashdraft.engine.sampling import SamplingParams, check_sampled, fresh_seed
 from flashdraft.engine.steps import SLICE_WIDTH, Steps
 
 if TYPE_CHECKING:
+    from flashdraft.draft.interface import HostGate
     from flashdraft.engine.grammar import Constraint
 
 PREFILL_CHUNK = 1024
@@ -171,6 +172,7 @@ class SlotState:
     produced: int = 0
     pending: PendingToken | None = None  # token_t on its way to the host (not yet counted in `produced`)
     following: FollowBuffer | None = None
+    gate: "HostGate | None" = None  # the drafter's host-side gate (draft/interface.Drafter.host_gate)
     landings: list = field(default_factory=list)
 
     @property
@@ -188,6 +190,8 @@ class SlotState:
         new = new[:self.budget - self.produced]
         self.produced += len(new)
         self.token = new[-1]
+        if self.gate is not None:
+            self.gate.add(new)
         return new
 
     def choose(self, steps: Steps, rows: Tensor, positions: Tensor,
@@ -288,6 +292,8 @@ def first_token(steps: Steps, s: SlotState, logits: Tensor, generator: torch.Gen
     s.token_t = first.clone()  # the sampler's buffer is reused
     s.token = int(first[0])
     check_sampled([s.token])
+    if s.gate is not None:
+        s.gate.add([s.token])
     s.report(logits, [s.token])
     s.produced, s.pos = 1, n
     if s.stats is not None:
@@ -308,7 +314,8 @@ def begin(steps: Steps, s: SlotState, cached: int = 0, generator: torch.Generato
 def plan(steps: Steps, s: SlotState, want: int | None = None) -> StepPlan | list[int]:
     """The slot's next step, or the tokens it hands out first without one (a plain step's token the host had not
     read, which a verify block anchors on, or the last one wanted). `want`: the width the engine chose for a batch
-    of slots (default: the slot's width controller's, else its block)."""
+    of slots (default: the slot's width controller's, else its block where its drafter's gate is open or it has
+    none, else 1)."""
     queued = s.pending is not None
     # As z-lab's loop, a block covers at most the tokens still wanted plus the anchor (`live`). The draft still runs
     # the full block, with the rows past `live` hidden, so the same CUDA graph serves the last steps; only the
@@ -316,7 +323,8 @@ def plan(steps: Steps, s: SlotState, want: int | None = None) -> StepPlan | list
     room = s.max_len - s.pos
     live = min(s.block, s.budget - s.produced - queued + 1, room)
     if want is None:
-        want = s.controller.width() if s.controller is not None else s.block
+        want = (s.controller.width() if s.controller is not None
+                else s.block if s.gate is None or s.gate.open() else 1)
     width = min(want, s.max_width or s.block, room)
     if not steps.static:  # no captured shape to keep: verify no row past the wanted tokens
         width = min(width, live)
@@ -417,7 +425,7 @@ def new_slot_state(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slo
                    block_size: int | None = None, stats: SpecStats | None = None, max_len: int | None = None,
                    accept_rule: AcceptRule = accept_matching_samples, controller: WidthController | None = None,
                    logprobs: list | None = None, constraint: "Constraint | None" = None, seed: int | None = None,
-                   max_width: int | None = None) -> SlotState:
+                   max_width: int | None = None, gate: "HostGate | None" = None) -> SlotState:
     """A request's state in `slot`, checked against the context (see `decode`)."""
     draft = steps.draft if speculative else None
     max_len = max_len or steps.state.max_len
@@ -426,7 +434,8 @@ def new_slot_state(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slo
         raise ValueError(f"the prompt has {n} tokens, which does not fit the context of {max_len} tokens")
     block = (block_size or draft.block_size) if draft is not None else 1
     return SlotState(slot, prompt_ids, params, min(params.max_tokens, max_len - n), max_len, draft is not None, block,
-                     seed, stats, controller, logprobs, constraint, max_width, accept_rule)
+                     seed, stats, controller, logprobs, constraint, max_width, accept_rule,
+                     gate=gate if draft is not None else None)
 
 
 @torch.inference_mode()
