@@ -316,6 +316,8 @@ def test_in_process_drafters_without_a_draft_file(capsys, tmp_path):
     assert s["systems"] == ["baseline", "ngram-mod", "mtp"] and all(not c["mismatches"] for c in s["comparisons"])
     with pytest.raises(ValueError, match="no DFlash draft"):
         resolve_pair(parse_args(["-m", str(folder), "--drafters", "dflash"]))
+    assert resolve_pair(parse_args(["-m", str(folder), "--drafters", "all"]))[1:] == (
+        None, ["mtp", "ngram-mod", "ngram-mod+mtp"])
 
 
 def test_drafters_named_wrongly_or_with_a_fixed_block(capsys, tiny, tmp_path):
@@ -328,6 +330,8 @@ def test_drafters_named_wrongly_or_with_a_fixed_block(capsys, tiny, tmp_path):
     assert resolve_pair(parse_args(["-m", str(target), "-md", str(draft), "--drafters", "ngram-mod"]))[1] is None
     assert resolve_pair(parse_args(["-m", str(target), "-md", str(draft), "--drafters",
                                     "ngram-mod+draft-dflash"]))[1:] == (str(draft), ["ngram-mod+dflash"])
+    assert resolve_pair(parse_args(["-m", str(target), "-md", str(draft), "--drafters", "all"]))[1:] == (
+        str(draft), ["dflash", "ngram-mod", "ngram-mod+dflash"])
     for chain, why in (("dflash+ngram-mod", "n-gram lookups first"), ("ngram-mod+eagle", "eagle is not a drafter")):
         with pytest.raises(ValueError, match=f"--drafters {re.escape(chain)}: .*{why}"):
             resolve_pair(parse_args(["-m", str(target), "-md", str(draft), "--drafters", chain]))

@@ -232,12 +232,34 @@ def test_ngram_drafter_decodes_as_plain(models, params):
             assert spec.spec.draft_n_accepted > 0
 
 
-def test_lookup_gate_opens_where_the_key_was_seen_with_n_min_tokens_after_it():
-    """draft/ngram.LookupGate against a search written here: open where the last n_match tokens occurred before
-    and at least n_min (at least 1) tokens followed that occurrence."""
+def gate_run(tokens: list[int], n: int, need: int, chain: bool) -> int:
+    """The run draft/ngram.LookupGate follows, by search (at most `need`): the last n tokens' previous occurrence,
+    then each next key's latest one (ngram-mod) or the tokens after the first (ngram-simple)."""
+    last = len(tokens) - 1
+
+    def latest(key, before):
+        return max((j for j in range(n - 1, before + 1) if tokens[j - n + 1:j + 1] == key), default=None)
+    if last + 1 < n:
+        return 0
+    at = latest(tokens[last + 1 - n:], last - 1)
+    if at is None or not chain:
+        return 0 if at is None else min(last - at, need)
+    key, run = tokens[last + 1 - n:], 0
+    while run < need and at is not None and at < last:
+        run += 1
+        key = key[1:] + [tokens[at + 1]]
+        at = latest(key, last)
+    return run
+
+
+def test_lookup_gate_opens_where_a_lookup_finds_n_min_tokens():
+    """draft/ngram.LookupGate against a search written here, over tokens that copy earlier stretches of
+    themselves now and then: open exactly where the run it follows is at least n_min long (at least 1)."""
     rng = random.Random(0)
-    for n_match, n_min, n_max in ((1, 0, 4), (2, 3, 8), (3, 6, 4), (4, 1, 16)):
-        cfg = NGramConfig(n_match=n_match, n_max=n_max, n_min=n_min)
+    for n_match, n_min, n_max, chain in ((1, 0, 4, True), (2, 3, 8, True), (3, 6, 4, False), (4, 1, 16, True),
+                                         (2, 5, 12, False)):
+        cfg = NGramConfig(n_match=n_match, n_max=n_max, n_min=n_min, chain=chain)
+        need = max(min(n_min, n_max), 1)
         tokens = [rng.randrange(5) for _ in range(8)]
         while len(tokens) < 300:
             tokens += tokens[-rng.randrange(5, 40):][:rng.randrange(1, 12)] if rng.random() < 0.5 else [
@@ -246,11 +268,8 @@ def test_lookup_gate_opens_where_the_key_was_seen_with_n_min_tokens_after_it():
         for end in range(5, len(tokens)):
             if end > 5:
                 gate.add([tokens[end - 1]])
-            history, key = tokens[:end], tokens[end - n_match:end]
-            earlier = max((j for j in range(n_match - 1, end - 1) if history[j - n_match + 1:j + 1] == key),
-                          default=None) if end >= n_match else None
-            want = earlier is not None and end - 1 - earlier >= max(min(n_min, n_max), 1)
-            assert gate.open() == want, (n_match, n_min, end)
+            want = gate_run(tokens[:end], n_match, need, chain) >= need
+            assert gate.open() == want, (n_match, n_min, chain, end)
             opened += want
         assert 0 < opened < len(tokens) - 5
 

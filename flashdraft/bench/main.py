@@ -31,8 +31,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                          "the draft shipped for a named model")
     ap.add_argument("--drafters", default=None,
                     help="in process: the drafters compared with plain decoding, comma-separated --spec-type names "
-                         "(dflash, mtp, ngram-mod, ngram-simple) or chains of them joined by '+' (ngram-mod+dflash), each "
-                         "through its own engine over the same weights "
+                         "(dflash, mtp, ngram-mod, ngram-simple) or chains of them joined by '+' (ngram-mod+dflash), or "
+                         "all (every drafter the model has, ngram-mod, and ngram-mod before each), each through its "
+                         "own engine over the same weights "
                          "(default: dflash where a draft is given or ships with the model, and mtp where the "
                          "target's checkpoint holds an MTP block)")
     ap.add_argument("--url", action="append", default=[], help="server base URL; repeat it, the first is the baseline")
@@ -73,13 +74,16 @@ def resolve_pair(args: argparse.Namespace) -> tuple[str, str | None, list[str]]:
     if args.draft:
         check_exists(args.draft, "draft")
     draft = resolve_draft(args.draft) or default_draft(model)
+    models = (["dflash"] if draft else []) + (["mtp"] if holds_mtp(model) else [])
+    if args.drafters == "all":  # every drafter the model has, the n-gram lookup, and the lookup before each
+        return model, draft, [*models, "ngram-mod", *(f"ngram-mod+{m}" for m in models)]
     if args.drafters:
         drafters = list(dict.fromkeys(canonical_drafter(d.strip()) for d in args.drafters.split(",") if d.strip()))
         with_file = any(uses_draft_file(d) for d in drafters)
         if with_file and not draft:
             raise ValueError(f"--drafters {args.drafters}: no DFlash draft for {model}; pass one with -md DRAFT")
         return model, draft if with_file else None, drafters
-    drafters = (["dflash"] if draft else []) + (["mtp"] if holds_mtp(model) else [])
+    drafters = models
     if not drafters:
         raise ValueError(f"no DFlash draft for {model}: no draft ships with flashdraft for it yet. Pass one with "
                          f"-md DRAFT_FOLDER (a z-lab style HF folder), e.g. `flashdraft bench -m {model} -md DRAFT`, "

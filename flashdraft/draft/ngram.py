@@ -89,12 +89,15 @@ class NGramState:
 
 
 class LookupGate:
-    """On the host, for one request: whether its last n_match tokens read so far occurred before with at least
-    n_min tokens after them (n_max, if fewer), so that a lookup step is worth its verify rows. A heuristic over
-    hashes: a collision or a run the exact lookup ends sooner costs a step, never a token."""
+    """On the host, for one request: whether a lookup at its last token read would find a run of at least n_min
+    tokens (n_max, if fewer; at least 1), followed over the tokens read as `NGramDrafter.lookup` follows them over
+    the committed ones: the last n_match tokens' previous occurrence, then (ngram-mod) each next key's latest one,
+    or (ngram-simple) the tokens after the first. Keys are hashed and each keeps its latest occurrence only, so a
+    collision or a run the exact lookup ends sooner costs a step, never a token."""
 
     def __init__(self, config: NGramConfig, tokens: list[int]):
-        self.n, self.n_min = config.n_match, min(config.n_min, config.n_max)
+        self.n, self.chain = config.n_match, config.chain
+        self.need = max(min(config.n_min, config.n_max), 1)
         self.tokens: list[int] = []
         self.latest: dict[int, int] = {}  # hash of an n-gram -> the index of its last token, latest occurrence
         self.earlier: int | None = None  # that of the last n-gram's previous occurrence
@@ -110,7 +113,16 @@ class LookupGate:
                 self.latest[key] = end
 
     def open(self) -> bool:
-        return self.earlier is not None and len(self.tokens) - 1 - self.earlier >= max(self.n_min, 1)
+        last, at = len(self.tokens) - 1, self.earlier
+        if at is None or not self.chain:
+            return at is not None and last - at >= self.need
+        key = self.tokens[last + 1 - self.n:]
+        for _ in range(self.need):  # ngram-mod: each proposed token's key looked up again
+            if at is None or at >= last:
+                return False
+            key = key[1:] + [self.tokens[at + 1]]
+            at = self.latest.get(hash(tuple(key)))
+        return True
 
 
 class NGramDrafter:
