@@ -320,7 +320,7 @@ def test_in_process_drafters_without_a_draft_file(capsys, tmp_path):
         None, ["mtp", "ngram-mod", "ngram-mod+mtp"])
 
 
-def test_drafters_named_wrongly_or_with_a_fixed_block(capsys, tiny, tmp_path):
+def test_drafters_named_wrongly_or_with_a_fixed_block(capsys, tiny, tmp_path, monkeypatch):
     target, draft, prompts = tiny
     with pytest.raises(ValueError, match="--drafters eagle: not a drafter"):
         resolve_pair(parse_args(["-m", str(target), "-md", str(draft), "--drafters", "eagle"]))
@@ -335,7 +335,14 @@ def test_drafters_named_wrongly_or_with_a_fixed_block(capsys, tiny, tmp_path):
     for chain, why in (("dflash+ngram-mod", "n-gram lookups first"), ("ngram-mod+eagle", "eagle is not a drafter")):
         with pytest.raises(ValueError, match=f"--drafters {re.escape(chain)}: .*{why}"):
             resolve_pair(parse_args(["-m", str(target), "-md", str(draft), "--drafters", chain]))
-    # --block-size is the DFlash draft's verify block; the other drafters keep their own
-    rc, out, err = run_bench(capsys, tiny, "--json", "--drafters", "dflash,ngram-mod", "--block-size", "4")
-    assert rc == 0, err
-    assert json.loads(out)["systems"] == ["baseline", "dflash", "ngram-mod"]
+    # --block-size is the DFlash draft's verify block, whichever drafter comes first; the others keep their own
+    from flashdraft.engine.engine import Engine
+    blocks, ready = [], Engine._ready
+    monkeypatch.setattr(Engine, "_ready", lambda self: blocks.append((self.config.spec_type, self.block_size))
+                        or ready(self))
+    for named, want in (("dflash,ngram-mod", [(None, 4), ("ngram-mod", None)]),
+                        ("ngram-mod,ngram-mod+dflash", [("ngram-mod", None), ("ngram-mod,dflash", 4)])):
+        blocks.clear()
+        rc, out, err = run_bench(capsys, tiny, "--json", "--drafters", named, "--block-size", "4")
+        assert rc == 0, err
+        assert json.loads(out)["systems"] == ["baseline", *named.split(",")] and blocks == want

@@ -14,7 +14,7 @@ import torch
 
 from flashdraft import cli
 from flashdraft.draft import registry
-from flashdraft.draft.ngram import NGramConfig, NGramDrafter
+from flashdraft.draft.ngram import LookupGate, NGramConfig, NGramDrafter
 from flashdraft.engine.engine import Engine, EngineConfig, Request
 from flashdraft.engine.sampling import SamplingParams
 from flashdraft.server.app import create_app
@@ -232,64 +232,102 @@ def test_ngram_drafter_decodes_as_plain(models, params):
             assert spec.spec.draft_n_accepted > 0
 
 
-def gate_run(tokens: list[int], n: int, need: int, chain: bool) -> int:
-    """The run draft/ngram.LookupGate follows, by search (at most `need`): the last n tokens' previous occurrence,
-    then each next key's latest one (ngram-mod) or the tokens after the first (ngram-simple)."""
-    last = len(tokens) - 1
-
-    def latest(key, before):
-        return max((j for j in range(n - 1, before + 1) if tokens[j - n + 1:j + 1] == key), default=None)
-    if last + 1 < n:
-        return 0
-    at = latest(tokens[last + 1 - n:], last - 1)
-    if at is None or not chain:
-        return 0 if at is None else min(last - at, need)
-    key, run = tokens[last + 1 - n:], 0
-    while run < need and at is not None and at < last:
-        run += 1
-        key = key[1:] + [tokens[at + 1]]
-        at = latest(key, last)
-    return run
+def lookup_run(cfg: NGramConfig, tokens: list[int], block: int, window: int) -> int:
+    """The run NGramDrafter.lookup proposes with the last token as the anchor, every earlier one observed."""
+    drafter = NGramDrafter(cfg)
+    drafter.setup_cache(window, 1)
+    anchor_at = len(tokens) - 1
+    drafter.observe(torch.tensor(tokens[:anchor_at])[None], None, torch.arange(anchor_at)[None], 0)
+    _, run = drafter.lookup(torch.tensor(tokens[-1:]), torch.tensor([anchor_at]), 0, block - 1, block)
+    return int(run)
 
 
-def test_lookup_gate_opens_where_a_lookup_finds_n_min_tokens():
-    """draft/ngram.LookupGate against a search written here, over tokens that copy earlier stretches of
-    themselves now and then: open exactly where the run it follows is at least n_min long (at least 1)."""
-    rng = random.Random(0)
-    for n_match, n_min, n_max, chain in ((1, 0, 4, True), (2, 3, 8, True), (3, 6, 4, False), (4, 1, 16, True),
-                                         (2, 5, 12, False)):
-        cfg = NGramConfig(n_match=n_match, n_max=n_max, n_min=n_min, chain=chain)
-        need = max(min(n_min, n_max), 1)
-        tokens = [rng.randrange(5) for _ in range(8)]
-        while len(tokens) < 300:
-            tokens += tokens[-rng.randrange(5, 40):][:rng.randrange(1, 12)] if rng.random() < 0.5 else [
-                rng.randrange(5)]
-        gate, opened = NGramDrafter(cfg).host_gate(tokens[:5]), 0
-        for end in range(5, len(tokens)):
-            if end > 5:
-                gate.add([tokens[end - 1]])
-            want = gate_run(tokens[:end], n_match, need, chain) >= need
-            assert gate.open() == want, (n_match, n_min, chain, end)
-            opened += want
-        assert 0 < opened < len(tokens) - 5
+def self_copying(rng: random.Random, length: int) -> list[int]:
+    """Tokens that now and then copy an earlier stretch of themselves or fall into a short loop."""
+    tokens = [rng.randrange(5) for _ in range(8)]
+    while len(tokens) < length:
+        r = rng.random()
+        if r < 0.4:
+            tokens += tokens[-rng.randrange(5, 40):][:rng.randrange(1, 12)]
+        elif r < 0.5:
+            tokens += tokens[-rng.randrange(2, 6):] * 3
+        else:
+            tokens.append(rng.randrange(5))
+    return tokens[:length]
+
+
+@pytest.mark.parametrize("n_match, n_min, n_max, chain, block, window", [
+    (1, 0, 4, True, None, 512), (2, 3, 8, True, None, 512), (3, 6, 4, False, None, 512), (4, 1, 16, True, None, 512),
+    (2, 5, 12, False, None, 512), (3, 8, 16, True, None, 512), (2, 12, 16, True, 7, 512), (2, 4, 8, True, None, 40),
+    (2, 4, 10, False, None, 40)])
+def test_lookup_gate_opens_where_the_lookup_proposes(n_match, n_min, n_max, chain, block, window):
+    """draft/ngram.LookupGate against NGramDrafter.lookup itself, over tokens that copy stretches of themselves
+    and loop: open exactly where the lookup proposes a run (the block narrower than n_max + 1, or the drafter's
+    window shorter than the tokens, as the step's)."""
+    cfg = NGramConfig(n_match=n_match, n_max=n_max, n_min=n_min, chain=chain)
+    tokens = self_copying(random.Random(n_match * 100 + n_min), 160)
+    block = block or n_max + 1
+    gate, opened = LookupGate(cfg, tokens[:5], window), 0
+    for end in range(5, len(tokens)):
+        if end > 5:
+            gate.add([tokens[end - 1]])
+        want = lookup_run(cfg, tokens[:end], block, window) > 0
+        assert gate.open(block) == want, end
+        opened += want
+    assert 0 < opened < len(tokens) - 5
+
+
+def test_lookup_gate_rests_after_rejected_runs():
+    """Five drafting steps in a row with under a quarter of the run accepted shut the gate for QUIET tokens, then
+    twice as long; a step that pays ends the count."""
+    cfg = NGramConfig(n_match=2, n_max=8, n_min=8)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10] * 30
+    gate = LookupGate(cfg, tokens[:30])
+    assert gate.open(9)
+    for _ in range(4):
+        gate.record(1)
+    gate.record(2)  # a quarter of 8: it pays
+    for _ in range(4):
+        gate.record(1)
+    assert gate.open(9)
+    gate.record(1)
+    assert not gate.open(9)
+    gate.add(tokens[:LookupGate.QUIET - 1])
+    assert not gate.open(9)
+    gate.add(tokens[LookupGate.QUIET - 1:LookupGate.QUIET])
+    assert gate.open(9)
+    for _ in range(5):
+        gate.record(0)
+    gate.add(tokens[:2 * LookupGate.QUIET - 10])  # the loop goes on
+    assert not gate.open(9)
+    gate.add(tokens[:10])
+    assert gate.open(9)
 
 
 def test_ngram_steps_verify_only_where_the_gate_is_open(models):
-    """With the adaptive width on, a request whose tokens never repeat a key with n_min tokens after it runs plain
-    steps only (the verify rows a lookup could not fill are never spent); the same with the width fixed checks
-    every step, and both answers equal plain decoding."""
+    """With the adaptive width on, a request whose tokens never hold a run for the lookup runs plain steps only
+    (the verify rows a lookup could not fill are never spent), and one whose output loops drafts there; the width
+    fixed checks every step; every answer equals plain decoding."""
     target, _ = models
-    params = dict(n_match=3, n_max=32, n_min=30)  # 8 + 24 tokens: no key can have 30 after it
-    prompt, sampling = [7, 100, 33, 250, 12, 90, 8, 61], SamplingParams(max_tokens=24, ignore_eos=True)
-    runs = {}
-    for adaptive in (True, False):
-        engine = Engine.load(EngineConfig(model=str(target), spec_type="ngram-mod", draft_params=params, device=DEVICE,
-                                          dtype=DTYPE, ctx_size=256, adaptive=adaptive))
-        runs[adaptive] = engine.generate(Request(prompt, sampling))
-        plain = engine.generate(Request(prompt, sampling, speculative=False))
-        assert runs[adaptive].token_ids == plain.token_ids
-    assert not runs[True].spec.draft_steps and runs[True].spec.plain_steps > 0
-    assert len(runs[False].spec.draft_steps) > 0
+    prompt = [7, 100, 33, 250, 12, 90, 8, 61]
+    for kind, params, tokens, drafts in (
+            ("ngram-simple", dict(size_n=30, size_m=32), 24, False),  # 8 + 24 tokens: no 30-token key seen twice
+            ("ngram-mod", dict(n_match=2, n_max=16, n_min=8), 120, True)):  # the tiny model's output loops
+        sampling = SamplingParams(max_tokens=tokens, ignore_eos=True)
+        runs = {}
+        for adaptive in (True, False):
+            engine = Engine.load(EngineConfig(model=str(target), spec_type=kind, draft_params=params,
+                                              device=DEVICE, dtype=DTYPE, ctx_size=256, adaptive=adaptive))
+            runs[adaptive] = engine.generate(Request(prompt, sampling))
+            plain = engine.generate(Request(prompt, sampling, speculative=False))
+            assert runs[adaptive].token_ids == plain.token_ids
+        gated, fixed = runs[True].spec, runs[False].spec
+        assert len(fixed.draft_steps) > 0 and gated.plain_steps > 0
+        if drafts:
+            assert 0 < len(gated.draft_steps) < len(fixed.draft_steps) and gated.draft_n_accepted > 0
+            assert gated.draft_n_accepted / len(gated.draft_steps) > fixed.draft_n_accepted / len(fixed.draft_steps)
+        else:
+            assert not gated.draft_steps
 
 
 def test_ngram_drafter_serves_as_plain(models):

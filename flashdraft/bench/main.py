@@ -161,7 +161,8 @@ def engine_setup(args: argparse.Namespace, model: str, draft: str | None,
     from flashdraft.engine.engine import keep_quantized
     from flashdraft.formats.loader import make_drafter
     first = "dflash" if "dflash" in drafters else drafters[0]
-    extra = dict(model=model, progress=not args.json)
+    extra = dict(model=model, progress=not args.json,
+                 block_size=args.block_size if uses_draft_file(first) else None)  # the draft file's block
     if first != "dflash":
         extra.update(spec_type=spec_type_of(first), draft_params=bench_params(args, first))
     engine = Engine.load(engine_config(args, draft if uses_draft_file(first) else None, args.device, **extra))

@@ -27,11 +27,14 @@ class DrafterState(Protocol):
 
 
 class HostGate(Protocol):
-    """Drafter.host_gate's per-request gate: the tokens as the host reads them, and whether a step should draft."""
+    """Drafter.host_gate's per-request gate: the tokens as the host reads them, whether a step of a `block`-wide
+    draft should draft, and how many of its proposals the last such step accepted."""
 
     def add(self, tokens: list[int]) -> None: ...
 
-    def open(self) -> bool: ...
+    def open(self, block: int) -> bool: ...
+
+    def record(self, accepted: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -57,9 +60,8 @@ class Drafter(Protocol):
     # assistant) is handed the target's models.interface.ModelState once, after setup_cache (engine/steps.Steps);
     # its `propose` reads the rows the target wrote before the anchor's position
     # (optional) `host_gate(prompt_ids) -> gate`: a lookup that proposes nothing most of the time (n-gram) gives each
-    # request a host-side gate, `gate.add(tokens)` as the host reads them and `gate.open()`: with the adaptive width
-    # on, the request's steps are plain while it is shut and full width while it is open, instead of the width
-    # controller's probes
+    # request a host-side gate (HostGate): with the adaptive width on, the request's steps are plain while it is
+    # shut and full width while it is open, instead of the width controller's probes
 
     def setup_cache(self, window: int, n_slots: int = 1,
                     cache_dtypes: tuple[torch.dtype | None, torch.dtype | None] = (None, None)) -> None:

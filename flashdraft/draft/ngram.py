@@ -10,9 +10,8 @@ What it computes, for an anchor at position P (the last committed token; the pos
   committed, up to `n_max`;
 - a run shorter than `n_min` (at most n_max) proposes nothing. A step still verifies its whole width, so the
   positions past the run (all of them when nothing matched) hold the anchor repeated: cheap, nearly always
-  rejected, and the adaptive width controller (engine/adaptive.py) turns a request whose proposals are not
-  accepted into plain steps that only feed this drafter, probing now and then. Verifying stays lossless whatever
-  is proposed.
+  rejected; with the adaptive width on, a step drafts only where the host's `LookupGate` expects a run, and is
+  plain (feeding this drafter) elsewhere. Verifying stays lossless whatever is proposed.
 
 What differs from llama.cpp (common/ngram-mod.cpp, common/speculative.cpp):
 - llama.cpp keeps one hash table (4M entries, n-gram hash -> next token) shared by every slot and request,
@@ -21,9 +20,9 @@ What differs from llama.cpp (common/ngram-mod.cpp, common/speculative.cpp):
   slot searches its own request's committed positions exactly (the latest occurrence, as the table's last write
   wins), every committed position at once, with no entries from other requests and no resets.
 - llama.cpp drafts only when the run is at least n_min long, and verifies just the run; here a step verifies
-  n_max + 1 rows (the run first, the anchor after it), and only where the host's `LookupGate` finds the key seen
-  before with n_min tokens after it (with the adaptive width on; the step is plain elsewhere). Since the host
-  reads a plain step's token one step late, the gate looks one token behind; the proposal itself is exact.
+  n_max + 1 rows (the run first, the anchor after it), and, with the adaptive width on, only where the host's
+  `LookupGate` finds that the lookup would propose a run (the step is plain elsewhere); the proposal itself is
+  the lookup's, exact.
 - ngram-simple: llama.cpp ignores a match at position 0 and wants more than size_n + size_m + 1 tokens of
   history; here any earlier occurrence counts.
 
@@ -89,40 +88,64 @@ class NGramState:
 
 
 class LookupGate:
-    """On the host, for one request: whether a lookup at its last token read would find a run of at least n_min
-    tokens (n_max, if fewer; at least 1), followed over the tokens read as `NGramDrafter.lookup` follows them over
-    the committed ones: the last n_match tokens' previous occurrence, then (ngram-mod) each next key's latest one,
-    or (ngram-simple) the tokens after the first. Keys are hashed and each keeps its latest occurrence only, so a
-    collision or a run the exact lookup ends sooner costs a step, never a token."""
+    """On the host, for one request: whether `NGramDrafter.lookup` at its last token read would propose a run (at
+    least n_min tokens, n_max or the block's width if fewer, at least 1), followed over the tokens read as the
+    lookup follows them over the observed ones: an occurrence counts once its follower is observed (two tokens
+    before the last) and while its key is in the drafter's window; ngram-mod looks each next key up again,
+    ngram-simple copies what followed the first. Keys are hashed, each keeping its latest occurrence (as the
+    lookup takes). Where steps that drafted keep being rejected (MISSES in a row with under a quarter of the run
+    accepted: llama.cpp's reset rule), the gate stays shut for QUIET tokens, twice as long after each such spell.
+    The host reads a plain step's token one step late, so a shut gate looks one token behind."""
+    MISSES = 5
+    QUIET = 64
+    QUIET_MOST = 1024
 
-    def __init__(self, config: NGramConfig, tokens: list[int]):
-        self.n, self.chain = config.n_match, config.chain
-        self.need = max(min(config.n_min, config.n_max), 1)
+    def __init__(self, config: NGramConfig, tokens: list[int], window: int | None = None):
+        self.config, self.n, self.window = config, config.n_match, window
         self.tokens: list[int] = []
         self.latest: dict[int, int] = {}  # hash of an n-gram -> the index of its last token, latest occurrence
-        self.earlier: int | None = None  # that of the last n-gram's previous occurrence
+        self.wanted = 1  # the run the last open() found
+        self.misses = self.spells = self.quiet_until = 0
         self.add(tokens)
 
     def add(self, tokens: list[int]) -> None:
         for token in tokens:
             self.tokens.append(token)
-            end = len(self.tokens) - 1
+            end = len(self.tokens) - 3  # the latest occurrence whose follower the drafter has observed
             if end + 1 >= self.n:
-                key = hash(tuple(self.tokens[end + 1 - self.n:]))
-                self.earlier = self.latest.get(key)
-                self.latest[key] = end
+                self.latest[hash(tuple(self.tokens[end + 1 - self.n:end + 1]))] = end
 
-    def open(self) -> bool:
-        last, at = len(self.tokens) - 1, self.earlier
-        if at is None or not self.chain:
-            return at is not None and last - at >= self.need
+    def open(self, block: int) -> bool:
+        cfg, last = self.config, len(self.tokens) - 1
+        need = max(min(cfg.n_min, cfg.n_max, block - 1), 1)
+        if last < self.quiet_until or last + 1 < self.n:
+            return False
+        oldest = last - self.window if self.window else 0  # the first position the drafter's ring still holds
         key = self.tokens[last + 1 - self.n:]
-        for _ in range(self.need):  # ngram-mod: each proposed token's key looked up again
-            if at is None or at >= last:
-                return False
-            key = key[1:] + [self.tokens[at + 1]]
-            at = self.latest.get(hash(tuple(key)))
-        return True
+        at = self.latest.get(hash(tuple(key)))
+        if at is None or at + 1 - self.n < oldest:
+            return False
+        if not cfg.chain:
+            found = last - 1 - at >= need
+        else:
+            for _ in range(need - 1):
+                key = key[1:] + [self.tokens[at + 1]]
+                at = self.latest.get(hash(tuple(key)))
+                if at is None or at + 1 - self.n < oldest:
+                    return False
+            found = True
+        self.wanted = need
+        return found
+
+    def record(self, accepted: int) -> None:
+        """After a step that drafted where the gate was open: its first `accepted` proposals were accepted."""
+        if 4 * accepted >= self.wanted:
+            self.misses = self.spells = 0
+            return
+        self.misses += 1
+        if self.misses >= self.MISSES:
+            self.quiet_until = len(self.tokens) - 1 + min(self.QUIET << self.spells, self.QUIET_MOST)
+            self.misses, self.spells = 0, self.spells + 1
 
 
 class NGramDrafter:
@@ -167,7 +190,7 @@ class NGramDrafter:
 
     def host_gate(self, prompt_ids: list[int]) -> LookupGate:
         """The slot's gate over the tokens the host reads (engine/generate.SlotState.gate)."""
-        return LookupGate(self.config, prompt_ids)
+        return LookupGate(self.config, prompt_ids, None if self.state is None else self.state.window)
 
     def lookup(self, anchors: Tensor, positions: Tensor, slots, k: int, block: int | None = None
                ) -> tuple[Tensor, Tensor]:

@@ -39,7 +39,7 @@ class Request:
     grammar: Grammar | None = None  # constrain the output (engine/grammar.py)
     cancel: threading.Event = field(default_factory=threading.Event)
     # the most drafted tokens a verify step checks (llama.cpp's per-request speculative.n_max): a fixed width of
-    # n + 1 in place of the adaptive one (None: the engine's)
+    # n + 1 in place of the adaptive one (None: the engine's); a lookup drafter's gate still picks its steps
     draft_n_max: int | None = None
     slot: int | None = None  # set by the engine: the cache slot that holds the request's prompt
 

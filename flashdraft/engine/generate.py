@@ -324,7 +324,7 @@ def plan(steps: Steps, s: SlotState, want: int | None = None) -> StepPlan | list
     live = min(s.block, s.budget - s.produced - queued + 1, room)
     if want is None:
         want = (s.controller.width() if s.controller is not None
-                else s.block if s.gate is None or s.gate.open() else 1)
+                else s.block if s.gate is None or s.gate.open(s.block) else 1)
     width = min(want, s.max_width or s.block, room)
     if not steps.static:  # no captured shape to keep: verify no row past the wanted tokens
         width = min(width, live)
@@ -395,6 +395,8 @@ def advance_speculative(steps: Steps, s: SlotState, p: StepPlan, ids: Tensor, lo
         s.stats.record(proposed, accepted, steps.proposed_by(s.slot))
     if s.controller is not None:
         s.controller.record(p.width, accepted)
+    if s.gate is not None:
+        s.gate.record(accepted)
     n_new = accepted + 1
     steps.state.commit(s.slot, s.pos + n_new)
     steps.observe(s.slot, ids[:n_new], None if features is None else features[:n_new], positions[:n_new])
