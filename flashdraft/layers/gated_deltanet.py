@@ -11,7 +11,11 @@ or tiled as llama.cpp's GGUF files order them (h % key_heads).
 
 The recurrence in two forms: `recurrent_delta_rule`, a token at a time (decode steps), and `chunked_delta_rule`,
 chunks of tokens in a few matrix products (prefill). The state a slot keeps between forwards (S per head and the
-convolution's last inputs) lives in layers.kv_cache.RecurrentCache, after each token of a verify block."""
+convolution's last inputs) lives in layers.kv_cache.RecurrentCache, after each token of a verify block. On the GPU
+a step's few tokens run in one kernel (kernels/delta_rule.py) that reads and writes the cache's state rows in
+place."""
+import importlib.util
+import os
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +26,10 @@ from flashdraft.layers.kv_cache import RecurrentSlots
 from flashdraft.layers.linear import Linear, fuse_linears_on_load
 from flashdraft.layers.norm import GatedRMSNorm
 
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter runs kernels on CPU tensors (tests)
+TRITON = importlib.util.find_spec("triton") is not None
+if TRITON:
+    import flashdraft.kernels.delta_rule  # noqa: F401  (registers torch.ops.flashdraft.recurrent_delta_rule)
 CHUNK = 64  # tokens per chunk of the chunked form
 RECURRENT_TOKENS = 16  # forwards of up to this many tokens take the recurrent form
 
@@ -41,6 +49,12 @@ class DeltaNetShape:
     def channels(self) -> int:
         """The convolution's channels: q, k and v."""
         return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+
+def kernel_runs(x: Tensor) -> bool:
+    """Whether a step's recurrence runs in kernels/delta_rule.py: on the GPU, and on the CPU under Triton's
+    interpreter (tests); elsewhere in recurrent_delta_rule below."""
+    return TRITON and (x.is_cuda or INTERPRETED)
 
 
 def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
@@ -127,9 +141,14 @@ class GatedDeltaNet(nn.Module):
         C, K, HV, Dk, Dv = s.channels, s.conv_kernel, s.value_heads, s.key_dim, s.value_dim
         qkvz = self.in_proj_qkvz(x)
         b, a = self.in_proj_ba(x).chunk(2, dim=-1)
+        every = cache is not None and T < cache.rows
+        kernel = (every or T <= RECURRENT_TOKENS) and kernel_runs(x)
+        state = None
         if cache is None or fresh:
-            state = x.new_zeros(B, HV, Dk, Dv, dtype=torch.float32)
+            state = None if kernel else x.new_zeros(B, HV, Dk, Dv, dtype=torch.float32)
             conv = x.new_zeros(B, C, K - 1)
+        elif kernel:
+            conv = cache.read_conv(positions[:, 0])
         else:
             state, conv = cache.read(positions[:, 0])
         inputs = torch.cat([conv.to(x.dtype), qkvz[..., :C].transpose(1, 2)], dim=-1)  # [B, C, K - 1 + T]
@@ -141,15 +160,27 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid().float()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         q, k, v = (t.transpose(1, 2) for t in (q * Dk ** -0.5, k, v))  # [B, H, T, D]
-        every = cache is not None and T < cache.rows
-        if every or T <= RECURRENT_TOKENS:
-            out, state = recurrent_delta_rule(q, k, v, g.transpose(1, 2), beta.transpose(1, 2), state, every)
+        g, beta = g.transpose(1, 2), beta.transpose(1, 2)
+        kept = positions + 1 if every else positions[:, -1:] + 1  # the lengths whose states the cache keeps
+        # the convolution's last K - 1 inputs after each kept length
+        convs = inputs.unfold(-1, K - 1, 1)[:, :, 1:].transpose(1, 2) if every else inputs[:, None, :, T:]
+        if kernel:
+            if cache is None:  # the state goes nowhere: a scratch row per sequence
+                ring, src = x.new_empty(B, HV, Dk, Dv, dtype=torch.float32), torch.arange(B, device=x.device)
+                dst = src[:, None]
+            else:
+                ring, rows = cache.ring(torch.cat([positions[:, :1], kept], 1))
+                src, dst = rows[:, 0].contiguous(), rows[:, 1:]
+            out = torch.ops.flashdraft.recurrent_delta_rule(q, k, v, g, beta, ring, src, dst, cache is None or fresh)
+            if cache is not None:
+                cache.write_conv(kept, convs)
         else:
-            out, state = chunked_delta_rule(q, k, v, g.transpose(1, 2), beta.transpose(1, 2), state)
-        if every:  # the convolution's last K - 1 inputs after each token, and the lengths they belong to
-            cache.write(positions + 1, state, inputs.unfold(-1, K - 1, 1)[:, :, 1:].transpose(1, 2))
-        elif cache is not None:
-            cache.write(positions[:, -1:] + 1, state[:, None], inputs[:, None, :, T:])
+            if every or T <= RECURRENT_TOKENS:
+                out, state = recurrent_delta_rule(q, k, v, g, beta, state, every)
+            else:
+                out, state = chunked_delta_rule(q, k, v, g, beta, state)
+            if cache is not None:
+                cache.write(kept, state if every else state[:, None], convs)
         out = self.norm(out.transpose(1, 2).to(x.dtype), qkvz[..., C:].unflatten(-1, (HV, Dv)))
         return self.out_proj(out.flatten(-2))
 

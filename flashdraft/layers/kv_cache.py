@@ -224,6 +224,23 @@ class RecurrentSlots:
         self.state[slots, rows] = state  # through the view: into the cache
         self.conv[slots, rows] = conv.to(self.conv.dtype)
 
+    def ring(self, lengths: Tensor) -> tuple[Tensor, Tensor]:
+        """For a kernel that reads and writes the states in place (kernels/delta_rule.py): the slots' state rows as
+        one [slots x rows, heads, key dim, value dim] tensor, and the index there of the rows holding lengths
+        [B, n]."""
+        slots, rows = self._at(lengths)
+        return self.state.flatten(0, 1), slots * self.rows + rows
+
+    def read_conv(self, start: Tensor) -> Tensor:
+        """The convolution's inputs after the first start [B] tokens of each slot [B, channels, kernel - 1]."""
+        slots, rows = self._at(start[:, None])
+        return self.conv[slots, rows][:, 0]
+
+    def write_conv(self, lengths: Tensor, conv: Tensor) -> None:
+        """write's convolution part alone (the states written by the kernel)."""
+        slots, rows = self._at(lengths)
+        self.conv[slots, rows] = conv.to(self.conv.dtype)
+
 
 class RecurrentCache:
     """A recurrent layer's per-slot state: a float32 matrix [key dim, value dim] per head, and the last
