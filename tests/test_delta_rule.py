@@ -1,7 +1,8 @@
 """kernels/delta_rule.py, the Gated DeltaNet recurrence of a decode or verify step in one Triton kernel, against
-layers/gated_deltanet.recurrent_delta_rule (plain PyTorch): outputs and the states it writes into ring rows, from
-a ring row or from zeros, after every token or the last, key and value sizes that are not powers of two and value
-heads wider than a program's tile; a token's bits the same alone and inside a block. Under Triton's interpreter
+layers/gated_deltanet.recurrent_delta_rule (plain PyTorch): outputs and the state it writes back in place (at the
+step's start or its end), from the kept state or from zeros, key and value sizes that are not powers of two and value
+heads wider than a program's tile; a step continuing from the kept state after replaying the kept inputs of the
+last step's accepted tokens; a token's bits the same alone, inside a block, and replayed. Under Triton's interpreter
 on the CPU (a process of its own), and on a GPU. Then Qwen3.5's tests through the kernel (the interpreter)."""
 import importlib.util
 import os
@@ -29,38 +30,53 @@ def inputs(B: int, H: int, T: int, DK: int, DV: int, device: str, seed: int = 0)
     return [x.to(device) for x in (q, k, v, g, beta, state)]
 
 
+def kept_inputs(k, v, g, beta, R: int):
+    """A step's inputs [B, H, T, ...] as a RecurrentCache keeps them for slots 0..B-1 from position 0: row t % R."""
+    B, H, T, _ = k.shape
+    out = [torch.zeros(B, R, H, *x.shape[3:], device=k.device) for x in (k, v, g, beta)]
+    for kept, x in zip(out, (k, v, g, beta)):
+        kept[:, torch.arange(T) % R] = x.transpose(1, 2)
+    return out
+
+
 def check(device: str) -> None:
     import flashdraft.kernels.delta_rule  # noqa: F401
     from flashdraft.layers.gated_deltanet import recurrent_delta_rule
     op = torch.ops.flashdraft.recurrent_delta_rule
     for B, H, T, DK, DV in CASES:
         q, k, v, g, beta, state = inputs(B, H, T, DK, DV, device)
-        rows = T + 2  # a ring of rows per sequence, as layers.kv_cache.RecurrentCache's
-        base = torch.arange(B, device=device) * rows
+        slots = torch.arange(B, device=device).flip(0)  # row b continues slot B - 1 - b
+        zero = torch.zeros(B, dtype=torch.long, device=device)
         for fresh in (False, True):
-            start = torch.zeros_like(state) if fresh else state
-            want_out, want_states = recurrent_delta_rule(q, k, v, g, beta, start, every=True)
-            for every in (True, False):
-                ring = torch.full((B * rows, H, DK, DV), float("nan"), device=device)
-                ring[base] = state
-                dst = base[:, None] + 1 + (torch.arange(T, device=device) if every else torch.tensor([T - 1],
-                                                                                                   device=device))
-                out = op(q, k, v, g, beta, ring, base, dst, fresh)
+            start_state = torch.zeros_like(state) if fresh else state
+            want_out, want_end = recurrent_delta_rule(q, k, v, g, beta, start_state)
+            for keep_start in (False, True):
+                held = state.flip(0).clone()  # slot B - 1 - b holds row b's state
+                out = op(q, k, v, g, beta, held, slots, zero, zero, *kept_inputs(k, v, g, beta, 1)[:4], fresh,
+                         keep_start)
                 torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
-                kept = want_states if every else want_states[:, -1:]
-                torch.testing.assert_close(ring[dst], kept, rtol=1e-5, atol=1e-5)
-                untouched = torch.ones(B * rows, dtype=torch.bool, device=device)
-                untouched[dst.flatten()] = False
-                untouched[base] = False
-                assert ring[untouched].isnan().all()  # no other row written
-        # one row per sequence, read and written in place; then token by token against the block: the same bits
-        ring = state.clone()
-        own = torch.arange(B, device=device)
-        block = op(q, k, v, g, beta, ring, own, own[:, None], False)
+                torch.testing.assert_close(held.flip(0), start_state if keep_start else want_end, rtol=1e-5,
+                                           atol=1e-5)
+        # a step kept at its start with its inputs; the next step starts after j of its tokens (replayed first):
+        # its outputs and state the same bits as the block's, and as token by token from the start
+        R = T + 1
+        kept = kept_inputs(k, v, g, beta, R)
+        block_state = state.clone()
+        block = op(q, k, v, g, beta, block_state, zero.new_tensor(range(B)), zero, zero, *kept, False, True)
+        assert torch.equal(block_state, state)  # kept at its start
         one_by_one = state.clone()
-        alone = [op(*(x[:, :, t:t + 1] for x in (q, k, v, g, beta)), one_by_one, own, own[:, None], False)
-                 for t in range(T)]
-        assert torch.equal(block, torch.cat(alone, 2)) and torch.equal(ring, one_by_one)
+        alone = [op(*(x[:, :, t:t + 1] for x in (q, k, v, g, beta)), one_by_one, zero.new_tensor(range(B)), zero,
+                    zero, *kept, False, False) for t in range(T)]
+        assert torch.equal(block, torch.cat(alone, 2))
+        for j in range(T):
+            held = state.clone()
+            out = op(*(x[:, :, j:j + 1] for x in (q, k, v, g, beta)), held, zero.new_tensor(range(B)), zero,
+                     zero + j, *kept, False, j == T - 1)
+            assert torch.equal(out, block[:, :, j:j + 1]), j
+        end = state.clone()  # the last one kept its start: the state after T - 1 tokens, replayed
+        op(*(x[:, :, :T - 1] for x in (q, k, v, g, beta)), end, zero.new_tensor(range(B)), zero, zero, *kept, False,
+           False)
+        assert torch.equal(held, end)
 
 
 def run_interpreted(args: list[str], timeout: int) -> None:

@@ -11,9 +11,9 @@ or tiled as llama.cpp's GGUF files order them (h % key_heads).
 
 The recurrence in two forms: `recurrent_delta_rule`, a token at a time (decode steps), and `chunked_delta_rule`,
 chunks of tokens in a few matrix products (prefill). The state a slot keeps between forwards (S per head and the
-convolution's last inputs) lives in layers.kv_cache.RecurrentCache, after each token of a verify block. On the GPU
-a step's few tokens run in one kernel (kernels/delta_rule.py) that reads and writes the cache's state rows in
-place."""
+convolution's last inputs) lives in layers.kv_cache.RecurrentCache: the state at a verify block's start and the
+block's inputs, replayed up to wherever the next step starts. On the GPU a step's few tokens (the replay with them)
+run in one kernel (kernels/delta_rule.py) that reads and writes the cache's state in place."""
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -61,16 +61,40 @@ def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
+def delta_update(state: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
+    """One token's update of states [B, H, Dk, Dv] by k [B, H, Dk], v [B, H, Dv], g, beta [B, H]."""
+    state = state * g[:, :, None, None].exp()
+    u = (v - torch.einsum("bhk,bhkv->bhv", k, state)) * beta[:, :, None]
+    return state + k[..., None] * u[..., None, :]
+
+
+def replay(state: Tensor, base: Tensor, start: Tensor, inputs: list[Tensor]) -> Tensor:
+    """States [B, H, Dk, Dv] after base [B] tokens carried to start [B] by the kept inputs [B, R, H, ...] of the
+    tokens between (row p % R: position p; at most R of them), as a step's tokens would carry them: through
+    kernels/delta_rule.py where steps run there (the same bits), else in PyTorch."""
+    if kernel_runs(state):
+        rows, none = torch.arange(len(state), device=state.device), state.new_empty(*state.shape[:2], 0, 1)
+        state = state.clone()
+        torch.ops.flashdraft.recurrent_delta_rule(none.expand(-1, -1, -1, state.shape[2]), none.expand(
+            -1, -1, -1, state.shape[2]), none.expand(-1, -1, -1, state.shape[3]), none[..., 0], none[..., 0], state,
+            rows, base, start, *inputs, False, True)
+        return state
+    k_in, v_in, g_in, beta_in = inputs
+    steps, rows = k_in.shape[1], torch.arange(len(state), device=state.device)
+    for i in range(steps):
+        at = (base + i) % steps
+        updated = delta_update(state, k_in[rows, at], v_in[rows, at], g_in[rows, at], beta_in[rows, at])
+        state = torch.where((i < start - base)[:, None, None, None], updated, state)
+    return state
+
+
 def recurrent_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
                          every: bool = False) -> tuple[Tensor, Tensor]:
     """q, k [B, H, T, Dk], v [B, H, T, Dv], g, beta [B, H, T], state [B, H, Dk, Dv] (float32) ->
     (o [B, H, T, Dv], the state after the T tokens; with `every`, the state after each [B, T, H, Dk, Dv])."""
     out, states = [], []
     for t in range(q.shape[2]):
-        state = state * g[:, :, t, None, None].exp()
-        k_t = k[:, :, t]
-        u = (v[:, :, t] - torch.einsum("bhk,bhkv->bhv", k_t, state)) * beta[:, :, t, None]
-        state = state + k_t[..., None] * u[..., None, :]
+        state = delta_update(state, k[:, :, t], v[:, :, t], g[:, :, t], beta[:, :, t])
         out.append(torch.einsum("bhk,bhkv->bhv", q[:, :, t], state))
         states.append(state)
     return torch.stack(out, 2), torch.stack(states, 1) if every else state
@@ -134,23 +158,17 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: Tensor, cache: RecurrentSlots | None, positions: Tensor, fresh: bool) -> Tensor:
         """x [B, T, hidden] at positions [B, T]. fresh: the tokens start at position 0 (the state starts from
         zeros); else they continue the state the cache holds after the tokens before them. The cache (if any)
-        receives the state after each of them where its ring has a row for each (a verify block: the next step
-        may start after any of its tokens), else after the last."""
+        keeps the state at their start and their inputs where it keeps that many (a verify block: the next step
+        may start after any of its tokens), else the state after the last (RecurrentCache.keep)."""
         s = self.shape
         B, T, _ = x.shape
         C, K, HV, Dk, Dv = s.channels, s.conv_kernel, s.value_heads, s.key_dim, s.value_dim
         qkvz = self.in_proj_qkvz(x)
         b, a = self.in_proj_ba(x).chunk(2, dim=-1)
-        every = cache is not None and T < cache.rows
-        kernel = (every or T <= RECURRENT_TOKENS) and kernel_runs(x)
-        state = None
-        if cache is None or fresh:
-            state = None if kernel else x.new_zeros(B, HV, Dk, Dv, dtype=torch.float32)
-            conv = x.new_zeros(B, C, K - 1)
-        elif kernel:
-            conv = cache.read_conv(positions[:, 0])
-        else:
-            state, conv = cache.read(positions[:, 0])
+        keep_inputs = cache is not None and T <= cache.steps  # a verify block: the next step may start within it
+        kernel = (keep_inputs or T <= RECURRENT_TOKENS) and kernel_runs(x)
+        start = positions[:, 0]
+        conv = x.new_zeros(B, C, K - 1) if cache is None or fresh else cache.read_conv(start)
         inputs = torch.cat([conv.to(x.dtype), qkvz[..., :C].transpose(1, 2)], dim=-1)  # [B, C, K - 1 + T]
         mixed = F.silu(F.conv1d(inputs, self.conv1d.weight, groups=C)).transpose(1, 2)  # [B, T, C]
         key_size = s.key_heads * Dk
@@ -161,26 +179,30 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         q, k, v = (t.transpose(1, 2) for t in (q * Dk ** -0.5, k, v))  # [B, H, T, D]
         g, beta = g.transpose(1, 2), beta.transpose(1, 2)
-        kept = positions + 1 if every else positions[:, -1:] + 1  # the lengths whose states the cache keeps
-        # the convolution's last K - 1 inputs after each kept length
-        convs = inputs.unfold(-1, K - 1, 1)[:, :, 1:].transpose(1, 2) if every else inputs[:, None, :, T:]
         if kernel:
             if cache is None:  # the state goes nowhere: a scratch row per sequence
-                ring, src = x.new_empty(B, HV, Dk, Dv, dtype=torch.float32), torch.arange(B, device=x.device)
-                dst = src[:, None]
+                rows = torch.arange(B, device=x.device)
+                kept, none = x.new_empty(B, HV, Dk, Dv, dtype=torch.float32), g.new_empty(B, 0, HV)
+                out = torch.ops.flashdraft.recurrent_delta_rule(q, k, v, g, beta, kept, rows, rows, rows, none, none,
+                                                                none, none, True, False)
             else:
-                ring, rows = cache.ring(torch.cat([positions[:, :1], kept], 1))
-                src, dst = rows[:, 0].contiguous(), rows[:, 1:]
-            out = torch.ops.flashdraft.recurrent_delta_rule(q, k, v, g, beta, ring, src, dst, cache is None or fresh)
-            if cache is not None:
-                cache.write_conv(kept, convs)
+                out = torch.ops.flashdraft.recurrent_delta_rule(q, k, v, g, beta, cache.state, cache.slots(x.device),
+                                                                cache.base, start, *cache.inputs, fresh, keep_inputs)
+                cache.keep(start, None, k, v, g, beta)
         else:
-            if every or T <= RECURRENT_TOKENS:
-                out, state = recurrent_delta_rule(q, k, v, g, beta, state, every)
+            state = x.new_zeros(B, HV, Dk, Dv, dtype=torch.float32) if cache is None or fresh else \
+                cache.replayed(start)
+            if keep_inputs or T <= RECURRENT_TOKENS:
+                out, end = recurrent_delta_rule(q, k, v, g, beta, state)
             else:
-                out, state = chunked_delta_rule(q, k, v, g, beta, state)
+                out, end = chunked_delta_rule(q, k, v, g, beta, state)
             if cache is not None:
-                cache.write(kept, state if every else state[:, None], convs)
+                cache.keep(start, state if keep_inputs else end, k, v, g, beta)
+        if cache is not None:  # the convolution's last K - 1 inputs after each length the next step may start at
+            if keep_inputs:
+                cache.write_conv(positions + 1, inputs.unfold(-1, K - 1, 1)[:, :, 1:].transpose(1, 2))
+            else:
+                cache.write_conv(positions[:, -1:] + 1, inputs[:, None, :, T:])
         out = self.norm(out.transpose(1, 2).to(x.dtype), qkvz[..., C:].unflatten(-1, (HV, Dv)))
         return self.out_proj(out.flatten(-2))
 

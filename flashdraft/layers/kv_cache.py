@@ -190,56 +190,54 @@ class RingKVCache:
 
 
 class RecurrentSlots:
-    """One recurrent layer's rings as one forward sees them: views of its slots' rows, made outside compiled layers
-    (as KVSlots). A forward reads the row of its first position (the state after the tokens before it) and writes
-    the rows of the lengths it reaches; rows are picked by tensors, so one CUDA graph serves every position."""
+    """One recurrent layer's state as one forward sees it: views of its slots' rows, made outside compiled layers
+    (as KVSlots). A forward continues the state after the tokens before its first position (`replayed`, or the
+    kernel of kernels/delta_rule.py in place) and keeps what the next step needs (`keep`); rows are picked by
+    tensors, so one CUDA graph serves every position."""
 
     def __init__(self, cache: "RecurrentCache", slots: Slots):
         if isinstance(slots, int):
             slots = slice(slots, slots + 1)
         self.index = slots if isinstance(slots, Tensor) else None
-        self.state, self.conv = (cache.state, cache.conv) if self.index is not None else \
-            (cache.state[slots], cache.conv[slots])
-        self.rows = cache.rows
+        whole = self.index is not None
+        self.state, self.base, self.conv = ((cache.state, cache.base, cache.conv) if whole else
+                                            (cache.state[slots], cache.base[slots], cache.conv[slots]))
+        self.inputs = cache.inputs if whole else [t[slots] for t in cache.inputs]
+        self.rows, self.steps = cache.rows, cache.steps
 
-    def _at(self, lengths: Tensor) -> tuple[Tensor, ...]:
-        """Index of the rows holding lengths [B, n]: (slot rows [B, 1], ring rows [B, n])."""
-        slots = self.index if self.index is not None else torch.arange(self.state.shape[0], device=lengths.device)
-        return slots[:, None], lengths % self.rows
+    def slots(self, device: torch.device) -> Tensor:
+        """The index of each batch row's slot in this view's tensors [B]."""
+        return self.index if self.index is not None else torch.arange(self.state.shape[0], device=device)
 
-    def read(self, start: Tensor) -> tuple[Tensor, Tensor]:
-        """The state after the first start [B] tokens of each slot: (state [B, heads, key dim, value dim] float32,
-        conv [B, channels, kernel - 1])."""
-        if self.rows == 1:  # no ring: the slot's only row, as a view
-            if self.index is None:
-                return self.state[:, 0], self.conv[:, 0]
-            return self.state[self.index, 0], self.conv[self.index, 0]
-        slots, rows = self._at(start[:, None])
-        return self.state[slots, rows][:, 0], self.conv[slots, rows][:, 0]
+    def replayed(self, start: Tensor) -> Tensor:
+        """The state after the first start [B] tokens of each slot [B, heads, key dim, value dim] (float32): the kept
+        state, then the kept inputs of the tokens from its length to `start` (at most `steps`)."""
+        from flashdraft.layers.gated_deltanet import replay
+        slots = self.slots(start.device)
+        return replay(self.state[slots], self.base[slots], start, [t[slots] for t in self.inputs])
 
-    def write(self, lengths: Tensor, state: Tensor, conv: Tensor) -> None:
-        """The states after the first lengths [B, n] tokens (n distinct lengths, at most `rows`): state
-        [B, n, heads, key dim, value dim], conv [B, n, channels, kernel - 1]."""
-        slots, rows = self._at(lengths)
-        self.state[slots, rows] = state  # through the view: into the cache
-        self.conv[slots, rows] = conv.to(self.conv.dtype)
-
-    def ring(self, lengths: Tensor) -> tuple[Tensor, Tensor]:
-        """For a kernel that reads and writes the states in place (kernels/delta_rule.py): the slots' state rows as
-        one [slots x rows, heads, key dim, value dim] tensor, and the index there of the rows holding lengths
-        [B, n]."""
-        slots, rows = self._at(lengths)
-        return self.state.flatten(0, 1), slots * self.rows + rows
+    def keep(self, start: Tensor, state: Tensor | None, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> None:
+        """After a forward of T tokens from start [B] (k, v [B, H, T, D], g, beta [B, H, T]): where T <= steps, the
+        state at `start` (`state`; None: the kernel wrote it) and the tokens' inputs, from which the next step
+        replays up to wherever it starts within them; else the state after them (`state`, or the kernel's)."""
+        slots, T = self.slots(start.device), k.shape[2]
+        if T <= self.steps:
+            rows = (start[:, None] + torch.arange(T, device=start.device)) % self.steps
+            for kept, x in zip(self.inputs, (k, v, g, beta)):
+                kept[slots[:, None], rows] = x.transpose(1, 2)
+            self.base[slots] = start
+        else:
+            self.base[slots] = start + T
+        if state is not None:
+            self.state[slots] = state
 
     def read_conv(self, start: Tensor) -> Tensor:
         """The convolution's inputs after the first start [B] tokens of each slot [B, channels, kernel - 1]."""
-        slots, rows = self._at(start[:, None])
-        return self.conv[slots, rows][:, 0]
+        return self.conv[self.slots(start.device)[:, None], start[:, None] % self.rows][:, 0]
 
     def write_conv(self, lengths: Tensor, conv: Tensor) -> None:
-        """write's convolution part alone (the states written by the kernel)."""
-        slots, rows = self._at(lengths)
-        self.conv[slots, rows] = conv.to(self.conv.dtype)
+        """The convolution's inputs after the first lengths [B, n] tokens: conv [B, n, channels, kernel - 1]."""
+        self.conv[self.slots(lengths.device)[:, None], lengths % self.rows] = conv.to(self.conv.dtype)
 
 
 class RecurrentCache:
@@ -247,38 +245,51 @@ class RecurrentCache:
     `kernel - 1` inputs of its causal convolution. A forward from position 0 (`fresh`) starts from zeros; any
     other continues from the state after the tokens before its first position.
 
-    Each slot keeps `rows` of them in a ring: row n % rows holds the state after n tokens. A forward of up to
-    rows - 1 tokens writes the state after each of its tokens (a longer one, the last only), so after a verify
-    block every length from its start to its end can be continued from, and rolling back to the accepted prefix
-    is starting the next step there, as with position-indexed K/V: nothing to copy. One row (no rollback) until
-    `allow_rollback` asks for more."""
+    Each slot keeps one state, after `base` tokens, and the inputs of up to `steps` tokens from there (a step's
+    own: k, v, decay and beta per head), so that after a verify block every length from its start to its end can
+    be continued from by replaying the accepted tokens' inputs; the convolution keeps its inputs after each of
+    those lengths in a ring of `rows` (row n % rows: after n tokens). Rolling back to the accepted prefix is
+    starting the next step there, as with position-indexed K/V: nothing to copy. A step of more than `steps`
+    tokens keeps the state after its last. No steps (no rollback) until `allow_rollback` asks for them."""
 
     by_position = False
     bytes_per_token = 0
 
     def __init__(self, n_slots: int, heads: int, key_dim: int, value_dim: int, channels: int, kernel: int,
                  dtype: torch.dtype, device: torch.device | str):
-        self.state = torch.zeros((n_slots, 1, heads, key_dim, value_dim), device=device, dtype=torch.float32)
+        self.state = torch.zeros((n_slots, heads, key_dim, value_dim), device=device, dtype=torch.float32)
+        self.base = torch.zeros(n_slots, device=device, dtype=torch.long)
         self.conv = torch.zeros((n_slots, 1, channels, kernel - 1), device=device, dtype=dtype)
+        self.inputs = self._inputs(0)
         # one saved state per slot (KVState.checkpoint: after a prompt), for a later prompt that shares it
-        self.saved_state = torch.zeros_like(self.state[:, 0])
+        self.saved_state = torch.zeros_like(self.state)
         self.saved_conv = torch.zeros_like(self.conv[:, 0])
+
+    def _inputs(self, steps: int) -> list[Tensor]:
+        n, heads, key_dim, value_dim = self.state.shape
+        return [self.state.new_zeros(shape) for shape in ((n, steps, heads, key_dim), (n, steps, heads, value_dim),
+                                                          (n, steps, heads), (n, steps, heads))]
 
     @property
     def rows(self) -> int:
-        return self.state.shape[1]
+        return self.conv.shape[1]
+
+    @property
+    def steps(self) -> int:
+        return self.inputs[0].shape[1]
 
     def allow_rollback(self, width: int) -> None:
-        """Keep a state for each token of forwards of up to `width` tokens (before any slot holds one: the ring is
-        made anew)."""
-        if width + 1 > self.rows:
-            shape = self.state.shape
-            self.state = self.state.new_zeros((shape[0], width + 1, *shape[2:]))
-            self.conv = self.conv.new_zeros((shape[0], width + 1, *self.conv.shape[2:]))
+        """Keep the inputs of forwards of up to `width` tokens (before any slot holds one: made anew)."""
+        if width > self.steps:
+            self.inputs = self._inputs(width)
+            self.conv = self.conv.new_zeros((self.conv.shape[0], width + 1, *self.conv.shape[2:]))
 
     def at(self, slot: int, length: int) -> tuple[Tensor, Tensor]:
-        """The state and convolution rows after the slot's first `length` tokens (views)."""
-        return self.state[slot, length % self.rows], self.conv[slot, length % self.rows]
+        """The state and the convolution's inputs after the slot's first `length` tokens (the state replayed: a
+        length from the kept state's to `steps` past it)."""
+        device = self.state.device
+        state = self.view(torch.tensor([slot], device=device)).replayed(torch.tensor([length], device=device))[0]
+        return state, self.conv[slot, length % self.rows]
 
     def save(self, slot: int, length: int) -> None:
         """Keep the state after the slot's first `length` tokens aside."""
@@ -288,13 +299,14 @@ class RecurrentCache:
 
     def restore(self, slot: int, length: int) -> None:
         """Make the saved state (taken after `length` tokens) the one a step from `length` continues."""
-        state, conv = self.at(slot, length)
-        state.copy_(self.saved_state[slot])
-        conv.copy_(self.saved_conv[slot])
+        self.state[slot].copy_(self.saved_state[slot])
+        self.base[slot] = length
+        self.conv[slot, length % self.rows].copy_(self.saved_conv[slot])
 
     @property
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.state, self.conv, self.saved_state, self.saved_conv))
+        return sum(t.numel() * t.element_size()
+                   for t in (self.state, self.conv, self.saved_state, self.saved_conv, *self.inputs))
 
     def view(self, slots: Slots) -> RecurrentSlots:
         return RecurrentSlots(self, slots)
@@ -317,7 +329,7 @@ class KVState:
 
     def allow_rollback(self, width: int) -> None:
         """Steps of up to `width` tokens (verify blocks) may be followed by a step that starts at any length within
-        them. Position-indexed caches need nothing; a recurrent cache keeps a state per token of such a step."""
+        them. Position-indexed caches need nothing; a recurrent cache keeps the inputs of such a step."""
         for cache in self.layers:
             if not cache.by_position:
                 cache.allow_rollback(width)
@@ -354,9 +366,8 @@ class KVState:
 
     def commit(self, slot: int, length: int) -> None:
         """After a verify step the slot keeps its first `length` positions. No cache kind has work here: K/V rows
-        past it are masked by position, and a recurrent cache holds the state after every length of the step,
-        so the next step, starting at `length`, reads the right one. (A recurrent kind that kept the step's inputs
-        instead of its states would rebuild the accepted state here.)"""
+        past it are masked by position, and a recurrent cache keeps the step's inputs, which the next step,
+        starting at `length`, replays up to there."""
 
     @property
     def bytes(self) -> int:
