@@ -79,6 +79,73 @@ def check(device: str) -> None:
         assert torch.equal(held, end)
 
 
+def replay_case(device: str):
+    """Four rows continuing slots 3, 0, 5, 1 of six, each slot's state kept after its own base (7, 12, 9: kept rows
+    wrapped in a ring of 5), from starts 4, 2, 7 (more than the 5 kept) and 0 tokens past it; the starts a strided
+    view of the positions, as a step passes them."""
+    B, H, T, DK, DV, R = 4, 2, 3, 16, 40, 5
+    q, k, v, g, beta, _ = inputs(B, H, T, DK, DV, device, seed=1)
+    slots_n = 6
+    gen = torch.Generator().manual_seed(2)
+    state = torch.randn(slots_n, H, DK, DV, generator=gen).to(device)
+    base = torch.tensor([0, 7, 3, 12, 5, 9], device=device)  # per slot; 7, 12, 9: their rows wrap
+    kept = [torch.randn(slots_n, R, H, *shape, generator=gen).to(device) for shape in ((DK,), (DV,), (), ())]
+    kept[0] = torch.nn.functional.normalize(kept[0], dim=-1)
+    kept[2] = -kept[2].abs()
+    kept[3] = kept[3].sigmoid()
+    slots = torch.tensor([3, 0, 5, 1], device=device)
+    positions = torch.stack([torch.arange(s, s + T) for s in (12 + 4, 0 + 2, 9 + 7, 7 + 0)]).to(device)
+    start = positions[:, 0]  # strided: stride T; slot 5's start is 7 past its base (R = 5 are kept)
+    assert start.stride(0) == T
+    return q, k, v, g, beta, state, base, kept, slots, start
+
+
+def test_pytorch_replay_matches_the_written_out_replay():
+    """gated_deltanet.replay's masked loop (the CPU path) against the replay written out token by token."""
+    from flashdraft.layers.gated_deltanet import replay
+    _, _, _, _, _, state, base, kept, slots, start = replay_case("cpu")
+    got = replay(state[slots], base[slots], start, [x[slots] for x in kept])
+    assert torch.equal(got, reference_replay(state, base, start, kept, slots))
+
+
+def check_replay(device: str) -> None:
+    """Rows continuing slots of their own (permuted) from starts of their own: each slot's kept state after `base`
+    tokens, its kept inputs in a ring of R rows (positions past R: wrapped), replayed up to the row's start (a
+    strided view of the positions, as a step passes it; past the kept inputs: as many as are kept), against
+    gated_deltanet.replay's PyTorch loop and the reference recurrence."""
+    import flashdraft.kernels.delta_rule  # noqa: F401
+    from flashdraft.layers import gated_deltanet
+    q, k, v, g, beta, state, base, kept, slots, start = replay_case(device)
+    slots_n = len(state)
+    with torch.no_grad():
+        saved = state.clone()
+        want_start = reference_replay(state, base, start, kept, slots)
+        want_out, want_end = gated_deltanet.recurrent_delta_rule(q, k, v, g, beta, want_start)
+        for keep_start in (True, False):
+            held = saved.clone()
+            out = torch.ops.flashdraft.recurrent_delta_rule(q, k, v, g, beta, held, slots, base, start, *kept, False,
+                                                            keep_start)
+            torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(held[slots], want_start if keep_start else want_end, rtol=1e-5, atol=1e-5)
+            others = torch.ones(slots_n, dtype=torch.bool, device=device)
+            others[slots] = False
+            assert torch.equal(held[others], saved[others])
+
+
+def reference_replay(state, base, start, kept, slots):
+    """The replay written out token by token: min(start - base, R) kept tokens from base, row p % R."""
+    from flashdraft.layers.gated_deltanet import delta_update
+    R = kept[0].shape[1]
+    out = []
+    for b, slot in enumerate(slots.tolist()):
+        s = state[slot:slot + 1]
+        for i in range(max(0, min(int(start[b] - base[slot]), R))):
+            row = (int(base[slot]) + i) % R
+            s = delta_update(s, *(x[slot:slot + 1, row] for x in kept))
+        out.append(s)
+    return torch.cat(out)
+
+
 def run_interpreted(args: list[str], timeout: int) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout,
@@ -94,9 +161,10 @@ def test_recurrent_kernel_interpreted_matches_the_reference():
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 def test_qwen35_through_the_recurrent_kernel_interpreted():
     """Under the interpreter every step of up to 16 tokens and every verify block runs the kernel: logits as
-    transformers', a verify block rolled back to its accepted prefix, greedy speculative decoding as plain."""
+    transformers', a verify block rolled back to its accepted prefix, greedy speculative decoding as plain (two
+    slots in batched steps too), a slot left by a cancelled prompt or past an end token continued right."""
     run_interpreted(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_qwen3_5.py", "-k",
-                     "logits_match or rolls_back or lookup_drafter"], 900)
+                     "logits_match or rolls_back or lookup_drafter or batched_steps or cancelled or end_token"], 900)
 
 
 @pytest.mark.gpu
@@ -104,7 +172,9 @@ def test_qwen35_through_the_recurrent_kernel_interpreted():
                     reason="needs a GPU and triton")
 def test_recurrent_kernel_on_gpu_matches_the_reference():
     check("cuda")
+    check_replay("cuda")
 
 
 if __name__ == "__main__":
     check(sys.argv[1] if len(sys.argv) > 1 else "cpu")
+    check_replay(sys.argv[1] if len(sys.argv) > 1 else "cpu")

@@ -22,7 +22,7 @@ from tiny import decode_tokens, forward1, loaded_from_hf, make_draft, write_toke
 from flashdraft.engine import generate
 from flashdraft.engine.adaptive import WidthController
 from flashdraft.engine.config import EngineConfig
-from flashdraft.engine.engine import Completion, Engine, Request
+from flashdraft.engine.engine import Completion, Engine, Request, Task
 from flashdraft.engine.generate import SpecStats
 from flashdraft.engine.sampling import SamplingParams
 from flashdraft.formats.gguf import gguf_to_hf_config, read_gguf
@@ -422,6 +422,86 @@ def test_greedy_speculative_with_the_mtp_head_equals_plain(folder):
     spec = engine.generate(Request(prompt, params))
     assert spec.token_ids == plain.token_ids and spec.spec.draft_steps
     assert max(len(d) for d in spec.spec.draft_steps) == 2
+
+
+def test_two_slots_speculating_in_batched_steps_equal_plain(folder):
+    """Two slots' verify steps batched (slots as a tensor, each row continuing its own slot from its own start):
+    greedy answers equal plain ones."""
+    engine = Engine.load(EngineConfig(model=str(folder), spec_type="mtp", ctx_size=256, n_slots=2))
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompts = [torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(7 + i)).tolist()
+               for i in range(2)]
+    plain = [engine.generate(Request(p, params, speculative=False)).token_ids for p in prompts]
+    done: list[queue.Queue] = [queue.Queue() for _ in prompts]
+    with engine._wake:  # both queued before the engine admits either: batched steps
+        for p, q in zip(prompts, done):
+            engine.submit(Request(p, params), lambda e, q=q: isinstance(e, (Completion, Exception)) and q.put(e))
+    spec = [q.get(timeout=600) for q in done]
+    assert [s.token_ids for s in spec] == plain and all(s.spec.draft_steps for s in spec)
+
+
+def run_task(engine, events: list, prompt: list[int], n: int, **request) -> Task:
+    task = Task(Request(prompt, SamplingParams(max_tokens=n, **request), speculative=False), None, events.append)
+    engine._incoming.append(task)
+    return task
+
+
+def last_completion(events: list) -> Completion:
+    return [e for e in events if isinstance(e, Completion)][-1]
+
+
+@pytest.mark.parametrize("spec_type", [None, "mtp"])
+def test_a_request_cancelled_mid_prompt_leaves_its_slot_continuable(folder, hf_reference, spec_type):
+    """A request cancelled while its prompt is read beside another stream: the slot's recurrent state has moved
+    past the tokens it goes back holding; a next prompt continuing those tokens still gets transformers' answer
+    (the slot's state is not taken where it cannot be continued from there)."""
+    engine = Engine.load(EngineConfig(model=str(folder), ctx_size=1024, n_slots=2, spec_type=spec_type))
+    events, g = [], torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, VOCAB, (30,), generator=g).tolist()
+    first = run_task(engine, events, prompt, 4, ignore_eos=True)
+    while first.req.slot is None or not first.released.is_set():
+        engine.step()
+    held = prompt + last_completion(events).token_ids[:-1]
+    run_task(engine, events, torch.randint(0, VOCAB, (20,), generator=g).tolist(), 400, ignore_eos=True)
+    for _ in range(3):
+        engine.step()
+    cancelled = run_task(engine, events, held + torch.randint(0, VOCAB, (600,), generator=g).tolist(), 4,
+                         ignore_eos=True)
+    engine.step()
+    engine.step()
+    assert cancelled.cached == len(held) and len(held) < cancelled.state.prefilled < len(cancelled.req.prompt_ids)
+    cancelled.req.cancel.set()
+    engine.step()
+    assert cancelled.released.is_set()
+    follow = held + [7, 8, 9]
+    last = run_task(engine, events, follow, 8, ignore_eos=True)
+    while not last.released.is_set():
+        engine.step()
+    assert last_completion(events).token_ids == hf_greedy(hf_reference, follow, 8)
+
+
+def test_an_answer_stopped_at_its_end_token_then_continued(folder, hf_reference):
+    """A plain answer that stops at an end token: the overlapped step after it ran that token before the host saw
+    it, so the slot's state went one token past what it holds; a next prompt continuing the answer reuses it all
+    (the state before that token kept) and gets transformers' answer."""
+    engine = Engine.load(EngineConfig(model=str(folder), ctx_size=512))
+    events, prompt = [], torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(3)).tolist()
+    ref = hf_greedy(hf_reference, prompt, 12)
+    stop = ref[5]
+    assert stop not in ref[:5]
+    answer = run_task(engine, events, prompt, 12)
+    engine.step()
+    answer.out.eos = {stop}
+    while not answer.released.is_set():
+        engine.step()
+    done = last_completion(events)
+    assert done.token_ids == ref[:6]
+    follow = prompt + done.token_ids[:-1] + [7, 8, 9]
+    last = run_task(engine, events, follow, 8, ignore_eos=True)
+    while not last.released.is_set():
+        engine.step()
+    assert last_completion(events).token_ids == hf_greedy(hf_reference, follow, 8)
+    assert last_completion(events).timings.cache_n == len(follow) - 3  # the whole answer's state reused
 
 
 @pytest.mark.gpu

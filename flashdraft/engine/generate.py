@@ -4,8 +4,8 @@ several slots' steps as one call and hands each slot its rows: advance_plain, ad
 committed tokens. `decode` steps one slot alone (tensor parallelism, training data).
 
 Target K/V beyond the committed length are stale and ignored (the cache is indexed by position), and a recurrent
-layer keeps its state after each token of a verify block (layers/kv_cache.RecurrentCache), so rejected draft tokens
-roll back by length alone. The drafter (draft/interface.Drafter) only ever observes committed positions, so it never
+layer keeps its state at a verify block's start and the block's inputs (layers/kv_cache.RecurrentCache), so rejected
+draft tokens roll back by length alone. The drafter (draft/interface.Drafter) only ever observes committed positions, so it never
 rolls back.
 """
 from collections.abc import Callable, Iterator

@@ -337,7 +337,7 @@ class Steps:
             if not follow or adaptive:
                 keys += [BatchKey(rows, self.target_length(b), follow)
                          for rows in sorted({self.padded_rows(r) for r in range(2, n_slots + 1)})]
-            if n_slots > 1:  # a prompt read beside other slots' steps
+            if n_slots > 1 and self.state.by_position:  # a prompt read beside other slots' steps (prefill_slice)
                 keys.append(SliceKey(SLICE_WIDTH, self.target_length(b), follow))
         return list(dict.fromkeys(keys))  # with whole_cache, the buckets' plain keys are one
 

@@ -26,7 +26,7 @@ def _update(state, k, v, decay, beta):
 
 @triton.jit
 def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, slots_ptr, base_ptr, start_ptr,
-                      k_in_ptr, v_in_ptr, g_in_ptr, beta_in_ptr, T, R, H: tl.constexpr, DK: tl.constexpr,
+                      k_in_ptr, v_in_ptr, g_in_ptr, beta_in_ptr, T, STEPS: tl.constexpr, H: tl.constexpr, DK: tl.constexpr,
                       DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, FRESH: tl.constexpr,
                       KEEP_START: tl.constexpr):
     bh = tl.program_id(0)
@@ -45,8 +45,9 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, 
     else:
         state = tl.load(at, mask=tile_ok, other=0.0)
         base = tl.load(base_ptr + slot)
-        for i in range(tl.load(start_ptr + b) - base):  # the kept inputs from base to the step's start
-            row = ((slot * R + (base + i) % R) * H + h).to(tl.int64)
+        n = tl.minimum(tl.maximum(tl.load(start_ptr + b) - base, 0), STEPS)  # as many as are kept, at most
+        for i in range(n):  # the kept inputs from base to the step's start
+            row = ((slot * STEPS + (base + i) % STEPS) * H + h).to(tl.int64)
             k = tl.load(k_in_ptr + row * DK + ks, mask=k_ok, other=0.0)
             v = tl.load(v_in_ptr + row * DV + vs, mask=v_ok, other=0.0)
             state = _update(state, k, v, tl.exp(tl.load(g_in_ptr + row)), tl.load(beta_in_ptr + row))
@@ -70,16 +71,19 @@ def recurrent_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
     """q, k [B, H, T, Dk], v [B, H, T, Dv], g, beta [B, H, T] (float32), row b continuing slot slots[b] from
     start[b] tokens -> o [B, H, T, Dv]. state [slots, H, Dk, Dv] (float32) holds each slot's state after base[slot]
     tokens, and k_in [slots, R, H, Dk], v_in [slots, R, H, Dv], g_in, beta_in [slots, R, H] the inputs of its tokens
-    from there (row p % R: position p), replayed up to start[b] first (fresh: start from zeros instead). Written
+    from there (row p % R: position p), replayed up to start[b] first (at most R of them; fresh: start from zeros
+    instead). Written
     back into state[slots[b]]: the state at start[b] (keep_start; the caller keeps the step's inputs) or after
     the step."""
     B, H, T, DK = q.shape
     DV = v.shape[-1]
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    if not (state.is_contiguous() and all(x.is_contiguous() for x in (k_in, v_in, g_in, beta_in))):
+        raise ValueError("recurrent_delta_rule writes the state and reads the kept inputs in place: contiguous only")
+    q, k, v, g, beta, slots, base, start = (x.contiguous() for x in (q, k, v, g, beta, slots, base, start))
     out = torch.empty(B, H, T, DV, device=q.device, dtype=torch.float32)
     grid = (B * H, triton.cdiv(DV, BLOCK_V))
     _recurrent_kernel[grid](q, k, v, g, beta, out, state, slots, base, start, k_in, v_in, g_in, beta_in, T,
-                            max(k_in.shape[1], 1), H=H, DK=DK, DV=DV, BLOCK_K=triton.next_power_of_2(DK),
+                            STEPS=k_in.shape[1], H=H, DK=DK, DV=DV, BLOCK_K=triton.next_power_of_2(DK),
                             BLOCK_V=min(BLOCK_V, triton.next_power_of_2(DV)), FRESH=fresh, KEEP_START=keep_start)
     return out
 

@@ -8,8 +8,8 @@ another shape, a sliding ring or a quantized store is a new kind here, not a new
 - `RingKVCache`: a window ring (row p % window) after scratch rows that a step's own block K/V go into, with
   the position each ring row holds (the DFlash draft's context).
 - `RecurrentCache`: a recurrent layer's state and its convolution's last inputs per slot (Gated DeltaNet), one
-  value for the whole prefix, kept for the last few lengths in a ring of rows (row n % rows: the state after n
-  tokens), so a step may start at any length within the verify block before it (the accepted prefix).
+  value for the whole prefix: the state at the last step's start and that step's inputs, replayed up to wherever
+  the next step starts within it (the accepted prefix of a verify block).
 The target's caches store K and V through codecs (f32/f16/bf16, or llama.cpp's block types: layers/kv_quant.py).
 A quantized K store may hold its keys minus a fixed `key_shift` per KV head (the model's mean key): every score of
 a query then moves by the same q . shift, which softmax ignores, while the blocks no longer spend their scale on
@@ -259,8 +259,10 @@ class RecurrentCache:
                  dtype: torch.dtype, device: torch.device | str):
         self.state = torch.zeros((n_slots, heads, key_dim, value_dim), device=device, dtype=torch.float32)
         self.base = torch.zeros(n_slots, device=device, dtype=torch.long)
-        self.conv = torch.zeros((n_slots, 1, channels, kernel - 1), device=device, dtype=dtype)
-        self.inputs = self._inputs(0)
+        self.conv = torch.zeros((n_slots, 2, channels, kernel - 1), device=device, dtype=dtype)
+        # one token's inputs even without rollback: a plain step queued after the one that sampled the end of the
+        # answer runs that token before the host has seen it, and the slot then holds the state before it
+        self.inputs = self._inputs(1)
         # one saved state per slot (KVState.checkpoint: after a prompt), for a later prompt that shares it
         self.saved_state = torch.zeros_like(self.state)
         self.saved_conv = torch.zeros_like(self.conv[:, 0])
@@ -283,6 +285,10 @@ class RecurrentCache:
         if width > self.steps:
             self.inputs = self._inputs(width)
             self.conv = self.conv.new_zeros((self.conv.shape[0], width + 1, *self.conv.shape[2:]))
+
+    def reaches(self, slot: int, length: int) -> bool:
+        """Whether the slot's kept state and inputs give the state after `length` tokens (a host read)."""
+        return 0 <= length - int(self.base[slot]) <= self.steps
 
     def at(self, slot: int, length: int) -> tuple[Tensor, Tensor]:
         """The state and the convolution's inputs after the slot's first `length` tokens (the state replayed: a
@@ -343,10 +349,15 @@ class KVState:
         state where the prompt shares that much."""
         if shared < held and any(getattr(c, "window", 0) for c in self.layers):
             return 0
-        if self.by_position or shared == held:
+        if self.by_position or (shared == held and self.holds(slot, held)):
             return shared
         saved = self.saved.get(slot, 0)
         return saved if saved <= shared else 0
+
+    def holds(self, slot: int, length: int) -> bool:
+        """Whether every recurrent cache can continue the slot from `length` tokens (kept state and inputs reach
+        it: not where a request ended mid-prompt past the tokens the slot is said to hold)."""
+        return all(c.by_position or c.reaches(slot, length) for c in self.layers)
 
     def checkpoint(self, slot: int, length: int) -> None:
         """Save the recurrent states after the slot's first `length` tokens (nothing to do by position)."""
