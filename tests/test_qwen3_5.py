@@ -427,13 +427,18 @@ def test_greedy_speculative_with_the_mtp_head_equals_plain(folder):
 def test_two_slots_speculating_in_batched_steps_equal_plain(folder):
     """Two slots' verify steps batched (slots as a tensor, each row continuing its own slot from its own start):
     greedy answers equal plain ones."""
-    engine = Engine.load(EngineConfig(model=str(folder), spec_type="mtp", ctx_size=256, n_slots=2))
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    check_batched_mtp_equals_plain(Engine.load(EngineConfig(model=str(folder), spec_type="mtp", ctx_size=256,
+                                                            n_slots=2)), 24)
+
+
+def check_batched_mtp_equals_plain(engine: Engine, tokens: int) -> None:
+    """Each slot's plain answer, then every slot's speculative one at once (batched steps): the same tokens."""
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     prompts = [torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(7 + i)).tolist()
-               for i in range(2)]
+               for i in range(engine.n_slots)]
     plain = [engine.generate(Request(p, params, speculative=False)).token_ids for p in prompts]
     done: list[queue.Queue] = [queue.Queue() for _ in prompts]
-    with engine._wake:  # both queued before the engine admits either: batched steps
+    with engine._wake:  # all queued before the engine admits any: batched steps
         for p, q in zip(prompts, done):
             engine.submit(Request(p, params), lambda e, q=q: isinstance(e, (Completion, Exception)) and q.put(e))
     spec = [q.get(timeout=600) for q in done]
@@ -513,16 +518,7 @@ def test_mtp_head_in_cuda_graphs_equals_plain(folder, n_slots):
     engine = Engine.load(EngineConfig(model=str(folder), spec_type="mtp", device="cuda", dtype="float32",
                                       ctx_size=256, n_slots=n_slots))
     assert engine.steps.static
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
-    prompts = [torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(7 + i)).tolist()
-               for i in range(n_slots)]
-    plain = [engine.generate(Request(p, params, speculative=False)).token_ids for p in prompts]
-    done: list[queue.Queue] = [queue.Queue() for _ in prompts]
-    with engine._wake:  # all queued before the engine admits any: batched steps
-        for p, q in zip(prompts, done):
-            engine.submit(Request(p, params), lambda e, q=q: isinstance(e, (Completion, Exception)) and q.put(e))
-    spec = [q.get(timeout=600) for q in done]
-    assert [s.token_ids for s in spec] == plain and all(s.spec.draft_steps for s in spec)
+    check_batched_mtp_equals_plain(engine, 40)
 
 
 def test_mtp_needs_a_checkpoint_that_has_one(folder, tmp_path):
