@@ -637,6 +637,7 @@ def measure(args) -> int:
         draft_bytes = module_bytes(draft)
         max_len = max(ctxs) + 256
         state = target.new_state(1, max_len)
+        state.allow_rollback(16)  # a recurrent layer keeps a verify block's inputs, as the engine's target state
         draft.setup_cache(max_len)
         if args.compile:
             target.compile_layers((1, 16))
