@@ -5,8 +5,8 @@ committed tokens. `decode` steps one slot alone (tensor parallelism, training da
 
 Target K/V beyond the committed length are stale and ignored (the cache is indexed by position), and a recurrent
 layer keeps its state at a verify block's start and the block's inputs (layers/kv_cache.RecurrentCache), so rejected
-draft tokens roll back by length alone. The drafter (draft/interface.Drafter) only ever observes committed positions, so it never
-rolls back.
+draft tokens roll back by length alone. The drafter (draft/interface.Drafter) only ever observes committed positions,
+so it never rolls back.
 """
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -436,8 +436,7 @@ def new_slot_state(steps: Steps, prompt_ids: Tensor, params: SamplingParams, slo
         raise ValueError(f"the prompt has {n} tokens, which does not fit the context of {max_len} tokens")
     block = (block_size or draft.block_size) if draft is not None else 1
     return SlotState(slot, prompt_ids, params, min(params.max_tokens, max_len - n), max_len, draft is not None, block,
-                     seed, stats, controller, logprobs, constraint, max_width, accept_rule,
-                     gate=gate if draft is not None else None)
+                     seed, stats, controller, logprobs, constraint, max_width, accept_rule, gate=gate)
 
 
 @torch.inference_mode()

@@ -91,3 +91,15 @@ def recurrent_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
 @recurrent_delta_rule.register_fake
 def _(q, k, v, g, beta, state, slots, base, start, k_in, v_in, g_in, beta_in, fresh, keep_start) -> Tensor:
     return q.new_empty(*q.shape[:-1], v.shape[-1], dtype=torch.float32)
+
+
+def replay(state: Tensor, base: Tensor, start: Tensor, inputs: list[Tensor]) -> Tensor:
+    """A copy of the states [B, H, Dk, Dv] after base [B] tokens carried to start [B] by the kept inputs
+    [B, R, H, ...] (recurrent_delta_rule with no tokens of its own)."""
+    B, H, DK, DV = state.shape
+    state, none = state.clone(), state.new_empty(B, H, 0)
+    recurrent_delta_rule(none[..., None].expand(-1, -1, -1, DK), none[..., None].expand(-1, -1, -1, DK),
+                         none[..., None].expand(-1, -1, -1, DV), none, none, state,
+                         torch.arange(B, device=state.device), base, start, *inputs, False, True)
+    return state
+

@@ -29,7 +29,7 @@ from flashdraft.layers.norm import GatedRMSNorm
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter runs kernels on CPU tensors (tests)
 TRITON = importlib.util.find_spec("triton") is not None
 if TRITON:
-    import flashdraft.kernels.delta_rule  # noqa: F401  (registers torch.ops.flashdraft.recurrent_delta_rule)
+    import flashdraft.kernels.delta_rule  # (registers torch.ops.flashdraft.recurrent_delta_rule)
 CHUNK = 64  # tokens per chunk of the chunked form
 RECURRENT_TOKENS = 16  # forwards of up to this many tokens take the recurrent form
 
@@ -52,8 +52,8 @@ class DeltaNetShape:
 
 
 def kernel_runs(x: Tensor) -> bool:
-    """Whether a step's recurrence runs in kernels/delta_rule.py: on the GPU, and on the CPU under Triton's
-    interpreter (tests); elsewhere in recurrent_delta_rule below."""
+    """Whether a step's recurrence over a cache runs in kernels/delta_rule.py: on the GPU, and on the CPU under
+    Triton's interpreter (tests); elsewhere in recurrent_delta_rule below."""
     return TRITON and (x.is_cuda or INTERPRETED)
 
 
@@ -73,31 +73,26 @@ def replay(state: Tensor, base: Tensor, start: Tensor, inputs: list[Tensor]) -> 
     tokens between (row p % R: position p; at most R of them), as a step's tokens would carry them: through
     kernels/delta_rule.py where steps run there (the same bits), else in PyTorch."""
     if kernel_runs(state):
-        rows, none = torch.arange(len(state), device=state.device), state.new_empty(*state.shape[:2], 0, 1)
-        state = state.clone()
-        torch.ops.flashdraft.recurrent_delta_rule(none.expand(-1, -1, -1, state.shape[2]), none.expand(
-            -1, -1, -1, state.shape[2]), none.expand(-1, -1, -1, state.shape[3]), none[..., 0], none[..., 0], state,
-            rows, base, start, *inputs, False, True)
-        return state
+        return flashdraft.kernels.delta_rule.replay(state, base, start, inputs)
     k_in, v_in, g_in, beta_in = inputs
     steps, rows = k_in.shape[1], torch.arange(len(state), device=state.device)
-    for i in range(steps):
+    counts = (start - base).clamp(0, steps)
+    for i in range(int(counts.max()) if len(counts) else 0):  # (the CPU's path: the host reads the count)
         at = (base + i) % steps
         updated = delta_update(state, k_in[rows, at], v_in[rows, at], g_in[rows, at], beta_in[rows, at])
-        state = torch.where((i < start - base)[:, None, None, None], updated, state)
+        state = torch.where((i < counts)[:, None, None, None], updated, state)
     return state
 
 
-def recurrent_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
-                         every: bool = False) -> tuple[Tensor, Tensor]:
+def recurrent_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                         state: Tensor) -> tuple[Tensor, Tensor]:
     """q, k [B, H, T, Dk], v [B, H, T, Dv], g, beta [B, H, T], state [B, H, Dk, Dv] (float32) ->
-    (o [B, H, T, Dv], the state after the T tokens; with `every`, the state after each [B, T, H, Dk, Dv])."""
-    out, states = [], []
+    (o [B, H, T, Dv], the state after the T tokens)."""
+    out = []
     for t in range(q.shape[2]):
         state = delta_update(state, k[:, :, t], v[:, :, t], g[:, :, t], beta[:, :, t])
         out.append(torch.einsum("bhk,bhkv->bhv", q[:, :, t], state))
-        states.append(state)
-    return torch.stack(out, 2), torch.stack(states, 1) if every else state
+    return torch.stack(out, 2), state
 
 
 def chunked_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
@@ -166,7 +161,7 @@ class GatedDeltaNet(nn.Module):
         qkvz = self.in_proj_qkvz(x)
         b, a = self.in_proj_ba(x).chunk(2, dim=-1)
         keep_inputs = cache is not None and T <= cache.steps  # a verify block: the next step may start within it
-        kernel = (keep_inputs or T <= RECURRENT_TOKENS) and kernel_runs(x)
+        kernel = cache is not None and (keep_inputs or T <= RECURRENT_TOKENS) and kernel_runs(x)
         start = positions[:, 0]
         conv = x.new_zeros(B, C, K - 1) if cache is None or fresh else cache.read_conv(start)
         inputs = torch.cat([conv.to(x.dtype), qkvz[..., :C].transpose(1, 2)], dim=-1)  # [B, C, K - 1 + T]
@@ -179,16 +174,10 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         q, k, v = (t.transpose(1, 2) for t in (q * Dk ** -0.5, k, v))  # [B, H, T, D]
         g, beta = g.transpose(1, 2), beta.transpose(1, 2)
-        if kernel:
-            if cache is None:  # the state goes nowhere: a scratch row per sequence
-                rows = torch.arange(B, device=x.device)
-                kept, none = x.new_empty(B, HV, Dk, Dv, dtype=torch.float32), g.new_empty(B, 0, HV)
-                out = torch.ops.flashdraft.recurrent_delta_rule(q, k, v, g, beta, kept, rows, rows, rows, none, none,
-                                                                none, none, True, False)
-            else:
-                out = torch.ops.flashdraft.recurrent_delta_rule(q, k, v, g, beta, cache.state, cache.slots(x.device),
-                                                                cache.base, start, *cache.inputs, fresh, keep_inputs)
-                cache.keep(start, None, k, v, g, beta)
+        if kernel:  # the state read, replayed to `start` and written back in place
+            out = torch.ops.flashdraft.recurrent_delta_rule(q, k, v, g, beta, cache.state, cache.slots(x.device),
+                                                            cache.base, start, *cache.inputs, fresh, keep_inputs)
+            cache.keep(start, None, k, v, g, beta)
         else:
             state = x.new_zeros(B, HV, Dk, Dv, dtype=torch.float32) if cache is None or fresh else \
                 cache.replayed(start)

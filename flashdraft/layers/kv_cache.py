@@ -250,7 +250,7 @@ class RecurrentCache:
     be continued from by replaying the accepted tokens' inputs; the convolution keeps its inputs after each of
     those lengths in a ring of `rows` (row n % rows: after n tokens). Rolling back to the accepted prefix is
     starting the next step there, as with position-indexed K/V: nothing to copy. A step of more than `steps`
-    tokens keeps the state after its last. No steps (no rollback) until `allow_rollback` asks for them."""
+    tokens keeps the state after its last. One step (a plain step's token) until `allow_rollback` asks for more."""
 
     by_position = False
     bytes_per_token = 0
@@ -285,10 +285,6 @@ class RecurrentCache:
         if width > self.steps:
             self.inputs = self._inputs(width)
             self.conv = self.conv.new_zeros((self.conv.shape[0], width + 1, *self.conv.shape[2:]))
-
-    def reaches(self, slot: int, length: int) -> bool:
-        """Whether the slot's kept state and inputs give the state after `length` tokens (a host read)."""
-        return 0 <= length - int(self.base[slot]) <= self.steps
 
     def at(self, slot: int, length: int) -> tuple[Tensor, Tensor]:
         """The state and the convolution's inputs after the slot's first `length` tokens (the state replayed: a
@@ -357,7 +353,9 @@ class KVState:
     def holds(self, slot: int, length: int) -> bool:
         """Whether every recurrent cache can continue the slot from `length` tokens (kept state and inputs reach
         it: not where a request ended mid-prompt past the tokens the slot is said to hold)."""
-        return all(c.by_position or c.reaches(slot, length) for c in self.layers)
+        bases = [c.base[slot] for c in self.layers if not c.by_position]
+        steps = min((c.steps for c in self.layers if not c.by_position), default=0)
+        return not bases or all(0 <= length - base <= steps for base in torch.stack(bases).tolist())  # one read
 
     def checkpoint(self, slot: int, length: int) -> None:
         """Save the recurrent states after the slot's first `length` tokens (nothing to do by position)."""
